@@ -1,0 +1,5 @@
+import sys
+
+from mplower.cli import main
+
+sys.exit(main())

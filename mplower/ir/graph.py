@@ -1,0 +1,238 @@
+"""Module and Function: the IR as networkx graphs, and the rewriter API that keeps them consistent.
+
+A `Function` holds one `networkx.MultiDiGraph`: a node per operation (function arguments are
+nodes with op `"arg"`, the terminator has op `"return"`), an edge per use of a value carrying
+`pos` (operand position in the user) and `res` (result index in the producer). Node data:
+`op` (name), `attrs` (dict), `types` (result types), `name` (the result's SSA name without `%`),
+`loc` (Location). The program (printing) order is kept beside the graph; every mutation goes
+through the methods below so that graph, operand order and order stay in step, and
+`mplower.ir.verifier` checks exactly that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from mplower.ir.diagnostics import UNKNOWN, Location
+from mplower.ir.types import TensorType
+
+ARG = "arg"
+RETURN = "return"
+
+Value = tuple[int, int]  # (producer node, result index)
+
+
+class Function:
+    def __init__(self, name: str, loc: Location = UNKNOWN):
+        self.name = name
+        self.loc = loc
+        self.graph = nx.MultiDiGraph()
+        self.args: list[int] = []
+        self.result_types: list[TensorType] = []
+        self.attrs: dict[str, Any] = {}
+        self._order: list[int] = []  # ops in program order, args excluded, return last
+        self._before: dict[int, list[int]] = {}  # pending insertions, applied lazily
+        self._after: dict[int, list[int]] = {}
+        self._dirty = False
+        self._next_id = 0
+        self._names: set[str] = set()
+
+    # ---- reading -------------------------------------------------------------------------
+    def ops(self) -> list[int]:
+        """Operations in program order (arguments excluded, the return last). A fresh list."""
+        if self._dirty:
+            self._materialize()
+        return list(self._order)
+
+    def __len__(self) -> int:
+        return self.graph.number_of_nodes() - len(self.args)
+
+    def op(self, node: int) -> str:
+        return self.graph.nodes[node]["op"]
+
+    def data(self, node: int) -> dict[str, Any]:
+        return self.graph.nodes[node]
+
+    def attrs_of(self, node: int) -> dict[str, Any]:
+        return self.graph.nodes[node]["attrs"]
+
+    def types(self, node: int) -> list[TensorType]:
+        return self.graph.nodes[node]["types"]
+
+    def type_of(self, value: Value) -> TensorType:
+        return self.graph.nodes[value[0]]["types"][value[1]]
+
+    def operands(self, node: int) -> list[Value]:
+        ins = sorted(self.graph.in_edges(node, data=True), key=lambda e: e[2]["pos"])
+        return [(u, d["res"]) for u, _, d in ins]
+
+    def operand_types(self, node: int) -> list[TensorType]:
+        nodes = self.graph.nodes
+        ins = sorted(self.graph.in_edges(node, data=True), key=lambda e: e[2]["pos"])
+        return [nodes[u]["types"][d["res"]] for u, _, d in ins]
+
+    def uses(self, value: Value) -> list[tuple[int, int]]:
+        """(user node, operand position) for every use of `value`."""
+        node, res = value
+        return [(v, d["pos"]) for _, v, d in self.graph.out_edges(node, data=True)
+                if d["res"] == res]
+
+    def has_uses(self, node: int) -> bool:
+        return self.graph.out_degree(node) > 0
+
+    def value_name(self, value: Value) -> str:
+        d = self.graph.nodes[value[0]]
+        if len(d["types"]) > 1:
+            return f"%{d['name']}#{value[1]}"
+        return f"%{d['name']}"
+
+    @property
+    def return_node(self) -> int:
+        if self._dirty:
+            self._materialize()
+        return self._order[-1]
+
+    def walk(self, op_name: str | None = None) -> Iterator[int]:
+        for n in self.ops():
+            if op_name is None or self.graph.nodes[n]["op"] == op_name:
+                yield n
+
+    # ---- building ------------------------------------------------------------------------
+    def fresh_name(self, hint: str = "") -> str:
+        base = hint or "v"
+        if base not in self._names:
+            return base
+        k = 1
+        while f"{base}_{k}" in self._names:
+            k += 1
+        return f"{base}_{k}"
+
+    def _add_node(self, op: str, attrs: dict, types: list[TensorType], name: str,
+                  loc: Location) -> int:
+        node = self._next_id
+        self._next_id += 1
+        self.graph.add_node(node, op=op, attrs=attrs, types=types, name=name, loc=loc)
+        if name:
+            self._names.add(name)
+        return node
+
+    def add_arg(self, name: str, type_: TensorType, loc: Location = UNKNOWN) -> int:
+        node = self._add_node(ARG, {"index": len(self.args)}, [type_], name, loc)
+        self.args.append(node)
+        return node
+
+    def append_op(self, op: str, operands: Iterable[Value], attrs: dict[str, Any],
+                  types: list[TensorType], name: str = "", loc: Location = UNKNOWN) -> int:
+        """Add an op at the end of the body (the parser's path: no ordering bookkeeping)."""
+        node = self._add_node(op, attrs, types, name, loc)
+        add_edge = self.graph.add_edge
+        for pos, (src, res) in enumerate(operands):
+            add_edge(src, node, pos=pos, res=res)
+        self._order.append(node)
+        return node
+
+    # ---- rewriting -----------------------------------------------------------------------
+    def create_op(self, op: str, operands: Iterable[Value], types: list[TensorType],
+                  attrs: dict[str, Any] | None = None, *, before: int | None = None,
+                  after: int | None = None, name_hint: str = "",
+                  loc: Location | None = None) -> int:
+        """Create an op right before `before` or right after `after` (one of them is required)."""
+        if (before is None) == (after is None):
+            raise ValueError("create_op needs exactly one of before= or after=")
+        anchor = before if before is not None else after
+        if loc is None:
+            loc = self.graph.nodes[anchor]["loc"]
+        name = self.fresh_name(name_hint) if types else ""
+        node = self._add_node(op, dict(attrs or {}), list(types), name, loc)
+        for pos, (src, res) in enumerate(operands):
+            self.graph.add_edge(src, node, pos=pos, res=res)
+        if before is not None:
+            self._before.setdefault(before, []).append(node)
+        elif self.graph.nodes[after]["op"] == ARG:  # after an argument: at the body's start
+            self._before.setdefault(self._first_op(), []).append(node)
+        else:
+            self._after.setdefault(after, []).append(node)
+        self._dirty = True
+        return node
+
+    def _first_op(self) -> int:
+        if self._dirty:
+            self._materialize()
+        return self._order[0]
+
+    def replace_all_uses(self, old: Value, new: Value, *, exclude: Iterable[int] = ()) -> int:
+        """Point every use of `old` (except by the ops in `exclude`) at `new`; returns the count."""
+        skip = set(exclude)
+        node, res = old
+        moved = [(v, k, d) for _, v, k, d in self.graph.out_edges(node, keys=True, data=True)
+                 if d["res"] == res and v not in skip]
+        for v, k, d in moved:
+            self.graph.remove_edge(node, v, key=k)
+            self.graph.add_edge(new[0], v, pos=d["pos"], res=new[1])
+        return len(moved)
+
+    def set_operand(self, node: int, pos: int, value: Value) -> None:
+        for u, _, k, d in list(self.graph.in_edges(node, keys=True, data=True)):
+            if d["pos"] == pos:
+                self.graph.remove_edge(u, node, key=k)
+                break
+        self.graph.add_edge(value[0], node, pos=pos, res=value[1])
+
+    def erase(self, node: int) -> None:
+        """Remove an op whose results have no uses."""
+        if self.graph.out_degree(node):
+            raise ValueError(f"cannot erase {self.graph.nodes[node]['op']}: its results are used")
+        self._names.discard(self.graph.nodes[node]["name"])
+        self.graph.remove_node(node)
+        self._dirty = True
+
+    def set_attr(self, node: int, key: str, value: Any) -> None:
+        self.graph.nodes[node]["attrs"][key] = value
+
+    def del_attr(self, node: int, key: str) -> None:
+        self.graph.nodes[node]["attrs"].pop(key, None)
+
+    def set_result_type(self, node: int, index: int, type_: TensorType) -> None:
+        self.graph.nodes[node]["types"][index] = type_
+
+    def _materialize(self) -> None:
+        nodes = self.graph.nodes
+        order: list[int] = []
+
+        def emit(n: int) -> None:
+            for b in self._before.pop(n, ()):
+                emit(b)
+            if n in nodes:
+                order.append(n)
+            for a in self._after.pop(n, ()):
+                emit(a)
+
+        for n in self._order:
+            emit(n)
+        self._order = order
+        self._before.clear()
+        self._after.clear()
+        self._dirty = False
+
+
+@dataclass
+class Module:
+    name: str | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    functions: dict[str, Function] = field(default_factory=dict)
+    path: str = "<stdin>"  # the file it was read from; weights resolve relative to it
+    loc: Location = UNKNOWN
+
+    def function(self, name: str | None = None) -> Function:
+        """The named function, or `main`, or the only one."""
+        if name is not None:
+            return self.functions[name]
+        if "main" in self.functions:
+            return self.functions["main"]
+        if len(self.functions) == 1:
+            return next(iter(self.functions.values()))
+        raise KeyError("module has several functions and none is named 'main'")

@@ -1,0 +1,727 @@
+"""Text to Module: lark's LALR parser with inline callbacks that build the graphs directly.
+
+No parse tree is built: each grammar rule's callback turns its tokens into IR values as the
+parser reduces it, and `func` assembles the function's graph from the ops in source order,
+resolving operands (which is where undefined, redefined and use-before-definition values are
+caught). Positions come from the tokens (cheaper than `propagate_positions`); every error is a
+`DiagnosticError` located at the offending token. The parser is built once per process, from a
+lark grammar cache on disk.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gc
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from lark import Lark, Token
+from lark.lexer import Lexer
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
+from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.types import (
+    ATTRIBUTE_SCALAR_TYPES,
+    ELEMENT_TYPES,
+    ENCODINGS,
+    DenseAttr,
+    SymbolRef,
+    TensorType,
+    TypeAttr,
+    TypedFloat,
+    TypedInt,
+    UNIT,
+    tensor,
+    value_dtype,
+)
+
+MAX_ATTRIBUTE_DEPTH = 64  # nesting of arrays/dicts; deeper input is rejected, not recursed into
+SPLIT_MARKER = re.compile(r"^// -----.*$", re.M)
+
+_GRAMMAR = Path(__file__).with_name("grammar.lark")
+
+# Readable names for lark's terminals in "expected ..." messages.
+_TERMINAL_NAMES = {
+    "VALUE_ID": "a value (%name)", "SYMBOL": "a symbol (@name)", "BARE_ID": "an identifier",
+    "TENSOR_TYPE": "a tensor type", "INT": "an integer", "FLOAT": "a float",
+    "STRING": "a string", "LPAR": "'('", "RPAR": "')'", "LBRACE": "'{'", "RBRACE": "'}'",
+    "LSQB": "'['", "RSQB": "']'", "COMMA": "','", "COLON": "':'", "EQUAL": "'='",
+    "LESSTHAN": "'<'", "MORETHAN": "'>'", "_ARROW": "'->'", "FUNC": "'func.func'",
+    "RETURN": "'return'", "FUNC_RETURN": "'func.return'", "MODULE": "'module'",
+    "TRUE": "'true'", "FALSE": "'false'", "DENSE": "'dense'", "_ATTRIBUTES": "'attributes'",
+    "$END": "end of file",
+}
+
+
+class _Names(tuple):
+    """Operand names from a SIMPLE_OP token, which locates them if one is wrong."""
+
+    def __new__(cls, names: list[str], tok: Token, at: int):
+        self = super().__new__(cls, names)
+        self.tok, self.at = tok, at
+        return self
+
+
+def _operand_token(operands: tuple, i: int) -> Token:
+    if isinstance(operands, _Names):
+        m = list(_VALUE_RE.finditer(operands.tok.value, operands.at))[i]
+        return _sub(operands.tok, m.group(), m.start(), "VALUE_ID")
+    return operands[i]
+
+
+class _Array(tuple):
+    """An array attribute while parsing, remembering its nesting depth."""
+
+    depth = 1
+
+
+# ---- the lexer ----------------------------------------------------------------------------
+_ID = r"[A-Za-z0-9_$.\-]+"
+_TT = r"tensor<[^<>\n]*>"
+_TYPES = rf"\(\s*(?:{_TT}(?:\s*,\s*{_TT})*)?\s*\)"
+_NUM = r"[-+]?(?:0x[0-9a-fA-F]+|[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
+_STR = r'"(?:[^"\\\n]|\\[^\n])*"'
+_BARE = r"[A-Za-z_][A-Za-z0-9_$.]*"
+_SIMPLE_VALUE = rf"(?:{_STR}|{_NUM}(?:\s*:\s*{_BARE})?|@{_BARE}|{_BARE})"
+# A body `{ return }` must not read as a dictionary with a unit attribute named `return`.
+_SIMPLE_ENTRY = rf"(?!(?:func\.)?return\b)(?:{_BARE}|{_STR})(?:\s*=\s*{_SIMPLE_VALUE})?"
+
+_VAL = rf"%{_ID}(?:#[0-9]+)?"
+_VALS = rf"{_VAL}(?:\s*,\s*{_VAL})*"
+_FUNCTYPE = rf"{_TYPES}\s*->\s*(?:{_TT}|{_TYPES})"
+_SIMPLE_ATTRS = rf"\{{\s*{_SIMPLE_ENTRY}(?:\s*,\s*{_SIMPLE_ENTRY})*\s*\}}"
+# One operation on one line with scalar attributes, custom or generic form (see grammar.lark).
+_SIMPLE_OP = (rf"(?P<res>%{_ID})(?::(?P<count>[0-9]+))?\s*=\s*"
+              rf"(?:(?P<gname>{_STR})\((?P<gops>\s*(?:{_VALS})?\s*)\)"
+              rf"|(?P<cname>{_BARE})(?P<cops>\s+{_VALS})?)"
+              rf"\s*(?P<attrs>{_SIMPLE_ATTRS})?\s*:\s*(?P<ftype>{_FUNCTYPE})[ \t]*(?=\n|//|$)")
+
+_TOKENS = [  # (name, pattern): tried in this order at each position
+    ("SIMPLE_OP", _SIMPLE_OP),
+    ("TENSOR_TYPE", _TT),
+    ("VALUE_ID", _VAL),
+    ("SYMBOL", rf'@(?:[A-Za-z_$.][A-Za-z0-9_$.\-]*|"[^"\n]*")'),
+    ("FLOAT", r"[-+]?[0-9]+(?:\.[0-9]*(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)"),
+    ("INT", r"[-+]?(?:0x[0-9a-fA-F]+|[0-9]+)"),
+    ("STRING", _STR),
+    ("BARE_ID", _BARE),
+    ("_ARROW", r"->"),
+    ("PUNCT", r"[(){}\[\],:=<>]"),
+]
+_PUNCT = {"(": "LPAR", ")": "RPAR", "{": "LBRACE", "}": "RBRACE", "[": "LSQB", "]": "RSQB",
+          ",": "COMMA", ":": "COLON", "=": "EQUAL", "<": "LESSTHAN", ">": "MORETHAN"}
+_KEYWORDS = {"module": "MODULE", "func.func": "FUNC", "return": "RETURN",
+             "func.return": "FUNC_RETURN", "true": "TRUE", "false": "FALSE", "dense": "DENSE",
+             "attributes": "_ATTRIBUTES"}
+_MASTER = re.compile(r"(?:[ \t\f\r\n]+|//[^\n]*)*(?:"
+                     + "|".join(f"(?P<{n}>{p})" for n, p in _TOKENS) + ")")
+_SKIP = re.compile(r"(?:[ \t\f\r\n]+|//[^\n]*)*")
+
+
+class _IRLexer(Lexer):
+    """One regex over the whole input: whitespace, comments and the next token in one match."""
+
+    def __init__(self, conf: Any):
+        pass
+
+    def lex(self, text: str, *_: Any):
+        end = len(text)
+        pos, line, line_start = 0, 1, 0
+        match = _MASTER.match
+        count = text.count
+        rfind = text.rfind
+        while True:
+            m = match(text, pos)
+            if m is None:
+                pos = _SKIP.match(text, pos).end()
+                if pos >= end:
+                    return
+                line = count("\n", 0, pos) + 1
+                line_start = rfind("\n", 0, pos) + 1
+                raise _bad_character(text, pos, line, pos - line_start + 1)
+            kind = m.lastgroup
+            start = m.start(kind)
+            nl = count("\n", pos, start)
+            if nl:
+                line += nl
+                line_start = rfind("\n", pos, start) + 1
+            value = m.group(kind)
+            if kind == "PUNCT":
+                kind = _PUNCT[value]
+            elif kind == "BARE_ID":
+                kind = _KEYWORDS.get(value, "BARE_ID")
+            yield Token(kind, value, start, line, start - line_start + 1)
+            pos = m.end()
+            if "\n" in value:
+                line += value.count("\n")
+                line_start = start + value.rfind("\n") + 1
+
+
+def _bad_character(text: str, pos: int, line: int, col: int) -> DiagnosticError:
+    ch = text[pos]
+    if ch == '"':
+        msg = "unterminated string"
+    elif ch == "%":
+        msg = "malformed value name"
+    elif ch == "@":
+        msg = "malformed symbol name"
+    else:
+        msg = f"unexpected character {ch!r}"
+    return DiagnosticError.at(Location(_BUILDER.file, line, col), msg)
+
+
+_TT_RE = re.compile(_TT)
+_VALUE_RE = re.compile(_VAL)
+_SIMPLE_OP_RE = re.compile(_SIMPLE_OP)
+_FLOAT_RE = re.compile(r"[-+]?[0-9]+(?:\.[0-9]*(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)")
+_ENTRY_RE = re.compile(rf"(?P<key>{_BARE}|{_STR})(?:\s*=\s*(?P<value>{_STR}|(?P<num>{_NUM})"
+                       rf"(?:\s*:\s*(?P<vtype>{_BARE}))?|@{_BARE}|{_BARE}))?")
+
+
+def _sub(tok: Token, text: str, offset: int, kind: str) -> Token:
+    """A token for `text` found `offset` characters into `tok` (for exact diagnostics)."""
+    head = tok.value[:offset]
+    nl = head.count("\n")
+    col = offset - head.rfind("\n") if nl else tok.column + offset
+    return Token(kind, text, tok.start_pos + offset, tok.line + nl, col)
+
+
+def _loc(tok: Token, file: str) -> Location:
+    return Location(file, tok.line, tok.column)
+
+
+class _Builder:
+    """Grammar callbacks, one per rule or alias, each taking that rule's children in order."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.type_cache: dict[str, TensorType] = {}
+        self.functype_cache: dict[str, tuple[list, list]] = {}
+
+    def error(self, tok: Token, message: str) -> DiagnosticError:
+        return DiagnosticError.at(_loc(tok, self.file), message)
+
+    # ---- types ---------------------------------------------------------------------------
+    def type(self, tok: Token) -> TensorType | str:
+        if tok.type == "TENSOR_TYPE":
+            t = self.type_cache.get(tok.value)
+            if t is None:
+                t = self.type_cache[tok.value] = self._tensor_type(tok)
+            return t
+        if tok.value not in ATTRIBUTE_SCALAR_TYPES:
+            raise self.error(tok, f"unknown type '{tok.value}'{_did_you_mean(tok.value, ELEMENT_TYPES)}")
+        return tok.value
+
+    def _tensor_type(self, tok: Token) -> TensorType:
+        body = tok.value[len("tensor<"):-1]
+        encoding = None
+        if "," in body:
+            body, enc = body.split(",", 1)
+            enc = enc.strip()
+            if not (len(enc) >= 2 and enc[0] == enc[-1] == '"'):
+                raise self.error(tok, f"tensor encoding must be a string, got '{enc}'")
+            encoding = enc[1:-1]
+            if encoding not in ENCODINGS:
+                raise self.error(tok, f"unknown tensor encoding \"{encoding}\" "
+                                      f"(known: {', '.join(ENCODINGS)})")
+        parts = body.strip().split("x")
+        elem = parts[-1]
+        # An element type can itself contain an 'x' only in names we do not have; digits first.
+        dims: list[int] = []
+        for p in parts[:-1]:
+            if p.isdigit():
+                dims.append(int(p))
+            elif p in ("?", ""):
+                raise self.error(tok, "dynamic dimensions are not supported; give a static size")
+            elif p.lstrip("-").isdigit():
+                raise self.error(tok, f"negative dimension {p} in {tok.value}")
+            else:
+                raise self.error(tok, f"malformed dimension '{p}' in {tok.value}")
+        if elem not in ELEMENT_TYPES:
+            if elem.lstrip("-").isdigit():
+                raise self.error(tok, f"missing element type in {tok.value}")
+            raise self.error(tok, f"unknown element type '{elem}'{_did_you_mean(elem, ELEMENT_TYPES)}")
+        return tensor(tuple(dims), elem, encoding)
+
+    def types(self, *ts: Any) -> list:
+        return list(ts)
+
+    def single_result(self, t: Any) -> list:
+        return [t]
+
+    def result_list(self, ts: list | None = None) -> list:
+        return ts or []
+
+    # ---- attributes ----------------------------------------------------------------------
+    def int_attr(self, tok: Token) -> int:
+        return int(tok.value, 0) if "x" in tok.value else int(tok.value)
+
+    def typed_int_attr(self, tok: Token, t: Any) -> TypedInt | TypedFloat:
+        if isinstance(t, str) and t in ELEMENT_TYPES and t.startswith(("f", "bf", "tf")):
+            # MLIR writes NaN and inf as the bit pattern of a float type: 0x7FC00000 : f32.
+            bits = int(tok.value, 0)
+            return TypedFloat(float(np.array([bits], np.uint32).view(np.float32)[0]), t)
+        if not isinstance(t, str):
+            raise self.error(tok, "an integer attribute's type must be a scalar type")
+        return TypedInt(self.int_attr(tok), t)
+
+    def float_attr(self, tok: Token) -> float:
+        return float(tok.value)
+
+    def typed_float_attr(self, tok: Token, t: Any) -> TypedFloat:
+        if not isinstance(t, str):
+            raise self.error(tok, "a float attribute's type must be a scalar type")
+        return TypedFloat(float(tok.value), t)
+
+    def string_attr(self, tok: Token) -> str:
+        return _unquote(tok, self)
+
+    def true_attr(self, _tok: Token) -> bool:
+        return True
+
+    def false_attr(self, _tok: Token) -> bool:
+        return False
+
+    def symbol_attr(self, tok: Token) -> SymbolRef:
+        name = tok.value[1:]
+        return SymbolRef(name[1:-1] if name.startswith('"') else name)
+
+    def type_attr(self, t: Any) -> TypeAttr:
+        return TypeAttr(t)
+
+    def attr_values(self, *vals: Any) -> list:
+        return list(vals)
+
+    def array(self, lsqb: Token, vals: list | None) -> _Array:
+        arr = _Array(vals or ())
+        depth = 1 + max((getattr(v, "depth", 0) for v in arr), default=0)
+        if depth > MAX_ATTRIBUTE_DEPTH:
+            raise self.error(lsqb, f"attribute nesting is deeper than {MAX_ATTRIBUTE_DEPTH} levels")
+        arr.depth = depth
+        return arr
+
+    def attr_entry(self, key: Token, value: Any = None) -> tuple[Token, Any]:
+        return key, (UNIT if value is None else value)
+
+    def attr_entries(self, *entries: tuple[Token, Any]) -> list:
+        return list(entries)
+
+    def attr_dict(self, lbrace: Token, entries: list | None) -> dict:
+        out: dict[str, Any] = {}
+        depth = 1
+        for key, value in entries or ():
+            name = _unquote(key, self) if key.type == "STRING" else key.value
+            if name in out:
+                raise self.error(key, f"duplicate attribute '{name}'")
+            out[name] = _freeze(value)
+            depth = max(depth, 1 + getattr(value, "depth", 0))
+        if depth > MAX_ATTRIBUTE_DEPTH:
+            raise self.error(lbrace, f"attribute nesting is deeper than {MAX_ATTRIBUTE_DEPTH} levels")
+        return _Dict(out, depth)
+
+    def dense_attr(self, tok: Token, body: Any, t: Any) -> DenseAttr:
+        if not isinstance(t, TensorType):
+            raise self.error(tok, "dense attribute needs a tensor type: dense<...> : tensor<...>")
+        dtype = value_dtype(t.elem)
+        if body is None:
+            if t.size != 0:
+                raise self.error(tok, f"empty dense literal for {t} with {t.size} elements")
+            return DenseAttr(np.zeros(t.shape, dtype), t)
+        if isinstance(body, Token):
+            return DenseAttr(np.full(t.shape, self._scalar(body, t, tok), dtype), t)
+        flat: list = []
+        shape = self._dense_shape(body, flat, tok)
+        if len(flat) != t.size:
+            raise self.error(tok, f"dense literal has {len(flat)} elements but {t} has {t.size}")
+        if shape != t.shape and len(shape) != 1:
+            raise self.error(tok, f"dense literal of shape {list(shape)} does not match {t}")
+        values = [self._scalar(v, t, tok) for v in flat]
+        return DenseAttr(np.array(values, dtype).reshape(t.shape), t)
+
+    def _dense_shape(self, body: Any, flat: list, tok: Token) -> tuple[int, ...]:
+        if not isinstance(body, tuple):
+            flat.append(body)
+            return ()
+        inner = {self._dense_shape(v, flat, tok) for v in body}
+        if len(inner) > 1:
+            raise self.error(tok, "ragged dense literal: nested lists of different lengths")
+        return (len(body),) + (inner.pop() if inner else ())
+
+    def _scalar(self, v: Any, t: TensorType, tok: Token) -> Any:
+        if isinstance(v, Token):
+            text = v.value
+            if text in ("true", "false"):
+                return text == "true"
+            if v.type == "INT" and "x" in text.lower() and t.elem in ("f32", "f64", "bf16", "f16"):
+                return float(np.array([int(text, 0)], np.uint32).view(np.float32)[0])
+            return float(text) if v.type == "FLOAT" else int(text, 0)
+        if isinstance(v, bool | int | float):
+            return v
+        raise self.error(tok, f"bad element in dense literal of {t}: only numbers are allowed")
+
+    # ---- ops -----------------------------------------------------------------------------
+    def operands(self, *toks: Token) -> tuple[Token, ...]:
+        return toks
+
+    def result_def(self, tok: Token, count: Token | None) -> tuple[Token, int]:
+        n = int(count.value) if count is not None else 1
+        if n < 1:
+            raise self.error(tok, "result count must be positive")
+        return tok, n
+
+    def functype(self, ins: list | None, outs: list) -> tuple[list, list]:
+        return ins or [], outs
+
+    def _simple_op(self, tok: Token) -> tuple:
+        m = _SIMPLE_OP_RE.match(tok.value)
+        res, count, gname, gops, cname, cops, attrs, ftype = m.group(
+            "res", "count", "gname", "gops", "cname", "cops", "attrs", "ftype")
+        rtok = _sub(tok, res, 0, "VALUE_ID")
+        n = 1
+        if count is not None:
+            n = int(count)
+            if n < 1:
+                raise self.error(rtok, "result count must be positive")
+        if gname is not None:
+            name_tok = _sub(tok, gname, m.start("gname"), "STRING")
+            name = _unquote(name_tok, self) if "\\" in gname else gname[1:-1]
+            operands = _Names(_VALUE_RE.findall(gops), tok, m.start("gops"))
+        else:
+            name_tok = _sub(tok, cname, m.start("cname"), "BARE_ID")
+            name = cname
+            operands = (_Names(_VALUE_RE.findall(cops), tok, m.start("cops"))
+                        if cops is not None else ())
+        attr_dict = (self._simple_attrs(attrs, tok, m.start("attrs"))
+                     if attrs is not None else {})
+        types = self.functype_cache.get(ftype)
+        if types is None:
+            types = self._functype_text(tok, m.start("ftype"), ftype)
+        return ((rtok, n), name_tok, name, operands, attr_dict, types)
+
+    def _functype_text(self, tok: Token, at: int, text: str) -> tuple[list, list]:
+        arrow = text.index("->")
+        ins = [self.type(_sub(tok, t.group(), at + t.start(), "TENSOR_TYPE"))
+               for t in _TT_RE.finditer(text, 0, arrow)]
+        outs = [self.type(_sub(tok, t.group(), at + t.start(), "TENSOR_TYPE"))
+                for t in _TT_RE.finditer(text, arrow)]
+        self.functype_cache[text] = (ins, outs)
+        return ins, outs
+
+    def _simple_attrs(self, text: str, tok: Token, at: int) -> dict:
+        # Values are decoded from the text; a sub-token (for a located error) is made only when
+        # something is wrong, which keeps the common case cheap.
+        out: dict[str, Any] = {}
+        for m in _ENTRY_RE.finditer(text, 1):
+            key, value = m.group("key", "value")
+            if key[0] == '"':
+                key = _unquote(_sub(tok, key, at + m.start("key"), "STRING"), self)
+            if key in out:
+                raise self.error(_sub(tok, key, at + m.start("key"), "BARE_ID"),
+                                 f"duplicate attribute '{key}'")
+            if value is None:
+                out[key] = UNIT
+                continue
+            first = value[0]
+            vtype = m.group("vtype")
+            if vtype is not None:
+                num = m.group("num")
+                if vtype not in ATTRIBUTE_SCALAR_TYPES:
+                    self.type(_sub(tok, vtype, at + m.start("vtype"), "BARE_ID"))  # raises
+                kind = "FLOAT" if _FLOAT_RE.fullmatch(num) else "INT"
+                num_tok = _sub(tok, num, at + m.start("num"), kind)
+                out[key] = (self.typed_float_attr if kind == "FLOAT" else
+                            self.typed_int_attr)(num_tok, vtype)
+            elif first == '"':
+                out[key] = (_unquote(_sub(tok, value, at + m.start("value"), "STRING"), self)
+                            if "\\" in value else value[1:-1])
+            elif first == "@":
+                out[key] = SymbolRef(value[1:])
+            elif value == "true" or value == "false":
+                out[key] = value == "true"
+            elif _FLOAT_RE.fullmatch(value):
+                out[key] = float(value)
+            elif first.isdigit() or first in "+-":
+                out[key] = int(value, 0) if "x" in value else int(value)
+            elif value in ATTRIBUTE_SCALAR_TYPES:
+                out[key] = TypeAttr(value)
+            else:
+                self.type(_sub(tok, value, at + m.start("value"), "BARE_ID"))  # raises
+        return out
+
+    def custom_op(self, rdef, name: Token, operands, attrs, ftype) -> tuple:
+        return (rdef, name, name.value, operands or (), attrs or {}, ftype)
+
+    def generic_op(self, rdef, name: Token, operands, attrs, ftype) -> tuple:
+        return (rdef, name, _unquote(name, self), operands or (), attrs or {}, ftype)
+
+    def return_op(self, tok: Token, operands, types) -> tuple:
+        return (None, tok, RETURN, operands or (), {}, (types or [], []))
+
+    def arg(self, tok: Token, t: Any) -> tuple[Token, Any]:
+        return tok, t
+
+    def args(self, *a: tuple) -> list:
+        return list(a)
+
+    def func(self, kw: Token, sym: Token, args, results, attrs, *rest) -> Function:
+        ops, rbrace = rest[:-1], rest[-1]
+        name = sym.value[1:].strip('"')
+        f = Function(name, _loc(kw, self.file))
+        f.attrs = dict(attrs or {})
+        f.result_types = [self._tensor(t, sym) for t in (results or [])]
+        values: dict[str, tuple[int, int]] = {}
+        nodes = f.graph.nodes
+        for tok, t in args or ():
+            if tok.value in values:
+                raise self.error(tok, f"redefinition of value '{tok.value}'")
+            node = f.add_arg(tok.value[1:], self._tensor(t, tok), _loc(tok, self.file))
+            values[tok.value] = (node, 0)
+        seen_return = False
+        simple_op = self._simple_op
+        for item in ops:
+            if type(item) is Token:  # a SIMPLE_OP line, decoded here rather than by a rule
+                item = simple_op(item)
+            rdef, name_tok, op_name, operand_toks, op_attrs, (in_types, out_types) = item
+            if seen_return:
+                raise self.error(name_tok, "operation after the function's return")
+            if op_name in ("func.return", RETURN):
+                op_name, seen_return = RETURN, True
+                out_types = []
+            operand_values = []
+            for i, ot in enumerate(operand_toks):
+                v = values.get(ot)
+                if v is None:
+                    v = self._result_ref(_operand_token(operand_toks, i), values)
+                operand_values.append(v)
+            if len(in_types) != len(operand_values):
+                raise self.error(name_tok, f"'{op_name}' has {len(operand_values)} operands but its "
+                                           f"type lists {len(in_types)}")
+            in_tensors = [self._tensor(t, name_tok) for t in in_types]
+            for i, (v, t) in enumerate(zip(operand_values, in_tensors)):
+                actual = nodes[v[0]]["types"][v[1]]
+                if actual != t:
+                    raise self.error(_operand_token(operand_toks, i),
+                                     f"operand #{i} '{operand_toks[i]}' has type {actual} but "
+                                     f"the op expects {t}")
+            out_tensors = [self._tensor(t, name_tok) for t in out_types]
+            result_name = ""
+            if rdef is not None:
+                rtok, count = rdef
+                if count != len(out_tensors):
+                    raise self.error(rtok, f"'{rtok.value}:{count}' defines {count} results but "
+                                           f"the op's type has {len(out_tensors)}")
+                if rtok.value in values or f"{rtok.value}#0" in values:
+                    raise self.error(rtok, f"redefinition of value '{rtok.value}'")
+                result_name = rtok.value[1:]
+            elif out_tensors and op_name != RETURN:
+                raise self.error(name_tok, f"'{op_name}' has results but no name to bind them")
+            loc = _loc(rdef[0] if rdef is not None else name_tok, self.file)
+            node = f.append_op(op_name, operand_values, op_attrs, out_tensors, result_name, loc)
+            if rdef is not None:
+                if len(out_tensors) == 1:
+                    values[rdef[0].value] = (node, 0)
+                else:
+                    for i in range(len(out_tensors)):
+                        values[f"{rdef[0].value}#{i}"] = (node, i)
+        if not seen_return:
+            raise self.error(rbrace, f"function @{name} does not end with a return")
+        return f
+
+    def _result_ref(self, tok: Token, values: dict) -> tuple[int, int]:
+        if "#" in tok.value and tok.value.split("#")[0] in values:
+            raise self.error(tok, f"'{tok.value.split('#')[0]}' has a single result; use it "
+                                  f"without '#'")
+        raise self.error(tok, f"use of undefined value '{tok.value}'")
+
+    def _tensor(self, t: Any, tok: Token) -> TensorType:
+        if not isinstance(t, TensorType):
+            raise self.error(tok, f"expected a tensor type, got '{t}'")
+        return t
+
+    def module(self, kw: Token, sym: Token | None, attrs, *rest) -> Module:
+        funcs = rest[:-1]
+        m = Module(name=sym.value[1:].strip('"') if sym is not None else None,
+                   attrs=dict(attrs or {}), loc=_loc(kw, self.file))
+        for f in funcs:
+            _add_function(m, f, self)
+        return m
+
+    def start(self, *items: Any) -> Module:
+        modules = [i for i in items if isinstance(i, Module)]
+        funcs = [i for i in items if isinstance(i, Function)]
+        if modules and (funcs or len(modules) > 1):
+            loc = (funcs[0].loc if funcs else Location(self.file, 0, 0))
+            raise DiagnosticError.at(loc, "a file holds either one module or bare functions")
+        m = modules[0] if modules else Module()
+        for f in funcs:
+            _add_function(m, f, self)
+        return m
+
+
+class _Dict(dict):
+    """A dictionary attribute while parsing, remembering its nesting depth."""
+
+    def __init__(self, items: dict, depth: int):
+        super().__init__(items)
+        self.depth = depth
+
+
+def _freeze(v: Any) -> Any:
+    """Parsed arrays become plain tuples and dicts plain dicts once nesting is checked."""
+    if isinstance(v, _Array):
+        return tuple(_freeze(e) for e in v) if v.depth > 1 else tuple(v)
+    if isinstance(v, _Dict):
+        return dict(v)
+    return v
+
+
+def _add_function(m: Module, f: Function, b: _Builder) -> None:
+    if f.name in m.functions:
+        raise DiagnosticError.at(f.loc, f"redefinition of function @{f.name}")
+    m.functions[f.name] = f
+
+
+_ESCAPES = {"n": "\n", "t": "\t", '"': '"', "\\": "\\"}
+
+
+def _unquote(tok: Token, b: _Builder) -> str:
+    s = tok.value[1:-1]
+    if "\\" not in s:
+        return s
+    out, i = [], 0
+    while i < len(s):
+        c = s[i]
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        nxt = s[i + 1]
+        if nxt in _ESCAPES:
+            out.append(_ESCAPES[nxt])
+            i += 2
+        elif re.fullmatch(r"[0-9a-fA-F]{2}", s[i + 1:i + 3]):
+            out.append(chr(int(s[i + 1:i + 3], 16)))
+            i += 3
+        else:
+            raise b.error(tok, f"unknown escape '\\{nxt}' in string")
+    return "".join(out)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+_BUILDER = _Builder("<stdin>")
+
+
+class _Callbacks:
+    """What lark calls on each reduction: the builder's methods, taking the children list."""
+
+    def __init__(self, builder: _Builder):
+        for name in dir(builder):
+            if not name.startswith("_"):
+                method = getattr(builder, name)
+                if callable(method):
+                    setattr(self, name, lambda children, m=method: m(*children))
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    # The builder is bound once; parse() points it at the current file before each run.
+    return Lark(_GRAMMAR.read_text(), parser="lalr", lexer=_IRLexer,
+                maybe_placeholders=True, transformer=_Callbacks(_BUILDER))
+
+
+def parse(text: str, file: str = "<stdin>", line_offset: int = 0) -> Module:
+    """Parse IR text into a Module; raises DiagnosticError at the first error."""
+    lark = _lark()
+    _BUILDER.file = file
+    src = "\n" * line_offset + text if line_offset else text
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the parse allocates millions of objects and frees none of them
+    try:
+        module = lark.parse(src)
+    except UnexpectedInput as e:
+        raise _syntax_error(e, src, file) from None
+    except RecursionError:
+        raise DiagnosticError.at(Location(file, 1, 1), "input nests too deeply") from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    module.path = file
+    return module
+
+
+def _syntax_error(e: UnexpectedInput, src: str, file: str) -> DiagnosticError:
+    line, col = getattr(e, "line", 0) or 0, getattr(e, "column", 0) or 0
+    if isinstance(e, UnexpectedCharacters):
+        ch = src[e.pos_in_stream] if e.pos_in_stream < len(src) else ""
+        if ch == '"':
+            msg = "unterminated string"
+        elif ch == "%":
+            msg = "malformed value name"
+        else:
+            msg = f"unexpected character {ch!r}"
+    elif isinstance(e, UnexpectedEOF):
+        msg = "unexpected end of file"
+        line, col = _end_position(src)
+    elif isinstance(e, UnexpectedToken):
+        tok = e.token
+        if tok.type == "$END":
+            line, col = _end_position(src)
+            msg = "unexpected end of file"
+        else:
+            msg = f"unexpected {_describe(tok)}"
+        expected = sorted({_TERMINAL_NAMES.get(t, t) for t in e.expected})
+        if expected and len(expected) <= 6:
+            msg += f"; expected {', '.join(expected)}"
+    else:
+        msg = "syntax error"
+    return DiagnosticError(Diagnostic(Location(file, line, col), msg))
+
+
+def _describe(tok: Token) -> str:
+    text = tok.value if len(tok.value) <= 40 else tok.value[:37] + "..."
+    if tok.type == "BARE_ID":
+        return f"identifier '{text}'"
+    return f"'{text}'"
+
+
+def _end_position(src: str) -> tuple[int, int]:
+    stripped = src.rstrip()
+    line = stripped.count("\n") + 1
+    col = len(stripped) - (stripped.rfind("\n") + 1) + 1
+    return line, max(col, 1)
+
+
+def decode_source(data: bytes, file: str) -> str:
+    """UTF-8 text of a file, or a diagnostic pointing at the first invalid byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        head = data[:e.start]
+        line = head.count(b"\n") + 1
+        col = e.start - (head.rfind(b"\n") + 1) + 1
+        raise DiagnosticError.at(Location(file, line, col),
+                                 f"invalid UTF-8 byte 0x{data[e.start]:02x}") from None
+
+
+def split_source(text: str) -> list[tuple[str, int]]:
+    """`// -----` chunks of a file with the line offset of each (for --split-input-file)."""
+    chunks, start, offset = [], 0, 0
+    for m in SPLIT_MARKER.finditer(text):
+        chunks.append((text[start:m.start()], offset))
+        offset += text.count("\n", start, m.end())
+        start = m.end()
+    chunks.append((text[start:], offset))
+    return chunks
+
+
+def parse_file(path: str | Path) -> Module:
+    data = Path(path).read_bytes()
+    return parse(decode_source(data, str(path)), str(path))

@@ -1,0 +1,110 @@
+"""The verifier: structure (SSA, order, edges) and every op's own rules from its OpDef.
+
+Structure: each value is defined once and before its uses in program order, each op's operand
+edges number 0..n-1, every edge names an existing result, the function ends with a return whose
+types match the signature. Ops: known to the registry, operand count, attributes
+(`check_attrs`), and declared result types equal to the types the op's rule infers. All
+failures are collected, each located at its op, and raised together.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ops import OPS, OpError, check_attrs
+
+
+def verify(module: Module) -> None:
+    diags: list[Diagnostic] = []
+    for f in module.functions.values():
+        diags.extend(verify_function(f))
+    if diags:
+        raise DiagnosticError(*diags)
+
+
+def verify_function(f: Function) -> list[Diagnostic]:
+    diags: list[Diagnostic] = []
+    g = f.graph
+    nodes = g.nodes
+    order = f.ops()
+    index = {n: i for i, n in enumerate(order)}
+    for a in f.args:
+        index[a] = -1
+    if len(index) != g.number_of_nodes():
+        stray = [n for n in g.nodes if n not in index]
+        diags.append(Diagnostic(f.loc, f"internal: {len(stray)} ops are in the graph but not in "
+                                       f"the function's order"))
+        return diags
+    if not order or nodes[order[-1]]["op"] != RETURN:
+        diags.append(Diagnostic(f.loc, f"function @{f.name} does not end with a return"))
+        return diags
+    seen_names: dict[str, int] = {}
+    for n in f.args + order:
+        name = nodes[n]["name"]
+        if name:
+            if name in seen_names:
+                diags.append(Diagnostic(nodes[n]["loc"], f"redefinition of value '%{name}'"))
+            seen_names[name] = n
+    for i, n in enumerate(order):
+        d = nodes[n]
+        edges = sorted(g.in_edges(n, data=True), key=lambda e: e[2]["pos"])
+        if [e[2]["pos"] for e in edges] != list(range(len(edges))):
+            diags.append(Diagnostic(d["loc"], "internal: operand positions are not 0..n-1"))
+            continue
+        bad = False
+        for u, _, e in edges:
+            if index[u] >= i:
+                diags.append(Diagnostic(d["loc"], f"operand #{e['pos']} '%{nodes[u]['name']}' is "
+                                                  f"used before it is defined"))
+                bad = True
+            elif e["res"] >= len(nodes[u]["types"]):
+                diags.append(Diagnostic(d["loc"], f"operand #{e['pos']} names result "
+                                                  f"#{e['res']} of an op with "
+                                                  f"{len(nodes[u]['types'])}"))
+                bad = True
+        if bad:
+            continue
+        in_types = [nodes[u]["types"][e["res"]] for u, _, e in edges]
+        if d["op"] == RETURN:
+            if i != len(order) - 1:
+                diags.append(Diagnostic(d["loc"], "return must be the last operation"))
+            elif in_types != f.result_types:
+                want = ", ".join(map(str, f.result_types)) or "nothing"
+                got = ", ".join(map(str, in_types)) or "nothing"
+                diags.append(Diagnostic(d["loc"], f"return type mismatch: function @{f.name} "
+                                                  f"returns {want} but return gives {got}"))
+            continue
+        msg = verify_op(d["op"], in_types, d["attrs"], d["types"])
+        if msg:
+            diags.append(Diagnostic(d["loc"], msg))
+    return diags
+
+
+def verify_op(name: str, in_types: list, attrs: dict, out_types: list) -> str | None:
+    """The first rule that the op breaks, as a message, or None."""
+    if name == ARG:
+        return None
+    opdef = OPS.get(name)
+    if opdef is None:
+        close = difflib.get_close_matches(name, list(OPS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return f"unknown operation '{name}'{hint}"
+    n = len(in_types)
+    lo, hi = opdef.min_operands, opdef.max_operands
+    if n < lo or (hi is not None and n > hi):
+        want = str(lo) if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
+        return f"'{name}' expects {want} operands, got {n}"
+    if len(out_types) != opdef.num_results:
+        return f"'{name}' has {opdef.num_results} result(s), got {len(out_types)}"
+    try:
+        full = check_attrs(opdef, attrs)
+        expected = opdef.infer(in_types, full, out_types)
+    except OpError as e:
+        return f"'{name}' {e.message}"
+    if list(expected) != list(out_types):
+        want = ", ".join(map(str, expected))
+        got = ", ".join(map(str, out_types))
+        return f"'{name}' result type {got} does not match the inferred type {want}"
+    return None

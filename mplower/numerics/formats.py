@@ -1,0 +1,108 @@
+"""The number formats mplower reasons about: one table, used by the IR, the passes and the backend.
+
+Every fact about a format (its width, exponent and mantissa split, range, epsilon, whether it
+has inf/NaN, the numpy dtype that stores it) lives here and nowhere else. Float figures follow
+IEEE 754 for f64/f32/f16, the bfloat16 and TF32 definitions, and the OCP 8-bit floating point
+specification (OFP8, 2023) for f8E4M3FN and f8E5M2; they are checked against ml_dtypes' finfo in
+tests/test_formats.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str  # the IR element type spelling, e.g. "bf16"
+    kind: str  # "float" or "int"
+    bits: int  # width of one value in its packed form
+    storage: np.dtype  # numpy dtype that holds one value in mplower's arrays
+    exp_bits: int = 0
+    man_bits: int = 0  # explicit mantissa (fraction) bits
+    has_inf: bool = False
+    has_nan: bool = False
+    max_finite: float = 0.0  # largest finite value (ints: largest integer)
+    min_value: float = 0.0  # most negative value (ints) / -max_finite (floats)
+    min_normal: float = 0.0
+    min_subnormal: float = 0.0
+    eps: float = 0.0  # distance from 1.0 to the next larger value
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == "float"
+
+    @property
+    def is_int(self) -> bool:
+        return self.kind == "int"
+
+
+def _float(name, bits, storage, exp_bits, man_bits, *, has_inf=True, max_finite=None) -> Format:
+    bias = (1 << (exp_bits - 1)) - 1
+    if max_finite is None:  # IEEE-style: the top exponent is reserved for inf/NaN
+        max_finite = (2.0 - 2.0 ** -man_bits) * 2.0 ** bias
+    min_normal = 2.0 ** (1 - bias)
+    return Format(
+        name=name, kind="float", bits=bits, storage=np.dtype(storage),
+        exp_bits=exp_bits, man_bits=man_bits, has_inf=has_inf, has_nan=True,
+        max_finite=max_finite, min_value=-max_finite, min_normal=min_normal,
+        min_subnormal=min_normal * 2.0 ** -man_bits, eps=2.0 ** -man_bits,
+    )
+
+
+def _int(name, bits, storage, signed=True) -> Format:
+    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    return Format(name=name, kind="int", bits=bits, storage=np.dtype(storage),
+                  max_finite=float(hi), min_value=float(lo), eps=1.0)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    _float("f64", 64, np.float64, 11, 52),
+    _float("f32", 32, np.float32, 8, 23),
+    # TF32 keeps f32's range with a 10-bit mantissa; it is stored in f32 containers.
+    _float("tf32", 19, np.float32, 8, 10),
+    _float("f16", 16, np.float16, 5, 10),
+    _float("bf16", 16, np.uint16, 8, 7),
+    # E4M3FN gives up inf and all but one NaN encoding to reach 448 (OFP8 spec, table 1).
+    _float("f8E4M3FN", 8, np.uint8, 4, 3, has_inf=False, max_finite=448.0),
+    _float("f8E5M2", 8, np.uint8, 5, 2),
+    _int("i32", 32, np.int32),
+    _int("i8", 8, np.int8),
+    _int("ui8", 8, np.uint8, signed=False),
+    _int("i4", 4, np.int8),
+    _int("i1", 1, np.bool_, signed=False),
+)}
+
+FLOAT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_float)
+INT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_int)
+
+
+def width_rank(name: str) -> tuple[int, int]:
+    """Sort key from narrow to wide: (range bits, precision bits) of a float format."""
+    f = FORMATS[name]
+    return (f.exp_bits, f.man_bits) if f.is_float else (0, f.bits)
+
+
+def represents(wide: str, narrow: str) -> bool:
+    """Whether every value of format `narrow` is exactly a value of format `wide`.
+
+    This is what makes a cast round trip narrow -> wide -> narrow the identity (bf16 -> f32 ->
+    bf16), while wide -> narrow -> wide (f32 -> bf16 -> f32) loses bits.
+    """
+    if wide == narrow:
+        return True
+    w, n = FORMATS[wide], FORMATS[narrow]
+    if w.is_float and n.is_float:
+        # Same or wider exponent range and mantissa; NaN/inf must have somewhere to go.
+        wider_range = w.exp_bits > n.exp_bits or (
+            w.exp_bits == n.exp_bits and w.max_finite >= n.max_finite)
+        return (wider_range and w.man_bits >= n.man_bits and w.min_subnormal <= n.min_subnormal
+                and (w.has_inf or not n.has_inf))
+    if w.is_int and n.is_int:
+        return w.min_value <= n.min_value and w.max_finite >= n.max_finite
+    if w.is_float and n.is_int:  # integers up to 2**(man_bits+1) are exact in a float
+        return (w.man_bits + 1 >= n.bits - (1 if n.min_value < 0 else 0)
+                and w.max_finite >= n.max_finite)
+    return False

@@ -1,0 +1,1245 @@
+"""The mp op set: each op declared once with its signature, type rule, reference semantics and cost.
+
+An `OpDef` is the single place that knows an op: how many operands it takes, which attributes
+(with kinds and defaults), how its result types follow from its operands (`infer`), what it
+computes (`reference`, numpy, ONNX semantics where ONNX has the op), how many FLOPs it costs,
+and which compute precisions it may be lowered to. The verifier, the passes, the cost model and
+the backend all read these declarations; none of them re-derives an op's rules.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mplower.ir.types import (
+    ELEMENT_TYPES,
+    ENCODINGS,
+    DenseAttr,
+    TensorType,
+    TypeAttr,
+    TypedFloat,
+    TypedInt,
+    attr_to_str,
+    tensor,
+    value_dtype,
+)
+from mplower.numerics.formats import FLOAT_FORMATS, FORMATS
+
+
+class OpError(Exception):
+    """An op's operands, attributes or results break its rules.
+
+    `operand` names the operand index at fault where there is one, so that the diagnostic can
+    point at it; otherwise the diagnostic points at the op.
+    """
+
+    def __init__(self, message: str, operand: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.operand = operand
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    """kind: int, float, str, bool, ints, floats, type, dense, number (int or float, scalar or dense).
+
+    `min` bounds a numeric value (each entry of an array) from below; `length` fixes the number
+    of entries of an `ints`/`floats` array. Both are checked by `check_attrs`.
+    """
+
+    kind: str
+    required: bool = False
+    default: Any = None
+    choices: tuple = ()
+    min: float | None = None
+    length: int | None = None
+
+
+Infer = Callable[[Sequence[TensorType], Mapping[str, Any], Sequence[TensorType]], list[TensorType]]
+# reference(inputs, attrs, result_types=None): ops whose result is chosen by the writer (reshape,
+# cast, quantize, dequantize) need the declared result types and raise OpError without them.
+Reference = Callable[..., list[np.ndarray]]
+Flops = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], int]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    min_operands: int
+    max_operands: int | None  # None: variadic
+    attrs: Mapping[str, AttrSpec]
+    # Result types implied by the operands and attributes. Ops whose result type is chosen by
+    # the writer (reshape's shape, cast's element type, matmul's accumulate-out type) receive the
+    # declared results and check them; raise OpError on any violation.
+    infer: Infer
+    reference: Reference
+    flops: Flops
+    precisions: frozenset[str]  # compute formats this op may be assigned
+    num_results: int = 1
+    pure: bool = True  # no side effects: dead if unused, CSE-able
+    elementwise: bool = False  # result[i] depends on operand[i] only (after broadcasting)
+    doc: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    # Operand names for docs and diagnostics; "bias?" is optional, "inputs..." variadic.
+    operand_names: tuple[str, ...] = ()
+
+    def bytes_moved(self, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
+        return sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def define(op: OpDef) -> OpDef:
+    OPS[op.name] = op
+    return op
+
+
+# ---------------------------------------------------------------------------------------------
+# Attribute values
+#
+# The parser hands attributes over as written: `3` is an int, `3 : i64` a TypedInt, `[1, 2]` a
+# tuple, `bf16` a TypeAttr. The helpers below accept every spelling of a kind and return the
+# plain Python value; `check_attrs` applies them to a whole attribute dict.
+
+
+def attr_int(v: Any) -> int:
+    """An integer attribute (`3` or `3 : i64`) as an int."""
+    if isinstance(v, TypedInt):
+        v = v.value
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise OpError(f"expected an integer, got {_show(v)}")
+    return int(v)
+
+
+def attr_float(v: Any) -> float:
+    """A float attribute (`0.5`, `0.5 : f32`, or an integer) as a float."""
+    if isinstance(v, (TypedFloat, TypedInt)):
+        v = v.value
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise OpError(f"expected a number, got {_show(v)}")
+    return float(v)
+
+
+def attr_ints(v: Any) -> tuple[int, ...]:
+    """An array of integers (`[1, 2]` or 1-D integer `dense<>`) as a tuple of ints."""
+    if isinstance(v, DenseAttr):
+        if v.array.ndim > 1 or FORMATS[v.type.elem].is_float:
+            raise OpError(f"expected an array of integers, got {_show(v)}")
+        return tuple(int(x) for x in v.array.reshape(-1))
+    if not isinstance(v, (tuple, list)):
+        raise OpError(f"expected an array of integers, got {_show(v)}")
+    try:
+        return tuple(attr_int(x) for x in v)
+    except OpError:
+        raise OpError(f"expected an array of integers, got {_show(v)}") from None
+
+
+def attr_floats(v: Any) -> tuple[float, ...]:
+    """An array of numbers (`[0.5, 1]` or 1-D `dense<>`) as a tuple of floats."""
+    if isinstance(v, DenseAttr):
+        if v.array.ndim > 1:
+            raise OpError(f"expected an array of numbers, got {_show(v)}")
+        return tuple(float(x) for x in v.array.reshape(-1))
+    if not isinstance(v, (tuple, list)):
+        raise OpError(f"expected an array of numbers, got {_show(v)}")
+    try:
+        return tuple(attr_float(x) for x in v)
+    except OpError:
+        raise OpError(f"expected an array of numbers, got {_show(v)}") from None
+
+
+def attr_bool(v: Any) -> bool:
+    """`true`/`false`; 0 and 1 are accepted too because ONNX spells flags as ints."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, np.integer, TypedInt)) and attr_int(v) in (0, 1):
+        return attr_int(v) == 1
+    raise OpError(f"expected true or false, got {_show(v)}")
+
+
+def attr_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise OpError(f"expected a string, got {_show(v)}")
+    return v
+
+
+def attr_type(v: Any) -> str:
+    """An element type attribute (`i8`, or the string "i8") as its name."""
+    name = v.type if isinstance(v, TypeAttr) else v
+    if not isinstance(name, str) or name not in FORMATS:
+        raise OpError(f"expected an element type ({', '.join(ELEMENT_TYPES)}), got {_show(v)}")
+    return name
+
+
+def attr_array(v: Any) -> np.ndarray:
+    """A scalar or 1-D numeric attribute (`0.1`, `3 : i8`, `dense<[...]>`) as a numpy array.
+
+    Integers come back as int64 and floats as float64 so that no value is rounded here; the
+    op decides the precision it computes in.
+    """
+    if isinstance(v, np.ndarray):
+        arr = v
+    elif isinstance(v, DenseAttr):
+        arr = v.array
+    elif isinstance(v, (TypedInt, int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        arr = np.asarray(attr_int(v), dtype=np.int64)
+    elif isinstance(v, (TypedFloat, float, np.floating)):
+        arr = np.asarray(attr_float(v), dtype=np.float64)
+    else:
+        raise OpError(f"expected a number or 1-D dense elements, got {_show(v)}")
+    if arr.ndim > 1 or arr.dtype.kind not in "iuf":
+        raise OpError(f"expected a number or 1-D dense elements, got {_show(v)}")
+    return arr.astype(np.float64 if arr.dtype.kind == "f" else np.int64, copy=False)
+
+
+def attr_dense(v: Any) -> DenseAttr:
+    if not isinstance(v, DenseAttr):
+        raise OpError(f"expected dense elements, got {_show(v)}")
+    return v
+
+
+def _show_choice(spec: AttrSpec, choice: Any) -> str:
+    return choice if spec.kind == "type" else _show(choice)  # element types print bare: i8
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, np.ndarray):
+        return np.array2string(v, separator=", ")
+    return attr_to_str(v)
+
+
+_KINDS: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "int": (attr_int, "an integer"),
+    "float": (attr_float, "a number"),
+    "str": (attr_str, "a string"),
+    "bool": (attr_bool, "true or false"),
+    "ints": (attr_ints, "an array of integers"),
+    "floats": (attr_floats, "an array of numbers"),
+    "type": (attr_type, "an element type"),
+    "dense": (attr_dense, "dense elements"),
+    "number": (attr_array, "a number or 1-D dense elements"),
+}
+
+
+def check_attrs(opdef: OpDef, attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate `attrs` against the op's declaration; return them as plain values with defaults.
+
+    Kinds come back normalized (see the `attr_*` helpers: `number` becomes a numpy array). Names
+    containing a '.' are discardable annotations (`mp.precision`, `mp.reason`) and pass through
+    unchanged; any other unknown name is an error. The result is accepted again unchanged, so
+    `infer`, `reference` and `flops` take either the raw or the checked dict.
+    """
+    return _check_attrs(opdef.name, opdef.attrs, attrs)
+
+
+def _check_attrs(op: str, specs: Mapping[str, AttrSpec], attrs: Mapping[str, Any]) -> dict:
+    out: dict[str, Any] = {}
+    for name, value in attrs.items():
+        if "." in name:
+            out[name] = value
+            continue
+        spec = specs.get(name)
+        if spec is None:
+            raise OpError(_unknown_attr_message(op, name, specs))
+        out[name] = _check_value(name, spec, value)
+    for name, spec in specs.items():
+        if name in out:
+            continue
+        if spec.required:
+            raise OpError(f"{op} needs attribute '{name}' ({_KINDS[spec.kind][1]})")
+        if spec.default is not None:
+            out[name] = _check_value(name, spec, spec.default)
+    return out
+
+
+def _unknown_attr_message(op: str, name: str, specs: Mapping[str, AttrSpec]) -> str:
+    if not specs:
+        return f"{op} takes no attribute '{name}'"
+    msg = f"unknown attribute '{name}' for {op}"
+    close = difflib.get_close_matches(name, list(specs), n=1)
+    if close:
+        return f"{msg}; did you mean '{close[0]}'?"
+    return f"{msg} (expected {', '.join(repr(k) for k in specs)})"
+
+
+def _check_value(name: str, spec: AttrSpec, value: Any) -> Any:
+    convert, what = _KINDS[spec.kind]
+    try:
+        v = convert(value)
+    except OpError:
+        raise OpError(f"attribute '{name}' must be {what}, got {_show(value)}") from None
+    if spec.choices and v not in spec.choices:
+        options = ", ".join(_show_choice(spec, c) for c in spec.choices)
+        raise OpError(f"attribute '{name}' must be one of {options}; got {_show(value)}")
+    if spec.length is not None and len(v) != spec.length:
+        raise OpError(f"attribute '{name}' must have {spec.length} entries, got {_show(value)}")
+    if spec.min is not None:
+        entries = v if isinstance(v, tuple) else (v,)
+        if any(x < spec.min for x in entries):
+            raise OpError(f"attribute '{name}' must be >= {_show(spec.min)}, got {_show(value)}")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Type rules shared by several ops
+
+_FLOATS = frozenset(FLOAT_FORMATS)
+# i1 is a mask type: it may be moved around and compared but not computed with.
+_NUMERIC = frozenset(n for n in ELEMENT_TYPES if n != "i1")
+_ANY = frozenset(ELEMENT_TYPES)
+_INT8 = frozenset({"i8", "ui8"})
+_QUANT_TYPES = ("i8", "ui8", "i4", "i32")
+
+
+def _elem_of(ins: Sequence[TensorType], allowed: frozenset[str], what: str) -> str:
+    """The one element type all `ins` share; it must be in `allowed` (`what` names that set)."""
+    first = ins[0].elem
+    for i, t in enumerate(ins):
+        if t.elem not in allowed:
+            raise OpError(f"operand #{i} must have {what} element type, got {t}", operand=i)
+        if t.elem != first:
+            raise OpError(f"operand #{i} has element type {t.elem} but operand #0 has {first}; "
+                          "the operands of this op share one element type", operand=i)
+    return first
+
+
+def _need_rank(t: TensorType, rank: int, i: int, layout: str = "") -> None:
+    if t.rank != rank:
+        layout = f" ({layout})" if layout else ""
+        raise OpError(f"operand #{i} must have rank {rank}{layout}, got {t}", operand=i)
+
+
+def _axis(axis: int, rank: int, name: str = "axis", end_ok: bool = False) -> int:
+    """`axis` normalized to [0, rank) (or [0, rank] with `end_ok`, as ONNX Flatten allows)."""
+    hi = rank + 1 if end_ok else rank
+    if not -rank <= axis < hi:
+        raise OpError(f"attribute '{name}' = {axis} is out of range [{-rank}, {hi}) for an "
+                      f"operand of rank {rank}", operand=0)
+    return axis + rank if axis < 0 else axis
+
+
+def _broadcast(s1: tuple[int, ...], s2: tuple[int, ...]) -> tuple[int, ...] | None:
+    """numpy's broadcast shape, or None where the shapes are incompatible."""
+    out = []
+    for d1, d2 in itertools.zip_longest(reversed(s1), reversed(s2), fillvalue=1):
+        if d1 == d2 or d2 == 1:
+            out.append(d1)
+        elif d1 == 1:
+            out.append(d2)
+        else:
+            return None
+    return tuple(reversed(out))
+
+
+def _declared(op: str, declared: Sequence[TensorType]) -> TensorType:
+    if not declared:
+        raise OpError(f"{op} takes its result type from the declaration; none was given")
+    return declared[0]
+
+
+def _prod(dims: Sequence[int]) -> int:
+    return math.prod(dims)
+
+
+def _fl(x: np.ndarray) -> np.ndarray:
+    """Float values to compute on: float64 stays, every narrower float is held in float32."""
+    return x if x.dtype == np.float64 else x.astype(np.float32, copy=False)
+
+
+def _num(x: np.ndarray) -> np.ndarray:
+    """Like `_fl` for floats; integers widen to int64 so that sums and products do not wrap."""
+    if x.dtype.kind in "iub":
+        return x.astype(np.int64, copy=False)
+    return _fl(x)
+
+
+def _contraction_elem(op: str, a: TensorType, b: TensorType,
+                      declared: Sequence[TensorType]) -> str:
+    """Result element type of matmul/conv2d: the operand type, f32 for float operands
+    (accumulate-out), i32 for int8 operands; a declared one of these is echoed."""
+    ea, eb = a.elem, b.elem
+    if ea in _FLOATS and eb in _FLOATS:
+        if ea != eb:
+            raise OpError(f"operand #1 has element type {eb} but operand #0 has {ea}; "
+                          "the operands of this op share one element type", operand=1)
+        allowed = (ea, "f32") if ea != "f32" else ("f32",)
+    elif ea in _INT8 and eb in _INT8:
+        # ONNX MatMulInteger/ConvInteger mix signed and unsigned 8-bit operands.
+        allowed = ("i32", ea) if ea == eb else ("i32",)
+    else:
+        raise OpError(f"{op} takes two float operands of one type or two 8-bit integer "
+                      f"operands, got {a} and {b}", operand=1)
+    if not declared:
+        return allowed[0]
+    d = declared[0].elem
+    if d not in allowed:
+        raise OpError(f"{op} result element type {d} is not allowed for {ea} x {eb} operands "
+                      f"(expected {' or '.join(allowed)})")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Declaring an op
+#
+# `_def` builds the OpDef and wraps its three functions so that each of them sees checked
+# attributes (defaults filled, plain values) whichever dict the caller passes, and so that the
+# operand count and the sparse-encoding rule are enforced once for every op.
+
+_ImplInfer = Callable[[tuple[TensorType, ...], dict, tuple[TensorType, ...]], list[TensorType]]
+_ImplReference = Callable[[list[np.ndarray], dict, tuple[TensorType, ...] | None],
+                          list[np.ndarray]]
+_ImplFlops = Callable[[Sequence[TensorType], dict], int]
+
+
+def _def(name: str, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
+         infer: _ImplInfer, reference: _ImplReference, flops: _ImplFlops,
+         precisions: frozenset[str], doc: str, *, elementwise: bool = False,
+         encoded_operands: frozenset[int] = frozenset()) -> OpDef:
+    op = f"mp.{name}"
+    specs = dict(attrs)
+    lo = sum(1 for n in operands if not n.endswith(("?", "...")))
+    lo += any(n.endswith("...") for n in operands)  # a variadic list holds at least one value
+    hi = None if any(n.endswith("...") for n in operands) else len(operands)
+
+    def checked_infer(ins: Sequence[TensorType], attrs: Mapping[str, Any],
+                      declared: Sequence[TensorType] = ()) -> list[TensorType]:
+        if len(ins) < lo or (hi is not None and len(ins) > hi):
+            raise OpError(f"{op} takes {_count_text(lo, hi)}, got {len(ins)}")
+        for i, t in enumerate(ins):
+            if t.encoding is not None and i not in encoded_operands:
+                raise OpError(f'operand #{i} has sparse encoding "{t.encoding}"; only the second '
+                              "operand of mp.matmul may be encoded", operand=i)
+        return infer(tuple(ins), _check_attrs(op, specs, attrs), tuple(declared))
+
+    def checked_reference(inputs: Sequence[np.ndarray], attrs: Mapping[str, Any],
+                          result_types: Sequence[TensorType] | None = None) -> list[np.ndarray]:
+        arrays = [np.asarray(x) for x in inputs]
+        types = tuple(result_types) if result_types else None
+        # Reference semantics are IEEE arithmetic: inf and NaN are results, not warnings.
+        with np.errstate(all="ignore"):
+            outs = reference(arrays, _check_attrs(op, specs, attrs), types)
+        if types is None:
+            return outs
+        return [np.asarray(o).astype(value_dtype(t.elem), copy=False)
+                for o, t in zip(outs, types, strict=True)]
+
+    def checked_flops(ins: Sequence[TensorType], outs: Sequence[TensorType],
+                      attrs: Mapping[str, Any]) -> int:
+        return int(flops(ins, _check_attrs(op, specs, attrs)))
+
+    return define(OpDef(
+        name=op, min_operands=lo, max_operands=hi, attrs=specs, infer=checked_infer,
+        reference=checked_reference, flops=checked_flops, precisions=precisions,
+        elementwise=elementwise, doc=doc, operand_names=operands,
+    ))
+
+
+def _count_text(lo: int, hi: int | None) -> str:
+    if hi is None:
+        return f"at least {lo} operand{'s' * (lo != 1)}"
+    if lo == hi:
+        return f"{lo} operand{'s' * (lo != 1)}" if lo else "no operands"
+    return f"{lo} to {hi} operands"
+
+
+def op_signature_table() -> list[tuple[str, str, str, str]]:
+    """(name, operands, attributes, doc) of every op, in definition order, for docs/ir.md."""
+    rows = []
+    for op in OPS.values():
+        attrs = ", ".join(_attr_text(n, spec) for n, spec in op.attrs.items())
+        rows.append((op.name, ", ".join(op.operand_names), attrs, op.doc))
+    return rows
+
+
+def _attr_text(name: str, spec: AttrSpec) -> str:
+    """`name: kind` (required), `name: kind = default`, or `name?: kind` (optional, no default)."""
+    kind = " | ".join(_show_choice(spec, c) for c in spec.choices) if spec.choices else spec.kind
+    if spec.required:
+        return f"{name}: {kind}"
+    if spec.default is None:
+        return f"{name}?: {kind}"
+    return f"{name}: {kind} = {_show(spec.default)}"
+
+
+# Compute formats an op may be assigned. Contractions run on tensor cores in every format the
+# targets know; vector work (elementwise, normalization, reductions) in the 16/32-bit floats.
+# Whether softmax, norms, exp/log and reductions stay in f32 is a policy decision, not the op's.
+_CONTRACTION = frozenset({"f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "i8"})
+_VECTOR = frozenset({"f32", "bf16", "f16"})
+
+
+def _elementwise_size(ins: Sequence[TensorType]) -> int:
+    shape = ins[0].shape
+    for t in ins[1:]:
+        shape = _broadcast(shape, t.shape) or shape
+    return _prod(shape)
+
+
+def _per_element(k: int) -> _ImplFlops:
+    return lambda ins, a: k * _elementwise_size(ins)
+
+
+def _per_input_element(ins: Sequence[TensorType], a: dict) -> int:
+    return ins[0].size
+
+
+def _no_flops(ins: Sequence[TensorType], a: dict) -> int:
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# constant
+
+
+def _constant_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    if ("name" in a) == ("value" in a):
+        raise OpError("mp.constant needs exactly one of 'name' (a key of the weights file) or "
+                      "'value' (dense elements)")
+    t = _declared("mp.constant", declared)
+    if "value" in a and a["value"].type.shape != t.shape:
+        raise OpError(f"constant value has type {a['value'].type}, which does not have the "
+                      f"shape of the result type {t}")
+    return [t]
+
+
+def _constant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    if "value" not in a:
+        raise OpError(f"mp.constant {{name = {_show(a['name'])}}} is loaded from the weights file "
+                      "by the executor; it has no reference value of its own")
+    return [a["value"].array]
+
+
+_def("constant", (), {"name": AttrSpec("str"), "value": AttrSpec("dense")},
+     _constant_infer, _constant_reference, _no_flops, _ANY,
+     "A tensor from the weights file (`name`) or inline (`value`); its type is the result type.")
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul and conv2d
+
+
+def _matmul_shape(a: TensorType, b: TensorType) -> tuple[int, ...]:
+    for i, t in enumerate((a, b)):
+        if t.rank == 0:
+            raise OpError(f"matmul operands must have rank >= 1, got {t}", operand=i)
+    if b.encoding is not None and b.rank != 2:
+        raise OpError(f"a sparse matmul operand must be 2-D, got {b}", operand=1)
+    # np.matmul: a 1-D a is a row vector, a 1-D b a column vector; the added dim is dropped.
+    sa = a.shape if a.rank >= 2 else (1,) + a.shape
+    sb = b.shape if b.rank >= 2 else b.shape + (1,)
+    if sa[-1] != sb[-2]:
+        raise OpError(f"matmul contraction mismatch: {sa[-1]} vs {sb[-2]} ({a} @ {b})", operand=1)
+    batch = _broadcast(sa[:-2], sb[:-2])
+    if batch is None:
+        raise OpError(f"matmul batch dimensions are not broadcast-compatible: {a} @ {b}",
+                      operand=1)
+    return batch + sa[-2:-1] * (a.rank >= 2) + sb[-1:] * (b.rank >= 2)
+
+
+def _matmul_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    shape = _matmul_shape(ins[0], ins[1])
+    return [tensor(shape, _contraction_elem("mp.matmul", ins[0], ins[1], declared))]
+
+
+def _matmul_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    return [np.matmul(_num(xs[0]), _num(xs[1]))]
+
+
+def _matmul_flops(ins: Sequence[TensorType], a: dict) -> int:
+    # One multiply and one add per (output element, contraction index).
+    return 2 * _prod(_matmul_shape(ins[0], ins[1])) * ins[0].shape[-1]
+
+
+_def("matmul", ("a", "b"), {}, _matmul_infer, _matmul_reference, _matmul_flops, _CONTRACTION,
+     "Matrix product with numpy broadcasting over batch dimensions (np.matmul, ONNX MatMul).",
+     encoded_operands=frozenset({1}))
+
+_WINDOW_ATTRS = {
+    "strides": AttrSpec("ints", default=(1, 1), length=2, min=1),
+    "padding": AttrSpec("ints", default=(0, 0, 0, 0), length=4, min=0),  # top, left, bottom, right
+}
+
+
+def _window_out(size: int, pad: int, extent: int, stride: int) -> int:
+    return (size + pad - extent) // stride + 1
+
+
+def _conv_geometry(ins: Sequence[TensorType], a: dict) -> tuple[int, int]:
+    """(Hout, Wout) of a conv2d, after checking channels, groups and bias."""
+    x, w = ins[0], ins[1]
+    _need_rank(x, 4, 0, "NCHW")
+    _need_rank(w, 4, 1, "OIHW")
+    (_, c, h, wd), (o, cg, kh, kw) = x.shape, w.shape
+    g = a["groups"]
+    if c % g:
+        raise OpError(f"conv2d input channels {c} are not divisible by groups {g}", operand=0)
+    if cg * g != c:
+        raise OpError(f"conv2d channel mismatch: input {x} has {c} channels but weight {w} "
+                      f"expects {cg} x {g} group(s) = {cg * g}", operand=1)
+    if o % g:
+        raise OpError(f"conv2d output channels {o} are not divisible by groups {g}", operand=1)
+    if len(ins) == 3 and ins[2].shape != (o,):
+        raise OpError(f"conv2d bias must have shape ({o},), got {ins[2]}", operand=2)
+    (sh, sw), (pt, pl, pb, pr), (dh, dw) = a["strides"], a["padding"], a["dilations"]
+    eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    if eh > h + pt + pb or ew > wd + pl + pr:
+        raise OpError(f"conv2d kernel (dilated {eh}x{ew}) is larger than the padded input "
+                      f"{h + pt + pb}x{wd + pl + pr}", operand=1)
+    return _window_out(h, pt + pb, eh, sh), _window_out(wd, pl + pr, ew, sw)
+
+
+def _conv_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    ho, wo = _conv_geometry(ins, a)
+    x, w = ins[0], ins[1]
+    elem = _contraction_elem("mp.conv2d", x, w, declared)
+    if len(ins) == 3 and ins[2].elem not in (x.elem, elem):
+        raise OpError(f"conv2d bias element type must be {x.elem} or {elem}, got {ins[2]}",
+                      operand=2)
+    return [tensor((x.shape[0], w.shape[0], ho, wo), elem)]
+
+
+def _windows(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
+             dilations: tuple[int, int] = (1, 1)) -> np.ndarray:
+    """A (N, C, Hout, Wout, KH, KW) strided view of the windows of an already padded NCHW x."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    view = np.lib.stride_tricks.sliding_window_view(
+        x, (dh * (kh - 1) + 1, dw * (kw - 1) + 1), axis=(2, 3))
+    return view[:, :, ::sh, ::sw, ::dh, ::dw]
+
+
+def _pad_hw(x: np.ndarray, padding: tuple[int, ...], fill: Any = 0) -> np.ndarray:
+    pt, pl, pb, pr = padding
+    return np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)), constant_values=fill)
+
+
+def _conv_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x, w = _num(xs[0]), _num(xs[1])
+    n = x.shape[0]
+    o, cg, kh, kw = w.shape
+    g = a["groups"]
+    win = _windows(_pad_hw(x, a["padding"]), (kh, kw), a["strides"], a["dilations"])
+    ho, wo = win.shape[2:4]
+    # im2col: one row per output pixel and group, then one batched BLAS product per group.
+    cols = (win.reshape(n, g, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
+            .reshape(n, g, ho * wo, cg * kh * kw))
+    wmat = w.reshape(g, o // g, cg * kh * kw).transpose(0, 2, 1)
+    y = np.matmul(cols, wmat).transpose(0, 1, 3, 2).reshape(n, o, ho, wo)
+    if len(xs) == 3:
+        y = y + _num(xs[2]).reshape(1, o, 1, 1)
+    return [y]
+
+
+def _conv_flops(ins: Sequence[TensorType], a: dict) -> int:
+    # 2 * N * Cout * Hout * Wout * (Cin / groups) * KH * KW; the bias adds (one per output,
+    # under 1/(2 * Cin/groups * KH * KW) of the total) are left out, as fvcore and ptflops do.
+    ho, wo = _conv_geometry(ins, a)
+    n, (o, cg, kh, kw) = ins[0].shape[0], ins[1].shape
+    return 2 * n * o * ho * wo * cg * kh * kw
+
+
+_def("conv2d", ("x", "w", "bias?"),
+     {**_WINDOW_ATTRS, "dilations": AttrSpec("ints", default=(1, 1), length=2, min=1),
+      "groups": AttrSpec("int", default=1, min=1)},
+     _conv_infer, _conv_reference, _conv_flops, _CONTRACTION,
+     "2-D convolution, NCHW input, OIHW weight, optional bias (ONNX Conv with group).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise
+
+
+def _binary_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
+    def infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+        elem = _elem_of(ins, allowed, what)
+        shape = _broadcast(ins[0].shape, ins[1].shape)
+        if shape is None:
+            raise OpError(f"operands are not broadcast-compatible: {ins[0]} and {ins[1]}",
+                          operand=1)
+        return [tensor(shape, elem)]
+    return infer
+
+
+def _binary_reference(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> _ImplReference:
+    return lambda xs, a, rt: [fn(_num(xs[0]), _num(xs[1]))]
+
+
+for _name, _fn, _allowed, _doc in (
+    ("add", np.add, _NUMERIC, "a + b"),
+    ("sub", np.subtract, _NUMERIC, "a - b"),
+    ("mul", np.multiply, _NUMERIC, "a * b"),
+    # Integer division has no single convention (C truncates, numpy floors): floats only.
+    ("div", np.divide, _FLOATS, "a / b (float types)"),
+    ("maximum", np.maximum, _NUMERIC, "max(a, b), NaN propagating (ONNX Max)"),
+    ("minimum", np.minimum, _NUMERIC, "min(a, b), NaN propagating (ONNX Min)"),
+):
+    _what = "a float" if _allowed is _FLOATS else "a numeric"
+    _def(_name, ("a", "b"), {}, _binary_infer(_allowed, _what), _binary_reference(_fn),
+         _per_element(1), _VECTOR, f"Elementwise {_doc} with numpy broadcasting.",
+         elementwise=True)
+
+
+def _unary_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
+    def infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+        return [tensor(ins[0].shape, _elem_of(ins, allowed, what))]
+    return infer
+
+
+def _unary_reference(fn: Callable[[np.ndarray], np.ndarray]) -> _ImplReference:
+    return lambda xs, a, rt: [fn(_num(xs[0]))]
+
+
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, x.dtype.type(0))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # Both branches exponentiate a non-positive number, so neither overflows.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def _rsqrt(x: np.ndarray) -> np.ndarray:
+    return np.reciprocal(np.sqrt(x))
+
+
+for _name, _fn, _allowed, _doc in (
+    ("neg", np.negative, _NUMERIC, "-x (ONNX Neg)"),
+    ("relu", _relu, _NUMERIC, "max(x, 0) (ONNX Relu)"),
+    ("sigmoid", _sigmoid, _FLOATS, "1 / (1 + exp(-x)) (ONNX Sigmoid)"),
+    ("tanh", np.tanh, _FLOATS, "tanh(x)"),
+    ("exp", np.exp, _FLOATS, "exp(x)"),
+    ("log", np.log, _FLOATS, "natural logarithm"),
+    ("sqrt", np.sqrt, _FLOATS, "square root"),
+    ("rsqrt", _rsqrt, _FLOATS, "1 / sqrt(x)"),
+):
+    _what = "a float" if _allowed is _FLOATS else "a numeric"
+    _def(_name, ("x",), {}, _unary_infer(_allowed, _what),
+         _unary_reference(_fn),
+         _per_element(1), _VECTOR, f"Elementwise {_doc}.", elementwise=True)
+
+_ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
+                -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+
+
+def _erfc(x: np.ndarray) -> np.ndarray:
+    """erfc on float64 with relative error below 1.2e-7 everywhere (Chebyshev fit of Press et
+    al., Numerical Recipes, erfcc): exact to float32, numpy-only, and relative (not absolute)
+    so that GELU's far negative tail keeps its digits."""
+    z = np.abs(x)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = np.zeros_like(t)
+    for c in reversed(_ERFC_COEFFS):
+        poly = c + t * poly
+    r = t * np.exp(poly - z * z)
+    return np.where(x >= 0, r, 2.0 - r)
+
+
+def _gelu_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    x64 = x.astype(np.float64)
+    if a["approximate"] == "tanh":
+        inner = math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)
+        y = 0.5 * x64 * (1 + np.tanh(inner))
+    else:
+        y = 0.5 * x64 * _erfc(-x64 / math.sqrt(2))  # 1 + erf(v) == erfc(-v), without cancellation
+    return [y.astype(x.dtype)]
+
+
+# GELU: about 8 operations per element for the tanh form (cube, two multiply-adds, tanh, add,
+# two multiplies); the erf form is counted the same.
+_def("gelu", ("x",), {"approximate": AttrSpec("str", default="none", choices=("none", "tanh"))},
+     _unary_infer(_FLOATS, "a float"), _gelu_reference, _per_element(8), _VECTOR,
+     "GELU, exact (erf) or tanh approximation (ONNX Gelu).", elementwise=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalizations
+
+
+def _softmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    elem = _elem_of(ins, _FLOATS, "a float")
+    _axis(a["axis"], ins[0].rank)
+    return [tensor(ins[0].shape, elem)]
+
+
+def _softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    axis = a["axis"]
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return [e / np.sum(e, axis=axis, keepdims=True)]
+
+
+# Softmax: 5 operations per element (max, subtract, exp, sum, divide).
+_def("softmax", ("x",), {"axis": AttrSpec("int", default=-1)},
+     _softmax_infer, _softmax_reference, _per_element(5), _VECTOR,
+     "Softmax along one axis (ONNX Softmax, opset 13).")
+
+
+def _norm_infer(params: tuple[str, ...]) -> _ImplInfer:
+    def infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+        elem = _elem_of(ins, _FLOATS, "a float")
+        x = ins[0]
+        axis = _axis(a["axis"], x.rank)
+        want = tensor(x.shape[axis:], elem)
+        for i, pname in enumerate(params, start=1):
+            if ins[i].shape != want.shape:
+                raise OpError(f"operand #{i} ({pname}) must have type {want} (the shape of x "
+                              f"from axis {axis} on), got {ins[i]}", operand=i)
+        return [tensor(x.shape, elem)]
+    return infer
+
+
+def _norm_axes(x: np.ndarray, axis: int) -> tuple[int, ...]:
+    return tuple(range(axis % x.ndim, x.ndim))
+
+
+def _layer_norm_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x, gamma, beta = (_fl(v) for v in xs)
+    axes = _norm_axes(x, a["axis"])
+    d = x - x.mean(axis=axes, keepdims=True)
+    var = (d * d).mean(axis=axes, keepdims=True)
+    return [d / np.sqrt(var + x.dtype.type(a["epsilon"])) * gamma + beta]
+
+
+def _rms_norm_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x, gamma = (_fl(v) for v in xs)
+    ms = (x * x).mean(axis=_norm_axes(x, a["axis"]), keepdims=True)
+    return [x / np.sqrt(ms + x.dtype.type(a["epsilon"])) * gamma]
+
+
+_NORM_ATTRS = {"axis": AttrSpec("int", default=-1),
+               "epsilon": AttrSpec("float", default=1e-5, min=0.0)}
+
+# LayerNorm: 8 operations per element (mean, subtract, square, variance sum, normalize,
+# scale, shift, and the rsqrt amortized); RMSNorm: 4 (square, sum, normalize, scale).
+_def("layer_norm", ("x", "gamma", "beta"), _NORM_ATTRS, _norm_infer(("gamma", "beta")),
+     _layer_norm_reference, _per_element(8), _VECTOR,
+     "Layer normalization over the axes from `axis` on (ONNX LayerNormalization).")
+_def("rms_norm", ("x", "gamma"), _NORM_ATTRS, _norm_infer(("gamma",)),
+     _rms_norm_reference, _per_element(4), _VECTOR,
+     "RMS normalization over the axes from `axis` on (ONNX RMSNormalization).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reductions
+
+
+def _reduce_axes(a: dict, rank: int) -> tuple[int, ...]:
+    axes = tuple(_axis(ax, rank, "axes") for ax in a["axes"])
+    if len(set(axes)) != len(axes):
+        raise OpError(f"attribute 'axes' repeats an axis: {_show(a['axes'])}", operand=0)
+    return axes or tuple(range(rank))  # ONNX: no axes reduces over all of them
+
+
+def _reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keep: bool) -> tuple:
+    if keep:
+        return tuple(1 if i in axes else d for i, d in enumerate(shape))
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+def _reduce_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
+    def infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+        elem = _elem_of(ins, allowed, what)
+        axes = _reduce_axes(a, ins[0].rank)
+        return [tensor(_reduced_shape(ins[0].shape, axes, a["keepdims"]), elem)]
+    return infer
+
+
+def _reduce_reference(fn: Callable[..., np.ndarray]) -> _ImplReference:
+    def reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+        x = _num(xs[0])
+        return [np.asarray(fn(x, axis=_reduce_axes(a, x.ndim), keepdims=a["keepdims"]))]
+    return reference
+
+
+_REDUCE_ATTRS = {"axes": AttrSpec("ints", default=()), "keepdims": AttrSpec("bool", default=True)}
+
+for _name, _fn, _allowed, _doc in (
+    ("reduce_sum", np.sum, _NUMERIC, "Sum"),
+    ("reduce_mean", np.mean, _FLOATS, "Mean"),
+    ("reduce_max", np.max, _NUMERIC, "Maximum"),
+):
+    _what = "a float" if _allowed is _FLOATS else "a numeric"
+    _def(_name, ("x",), _REDUCE_ATTRS, _reduce_infer(_allowed, _what), _reduce_reference(_fn),
+         _per_input_element, _VECTOR,
+         f"{_doc} over `axes` (all when empty), optionally keeping them as 1 "
+         f"(ONNX Reduce{_doc.capitalize().replace('Maximum', 'Max')}).")
+
+
+def _argmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    _elem_of(ins, _NUMERIC, "a numeric")
+    axis = _axis(a["axis"], ins[0].rank)
+    # ONNX returns int64; i32 is the widest integer element type mplower has.
+    return [tensor(_reduced_shape(ins[0].shape, (axis,), a["keepdims"]), "i32")]
+
+
+def _argmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    return [np.argmax(xs[0], axis=a["axis"], keepdims=a["keepdims"])]
+
+
+_def("argmax", ("x",), {"axis": AttrSpec("int", default=0),
+                        "keepdims": AttrSpec("bool", default=True)},
+     _argmax_infer, _argmax_reference, _per_input_element, _VECTOR,
+     "Index (i32) of the first maximum along `axis` (ONNX ArgMax).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Data movement: any element type, no arithmetic
+
+
+def _reshape_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x, t = ins[0], _declared("mp.reshape", declared)
+    if t.size != x.size:
+        raise OpError(f"reshape changes the element count: {x} has {x.size} elements, "
+                      f"{t} has {t.size}", operand=0)
+    return [tensor(t.shape, x.elem)]
+
+
+def _reshape_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    return [xs[0].reshape(_declared("mp.reshape", rt or ()).shape)]
+
+
+_def("reshape", ("x",), {}, _reshape_infer, _reshape_reference, _no_flops, _ANY,
+     "Same elements in row-major order, in the shape of the result type (ONNX Reshape).")
+
+
+def _perm(a: dict, rank: int) -> tuple[int, ...]:
+    perm = a.get("perm", tuple(reversed(range(rank))))  # ONNX: no perm reverses the axes
+    if sorted(perm) != list(range(rank)):
+        raise OpError(f"attribute 'perm' must be a permutation of {list(range(rank))}, "
+                      f"got {list(perm)}", operand=0)
+    return perm
+
+
+def _transpose_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    return [tensor(tuple(x.shape[p] for p in _perm(a, x.rank)), x.elem)]
+
+
+_def("transpose", ("x",), {"perm": AttrSpec("ints")}, _transpose_infer,
+     lambda xs, a, rt: [np.transpose(xs[0], _perm(a, xs[0].ndim))], _no_flops, _ANY,
+     "Permute the axes; `perm` defaults to reversing them (ONNX Transpose).")
+
+
+def _concat_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    elem = _elem_of(ins, _ANY, "any")
+    first = ins[0]
+    axis = _axis(a["axis"], first.rank)
+    total = 0
+    for i, t in enumerate(ins):
+        if t.rank != first.rank:
+            raise OpError(f"concat operands must have the same rank: operand #{i} is {t}, "
+                          f"operand #0 is {first}", operand=i)
+        if any(d != e for k, (d, e) in enumerate(zip(t.shape, first.shape)) if k != axis):
+            raise OpError(f"concat operand #{i} {t} does not match operand #0 {first} in the "
+                          f"dimensions other than axis {axis}", operand=i)
+        total += t.shape[axis]
+    return [tensor(first.shape[:axis] + (total,) + first.shape[axis + 1:], elem)]
+
+
+_def("concat", ("inputs...",), {"axis": AttrSpec("int", required=True)}, _concat_infer,
+     lambda xs, a, rt: [np.concatenate(xs, axis=a["axis"])], _no_flops, _ANY,
+     "Join the operands along `axis` (ONNX Concat).")
+
+
+def _slices(shape: tuple[int, ...], a: dict) -> list[slice]:
+    """ONNX Slice's clamping of starts/ends per dimension, as Python slices."""
+    rank = len(shape)
+    steps = a.get("steps", (1,) * rank)
+    for name, v in (("starts", a["starts"]), ("ends", a["ends"]), ("steps", steps)):
+        if len(v) != rank:
+            raise OpError(f"attribute '{name}' must have one entry per dimension ({rank}), "
+                          f"got {_show(v)}", operand=0)
+    if 0 in steps:
+        raise OpError(f"attribute 'steps' must not contain 0, got {_show(steps)}", operand=0)
+    out = []
+    for dim, start, end, step in zip(shape, a["starts"], a["ends"], steps):
+        start += dim if start < 0 else 0
+        end += dim if end < 0 else 0
+        if step > 0:
+            start, end = min(max(start, 0), dim), min(max(end, 0), dim)
+        else:  # backwards: start in [0, dim-1], end in [-1, dim-1] where -1 is "before 0"
+            start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+        out.append(slice(start, end if end >= 0 else None, step))
+    return out
+
+
+def _slice_len(s: slice) -> int:
+    end = -1 if s.stop is None else s.stop
+    return max(0, -((s.start - end) // s.step))  # ceil((end - start) / step)
+
+
+def _slice_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    return [tensor(tuple(_slice_len(s) for s in _slices(x.shape, a)), x.elem)]
+
+
+_def("slice", ("x",), {"starts": AttrSpec("ints", required=True),
+                       "ends": AttrSpec("ints", required=True), "steps": AttrSpec("ints")},
+     _slice_infer, lambda xs, a, rt: [xs[0][tuple(_slices(xs[0].shape, a))]], _no_flops, _ANY,
+     "Strided slice, one start/end/step per dimension, clamped as ONNX Slice does.")
+
+
+def _flatten_shape(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+    axis = _axis(axis, len(shape), end_ok=True)
+    return _prod(shape[:axis]), _prod(shape[axis:])
+
+
+_def("flatten", ("x",), {"axis": AttrSpec("int", default=1)},
+     lambda ins, a, d: [tensor(_flatten_shape(ins[0].shape, a["axis"]), ins[0].elem)],
+     lambda xs, a, rt: [xs[0].reshape(_flatten_shape(xs[0].shape, a["axis"]))],
+     _no_flops, _ANY, "Collapse to 2-D: dims before `axis` and dims from `axis` on (ONNX Flatten).")
+
+
+def _sparse_encode_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x, t = ins[0], _declared("mp.sparse_encode", declared)
+    _need_rank(x, 2, 0)
+    if t.encoding not in ENCODINGS:
+        raise OpError(f"mp.sparse_encode result must carry an encoding "
+                      f"({' or '.join(repr(e) for e in ENCODINGS)}), got {t}")
+    return [tensor(x.shape, x.elem, t.encoding)]
+
+
+_def("sparse_encode", ("w",), {}, _sparse_encode_infer, lambda xs, a, rt: [xs[0]], _no_flops,
+     _ANY, "Re-store a 2-D tensor in the sparse encoding of its result type; values unchanged.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling
+
+
+_POOL_ATTRS = {"kernel": AttrSpec("ints", required=True, length=2, min=1), **_WINDOW_ATTRS}
+
+
+def _pool_shape(x: TensorType, a: dict) -> tuple[int, ...]:
+    _need_rank(x, 4, 0, "NCHW")
+    (kh, kw), (sh, sw), (pt, pl, pb, pr) = a["kernel"], a["strides"], a["padding"]
+    # A pad at least as wide as the kernel would leave windows that see only padding.
+    if max(pt, pb) >= kh or max(pl, pr) >= kw:
+        raise OpError(f"attribute 'padding' {list(a['padding'])} must be smaller than the "
+                      f"kernel {list(a['kernel'])}", operand=0)
+    n, c, h, w = x.shape
+    if kh > h + pt + pb or kw > w + pl + pr:
+        raise OpError(f"pool kernel {kh}x{kw} is larger than the padded input "
+                      f"{h + pt + pb}x{w + pl + pr}", operand=0)
+    return n, c, _window_out(h, pt + pb, kh, sh), _window_out(w, pl + pr, kw, sw)
+
+
+def _pool_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
+    def infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+        return [tensor(_pool_shape(ins[0], a), _elem_of(ins, allowed, what))]
+    return infer
+
+
+def _max_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _num(xs[0])
+    lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    win = _windows(_pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])
+    return [win.max(axis=(-2, -1))]
+
+
+def _avg_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    sums = _windows(_pad_hw(x, a["padding"]), a["kernel"], a["strides"]).sum(axis=(-2, -1))
+    # count_include_pad=0 (ONNX default): divide by the real elements under each window.
+    ones = _pad_hw(np.ones((1, 1) + x.shape[2:], x.dtype), a["padding"])
+    counts = _windows(ones, a["kernel"], a["strides"]).sum(axis=(-2, -1))
+    return [sums / counts]
+
+
+def _pool_flops(ins: Sequence[TensorType], a: dict) -> int:
+    kh, kw = a["kernel"]
+    return _prod(_pool_shape(ins[0], a)) * kh * kw  # one compare or add per window element
+
+
+_def("max_pool2d", ("x",), _POOL_ATTRS, _pool_infer(_NUMERIC, "a numeric"),
+     _max_pool_reference, _pool_flops, _VECTOR,
+     "2-D max pooling over NCHW windows; padding never wins (ONNX MaxPool).")
+_def("avg_pool2d", ("x",), _POOL_ATTRS, _pool_infer(_FLOATS, "a float"),
+     _avg_pool_reference, _pool_flops, _VECTOR,
+     "2-D average pooling, padding not counted (ONNX AveragePool, count_include_pad=0).")
+
+
+def _global_pool_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    if x.rank < 3:
+        raise OpError(f"operand #0 must have rank >= 3 (N, C, spatial...), got {x}", operand=0)
+    return [tensor(x.shape[:2] + (1,) * (x.rank - 2), _elem_of(ins, _FLOATS, "a float"))]
+
+
+_def("global_avg_pool", ("x",), {}, _global_pool_infer,
+     lambda xs, a, rt: [_fl(xs[0]).mean(axis=tuple(range(2, xs[0].ndim)), keepdims=True)],
+     _per_input_element, _VECTOR,
+     "Mean over all spatial dimensions, keeping them as 1 (ONNX GlobalAveragePool).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions
+
+
+def _cast_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    return [tensor(ins[0].shape, _declared("mp.cast", declared).elem)]
+
+
+def _round_to_format(x: np.ndarray, elem: str) -> np.ndarray:
+    """float32 values rounded to nearest-even in a narrower float format, held in float32.
+
+    The oracle DESIGN §6 names for the backend's emulation: numpy's float16 and ml_dtypes
+    (a dependency of onnx) for bf16 and fp8; TF32 is f32 with 13 fewer mantissa bits.
+    """
+    if elem == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if elem == "tf32":
+        bits = x.view(np.uint32)
+        half = np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))
+        rounded = ((bits + half) & np.uint32(0xFFFFE000)).view(np.float32)
+        return np.where(np.isnan(x), x, rounded)
+    import ml_dtypes  # only narrow float casts need it
+
+    dtype = {"bf16": ml_dtypes.bfloat16, "f8E4M3FN": ml_dtypes.float8_e4m3fn,
+             "f8E5M2": ml_dtypes.float8_e5m2}[elem]
+    return x.astype(dtype).astype(np.float32)
+
+
+def _convert(x: np.ndarray, elem: str, saturate: bool) -> np.ndarray:
+    """ONNX Cast semantics for values `x` to element type `elem`, as `value_dtype(elem)`."""
+    fmt = FORMATS[elem]
+    if elem == "i1":
+        return x != 0
+    if fmt.is_int:
+        # ONNX truncates toward zero and leaves out-of-range values undefined; mplower
+        # saturates them and maps NaN to 0 so that the reference is deterministic.
+        if x.dtype.kind == "f":
+            x = np.trunc(np.nan_to_num(x.astype(np.float64), nan=0.0))
+        return np.clip(x, fmt.min_value, fmt.max_finite).astype(np.int64)
+    if elem == "f64":
+        return x.astype(np.float64)
+    x32 = x.astype(np.float32)
+    if elem == "f32":
+        return x32
+    if saturate and elem.startswith("f8"):
+        # ONNX saturate=1: finite values beyond the range go to +-max; E5M2 keeps its infinities.
+        clipped = np.clip(x32, fmt.min_value, fmt.max_finite)
+        x32 = np.where(np.isinf(x32), x32, clipped) if fmt.has_inf else clipped
+    return _round_to_format(x32, elem)
+
+
+def _cast_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    return [_convert(xs[0], _declared("mp.cast", rt or ()).elem, a["saturate"])]
+
+
+_def("cast", ("x",), {"saturate": AttrSpec("bool", default=True)}, _cast_infer,
+     _cast_reference, _no_flops, _ANY,
+     "Convert to the result's element type: round to nearest even, truncate to integers, "
+     "saturate fp8 unless saturate = false (ONNX Cast).", elementwise=True)
+
+_QUANT_ATTRS = {"scale": AttrSpec("number", required=True),
+                "zero_point": AttrSpec("number", default=0),
+                "axis": AttrSpec("int", default=1)}  # ONNX's default quantization axis
+
+
+def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
+    scale, zp = a["scale"], a["zero_point"]
+    if not np.all(scale > 0):
+        raise OpError(f"attribute 'scale' must be positive, got {_show(scale)}")
+    fmt = FORMATS[qelem]
+    if np.any(zp != np.round(zp)) or np.any(zp < fmt.min_value) or np.any(zp > fmt.max_finite):
+        raise OpError(f"attribute 'zero_point' must hold integers in the range of {qelem} "
+                      f"[{int(fmt.min_value)}, {int(fmt.max_finite)}], got {_show(zp)}")
+    if scale.size > 1 or zp.size > 1:
+        axis = _axis(a["axis"], x.rank)
+        for name, v in (("scale", scale), ("zero_point", zp)):
+            if v.size > 1 and v.shape != (x.shape[axis],):
+                raise OpError(f"per-axis attribute '{name}' must have {x.shape[axis]} entries "
+                              f"(dimension {axis} of {x}), got {v.size}", operand=0)
+
+
+def _along(v: np.ndarray, ndim: int, axis: int) -> np.ndarray:
+    """A per-axis parameter shaped to broadcast against a rank-`ndim` operand."""
+    if v.size == 1:
+        return v.reshape(())
+    shape = [1] * ndim
+    shape[axis % ndim] = v.size
+    return v.reshape(shape)
+
+
+def _quantize_values(x: np.ndarray, a: dict, qelem: str) -> np.ndarray:
+    """ONNX QuantizeLinear: saturate(round_half_even(x / scale) + zero_point), as float64."""
+    scale = _along(a["scale"], x.ndim, a["axis"]).astype(x.dtype)  # divide in x's precision
+    zp = _along(a["zero_point"], x.ndim, a["axis"])
+    q = np.rint(x / scale).astype(np.float64) + zp
+    q = np.where(np.isnan(q), zp, q)  # NaN has no integer code; it quantizes to zero
+    fmt = FORMATS[qelem]
+    return np.clip(q, fmt.min_value, fmt.max_finite)
+
+
+def _dequantize_values(q: np.ndarray, a: dict, dtype: np.dtype) -> np.ndarray:
+    """ONNX DequantizeLinear: (q - zero_point) * scale, computed in the result's precision."""
+    scale = _along(a["scale"], q.ndim, a["axis"]).astype(dtype)
+    zp = _along(a["zero_point"], q.ndim, a["axis"]).astype(dtype)
+    return (q.astype(dtype) - zp) * scale
+
+
+def _quantize_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    _elem_of(ins, _FLOATS, "a float")
+    qelem = _declared("mp.quantize", declared).elem
+    if qelem not in _QUANT_TYPES:
+        raise OpError(f"mp.quantize result element type must be one of "
+                      f"{', '.join(_QUANT_TYPES)}, got {qelem}")
+    _check_quant(x, a, qelem)
+    return [tensor(x.shape, qelem)]
+
+
+def _quantize_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    qelem = _declared("mp.quantize", rt or ()).elem
+    return [_quantize_values(_fl(xs[0]), a, qelem).astype(np.int64)]
+
+
+def _dequantize_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    _elem_of(ins, frozenset(_QUANT_TYPES), f"an integer ({', '.join(_QUANT_TYPES)})")
+    out = _declared("mp.dequantize", declared).elem
+    if out not in _FLOATS:
+        raise OpError(f"mp.dequantize result element type must be a float type, got {out}")
+    _check_quant(x, a, x.elem)
+    return [tensor(x.shape, out)]
+
+
+def _dequantize_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    out = _declared("mp.dequantize", rt or ()).elem
+    return [_dequantize_values(xs[0], a, value_dtype(out))]
+
+
+def _fake_quant_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    elem = _elem_of(ins, _FLOATS, "a float")
+    _check_quant(ins[0], a, a["dtype"])
+    return [tensor(ins[0].shape, elem)]
+
+
+def _fake_quant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    return [_dequantize_values(_quantize_values(x, a, a["dtype"]), a, x.dtype)]
+
+
+# Quantize: 2 operations per element (scale, shift; rounding and saturation are the
+# conversion); dequantize: 2 (shift, scale); fake_quant: both. Cast is pure conversion: 0,
+# its cost is the bytes it moves.
+_def("quantize", ("x",), _QUANT_ATTRS, _quantize_infer, _quantize_reference, _per_element(2),
+     _ANY, "Float to integer: saturate(round_half_even(x / scale) + zero_point), per tensor or "
+     "per `axis` (ONNX QuantizeLinear).", elementwise=True)
+_def("dequantize", ("x",), _QUANT_ATTRS, _dequantize_infer, _dequantize_reference,
+     _per_element(2), _ANY, "Integer to float: (x - zero_point) * scale, per tensor or per "
+     "`axis` (ONNX DequantizeLinear).", elementwise=True)
+_def("fake_quant", ("x",), {**_QUANT_ATTRS, "dtype": AttrSpec("type", required=True,
+                                                              choices=_QUANT_TYPES)},
+     _fake_quant_infer, _fake_quant_reference, _per_element(4), _VECTOR,
+     "Quantize to `dtype` and dequantize back, in x's float type (QDQ pair).", elementwise=True)

@@ -1,0 +1,339 @@
+"""Passes, their registry, the pipeline syntax and the instrumented pass manager.
+
+A pass is a dataclass whose fields are its options and whose docstring is its documentation
+(as in xDSL); `@register_pass` adds it to the registry that the CLI, `mplower passes` and
+docs/passes.md are generated from. Built-in passes live in the `mplower.passes` package; other
+packages add theirs through the entry-point group `mplower.passes`. Pipelines are written as in
+mlir-opt: `name{opt=val other=val},name2`. The manager verifies after each pass, times each
+pass, prints IR before/after passes on request and collects per-pass statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import pkgutil
+import sys
+import time
+import typing
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TextIO
+
+from mplower.ir.graph import Module
+
+
+class PipelineError(Exception):
+    """A pipeline string, pass name or option value that cannot be used (a usage error)."""
+
+
+@dataclass
+class PassContext:
+    """What a pass may use besides the module: statistics and the options of the run."""
+
+    stats: Counter = field(default_factory=Counter)
+    output_path: str | None = None  # where `-o` writes; passes write new weights beside it
+    weights_path: str | None = None  # `--weights`: the user's explicit weights file
+
+    def stat(self, name: str, n: int = 1) -> None:
+        self.stats[name] += n
+
+
+class Pass:
+    """Base of every pass. Subclasses are dataclasses; their fields are the pass's options."""
+
+    name: ClassVar[str] = ""
+    # Statistic names and what they count, for --statistics and docs/passes.md.
+    statistics: ClassVar[dict[str, str]] = {}
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        raise NotImplementedError
+
+
+def option(default: Any, help: str) -> Any:
+    """A pass option: its default and the one-line help shown by `mplower passes`."""
+    if isinstance(default, list | dict | set):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+PASSES: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a name")
+    if not dataclasses.is_dataclass(cls):
+        cls = dataclass(cls)
+    PASSES[cls.name] = cls
+    return cls
+
+
+_loaded = False
+
+
+def load_passes() -> dict[str, type[Pass]]:
+    """Import the built-in pass modules and the entry points of other packages, once."""
+    global _loaded
+    if _loaded:
+        return PASSES
+    _loaded = True
+    import mplower.passes as builtin
+
+    for info in pkgutil.iter_modules(builtin.__path__):
+        importlib.import_module(f"mplower.passes.{info.name}")
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="mplower.passes"):
+        obj = ep.load()
+        if isinstance(obj, type) and issubclass(obj, Pass) and obj.name not in PASSES:
+            register_pass(obj)
+    return PASSES
+
+
+# ---- pipeline syntax ---------------------------------------------------------------------
+
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on `sep` outside braces and quotes."""
+    parts, depth, quote, cur = [], 0, "", []
+    for ch in text:
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth < 0:
+                raise PipelineError(f"unbalanced '}}' in pipeline '{text}'")
+        elif ch == sep and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    if depth or quote:
+        raise PipelineError(f"unterminated {'quote' if quote else '{'} in pipeline '{text}'")
+    parts.append("".join(cur).strip())
+    return [p for p in parts if p]
+
+
+def parse_pipeline(text: str) -> list[Pass]:
+    """`a{x=1 y=2},b` -> configured pass instances."""
+    return [parse_pass(p) for p in split_top_level(text)]
+
+
+def parse_pass(text: str) -> Pass:
+    load_passes()
+    text = text.strip()
+    name, opts = text, ""
+    if "{" in text:
+        if not text.endswith("}"):
+            raise PipelineError(f"malformed pass '{text}': options go in braces at the end")
+        name, opts = text[:text.index("{")].strip(), text[text.index("{") + 1:-1]
+    cls = PASSES.get(name)
+    if cls is None:
+        close = difflib.get_close_matches(name, list(PASSES), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise PipelineError(f"unknown pass '{name}'{hint}")
+    return cls(**parse_options(cls, opts))
+
+
+def parse_options(cls: type[Pass], text: str) -> dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for item in _split_options(text):
+        if "=" not in item:
+            key, raw = item, "true"  # a bare flag means true, as in mlir-opt
+        else:
+            key, raw = (s.strip() for s in item.split("=", 1))
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            known = ", ".join(fields) or "none"
+            raise PipelineError(f"pass '{cls.name}' has no option '{key}'{hint} "
+                                f"(options: {known})")
+        out[key] = convert_option(cls.name, key, hints[key], _unquote(raw))
+    return out
+
+
+def _split_options(text: str) -> list[str]:
+    items, cur, quote, depth = [], [], "", 0
+    for ch in text:
+        if quote:
+            cur.append(ch)
+            if ch == quote:
+                quote = ""
+            continue
+        if ch in "\"'":
+            quote = ch
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch.isspace() and depth == 0:
+            if cur:
+                items.append("".join(cur))
+                cur = []
+            continue
+        cur.append(ch)
+    if cur:
+        items.append("".join(cur))
+    return items
+
+
+def _unquote(raw: str) -> str:
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
+        return raw[1:-1]
+    return raw
+
+
+def convert_option(pass_name: str, key: str, hint: Any, raw: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union or type(hint).__name__ == "UnionType":
+        non_none = [a for a in args if a is not type(None)]
+        if raw.lower() in ("none", "") and len(non_none) < len(args):
+            return None
+        hint = non_none[0]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    try:
+        if hint is bool:
+            low = raw.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if hint is int:
+            return int(raw, 0)
+        if hint is float:
+            return float(raw)
+        if origin in (list, tuple):
+            elem = args[0] if args else str
+            items = [s.strip() for s in raw.strip("[]").split(",") if s.strip()]
+            return type(origin() if origin is list else ())(
+                convert_option(pass_name, key, elem, s) for s in items)
+        return raw
+    except ValueError:
+        tname = getattr(hint, "__name__", str(hint))
+        raise PipelineError(f"option '{key}' of pass '{pass_name}' expects {tname}, "
+                            f"got '{raw}'") from None
+
+
+def describe_pass(p: Pass) -> str:
+    """`name{opt=val ...}` with the options that differ from their defaults."""
+    parts = []
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        if v != default:
+            parts.append(f"{f.name}={_opt_str(v)}")
+    return p.name + ("{" + " ".join(parts) + "}" if parts else "")
+
+
+def _opt_str(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list | tuple):
+        return ",".join(map(str, v))
+    return str(v)
+
+
+# ---- running -----------------------------------------------------------------------------
+
+@dataclass
+class Instrumentation:
+    print_before: set[str] = field(default_factory=set)
+    print_after: set[str] = field(default_factory=set)
+    print_after_all: bool = False
+    print_before_all: bool = False
+    generic: bool = False
+    verify_each: bool = True
+    stream: TextIO | None = None  # IR dumps go to stderr, as mlir-opt's do
+
+
+@dataclass
+class PassManager:
+    passes: list[Pass]
+    instrumentation: Instrumentation = field(default_factory=Instrumentation)
+    timings: list[tuple[str, float]] = field(default_factory=list)
+    statistics: dict[str, Counter] = field(default_factory=dict)
+
+    def run(self, module: Module, ctx: PassContext | None = None,
+            verify: Callable[[Module], None] | None = None) -> None:
+        from mplower.ir.printer import print_module
+        from mplower.ir.verifier import verify as default_verify
+
+        verify = verify or default_verify
+        inst = self.instrumentation
+        out = inst.stream or sys.stderr
+        ctx = ctx or PassContext()
+        for p in self.passes:
+            if inst.print_before_all or p.name in inst.print_before:
+                out.write(f"// -----// IR Dump Before {describe_pass(p)} //----- //\n")
+                out.write(print_module(module, inst.generic))
+            ctx.stats = Counter()
+            t0 = time.perf_counter()
+            p.run(module, ctx)
+            self.timings.append((p.name, time.perf_counter() - t0))
+            stats = self.statistics.setdefault(p.name, Counter())
+            stats.update(ctx.stats)
+            for key in p.statistics:
+                stats.setdefault(key, 0)
+            if inst.verify_each:
+                t0 = time.perf_counter()
+                verify(module)
+                self.timings.append(("(verify)", time.perf_counter() - t0))
+            if inst.print_after_all or p.name in inst.print_after:
+                out.write(f"// -----// IR Dump After {describe_pass(p)} //----- //\n")
+                out.write(print_module(module, inst.generic))
+
+
+def format_timing(rows: list[tuple[str, float]]) -> str:
+    """mlir-opt's `-mlir-timing` report: wall time per row, with the share of the total."""
+    merged: dict[str, float] = {}
+    for name, t in rows:
+        merged[name] = merged.get(name, 0.0) + t
+    total = sum(merged.values()) or 1e-12
+    bar = "===" + "-" * 73 + "==="
+    lines = [bar, "... Execution time report ...".center(79).rstrip(), bar,
+             f"  Total Execution Time: {total:.4f} seconds", "",
+             "  ----Wall Time----  ----Name----"]
+    for name, t in merged.items():
+        lines.append(f"  {t:8.4f} ({100 * t / total:5.1f}%)  {name}")
+    lines.append(f"  {total:8.4f} (100.0%)  Total")
+    return "\n".join(lines) + "\n"
+
+
+def format_statistics(stats: dict[str, Counter]) -> str:
+    bar = "===" + "-" * 73 + "==="
+    lines = [bar, "... Pass statistics report ...".center(79).rstrip(), bar]
+    for name, counter in stats.items():
+        cls = PASSES.get(name)
+        lines.append(f"'{name}'")
+        for key in sorted(counter):
+            help_ = cls.statistics.get(key, "") if cls else ""
+            lines.append(f"  (S) {counter[key]:>6} {key}" + (f" - {help_}" if help_ else ""))
+    return "\n".join(lines) + "\n"
+
+
+def pass_options(cls: type[Pass]) -> list[tuple[str, str, Any, str]]:
+    """(name, type, default, help) of each option of a pass."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        tname = getattr(hints[f.name], "__name__", str(hints[f.name]))
+        rows.append((f.name, tname, default, f.metadata.get("help", "")))
+    return rows

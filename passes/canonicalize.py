@@ -1,0 +1,157 @@
+"""`canonicalize`: local simplifications to a fixed point, then dead-code elimination and CSE.
+
+Patterns: fold elementwise ops whose operands are all inline constants (results that are f32,
+f64 or integer and small enough to print inline); drop reshapes and transposes that change
+nothing; merge a transpose of a transpose; drop casts to the same type and cast pairs whose
+round trip is exact (bf16 -> f32 -> bf16), never a lossy one (f32 -> bf16 -> f32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from mplower.ir.graph import Function, Module
+from mplower.ir.types import DenseAttr, value_dtype
+from mplower.numerics.formats import represents
+from mplower.ops import OPS, OpError, attr_ints, check_attrs
+from mplower.pass_manager import Pass, PassContext, option, register_pass
+from mplower.passes.cse import eliminate_common_subexpressions
+from mplower.passes.dce import eliminate_dead_ops
+
+_FOLDABLE_ELEMS = {"f32", "f64", "i32", "i8", "ui8", "i1"}
+
+
+def _inline_value(f: Function, value: tuple[int, int]) -> DenseAttr | None:
+    d = f.data(value[0])
+    if d["op"] == "mp.constant":
+        v = d["attrs"].get("value")
+        if isinstance(v, DenseAttr):
+            return v
+    return None
+
+
+def _fold(f: Function, n: int, max_elements: int) -> bool:
+    d = f.data(n)
+    opdef = OPS[d["op"]]
+    if not opdef.elementwise or d["op"] == "mp.cast" or len(d["types"]) != 1:
+        return False
+    out = d["types"][0]
+    if out.elem not in _FOLDABLE_ELEMS or out.encoding is not None:
+        return False
+    consts = [_inline_value(f, v) for v in f.operands(n)]
+    if not consts or any(c is None for c in consts):
+        return False
+    splat = all(c.is_splat for c in consts)
+    if out.size > max_elements and not splat:
+        return False
+    try:
+        (result,) = opdef.reference([c.array for c in consts], check_attrs(opdef, d["attrs"]))
+    except (OpError, FloatingPointError):
+        return False
+    array = np.broadcast_to(np.asarray(result), out.shape).astype(value_dtype(out.elem))
+    attr = DenseAttr(np.ascontiguousarray(array), out)
+    new = f.create_op("mp.constant", [], [out], {"value": attr}, before=n, name_hint=d["name"])
+    f.replace_all_uses((n, 0), (new, 0))
+    f.erase(n)
+    return True
+
+
+def _forward(f: Function, n: int, to: tuple[int, int]) -> None:
+    f.replace_all_uses((n, 0), to)
+    f.erase(n)
+
+
+def _simplify(f: Function, n: int, ctx: PassContext) -> bool:
+    d = f.data(n)
+    op = d["op"]
+    if op == "mp.reshape":
+        (src,) = f.operands(n)
+        if f.type_of(src) == d["types"][0]:
+            _forward(f, n, src)
+            ctx.stat("noop-removed")
+            return True
+    elif op == "mp.transpose":
+        (src,) = f.operands(n)
+        perm = attr_ints(d["attrs"]["perm"])
+        if perm == tuple(range(len(perm))):
+            _forward(f, n, src)
+            ctx.stat("noop-removed")
+            return True
+        inner = f.data(src[0])
+        if inner["op"] == "mp.transpose":
+            # out[i] = mid[perm[i]] and mid[j] = x[inner_perm[j]], so out[i] = x[inner_perm[perm[i]]].
+            inner_perm = attr_ints(inner["attrs"]["perm"])
+            composed = tuple(inner_perm[p] for p in perm)
+            (x,) = f.operands(src[0])
+            if composed == tuple(range(len(composed))):
+                _forward(f, n, x)
+            else:
+                f.set_operand(n, 0, x)
+                f.set_attr(n, "perm", composed)
+            ctx.stat("transposes-merged")
+            return True
+    elif op == "mp.cast":
+        (src,) = f.operands(n)
+        src_t, out_t = f.type_of(src), d["types"][0]
+        if src_t == out_t:
+            _forward(f, n, src)
+            ctx.stat("casts-removed")
+            return True
+        inner = f.data(src[0])
+        if inner["op"] == "mp.cast":
+            (x,) = f.operands(src[0])
+            x_t = f.type_of(x)
+            if x_t == out_t and represents(src_t.elem, x_t.elem) and src_t.shape == x_t.shape:
+                _forward(f, n, x)
+                ctx.stat("casts-removed")
+                return True
+    return False
+
+
+def canonicalize_function(f: Function, ctx: PassContext, max_elements: int,
+                          max_iterations: int) -> None:
+    for _ in range(max_iterations):
+        changed = False
+        for n in f.ops():
+            if n not in f.graph:
+                continue
+            op = f.op(n)
+            if op not in OPS or op == "mp.constant":
+                continue
+            if _simplify(f, n, ctx):
+                changed = True
+            elif _fold(f, n, max_elements):
+                ctx.stat("ops-folded")
+                changed = True
+        dead = eliminate_dead_ops(f)
+        merged = eliminate_common_subexpressions(f)
+        ctx.stat("ops-erased", dead)
+        ctx.stat("cse-eliminated", merged)
+        if not (changed or dead or merged):
+            return
+
+
+@register_pass
+@dataclass
+class Canonicalize(Pass):
+    """Fold constants, remove no-op reshapes, transposes and casts, merge transposes; then DCE and CSE."""
+
+    name: ClassVar[str] = "canonicalize"
+    statistics: ClassVar[dict[str, str]] = {
+        "ops-folded": "elementwise ops folded into constants",
+        "noop-removed": "reshapes and transposes that changed nothing",
+        "transposes-merged": "transpose pairs merged",
+        "casts-removed": "casts to the same type and exact cast round trips removed",
+        "ops-erased": "dead operations erased",
+        "cse-eliminated": "duplicate operations merged",
+    }
+    max_fold_elements: int = option(1024, "largest non-splat result folded into an inline constant")
+    max_iterations: int = option(10, "rounds of pattern application before giving up")
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        for f in module.functions.values():
+            canonicalize_function(f, ctx, self.max_fold_elements, self.max_iterations)
+
