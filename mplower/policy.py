@@ -1,0 +1,230 @@
+"""Precision policy sheets: which format each op computes in, and why.
+
+A policy (a TOML sheet, docs/policy.md) names a compute format and an accumulator, three op
+lists in the manner of TVM's ToMixedPrecision and PyTorch autocast (`allow`: always lowered;
+`follow`: lowered when their inputs are; `deny`: kept in f32), per-op overrides by op kind or
+result-name glob, keep-first-and-last, keep-io-types and quality guardrails. `Policy.decide`
+is the one function `assign-precision` and the report call to turn that sheet into a
+(compute, accumulator, reason) for an op; it knows nothing of targets, which `legalize`
+applies afterwards (mplower.target).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from mplower.numerics.formats import FORMATS, width_rank
+from mplower.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
+from mplower.tomlsheet import KeyPath, Sheet, locate
+from mplower.tomlsheet import builtin_names as _builtin_names
+
+# The ops keep_first_last counts: the first and last of these in a function stay f32.
+COMPUTE_HEAVY = frozenset({"mp.matmul", "mp.conv2d"})
+# Ops whose Decision carries an accumulator; every other op gets accum None.
+ACCUMULATING = frozenset({"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"})
+GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "min_top1_agreement")
+WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
+
+# Reason strings of Decision (docs/policy.md); follow and override reasons carry a detail.
+ALLOW_LIST = "allow-list"
+DENY_LIST = "deny-list"
+KEEP_FIRST_LAST = "keep-first-last"
+NOT_LISTED = "not-listed"
+
+
+def follow_reason(fmt: str) -> str:
+    return f"follow: inputs {fmt}"
+
+
+@dataclass(frozen=True)
+class Override:
+    """`[[override]]`: ops of kind `op` and/or whose result name matches the glob `name`."""
+
+    op: str | None
+    name: str | None
+    compute: str | None
+    accum: str | None
+
+    def matches(self, op: str, result_name: str) -> bool:
+        return ((self.op is None or self.op == op)
+                and (self.name is None or fnmatchcase(result_name, self.name)))
+
+    @property
+    def reason(self) -> str:
+        return "override " + " ".join(p for p in (self.op, self.name) if p is not None)
+
+
+@dataclass(frozen=True)
+class Decision:
+    compute: str
+    accum: str | None  # None for ops that do not accumulate
+    reason: str
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    compute: str  # format of allow-listed ops, and of follow ops whose inputs are lowered
+    accum: str  # accumulator of lowered ACCUMULATING ops
+    weights: str | None  # weight-only quantization format of constant operands, if any
+    allow: tuple[str, ...]
+    follow: tuple[str, ...]
+    deny: tuple[str, ...]
+    keep_io_types: bool  # function arguments and results keep their types
+    keep_first_last: bool
+    overrides: tuple[Override, ...]
+    guardrails: dict[str, float] = field(hash=False)
+    source: str = ""  # the sheet's path, or "builtin:NAME"
+    description: str = ""
+
+    def decide(self, op: str, result_name: str, inputs_lowered: bool,
+               is_first_or_last: bool) -> Decision:
+        """The compute format, accumulator and reason for one op.
+
+        `inputs_lowered`: the op's float inputs arrive narrower than f32 (matters for follow
+        ops only). `is_first_or_last`: the op is the first or last COMPUTE_HEAVY op of its
+        function. Precedence, most specific first: overrides with a `name` glob, then
+        keep-first-last, then overrides by op kind alone, then the deny/allow/follow lists;
+        ops in no list stay f32 ("not-listed"), as TVM treats unregistered ops as NEVER.
+        Among matching overrides a later one wins, field by field.
+        """
+        if op in self.deny:
+            compute, reason = "f32", DENY_LIST
+        elif op in self.allow:
+            compute, reason = self.compute, ALLOW_LIST
+        elif op in self.follow:
+            compute = self.compute if inputs_lowered else "f32"
+            reason = follow_reason(compute)
+        else:
+            compute, reason = "f32", NOT_LISTED
+        accum = self.accum
+        matching = [o for o in self.overrides if o.matches(op, result_name)]
+        for o in matching:
+            if o.name is None:
+                compute, accum, reason = o.compute or compute, o.accum or accum, o.reason
+        if self.keep_first_last and is_first_or_last and compute != "f32":
+            compute, accum, reason = "f32", "f32", KEEP_FIRST_LAST
+        for o in matching:
+            if o.name is not None:
+                compute, accum, reason = o.compute or compute, o.accum or accum, o.reason
+        return Decision(compute, _accumulator(op, compute, accum), reason)
+
+
+def _accumulator(op: str, compute: str, accum: str) -> str | None:
+    """The accumulator that fits `compute`: integers accumulate exactly in i32, and a float
+    accumulator never narrower than the compute format (a denied op of an f16 sheet, or the
+    float fallback of an int8 one, accumulates in f32)."""
+    if op not in ACCUMULATING:
+        return None
+    if FORMATS[compute].is_int or FORMATS[accum].is_int:
+        return base_accum(compute)
+    return accum if width_rank(accum) >= width_rank(compute) else "f32"
+
+
+_BUILTIN_DIR = Path(__file__).with_name("policies")
+
+
+def builtin_policies() -> list[str]:
+    return _builtin_names(_BUILTIN_DIR)
+
+
+def load_policy(spec: str, *, search_dir: str | Path | None = None,
+                known_ops: Collection[str] | None = None) -> Policy:
+    """Load a built-in policy by name or a policy sheet by path (see docs/policy.md).
+
+    `known_ops`, when given, is checked against every op name in the sheet. Every problem is
+    a DiagnosticError located in the sheet.
+    """
+    path, source = locate(spec, "policy", _BUILTIN_DIR, search_dir)
+    return _parse(Sheet.read(path), path.stem, source, known_ops)
+
+
+_TOP_KEYS = ("policy", "override", "guardrails")
+_POLICY_KEYS = ("name", "description", "compute", "accum", "weights", "allow", "follow", "deny",
+                "keep_io_types", "keep_first_last")
+_OVERRIDE_KEYS = ("op", "name", "compute", "accum")
+
+
+def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | None) -> Policy:
+    data = sheet.data
+    sheet.check_keys(data, (), _TOP_KEYS)
+    head = sheet.table(data, ("policy",), required=True)
+    sheet.check_keys(head, ("policy",), _POLICY_KEYS)
+    compute = sheet.string(head, ("policy", "compute"), required=True)
+    sheet.format(compute, ("policy", "compute"), COMPUTE_FORMATS, "compute")
+    accum = sheet.string(head, ("policy", "accum"), base_accum(compute))
+    _check_accum(sheet, ("policy",), compute, accum)
+    weights = sheet.string(head, ("policy", "weights"))
+    if weights is not None:
+        sheet.format(weights, ("policy", "weights"), WEIGHT_FORMATS, "weight")
+
+    lists: dict[str, tuple[str, ...]] = {}
+    for which in ("allow", "follow", "deny"):
+        kp = ("policy", which)
+        lists[which] = sheet.strings(head, kp)
+        for op in lists[which]:
+            _check_op(sheet, kp, op, known_ops)
+            if other := next((w for w, ops in lists.items() if w != which and op in ops), None):
+                raise sheet.error(kp, f"op '{op}' is in both {other} and {which}", value=op)
+
+    guardrails_table = sheet.table(data, ("guardrails",))
+    sheet.check_keys(guardrails_table, ("guardrails",), GUARDRAILS)
+    return Policy(
+        name=sheet.string(head, ("policy", "name"), stem),
+        compute=compute,
+        accum=accum,
+        weights=weights,
+        allow=lists["allow"],
+        follow=lists["follow"],
+        deny=lists["deny"],
+        keep_io_types=sheet.boolean(head, ("policy", "keep_io_types"), True),
+        keep_first_last=sheet.boolean(head, ("policy", "keep_first_last"), False),
+        overrides=tuple(_override(sheet, o, ("override", i), known_ops)
+                        for i, o in enumerate(sheet.tables(data, ("override",)))),
+        guardrails={k: sheet.number(guardrails_table, ("guardrails", k))
+                    for k in guardrails_table},
+        source=source,
+        description=sheet.string(head, ("policy", "description"), ""),
+    )
+
+
+def _override(sheet: Sheet, table: dict[str, Any], kp: KeyPath,
+              known_ops: Collection[str] | None) -> Override:
+    sheet.check_keys(table, kp, _OVERRIDE_KEYS)
+    op = sheet.string(table, (*kp, "op"))
+    name = sheet.string(table, (*kp, "name"))
+    compute = sheet.string(table, (*kp, "compute"))
+    accum = sheet.string(table, (*kp, "accum"))
+    if op is None and name is None:
+        raise sheet.error(kp, "an [[override]] needs 'op' or 'name' (a glob on result names)")
+    if compute is None and accum is None:
+        raise sheet.error(kp, "an [[override]] needs 'compute' or 'accum'")
+    if op is not None:
+        _check_op(sheet, (*kp, "op"), op, known_ops)
+    if compute is not None:
+        sheet.format(compute, (*kp, "compute"), COMPUTE_FORMATS, "compute")
+    if accum is not None:
+        _check_accum(sheet, kp, compute, accum)
+    return Override(op, name, compute, accum)
+
+
+def _check_accum(sheet: Sheet, kp: KeyPath, compute: str | None, accum: str) -> None:
+    """`accum` names an accumulator that fits `compute` (when the same table sets one)."""
+    sheet.format(accum, (*kp, "accum"), ACCUM_FORMATS, "accumulator")
+    if compute is None:
+        return
+    if FORMATS[compute].is_int != FORMATS[accum].is_int:
+        raise sheet.error((*kp, "accum"), f"{compute} compute accumulates in "
+                          f"{base_accum(compute)}, not {accum}", value=accum)
+    if width_rank(accum) < width_rank(compute):
+        raise sheet.error((*kp, "accum"), f"accumulator {accum} is narrower than compute "
+                          f"format {compute}", value=accum)
+
+
+def _check_op(sheet: Sheet, kp: KeyPath, op: str, known_ops: Collection[str] | None) -> None:
+    if known_ops is not None:
+        sheet.choice(op, kp, known_ops, "op")

@@ -1,0 +1,312 @@
+"""Target descriptions: which kernels a machine has, how fast they run, and how to fall back.
+
+A target (a TOML sheet, docs/targets.md) says, per op and compute format, which kernels exist
+(dense, 2:4 or 1:2 structured sparse, CSR), the peak throughput of each format, the memory
+bandwidth and a fixed per-op overhead. `legalize` turns a requested (compute, accumulator,
+kernel) into one the target can run, walking the fallback chains below and recording a reason
+code for every step, so that the report can say why an op did not run as asked. `op_time` is
+the roofline cost model the report and `mplower bench` use for modeled inferences per second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mplower.numerics.formats import FORMATS
+from mplower.tomlsheet import KeyPath, Sheet, format_problem, locate
+from mplower.tomlsheet import builtin_names as _builtin_names
+
+# Kernel kinds, as written in `mp.kernel`. The structured kinds name the pattern their data
+# must have: NVIDIA sparse tensor cores take 2:4 for 16- and 8-bit inputs but 1:2 for tf32
+# (cuSPARSELt, CUSPARSELT_SPARSITY_50_PERCENT), and a 2:4-pruned weight is not 1:2.
+DENSE = "dense"
+SPARSE_2_4 = "sparse_2_4"
+SPARSE_1_2 = "sparse_1_2"
+CSR = "csr"
+KERNELS = (DENSE, SPARSE_2_4, SPARSE_1_2, CSR)
+STRUCTURED_KERNEL = {"2:4": SPARSE_2_4, "1:2": SPARSE_1_2}  # sparse_pattern -> kernel
+KERNEL_FOR_ENCODING: dict[str | None, str] = {None: DENSE, "2:4": SPARSE_2_4, "1:2": SPARSE_1_2,
+                                              "csr": CSR}  # tensor encoding -> kernel
+
+# Formats an op may compute in, and the accumulators of matmul/conv/reductions.
+COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "i8")
+ACCUM_FORMATS = ("f32", "f16", "i32")
+
+# Reason codes for legalize's fallbacks (documented in docs/targets.md).
+NO_TF32_KERNEL = "no-tf32-kernel"
+NO_BF16_KERNEL = "no-bf16-kernel"
+NO_F16_KERNEL = "no-f16-kernel"
+NO_FP8_KERNEL = "no-fp8-kernel"
+NO_INT8_KERNEL = "no-int8-kernel"
+NO_F16_ACCUM = "no-f16-accum"
+NO_SPARSE_KERNEL = "no-sparse-kernel"
+REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_INT8_KERNEL,
+                NO_F16_ACCUM, NO_SPARSE_KERNEL)
+
+# One step of each fallback chain: format -> (next format, reason). fp8 and int8 fall to bf16,
+# which keeps f32's range, before f32. f16 falls straight to f32: bf16 would drop 3 mantissa
+# bits the user asked to keep. Every chain ends at f32, which every target must run densely.
+FALLBACK: dict[str, tuple[str, str]] = {
+    "f8E4M3FN": ("bf16", NO_FP8_KERNEL),
+    "f8E5M2": ("bf16", NO_FP8_KERNEL),
+    "i8": ("bf16", NO_INT8_KERNEL),
+    "f16": ("f32", NO_F16_KERNEL),
+    "bf16": ("f32", NO_BF16_KERNEL),
+    "tf32": ("f32", NO_TF32_KERNEL),
+}
+ACCUM_FALLBACK: dict[str, tuple[str, str]] = {"f16": ("f32", NO_F16_ACCUM)}
+
+_BUILTIN_DIR = Path(__file__).with_name("targets")
+
+
+def base_accum(fmt: str) -> str:
+    """The accumulator every target offers for `fmt`: exact i32 for integers, else f32."""
+    return "i32" if FORMATS[fmt].is_int else "f32"
+
+
+@dataclass(frozen=True)
+class FormatPeak:
+    """Peak throughput of one compute format, in FLOP/s (OP/s for integer formats).
+
+    `sparse` is the dense-equivalent rate of the structured-sparse kernel, as NVIDIA quotes
+    it ("with sparsity", 2x dense); `csr` is the rate on stored non-zeros.
+    """
+
+    dense: float
+    sparse: float | None = None
+    sparse_pattern: str = "2:4"
+    csr: float | None = None
+    accum: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The formats that have a dense, a structured-sparse and a CSR kernel for some ops."""
+
+    dense: frozenset[str]
+    sparse: frozenset[str] = frozenset()
+    csr: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Legal:
+    """What an op runs as on a target; `reasons` lists one code per fallback step taken."""
+
+    compute: str
+    accum: str | None
+    kernel: str
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str | None:
+        """The reason codes joined by "," (one code in the common case), None if as asked."""
+        return ",".join(self.reasons) or None
+
+    @property
+    def fallback(self) -> bool:
+        return bool(self.reasons)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    bandwidth: float  # bytes/s
+    overhead_s: float  # fixed cost of every op (launch, dispatch)
+    formats: Mapping[str, FormatPeak]
+    ops: Mapping[str, KernelSet]  # ops listed in a [[kernels]] group
+    default: KernelSet  # every other op
+    source: str  # the sheet's path, or "builtin:NAME"
+
+    def kernels(self, op: str, fmt: str) -> frozenset[str]:
+        """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
+        ks = self.ops.get(op, self.default)
+        found = set()
+        if fmt in ks.dense:
+            found.add(DENSE)
+        if fmt in ks.sparse:
+            found.add(STRUCTURED_KERNEL[self.formats[fmt].sparse_pattern])
+        if fmt in ks.csr:
+            found.add(CSR)
+        return frozenset(found)
+
+    def has_kernel(self, op: str, fmt: str, kernel: str = DENSE) -> bool:
+        return kernel in self.kernels(op, fmt)
+
+    def accumulators(self, fmt: str) -> tuple[str, ...]:
+        peak = self.formats.get(fmt)
+        return peak.accum if peak is not None else (base_accum(fmt),)
+
+    def peak(self, fmt: str, kernel: str = DENSE) -> float:
+        """Peak FLOP/s (OP/s) of `fmt` on `kernel`; ValueError if the target has no such kernel."""
+        p = self.formats.get(fmt)
+        rate = None
+        if p is not None:
+            if kernel == DENSE:
+                rate = p.dense
+            elif kernel == CSR:
+                rate = p.csr
+            elif kernel == STRUCTURED_KERNEL.get(p.sparse_pattern):
+                rate = p.sparse
+        if rate is None:
+            raise ValueError(f"target '{self.name}' has no {kernel} {fmt} kernel")
+        return rate
+
+    def legalize(self, op: str, compute: str, accum: str | None, kernel: str = DENSE) -> Legal:
+        """The closest (compute, accum, kernel) to the request that the target runs.
+
+        The compute format walks `FALLBACK` until `op` has a dense kernel in it; a sparse
+        kernel missing in the resulting format falls back to dense; an integer compute format
+        accumulates in i32 and a float one never does; an accumulator the target lacks for
+        the format walks `ACCUM_FALLBACK`. `accum` is None for ops that do not accumulate.
+        """
+        if compute not in COMPUTE_FORMATS:
+            raise ValueError(f"'{compute}' is not a compute format")
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel '{kernel}'")
+        if accum is not None and accum not in ACCUM_FORMATS:
+            raise ValueError(f"'{accum}' is not an accumulator format")
+        reasons = []
+        while not self.has_kernel(op, compute):
+            compute, code = FALLBACK[compute]  # f32 always has a dense kernel (load checks it)
+            reasons.append(code)
+        if kernel != DENSE and not self.has_kernel(op, compute, kernel):
+            kernel = DENSE
+            reasons.append(NO_SPARSE_KERNEL)
+        if accum is not None:
+            if FORMATS[compute].is_int or accum == "i32":
+                accum = base_accum(compute)
+            while accum not in self.accumulators(compute):
+                accum, code = ACCUM_FALLBACK[accum]  # base_accum is always offered
+                reasons.append(code)
+        return Legal(compute, accum, kernel, tuple(reasons))
+
+    def op_time(self, flops: int, nbytes: int, fmt: str, kernel: str = DENSE) -> float:
+        """Roofline time of one op: max(compute time, memory time) + the per-op overhead.
+
+        `flops` is the dense op's count for dense and structured kernels (their peak is
+        dense-equivalent) and the count on stored non-zeros for CSR; `nbytes` is what the op
+        reads and writes, in the formats and encodings it actually runs with.
+        """
+        return max(flops / self.peak(fmt, kernel), nbytes / self.bandwidth) + self.overhead_s
+
+
+def modeled_inferences_per_s(times: Iterable[float]) -> float:
+    """Inferences per second of a function whose ops take `times` seconds, run one by one."""
+    total = sum(times)
+    return 1.0 / total if total > 0 else math.inf
+
+
+def builtin_targets() -> list[str]:
+    return _builtin_names(_BUILTIN_DIR)
+
+
+def load_target(spec: str, *, search_dir: str | Path | None = None,
+                known_ops: Collection[str] | None = None) -> Target:
+    """Load a built-in target by name or a target sheet by path (see docs/targets.md).
+
+    `known_ops`, when given, is checked against every op name in the sheet. Every problem is
+    a DiagnosticError located in the sheet.
+    """
+    path, source = locate(spec, "target", _BUILTIN_DIR, search_dir)
+    return _parse(Sheet.read(path), path.stem, source, known_ops)
+
+
+_TOP_KEYS = ("target", "formats", "kernels", "default")
+_TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s")
+_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum")
+_KERNEL_KEYS = ("dense", "sparse", "csr")
+
+
+def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | None) -> Target:
+    data = sheet.data
+    sheet.check_keys(data, (), _TOP_KEYS)
+    head = sheet.table(data, ("target",), required=True)
+    sheet.check_keys(head, ("target",), _TARGET_KEYS)
+    formats = {fmt: _format_peak(sheet, entry, ("formats", fmt))
+               for fmt, entry in sheet.table(data, ("formats",), required=True).items()}
+
+    ops: dict[str, KernelSet] = {}
+    for i, group in enumerate(sheet.tables(data, ("kernels",))):
+        kp: KeyPath = ("kernels", i)
+        sheet.check_keys(group, kp, ("ops", *_KERNEL_KEYS))
+        names = sheet.strings(group, (*kp, "ops"))
+        if not names:
+            raise sheet.error(kp, "a [[kernels]] group needs a non-empty 'ops' list")
+        kernels = _kernel_set(sheet, group, kp, formats)
+        for op in names:
+            if known_ops is not None:
+                sheet.choice(op, (*kp, "ops"), known_ops, "op")
+            if op in ops:
+                raise sheet.error((*kp, "ops"), f"op '{op}' is in two [[kernels]] groups",
+                                  value=op)
+            ops[op] = kernels
+    default = sheet.table(data, ("default",), required=True)
+    sheet.check_keys(default, ("default",), _KERNEL_KEYS)
+
+    return Target(
+        name=sheet.string(head, ("target", "name"), stem),
+        description=sheet.string(head, ("target", "description"), ""),
+        bandwidth=sheet.number(head, ("target", "bandwidth"), required=True, positive=True),
+        overhead_s=sheet.number(head, ("target", "overhead_s"), 0.0),
+        formats=formats,
+        ops=ops,
+        default=_kernel_set(sheet, default, ("default",), formats),
+        source=source,
+    )
+
+
+def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:
+    fmt = str(kp[-1])
+    if (problem := format_problem(fmt, COMPUTE_FORMATS, "compute")) is not None:
+        raise sheet.error(kp, problem)
+    if not isinstance(entry, dict):
+        raise sheet.error(kp, f"'formats.{fmt}' must be a table")
+    sheet.check_keys(entry, kp, _PEAK_KEYS)
+    sparse = sheet.number(entry, (*kp, "sparse"), positive=True)
+    pattern = sheet.string(entry, (*kp, "sparse_pattern"), "2:4")
+    sheet.choice(pattern, (*kp, "sparse_pattern"), STRUCTURED_KERNEL, "sparse pattern")
+    if "sparse_pattern" in entry and sparse is None:
+        raise sheet.error((*kp, "sparse_pattern"), "'sparse_pattern' needs a 'sparse' peak")
+    base = base_accum(fmt)
+    accum = sheet.strings(entry, (*kp, "accum")) or (base,)
+    for acc in accum:
+        sheet.format(acc, (*kp, "accum"), ACCUM_FORMATS, "accumulator")
+        if FORMATS[acc].is_int != FORMATS[fmt].is_int:
+            raise sheet.error((*kp, "accum"), f"{fmt} cannot accumulate in {acc}", value=acc)
+    if base not in accum:
+        raise sheet.error((*kp, "accum"), f"the accumulators of {fmt} must include {base}")
+    return FormatPeak(
+        dense=sheet.number(entry, (*kp, "dense"), required=True, positive=True),
+        sparse=sparse,
+        sparse_pattern=pattern,
+        csr=sheet.number(entry, (*kp, "csr"), positive=True),
+        accum=accum,
+    )
+
+
+def _kernel_set(sheet: Sheet, table: dict[str, Any], kp: KeyPath,
+                formats: Mapping[str, FormatPeak]) -> KernelSet:
+    sets: dict[str, frozenset[str]] = {}
+    for kind in _KERNEL_KEYS:
+        fmts = sheet.strings(table, (*kp, kind))
+        for fmt in fmts:
+            sheet.format(fmt, (*kp, kind), COMPUTE_FORMATS, "compute")
+            peak = formats.get(fmt)
+            if peak is None:
+                raise sheet.error((*kp, kind), f"format '{fmt}' has no [formats.{fmt}] table",
+                                  value=fmt)
+            if (kind == "sparse" and peak.sparse is None) or (kind == "csr" and peak.csr is None):
+                raise sheet.error((*kp, kind), f"[formats.{fmt}] has no '{kind}' peak", value=fmt)
+            if kind != "dense" and fmt not in sets["dense"]:
+                raise sheet.error((*kp, kind), f"a {kind} {fmt} kernel needs a dense {fmt} "
+                                  "kernel to fall back to", value=fmt)
+        sets[kind] = frozenset(fmts)
+    if "f32" not in sets["dense"]:
+        raise sheet.error((*kp, "dense"), "every op needs a dense f32 kernel: it ends every "
+                          "fallback chain")
+    return KernelSet(**sets)

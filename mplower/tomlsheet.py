@@ -1,0 +1,295 @@
+"""TOML sheets with located diagnostics: the loading layer shared by policy.py and target.py.
+
+Policy sheets and target descriptions are small TOML files that users write by hand, so every
+mistake in them must come back as a `DiagnosticError` pointing at the line that holds it.
+`tomllib` reports positions only for syntax errors and keeps none for keys, so `Sheet` scans
+the source once and records where each key (and each table header) was written; value
+checkers then ask for the location of a key path such as `("override", 1, "compute")`, or of
+one string inside a key's value (an op name in a list). The scan understands what these
+sheets use (tables, arrays of tables, dotted and quoted keys, one-line inline tables) and
+falls back to the nearest enclosing key it knows for anything else.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import re
+import tomllib
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mplower.ir.diagnostics import DiagnosticError, Location
+from mplower.numerics.formats import FORMATS
+
+KeyPath = tuple[str | int, ...]
+
+_PART = r'(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')'
+_DOTTED = rf"{_PART}(?:\s*\.\s*{_PART})*"
+# A header is alone on its line, so that a one-element array inside a multi-line array
+# (`  ["a"],`) is not taken for one.
+_ARRAY_HEADER = re.compile(rf"\s*\[\[\s*({_DOTTED})\s*\]\]\s*(?:#.*)?$")
+_TABLE_HEADER = re.compile(rf"\s*\[\s*({_DOTTED})\s*\]\s*(?:#.*)?$")
+_KEY = re.compile(rf"\s*({_DOTTED})\s*=")
+_TOML_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
+_TOML_END = re.compile(r"\s*\(at end of document\)$")
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`"; did you mean 'x'?"` for the closest choice, or "" when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _split_dotted(text: str) -> tuple[str, ...]:
+    return tuple(m.group(0).strip("'\"") for m in re.finditer(_PART, text))
+
+
+@dataclass
+class Sheet:
+    """A parsed TOML file and the offset in `text` where each key path was written."""
+
+    path: str  # as shown in diagnostics
+    text: str
+    data: dict[str, Any]
+    _offsets: dict[KeyPath, int] = field(default_factory=dict, repr=False)
+    _line_starts: list[int] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def parse(cls, text: str, path: str) -> Sheet:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise DiagnosticError.at(*_syntax_error(str(e), text, path)) from None
+        sheet = cls(path, text, data)
+        sheet._scan()
+        return sheet
+
+    @classmethod
+    def read(cls, path: Path) -> Sheet:
+        where = Location(str(path), 0, 0)
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as e:
+            raise DiagnosticError.at(where, f"cannot read: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise DiagnosticError.at(where, "not UTF-8 text") from None
+        return cls.parse(text, str(path))
+
+    def _scan(self) -> None:
+        self._line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
+        arrays: dict[KeyPath, int] = {}  # array-of-tables path -> index of its last element
+
+        def expand(parts: tuple[str, ...]) -> KeyPath:
+            # `[a.b]` under `[[a]]` refers to the last element of the array `a`.
+            out: list[str | int] = []
+            for p in parts:
+                out.append(p)
+                if tuple(out) in arrays:
+                    out.append(arrays[tuple(out)])
+            return tuple(out)
+
+        current: KeyPath = ()
+        in_multiline = False
+        for start in self._line_starts:
+            end = self.text.find("\n", start)
+            line = self.text[start:] if end < 0 else self.text[start:end]
+            was_multiline = in_multiline
+            if (line.count('"""') + line.count("'''")) % 2:
+                in_multiline = not in_multiline
+            if was_multiline:
+                continue
+            if m := _ARRAY_HEADER.match(line):
+                parent = expand(_split_dotted(m.group(1))[:-1])
+                path = (*parent, _split_dotted(m.group(1))[-1])
+                arrays[path] = arrays.get(path, -1) + 1
+                current = (*path, arrays[path])
+                self._offsets.setdefault(path, start + m.start(1))
+                self._offsets[current] = start + m.start(1)
+            elif m := _TABLE_HEADER.match(line):
+                current = expand(_split_dotted(m.group(1)))
+                self._offsets.setdefault(current, start + m.start(1))
+            elif m := _KEY.match(line):
+                parts = _split_dotted(m.group(1))
+                for i in range(1, len(parts) + 1):
+                    self._offsets.setdefault((*current, *parts[:i]), start + m.start(1))
+
+    def _location(self, offset: int) -> Location:
+        line = bisect.bisect_right(self._line_starts, offset)
+        return Location(self.path, line, offset - self._line_starts[line - 1] + 1)
+
+    def _offset(self, keypath: KeyPath) -> int | None:
+        """Offset of `keypath`, or of the closest enclosing key, searching one-line inline
+        tables (`bf16 = { dense = 1e12 }`) textually for the keys the scan cannot see."""
+        for n in range(len(keypath), 0, -1):
+            if (off := self._offsets.get(keypath[:n])) is not None:
+                break
+        else:
+            return None
+        line_end = self.text.find("\n", off)
+        line_end = len(self.text) if line_end < 0 else line_end
+        for part in keypath[n:]:
+            if not isinstance(part, str):
+                break
+            m = re.compile(rf"(?<![\w.\"'-])[\"']?{re.escape(part)}[\"']?\s*=").search(
+                self.text, off, line_end)
+            if m is None:
+                break
+            off = m.start()
+        return off
+
+    def loc(self, keypath: KeyPath) -> Location:
+        """Where the key at `keypath` was written (or its closest enclosing key)."""
+        off = self._offset(keypath)
+        return Location(self.path, 0, 0) if off is None else self._location(off)
+
+    def value_loc(self, keypath: KeyPath, value: str) -> Location:
+        """Where the string `value` first appears, quoted, in the value of `keypath`."""
+        off = self._offset(keypath)
+        if off is None:
+            return Location(self.path, 0, 0)
+        hits = [i for q in '"\'' if (i := self.text.find(f"{q}{value}{q}", off)) >= 0]
+        return self._location(min(hits)) if hits else self._location(off)
+
+    def error(self, keypath: KeyPath, message: str, *, value: str | None = None) -> DiagnosticError:
+        loc = self.loc(keypath) if value is None else self.value_loc(keypath, value)
+        return DiagnosticError.at(loc, message)
+
+    # -- typed access: each raises a located diagnostic on the wrong shape ------------------
+
+    def table(self, parent: dict[str, Any], keypath: KeyPath, *, required: bool = False
+              ) -> dict[str, Any]:
+        value = parent.get(keypath[-1])
+        if value is None:
+            if required:
+                raise self.error(keypath[:-1], f"missing table [{_dotted(keypath)}]")
+            return {}
+        if not isinstance(value, dict):
+            raise self.error(keypath, f"'{_dotted(keypath)}' must be a table")
+        return value
+
+    def tables(self, parent: dict[str, Any], keypath: KeyPath) -> list[dict[str, Any]]:
+        """The array of tables `[[name]]` at `keypath` (empty when absent)."""
+        value = parent.get(keypath[-1], [])
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            name = _dotted(keypath)
+            raise self.error(keypath, f"'{name}' must be an array of tables: [[{name}]]")
+        return value
+
+    def check_keys(self, table: dict[str, Any], keypath: KeyPath, allowed: Collection[str]
+                   ) -> None:
+        """Reject keys of `table` that are not in `allowed`, suggesting the closest one."""
+        for key in table:
+            if key not in allowed:
+                where = f" in [{_dotted(keypath)}]" if keypath else ""
+                raise self.error((*keypath, key),
+                                 f"unknown key '{key}'{where}{did_you_mean(key, allowed)}")
+
+    def string(self, table: dict[str, Any], keypath: KeyPath, default: str | None = None,
+               *, required: bool = False) -> str | None:
+        return self._typed(table, keypath, str, "a string", default, required)
+
+    def boolean(self, table: dict[str, Any], keypath: KeyPath, default: bool) -> bool:
+        return self._typed(table, keypath, bool, "true or false", default, False)
+
+    def number(self, table: dict[str, Any], keypath: KeyPath, default: float | None = None,
+               *, required: bool = False, positive: bool = False) -> float | None:
+        value = table.get(keypath[-1])
+        if value is None:
+            if required:
+                raise self.error(keypath[:-1], f"missing key '{_dotted(keypath)}'")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.error(keypath, f"'{_dotted(keypath)}' must be a number")
+        if value < 0 or (positive and value == 0):
+            which = "positive" if positive else "non-negative"
+            raise self.error(keypath, f"'{_dotted(keypath)}' must be {which}, not {value}")
+        return float(value)
+
+    def strings(self, table: dict[str, Any], keypath: KeyPath) -> tuple[str, ...]:
+        value = table.get(keypath[-1], [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.error(keypath, f"'{_dotted(keypath)}' must be a list of strings")
+        return tuple(value)
+
+    def _typed(self, table, keypath, kind, what, default, required):
+        value = table.get(keypath[-1])
+        if value is None:
+            if required:
+                raise self.error(keypath[:-1], f"missing key '{_dotted(keypath)}'")
+            return default
+        if not isinstance(value, kind):
+            raise self.error(keypath, f"'{_dotted(keypath)}' must be {what}")
+        return value
+
+    def choice(self, value: str, keypath: KeyPath, choices: Collection[str], what: str) -> str:
+        """Check that `value` (a string in the value of `keypath`) is one of `choices`; `what`
+        names the kind of thing in the message ("format", "op")."""
+        if value not in choices:
+            raise self.error(keypath, f"unknown {what} '{value}'{did_you_mean(value, choices)}",
+                             value=value)
+        return value
+
+    def format(self, value: str, keypath: KeyPath, allowed: Collection[str], role: str) -> str:
+        """Check a format name written in the value of `keypath` (see `format_problem`)."""
+        if (problem := format_problem(value, allowed, role)) is not None:
+            raise self.error(keypath, problem, value=value)
+        return value
+
+
+def format_problem(name: str, allowed: Collection[str], role: str) -> str | None:
+    """What is wrong with `name` as a format for `role` ("compute", "accumulator"), if
+    anything. A real format in the wrong place is told apart from a typo."""
+    if name in allowed:
+        return None
+    if name in FORMATS:
+        article = "an" if role[0] in "aeiou" else "a"
+        return f"'{name}' is not {article} {role} format (expected one of: {', '.join(allowed)})"
+    return f"unknown format '{name}'{did_you_mean(name, FORMATS)}"
+
+
+def _dotted(keypath: KeyPath) -> str:
+    return ".".join(str(p) for p in keypath if isinstance(p, str))
+
+
+def _syntax_error(message: str, text: str, path: str) -> tuple[Location, str]:
+    if m := _TOML_POS.search(message):
+        loc = Location(path, int(m.group(1)), int(m.group(2)))
+        message = message[: m.start()]
+    elif m := _TOML_END.search(message):
+        lines = text.splitlines() or [""]
+        loc = Location(path, len(lines), len(lines[-1]) + 1)  # just after the last character
+        message = message[: m.start()] + " at end of file"
+    else:
+        loc = Location(path, 0, 0)
+    return loc, f"invalid TOML: {message[:1].lower()}{message[1:]}"
+
+
+def locate(spec: str, kind: str, builtin_dir: Path, search_dir: str | Path | None
+           ) -> tuple[Path, str]:
+    """The file a `spec` names and the `source` to record for it.
+
+    A spec that ends in `.toml` or contains a path separator is a file, relative to
+    `search_dir` when given (the folder of the IR file that names it); anything else is the
+    name of a built-in sheet in `builtin_dir`.
+    """
+    if spec.endswith(".toml") or "/" in spec or "\\" in spec:
+        path = Path(spec)
+        if search_dir is not None and not path.is_absolute():
+            path = Path(search_dir) / path
+        if not path.is_file():
+            raise DiagnosticError.at(Location(str(path), 0, 0), f"no such {kind} file")
+        return path, str(path)
+    names = builtin_names(builtin_dir)
+    if spec not in names:
+        raise DiagnosticError.at(
+            Location(f"<{kind}>", 0, 0),
+            f"unknown built-in {kind} '{spec}'{did_you_mean(spec, names)} "
+            f"(built-ins: {', '.join(names)}; or give a path to a .toml file)")
+    return builtin_dir / f"{spec}.toml", f"builtin:{spec}"
+
+
+def builtin_names(builtin_dir: Path) -> list[str]:
+    return sorted(p.stem for p in builtin_dir.glob("*.toml"))
