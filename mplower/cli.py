@@ -58,13 +58,13 @@ def _opt_parser(sub) -> None:
     p.add_argument("--verify-diagnostics", action="store_true",
                    help="check emitted diagnostics against // expected-error comments")
     p.add_argument("--weights", help="weights .npz to use instead of the module's mp.weights")
-    p.set_defaults(func=cmd_opt)
+    p.set_defaults(handler=cmd_opt)
 
 
 def _passes_parser(sub) -> None:
     p = sub.add_parser("passes", help="list every pass with its options")
     p.add_argument("--format", choices=("text", "markdown"), default="text")
-    p.set_defaults(func=cmd_passes)
+    p.set_defaults(handler=cmd_passes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        return args.handler(args)
     except UsageError as e:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"mplower: error: {e}\n")

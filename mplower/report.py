@@ -1,0 +1,127 @@
+"""The precision policy sheet of a (lowered) module: per op what it computes in, why, and its cost.
+
+One row per operation: result name, op, compute format, accumulator, kernel, reason, FLOPs and
+the roofline time the target's cost model gives it (mplower.target.Target.op_time); the
+summary adds the total and the speedup against the same module run entirely in f32. The
+compute format of an op is its `mp.precision`, or the element type it already has.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ir.types import TensorType
+from mplower.numerics.formats import FORMATS
+from mplower.ops import OPS, attr_type, check_attrs
+from mplower.target import DENSE, Target
+
+COLUMNS = ("name", "op", "compute", "accum", "kernel", "reason", "flops", "modeled_time_s")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    op: str
+    compute: str
+    accum: str | None
+    kernel: str
+    reason: str
+    flops: int
+    modeled_time_s: float
+    fp32_time_s: float
+
+
+def _wide(t: TensorType) -> TensorType:
+    return t.with_elem("f32") if FORMATS[t.elem].is_float else t
+
+
+def op_row(f: Function, n: int, target: Target) -> Row | None:
+    d = f.data(n)
+    op = d["op"]
+    if op in (ARG, RETURN) or op == "mp.constant" or op not in OPS:
+        return None
+    opdef = OPS[op]
+    attrs = d["attrs"]
+    ins, outs = f.operand_types(n), d["types"]
+    flops = int(opdef.flops(ins, outs, check_attrs(opdef, attrs)))
+    compute = attr_type(attrs["mp.precision"]) if "mp.precision" in attrs else (
+        ins[0].elem if ins else outs[0].elem)
+    accum = attr_type(attrs["mp.accum"]) if "mp.accum" in attrs else None
+    kernel = attrs.get("mp.kernel", DENSE)
+    try:
+        time = target.op_time(flops, opdef.bytes_moved(ins, outs), compute, kernel)
+    except ValueError:  # a format the target has no rate for (e.g. i1): price it as f32
+        time = target.op_time(flops, opdef.bytes_moved(ins, outs), "f32")
+    # The f32 plan has no casts: they exist only because of the lowering.
+    fp32 = 0.0 if op == "mp.cast" else target.op_time(
+        flops, opdef.bytes_moved([_wide(t) for t in ins], [_wide(t) for t in outs]), "f32")
+    name = f.value_name((n, 0)) if outs else op
+    return Row(name, op, compute, accum, kernel, attrs.get("mp.reason", ""), flops, time, fp32)
+
+
+def precision_sheet(module: Module, target: Target, func: str | None = None) -> dict[str, Any]:
+    f = module.function(func)
+    rows = [r for r in (op_row(f, n, target) for n in f.ops()) if r is not None]
+    total = sum(r.modeled_time_s for r in rows)
+    fp32_total = sum(r.fp32_time_s for r in rows)
+    return {
+        "function": f.name,
+        "target": target.name,
+        "policy": module.attrs.get("mp.policy"),
+        "ops": [{c: getattr(r, c) for c in COLUMNS} for r in rows],
+        "summary": {
+            "ops": len(rows),
+            "lowered_ops": sum(1 for r in rows if r.compute not in ("f32", "f64")),
+            "flops": sum(r.flops for r in rows),
+            "modeled_time_s": total,
+            "fp32_modeled_time_s": fp32_total,
+            "modeled_speedup_vs_fp32": fp32_total / total if total else 1.0,
+            "modeled_inferences_per_s": 1.0 / total if total else float("inf"),
+        },
+    }
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    out = []
+    for c in COLUMNS:
+        v = row[c]
+        if c == "modeled_time_s":
+            out.append(f"{v * 1e6:.3f} us")
+        elif v is None:
+            out.append("-")
+        else:
+            out.append(str(v))
+    return out
+
+
+def render(sheet: dict[str, Any], fmt: str) -> str:
+    s = sheet["summary"]
+    if fmt == "json":
+        return json.dumps(sheet, indent=2) + "\n"
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(COLUMNS)
+        for r in sheet["ops"]:
+            w.writerow([r[c] if r[c] is not None else "" for c in COLUMNS])
+        return buf.getvalue()
+    header = ["name", "op", "compute", "accum", "kernel", "reason", "flops", "modeled time"]
+    rows = [_cells(r) for r in sheet["ops"]]
+    footer = (f"{s['ops']} ops, {s['lowered_ops']} lowered; modeled {s['modeled_time_s'] * 1e6:.3f}"
+              f" us on {sheet['target']} ({s['modeled_inferences_per_s']:.1f} inferences/s), "
+              f"{s['modeled_speedup_vs_fp32']:.2f}x the f32 plan")
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+        return "\n".join(lines) + f"\n\n{footer}\n"
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines) + f"\n{footer}\n"

@@ -1,0 +1,41 @@
+"""`mplower report`: print the precision policy sheet of a module (see mplower/report.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("report", help="the precision policy sheet of a (lowered) module",
+                       description="One row per op: compute format, accumulator, kernel, "
+                                   "reason, FLOPs and modeled time on a target.")
+    p.add_argument("input", help="IR file, or - for stdin")
+    p.add_argument("--target", default=None,
+                   help="target for the cost model (default: the module's mp.target, or generic)")
+    p.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table")
+    p.add_argument("--func", default=None, help="function to report (default: main or the only one)")
+    p.add_argument("-o", dest="output", default="-", help="output file (default stdout)")
+    p.set_defaults(handler=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from mplower.cli import read_input, write_output
+    from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+    from mplower.ir.parser import parse
+    from mplower.ir.verifier import verify
+    from mplower.ops import OPS
+    from mplower.report import precision_sheet, render
+    from mplower.target import load_target
+
+    text, name = read_input(args.input)
+    args._source = text
+    module = parse(text, name)
+    verify(module)
+    target = load_target(args.target or module.attrs.get("mp.target", "generic"), known_ops=OPS)
+    try:
+        sheet = precision_sheet(module, target, args.func)
+    except KeyError as e:
+        raise DiagnosticError(Diagnostic(module.loc, str(e).strip("'\""))) from None
+    write_output(args.output, render(sheet, args.format))
+    return 0
+

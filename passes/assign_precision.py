@@ -1,0 +1,97 @@
+"""`assign-precision`: annotate each op with the compute format, accumulator and reason from a policy.
+
+For every op in program order the policy sheet decides (mplower.policy.Policy.decide): allow-list
+ops are lowered, follow ops are lowered when one of their float inputs already is, deny-list
+ops stay f32, overrides and keep-first-last adjust that. The pass records the decision as
+`mp.precision`, `mp.accum` (matmul, conv, reductions) and `mp.reason`, and the sheet on the
+module (`mp.policy`, for the guardrails of `mplower run`). It changes no type: `insert-casts`
+materializes the plan. A module that the sheet lowers nowhere (the fp32 sheet) is left
+untouched, so that pipeline is the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.types import TypeAttr
+from mplower.numerics.formats import FORMATS
+from mplower.ops import OPS
+from mplower.pass_manager import Pass, PassContext, option, register_pass
+from mplower.policy import COMPUTE_HEAVY, TYPE_CARRYING, Decision, Policy, load_policy, result_format
+
+PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
+
+
+def _is_lowered(elem: str) -> bool:
+    """Narrower than f32: what makes a follow op lower itself too."""
+    f = FORMATS[elem]
+    return f.is_float and f.bits < 32
+
+
+def plan_function(f: Function, policy: Policy) -> dict[int, Decision]:
+    """The policy's decision for every op that takes one, in program order."""
+    nodes = f.graph.nodes
+    order = f.ops()
+    heavy = [n for n in order if nodes[n]["op"] in COMPUTE_HEAVY]
+    first_last = {heavy[0], heavy[-1]} if heavy else set()
+    out_format: dict[int, str] = {}  # node -> element type of its float results under the plan
+    plan: dict[int, Decision] = {}
+    for a in f.args:
+        out_format[a] = nodes[a]["types"][0].elem
+    for n in order:
+        d = nodes[n]
+        op = d["op"]
+        if op == RETURN:
+            continue
+        if op in TYPE_CARRYING or op not in OPS or not d["types"]:
+            out_format[n] = d["types"][0].elem if d["types"] else "f32"
+            continue
+        lowered = any(_is_lowered(out_format[v[0]]) for v in f.operands(n)
+                      if FORMATS[f.type_of(v).elem].is_float)
+        decision = policy.decide(op, d["name"], lowered, n in first_last)
+        if decision.compute not in OPS[op].precisions:
+            decision = Decision("f32", decision.accum and "f32",
+                                f"{op} has no {decision.compute} form")
+        plan[n] = decision
+        out_format[n] = result_format(op, decision.compute, decision.accum)
+    return plan
+
+
+@register_pass
+@dataclass
+class AssignPrecision(Pass):
+    """Assign each op a compute format, accumulator and reason from a precision policy sheet.
+
+    The sheet is a built-in name (`mplower.policy.builtin_policies()`: fp32, tf32, bf16, fp16,
+    fp8, int8, w8a16, ...) or a path to a TOML sheet (docs/policy.md). Annotations:
+    `mp.precision`, `mp.accum`, `mp.reason`; the module gets `mp.policy`. Types are not
+    changed; run `insert-casts` (after `legalize`) to materialize the plan.
+    """
+
+    name: ClassVar[str] = "assign-precision"
+    statistics: ClassVar[dict[str, str]] = {
+        "ops-lowered": "ops assigned a format narrower than f32",
+        "ops-kept-wide": "ops kept in f32 (deny-list, keep-first-last, not listed, ...)",
+    }
+    policy: str = option("bf16", "built-in policy sheet name or path to a .toml sheet")
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        policy = load_policy(self.policy, known_ops=OPS)
+        plans = {name: plan_function(f, policy) for name, f in module.functions.items()}
+        if not any(d.compute != "f32" for plan in plans.values() for d in plan.values()):
+            return  # the sheet lowers nothing here: leave the module exactly as it was
+        for name, f in module.functions.items():
+            for n, d in plans[name].items():
+                f.set_attr(n, PRECISION, TypeAttr(d.compute))
+                if d.accum is not None:
+                    f.set_attr(n, ACCUM, TypeAttr(d.accum))
+                else:
+                    f.del_attr(n, ACCUM)
+                f.set_attr(n, REASON, d.reason)
+                ctx.stat("ops-lowered" if d.compute != "f32" else "ops-kept-wide")
+        module.attrs["mp.policy"] = policy.source.removeprefix("builtin:")
+        if not policy.keep_io_types:
+            module.attrs["mp.keep_io_types"] = False
+

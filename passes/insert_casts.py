@@ -1,0 +1,143 @@
+"""`insert-casts`: materialize the precision plan as `mp.cast` ops and narrower result types.
+
+Every op annotated with a float `mp.precision` gets its float operands in that format and its
+float results in the format it writes (mplower.policy.result_format: the compute format, or
+the accumulator for tf32/fp8 matmuls). Wherever a value crosses into a different format one
+`mp.cast` is inserted right after its producer and shared by every consumer that needs that
+format (TVM's cast cache), so there is exactly one cast per (value, format). Ops without an
+annotation keep the operand types they had. With the module's `keep_io_types` (the default;
+`mp.keep_io_types = false` comes from a sheet that says otherwise) the function signature is
+untouched and returned values are cast back; otherwise arguments used only in one narrower
+format and the results take the narrow types. Integer plans (`i8`) are left to `quantize`,
+which needs calibrated scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.numerics.formats import FORMATS
+from mplower.ops import attr_type
+from mplower.pass_manager import Pass, PassContext, register_pass
+from mplower.policy import TYPE_CARRYING, result_format
+
+PRECISION, ACCUM = "mp.precision", "mp.accum"
+
+
+def _float(elem: str) -> bool:
+    return FORMATS[elem].is_float
+
+
+class _Casts:
+    """The cast cache of one function: (value, element type) -> the value in that type."""
+
+    def __init__(self, f: Function, ctx: PassContext):
+        self.f, self.ctx = f, ctx
+        self.cache: dict[tuple[Value, str], Value] = {}
+
+    def get(self, value: Value, elem: str) -> Value:
+        f = self.f
+        t = f.type_of(value)
+        if t.elem == elem:
+            return value
+        key = (value, elem)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        src = f.data(value[0])
+        if src["op"] == "mp.cast":  # cast the original, not a cast of it
+            (origin,) = f.operands(value[0])
+            if f.type_of(origin).elem == elem:
+                self.cache[key] = origin
+                return origin
+        base = src["name"] + (f"_{value[1]}" if len(src["types"]) > 1 else "")
+        node = f.create_op("mp.cast", [value], [t.with_elem(elem)], after=value[0],
+                           name_hint=f"{base}_{elem}")
+        self.ctx.stat("casts-inserted")
+        self.cache[key] = (node, 0)
+        return (node, 0)
+
+
+def _wanted(f: Function, n: int) -> str | None:
+    """The float format op `n` wants its float operands in, or None to keep them as they are."""
+    attrs = f.attrs_of(n)
+    p = attrs.get(PRECISION)
+    if p is None or f.op(n) in TYPE_CARRYING:
+        return None
+    elem = attr_type(p)
+    return elem if _float(elem) else None
+
+
+def insert_casts(f: Function, ctx: PassContext, keep_io_types: bool) -> None:
+    casts = _Casts(f, ctx)
+    original = {n: [t.elem for t in f.operand_types(n)] for n in f.ops()}
+    if not keep_io_types:
+        _narrow_arguments(f, ctx)
+    for n in f.ops():
+        op = f.op(n)
+        if op == RETURN or op == "mp.cast" and n not in original:
+            continue
+        want = _wanted(f, n)
+        for pos, v in enumerate(f.operands(n)):
+            elem = f.type_of(v).elem
+            if not _float(elem):
+                continue
+            target = want if want is not None else original[n][pos]
+            if op in TYPE_CARRYING:
+                target = original[n][pos]
+            if elem != target:
+                f.set_operand(n, pos, casts.get(v, target))
+        if want is not None:
+            attrs = f.attrs_of(n)
+            accum = attr_type(attrs[ACCUM]) if ACCUM in attrs else None
+            out = result_format(op, want, accum)
+            for i, t in enumerate(f.types(n)):
+                if _float(t.elem) and t.elem != out:
+                    f.set_result_type(n, i, t.with_elem(out))
+                    ctx.stat("results-narrowed")
+    ret = f.return_node
+    for pos, v in enumerate(f.operands(ret)):
+        declared = f.result_types[pos]
+        if keep_io_types:
+            if f.type_of(v) != declared:
+                f.set_operand(ret, pos, casts.get(v, declared.elem))
+        else:
+            f.result_types[pos] = f.type_of(v)
+
+
+def _narrow_arguments(f: Function, ctx: PassContext) -> None:
+    """Without keep_io_types, an argument all of whose users want one narrower format takes it."""
+    for a in f.args:
+        t = f.type_of((a, 0))
+        users = f.uses((a, 0))
+        wants = {_wanted(f, u) for u, _ in users}
+        if users and len(wants) == 1 and None not in wants:
+            (elem,) = wants
+            if elem != t.elem and FORMATS[elem].bits < FORMATS[t.elem].bits:
+                f.set_result_type(a, 0, t.with_elem(elem))
+                ctx.stat("arguments-narrowed")
+
+
+@register_pass
+@dataclass
+class InsertCasts(Pass):
+    """Materialize `mp.precision` annotations as `mp.cast` ops and narrower result types.
+
+    One cast per (value, format), placed right after the value's producer and shared by all of
+    its consumers. The function signature is kept unless the module says
+    `mp.keep_io_types = false`. Run `canonicalize` afterwards to drop exact cast round trips.
+    """
+
+    name: ClassVar[str] = "insert-casts"
+    statistics: ClassVar[dict[str, str]] = {
+        "casts-inserted": "mp.cast ops created",
+        "results-narrowed": "op results given a narrower type",
+        "arguments-narrowed": "function arguments given a narrower type (keep_io_types off)",
+    }
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        keep = module.attrs.get("mp.keep_io_types", True) is not False
+        for f in module.functions.values():
+            insert_casts(f, ctx, keep)
