@@ -48,8 +48,10 @@ def plan_function(f: Function, policy: Policy) -> dict[int, Decision]:
         if op in TYPE_CARRYING or op not in OPS or not d["types"]:
             out_format[n] = d["types"][0].elem if d["types"] else "f32"
             continue
-        lowered = any(_is_lowered(out_format[v[0]]) for v in f.operands(n)
-                      if FORMATS[f.type_of(v).elem].is_float)
+        # TVM's FOLLOW rule: lowered when every float input that is not a constant is.
+        inputs = [v for v in f.operands(n) if FORMATS[f.type_of(v).elem].is_float
+                  and nodes[v[0]]["op"] != "mp.constant"]
+        lowered = bool(inputs) and all(_is_lowered(out_format[v[0]]) for v in inputs)
         decision = policy.decide(op, d["name"], lowered, n in first_last)
         if decision.compute not in OPS[op].precisions:
             decision = Decision("f32", decision.accum and "f32",

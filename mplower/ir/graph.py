@@ -37,6 +37,7 @@ class Function:
         self._order: list[int] = []  # ops in program order, args excluded, return last
         self._before: dict[int, list[int]] = {}  # pending insertions, applied lazily
         self._after: dict[int, list[int]] = {}
+        self._at_start: list[int] = []  # created right after the arguments, in creation order
         self._dirty = False
         self._next_id = 0
         self._names: set[str] = set()
@@ -153,16 +154,11 @@ class Function:
         if before is not None:
             self._before.setdefault(before, []).append(node)
         elif self.graph.nodes[after]["op"] == ARG:  # after an argument: at the body's start
-            self._before.setdefault(self._first_op(), []).append(node)
+            self._at_start.append(node)
         else:
             self._after.setdefault(after, []).append(node)
         self._dirty = True
         return node
-
-    def _first_op(self) -> int:
-        if self._dirty:
-            self._materialize()
-        return self._order[0]
 
     def replace_all_uses(self, old: Value, new: Value, *, exclude: Iterable[int] = ()) -> int:
         """Point every use of `old` (except by the ops in `exclude`) at `new`; returns the count."""
@@ -211,9 +207,12 @@ class Function:
             for a in self._after.pop(n, ()):
                 emit(a)
 
+        for n in self._at_start:
+            emit(n)
         for n in self._order:
             emit(n)
         self._order = order
+        self._at_start = []
         self._before.clear()
         self._after.clear()
         self._dirty = False

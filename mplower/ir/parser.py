@@ -117,9 +117,11 @@ _PUNCT = {"(": "LPAR", ")": "RPAR", "{": "LBRACE", "}": "RBRACE", "[": "LSQB", "
 _KEYWORDS = {"module": "MODULE", "func.func": "FUNC", "return": "RETURN",
              "func.return": "FUNC_RETURN", "true": "TRUE", "false": "FALSE", "dense": "DENSE",
              "attributes": "_ATTRIBUTES"}
-_MASTER = re.compile(r"(?:[ \t\f\r\n]+|//[^\n]*)*(?:"
-                     + "|".join(f"(?P<{n}>{p})" for n, p in _TOKENS) + ")")
-_SKIP = re.compile(r"(?:[ \t\f\r\n]+|//[^\n]*)*")
+# Whitespace and comments are skipped possessively: backtracking into a comment would let a
+# token match inside it.
+_SPACE = r"(?:[ \t\f\r\n]++|//[^\n]*+)*+"
+_MASTER = re.compile(_SPACE + "(?:" + "|".join(f"(?P<{n}>{p})" for n, p in _TOKENS) + ")")
+_SKIP = re.compile(_SPACE)
 
 
 class _IRLexer(Lexer):
