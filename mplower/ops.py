@@ -1092,21 +1092,13 @@ def _cast_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
 def _round_to_format(x: np.ndarray, elem: str) -> np.ndarray:
     """float32 values rounded to nearest-even in a narrower float format, held in float32.
 
-    The oracle DESIGN §6 names for the backend's emulation: numpy's float16 and ml_dtypes
-    (a dependency of onnx) for bf16 and fp8; TF32 is f32 with 13 fewer mantissa bits.
+    The rounding lives in mplower.numerics.rounding (tested bit-exact against ml_dtypes and
+    numpy's float16 over every float32 input); the import is local so that ops.py stays
+    importable without numba's compile step.
     """
-    if elem == "f16":
-        return x.astype(np.float16).astype(np.float32)
-    if elem == "tf32":
-        bits = x.view(np.uint32)
-        half = np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))
-        rounded = ((bits + half) & np.uint32(0xFFFFE000)).view(np.float32)
-        return np.where(np.isnan(x), x, rounded)
-    import ml_dtypes  # only narrow float casts need it
+    from mplower.numerics.rounding import round_to
 
-    dtype = {"bf16": ml_dtypes.bfloat16, "f8E4M3FN": ml_dtypes.float8_e4m3fn,
-             "f8E5M2": ml_dtypes.float8_e5m2}[elem]
-    return x.astype(dtype).astype(np.float32)
+    return round_to(np.ascontiguousarray(x, dtype=np.float32), elem)[0]
 
 
 def _convert(x: np.ndarray, elem: str, saturate: bool) -> np.ndarray:

@@ -33,8 +33,11 @@ def eliminate_common_subexpressions(f: Function) -> int:
         opdef = OPS.get(d["op"])
         if d["op"] == RETURN or opdef is None or not opdef.pure:
             continue
-        operands = tuple(f.operands(n))
-        key = (d["op"], operands, _hashable(d["attrs"]), tuple(d["types"]))
+        try:  # scalar attribute values hash as they are; order does not matter
+            attrs = frozenset(d["attrs"].items())
+        except TypeError:
+            attrs = _hashable(d["attrs"])
+        key = (d["op"], tuple(f.operands(n)), attrs, tuple(d["types"]))
         first = seen.get(key)
         if first is None:
             seen[key] = n

@@ -16,7 +16,7 @@ def eliminate_dead_ops(f: Function) -> int:
     erased = 0
     for n in reversed(f.ops()):
         op = g.nodes[n]["op"]
-        if op in (RETURN, ARG) or g.out_degree(n):
+        if op in (RETURN, ARG) or f.has_uses(n):
             continue
         opdef = OPS.get(op)
         if opdef is not None and opdef.pure:

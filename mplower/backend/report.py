@@ -1,0 +1,142 @@
+"""The run report: per op what was asked, what ran, what fell back and why, and the drift.
+
+Schema (DESIGN §6; docs/report.md): `summary` with op and fallback counts, overflow/underflow/
+NaN totals, the outputs' drift against the fp32 reference (rel_l2, max_abs, SQNR), guardrails
+and a verdict; `ops`, one entry per executed op. Guardrails come from the module's policy
+sheet (`mp.policy`, recorded by assign-precision) or from the command line; non-finite figures
+(an op that overflowed to inf) are written as null in JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from mplower.backend.executor import OpResult, RunResult
+
+GUARDRAIL_KEYS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "min_top1_agreement")
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def output_drift(result: RunResult) -> dict[str, float | None]:
+    """Drift of all outputs together against the fp32 reference, and top-1 agreement."""
+    ys = [np.asarray(y, np.float64).ravel() for y in result.outputs]
+    rs = [np.asarray(r, np.float64).ravel() for r in result.reference]
+    y, r = np.concatenate(ys), np.concatenate(rs)
+    diff = y - r
+    if not np.all(np.isfinite(diff)):
+        rel, max_abs, sqnr = math.inf, math.inf, -math.inf
+    else:
+        signal, noise = float(np.sum(r * r)), float(np.sum(diff * diff))
+        rel = math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf)
+        max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
+        sqnr = 10 * math.log10(signal / noise) if noise > 0 else math.inf
+    out0, ref0 = np.asarray(result.outputs[0]), np.asarray(result.reference[0])
+    top1 = None
+    if out0.ndim >= 1 and out0.shape[-1] > 1 and out0.dtype.kind == "f":
+        top1 = float(np.mean(np.argmax(out0, axis=-1) == np.argmax(ref0, axis=-1)))
+    return {"output_rel_l2": rel, "output_max_abs": max_abs, "sqnr_db": sqnr,
+            "top1_agreement": top1}
+
+
+def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
+    value_of = {"max_rel_l2": summary["output_rel_l2"], "min_sqnr_db": summary["sqnr_db"],
+                "max_overflow": summary["overflow"],
+                "min_top1_agreement": summary["top1_agreement"]}
+    out = {}
+    for key, limit in limits.items():
+        v = value_of[key]
+        if v is None:
+            ok = False
+        elif key.startswith("max_"):
+            ok = v <= limit
+        else:
+            ok = v >= limit
+        out[key] = {"limit": limit, "value": _finite(v) if isinstance(v, float) else v, "ok": ok}
+    return out
+
+
+def op_entry(r: OpResult) -> dict[str, Any]:
+    s = r.step
+    return {
+        "name": s.name, "op": s.op, "type": str(s.out_type),
+        "requested": s.requested, "executed": s.executed,
+        "fallback": s.reason is not None, "reason": s.reason,
+        "overflow": r.counts.overflow, "underflow": r.counts.underflow, "nan": r.counts.nan,
+        "rel_l2": _finite(r.rel_l2), "sqnr_db": _finite(r.sqnr_db),
+        "max_abs": _finite(r.max_abs), "flops": s.flops,
+    }
+
+
+def build_report(result: RunResult, guardrails: dict[str, float],
+                 policy: str | None = None) -> dict[str, Any]:
+    ops = [op_entry(r) for r in result.ops]
+    counted = [o for o in ops if o["op"] != "mp.constant"]
+    fallbacks = sum(1 for o in counted if o["fallback"])
+    drift = output_drift(result)
+    summary: dict[str, Any] = {
+        "ops": len(counted), "fallback_ops": fallbacks,
+        "fallback_rate": fallbacks / len(counted) if counted else 0.0,
+        "overflow": sum(o["overflow"] for o in ops),
+        "underflow": sum(o["underflow"] for o in ops),
+        "nan": sum(o["nan"] for o in ops),
+        **drift,
+    }
+    summary["guardrails"] = evaluate_guardrails(guardrails, summary)
+    summary["verdict"] = "pass" if all(g["ok"] for g in summary["guardrails"].values()) else "fail"
+    for key in ("output_rel_l2", "output_max_abs", "sqnr_db"):
+        summary[key] = _finite(summary[key])
+    return {"policy": policy, "summary": summary, "ops": ops}
+
+
+def _severity(op: dict[str, Any]) -> float:
+    """Sort key for "worst first": drift, with overflowed ops (no finite drift) on top."""
+    if op["rel_l2"] is not None:
+        return op["rel_l2"]
+    return math.inf if op["overflow"] or op["nan"] else -1.0
+
+
+def render(report: dict[str, Any], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(report, indent=2, allow_nan=False) + "\n"
+    s = report["summary"]
+    worst = sorted((o for o in report["ops"] if o["op"] != "mp.constant"),
+                   key=lambda o: -_severity(o))
+    header = ["name", "op", "requested", "executed", "fallback", "overflow", "underflow",
+              "nan", "rel_l2", "sqnr_db"]
+
+    def fmt_plan(p: dict) -> str:
+        text = p["precision"] + (f"/{p['accum']}" if p.get("accum") else "")
+        return text if p.get("kernel", "dense") == "dense" else f"{text} {p['kernel']}"
+
+    def num(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    rows = [[o["name"], o["op"], fmt_plan(o["requested"]), fmt_plan(o["executed"]),
+             o["reason"] or "-", str(o["overflow"]), str(o["underflow"]), str(o["nan"]),
+             num(o["rel_l2"], ".3g"), num(o["sqnr_db"], ".1f")] for o in worst]
+    g = ", ".join(f"{k} {v['value']!s} {'<=' if k.startswith('max') else '>='} {v['limit']} "
+                  f"{'ok' if v['ok'] else 'FAILED'}" for k, v in s["guardrails"].items())
+    lines = [f"verdict: {s['verdict']}" + (f" ({g})" if g else " (no guardrails)"),
+             f"outputs: rel_l2 {num(s['output_rel_l2'], '.4g')}, max_abs "
+             f"{num(s['output_max_abs'], '.4g')}, sqnr {num(s['sqnr_db'], '.2f')} dB"
+             + (f", top-1 agreement {s['top1_agreement']:.4f}"
+                if s["top1_agreement"] is not None else ""),
+             f"ops: {s['ops']}, fallbacks: {s['fallback_ops']} ({100 * s['fallback_rate']:.1f}%), "
+             f"overflow {s['overflow']}, underflow {s['underflow']}, nan {s['nan']}", ""]
+    if fmt == "markdown":
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+                  for i, h in enumerate(header)]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines) + "\n"
