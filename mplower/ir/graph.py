@@ -49,41 +49,53 @@ class Function:
             self._materialize()
         return list(self._order)
 
+    @property
+    def nodes(self) -> dict[int, dict[str, Any]]:
+        """Node data by node id (networkx's own dict: read it, mutate through the methods)."""
+        return self.graph._node
+
     def __len__(self) -> int:
         return self.graph.number_of_nodes() - len(self.args)
 
     def op(self, node: int) -> str:
-        return self.graph.nodes[node]["op"]
+        return self.graph._node[node]["op"]
 
     def data(self, node: int) -> dict[str, Any]:
-        return self.graph.nodes[node]
+        return self.graph._node[node]
 
     def attrs_of(self, node: int) -> dict[str, Any]:
-        return self.graph.nodes[node]["attrs"]
+        return self.graph._node[node]["attrs"]
 
     def types(self, node: int) -> list[TensorType]:
-        return self.graph.nodes[node]["types"]
+        return self.graph._node[node]["types"]
 
     def type_of(self, value: Value) -> TensorType:
-        return self.graph.nodes[value[0]]["types"][value[1]]
+        return self.graph._node[value[0]]["types"][value[1]]
+
+    # networkx's node and adjacency dicts (`_node[n]`, `_pred[v][u][key]`, `_succ[u][v][key]`)
+    # are read directly on these hot paths: its views cost several times more per call.
+    def operand_edges(self, node: int) -> list[tuple[int, int, int]]:
+        """(position, producer, result index) of each operand, in operand order."""
+        edges = [(d["pos"], u, d["res"]) for u, keyed in self.graph._pred[node].items()
+                 for d in keyed.values()]
+        edges.sort()
+        return edges
 
     def operands(self, node: int) -> list[Value]:
-        ins = sorted(self.graph.in_edges(node, data=True), key=lambda e: e[2]["pos"])
-        return [(u, d["res"]) for u, _, d in ins]
+        return [(u, r) for _, u, r in self.operand_edges(node)]
 
     def operand_types(self, node: int) -> list[TensorType]:
-        nodes = self.graph.nodes
-        ins = sorted(self.graph.in_edges(node, data=True), key=lambda e: e[2]["pos"])
-        return [nodes[u]["types"][d["res"]] for u, _, d in ins]
+        nodes = self.graph._node
+        return [nodes[u]["types"][r] for _, u, r in self.operand_edges(node)]
 
     def uses(self, value: Value) -> list[tuple[int, int]]:
         """(user node, operand position) for every use of `value`."""
         node, res = value
-        return [(v, d["pos"]) for _, v, d in self.graph.out_edges(node, data=True)
-                if d["res"] == res]
+        return [(v, d["pos"]) for v, keyed in self.graph._succ[node].items()
+                for d in keyed.values() if d["res"] == res]
 
     def has_uses(self, node: int) -> bool:
-        return self.graph.out_degree(node) > 0
+        return bool(self.graph._succ[node])
 
     def value_name(self, value: Value) -> str:
         d = self.graph.nodes[value[0]]
@@ -164,23 +176,24 @@ class Function:
         """Point every use of `old` (except by the ops in `exclude`) at `new`; returns the count."""
         skip = set(exclude)
         node, res = old
-        moved = [(v, k, d) for _, v, k, d in self.graph.out_edges(node, keys=True, data=True)
-                 if d["res"] == res and v not in skip]
+        moved = [(v, k, d) for v, keyed in self.graph._succ[node].items()
+                 for k, d in keyed.items() if d["res"] == res and v not in skip]
         for v, k, d in moved:
             self.graph.remove_edge(node, v, key=k)
             self.graph.add_edge(new[0], v, pos=d["pos"], res=new[1])
         return len(moved)
 
     def set_operand(self, node: int, pos: int, value: Value) -> None:
-        for u, _, k, d in list(self.graph.in_edges(node, keys=True, data=True)):
-            if d["pos"] == pos:
-                self.graph.remove_edge(u, node, key=k)
+        for u, keyed in self.graph._pred[node].items():
+            key = next((k for k, d in keyed.items() if d["pos"] == pos), None)
+            if key is not None:
+                self.graph.remove_edge(u, node, key=key)
                 break
         self.graph.add_edge(value[0], node, pos=pos, res=value[1])
 
     def erase(self, node: int) -> None:
         """Remove an op whose results have no uses."""
-        if self.graph.out_degree(node):
+        if self.graph._succ[node]:
             raise ValueError(f"cannot erase {self.graph.nodes[node]['op']}: its results are used")
         self._names.discard(self.graph.nodes[node]["name"])
         self.graph.remove_node(node)

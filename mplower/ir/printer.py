@@ -27,7 +27,6 @@ def _functype_str(ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> 
 
 def print_function(f: Function, generic: bool = False, indent: str = "  ") -> str:
     nodes = f.graph.nodes
-    in_edges = f.graph.in_edges
     args = ", ".join(f"%{nodes[a]['name']}: {nodes[a]['types'][0]}" for a in f.args)
     header = f"{indent}func.func @{_symbol(f.name)}({args})"
     if f.result_types:
@@ -43,9 +42,9 @@ def print_function(f: Function, generic: bool = False, indent: str = "  ") -> st
         names[a] = "%" + nodes[a]["name"]
     for n in f.ops():
         d = nodes[n]
-        edges = sorted(in_edges(n, data=True), key=_pos)
-        operands = [names[u] if u not in multi else f"{names[u]}#{e['res']}" for u, _, e in edges]
-        in_types = tuple(nodes[u]["types"][e["res"]] for u, _, e in edges)
+        edges = f.operand_edges(n)
+        operands = [names[u] if u not in multi else f"{names[u]}#{r}" for _, u, r in edges]
+        in_types = tuple(nodes[u]["types"][r] for _, u, r in edges)
         op = d["op"]
         if op == RETURN:
             if generic:
@@ -73,10 +72,6 @@ def print_function(f: Function, generic: bool = False, indent: str = "  ") -> st
             lines.append(f"{body}{lhs}{op}{ops}{attrs} : {ftype}")
     lines.append(indent + "}")
     return "\n".join(lines)
-
-
-def _pos(edge: tuple) -> int:
-    return edge[2]["pos"]
 
 
 def _symbol(name: str) -> str:

@@ -49,24 +49,23 @@ def verify_function(f: Function) -> list[Diagnostic]:
             seen_names[name] = n
     for i, n in enumerate(order):
         d = nodes[n]
-        edges = sorted(g.in_edges(n, data=True), key=lambda e: e[2]["pos"])
-        if [e[2]["pos"] for e in edges] != list(range(len(edges))):
+        edges = f.operand_edges(n)
+        if [e[0] for e in edges] != list(range(len(edges))):
             diags.append(Diagnostic(d["loc"], "internal: operand positions are not 0..n-1"))
             continue
         bad = False
-        for u, _, e in edges:
+        for pos, u, res in edges:
             if index[u] >= i:
-                diags.append(Diagnostic(d["loc"], f"operand #{e['pos']} '%{nodes[u]['name']}' is "
+                diags.append(Diagnostic(d["loc"], f"operand #{pos} '%{nodes[u]['name']}' is "
                                                   f"used before it is defined"))
                 bad = True
-            elif e["res"] >= len(nodes[u]["types"]):
-                diags.append(Diagnostic(d["loc"], f"operand #{e['pos']} names result "
-                                                  f"#{e['res']} of an op with "
-                                                  f"{len(nodes[u]['types'])}"))
+            elif res >= len(nodes[u]["types"]):
+                diags.append(Diagnostic(d["loc"], f"operand #{pos} names result #{res} of an "
+                                                  f"op with {len(nodes[u]['types'])}"))
                 bad = True
         if bad:
             continue
-        in_types = [nodes[u]["types"][e["res"]] for u, _, e in edges]
+        in_types = [nodes[u]["types"][res] for _, u, res in edges]
         if d["op"] == RETURN:
             if i != len(order) - 1:
                 diags.append(Diagnostic(d["loc"], "return must be the last operation"))
@@ -102,7 +101,8 @@ def verify_op(name: str, in_types: list, attrs: dict, out_types: list) -> str | 
         full = check_attrs(opdef, attrs)
         expected = opdef.infer(in_types, full, out_types)
     except OpError as e:
-        return f"'{name}' {e.message}"
+        # Some op rules already name the op ("mp.relu takes no attribute 'x'").
+        return e.message if name in e.message else f"'{name}' {e.message}"
     if list(expected) != list(out_types):
         want = ", ".join(map(str, expected))
         got = ", ".join(map(str, out_types))
