@@ -19,20 +19,26 @@ from mplower.ir.types import TypeAttr
 from mplower.numerics.formats import FORMATS
 from mplower.ops import OPS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
-from mplower.policy import COMPUTE_HEAVY, TYPE_CARRYING, Decision, Policy, load_policy, result_format
+from mplower.policy import (
+    COMPUTE_HEAVY,
+    TYPE_CARRYING,
+    Decision,
+    Policy,
+    load_policy,
+    result_format,
+)
 
 PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
 
 
-def _is_lowered(elem: str) -> bool:
-    """Narrower than f32: what makes a follow op lower itself too."""
-    f = FORMATS[elem]
-    return f.is_float and f.bits < 32
+FLOAT_FORMATS = frozenset(n for n, f in FORMATS.items() if f.is_float)
+# Narrower than f32: what makes a follow op lower itself too.
+NARROW_FLOATS = frozenset(n for n, f in FORMATS.items() if f.is_float and f.bits < 32)
 
 
 def plan_function(f: Function, policy: Policy) -> dict[int, Decision]:
     """The policy's decision for every op that takes one, in program order."""
-    nodes = f.graph.nodes
+    nodes = f.nodes
     order = f.ops()
     heavy = [n for n in order if nodes[n]["op"] in COMPUTE_HEAVY]
     first_last = {heavy[0], heavy[-1]} if heavy else set()
@@ -49,10 +55,13 @@ def plan_function(f: Function, policy: Policy) -> dict[int, Decision]:
             out_format[n] = d["types"][0].elem if d["types"] else "f32"
             continue
         # TVM's FOLLOW rule: lowered when every float input that is not a constant is.
-        inputs = [v for v in f.operands(n) if FORMATS[f.type_of(v).elem].is_float
-                  and nodes[v[0]]["op"] != "mp.constant"]
-        lowered = bool(inputs) and all(_is_lowered(out_format[v[0]]) for v in inputs)
-        decision = policy.decide(op, d["name"], lowered, n in first_last)
+        lowered = None
+        for _, u, r in f.operand_edges(n):
+            src = nodes[u]
+            if src["op"] == "mp.constant" or src["types"][r].elem not in FLOAT_FORMATS:
+                continue
+            lowered = (lowered is not False) and out_format[u] in NARROW_FLOATS
+        decision = policy.decide(op, d["name"], bool(lowered), n in first_last)
         if decision.compute not in OPS[op].precisions:
             decision = Decision("f32", decision.accum and "f32",
                                 f"{op} has no {decision.compute} form")
@@ -84,15 +93,19 @@ class AssignPrecision(Pass):
         plans = {name: plan_function(f, policy) for name, f in module.functions.items()}
         if not any(d.compute != "f32" for plan in plans.values() for d in plan.values()):
             return  # the sheet lowers nothing here: leave the module exactly as it was
+        types = {name: TypeAttr(name) for name in FORMATS}
         for name, f in module.functions.items():
+            lowered = 0
             for n, d in plans[name].items():
-                f.set_attr(n, PRECISION, TypeAttr(d.compute))
+                f.set_attr(n, PRECISION, types[d.compute])
                 if d.accum is not None:
-                    f.set_attr(n, ACCUM, TypeAttr(d.accum))
+                    f.set_attr(n, ACCUM, types[d.accum])
                 else:
                     f.del_attr(n, ACCUM)
                 f.set_attr(n, REASON, d.reason)
-                ctx.stat("ops-lowered" if d.compute != "f32" else "ops-kept-wide")
+                lowered += d.compute != "f32"
+            ctx.stat("ops-lowered", lowered)
+            ctx.stat("ops-kept-wide", len(plans[name]) - lowered)
         module.attrs["mp.policy"] = policy.source.removeprefix("builtin:")
         if not policy.keep_io_types:
             module.attrs["mp.keep_io_types"] = False

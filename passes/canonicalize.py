@@ -12,16 +12,18 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+from mplower.passes.cse import eliminate_common_subexpressions
+from mplower.passes.dce import eliminate_dead_ops
 
 from mplower.ir.graph import Function, Module
 from mplower.ir.types import DenseAttr, value_dtype
 from mplower.numerics.formats import represents
 from mplower.ops import OPS, OpError, attr_ints, check_attrs
 from mplower.pass_manager import Pass, PassContext, option, register_pass
-from mplower.passes.cse import eliminate_common_subexpressions
-from mplower.passes.dce import eliminate_dead_ops
 
 _FOLDABLE_ELEMS = {"f32", "f64", "i32", "i8", "ui8", "i1"}
+_SIMPLIFIED = frozenset({"mp.reshape", "mp.transpose", "mp.cast"})
+_ELEMENTWISE = frozenset(name for name, d in OPS.items() if d.elementwise and name != "mp.cast")
 
 
 def _inline_value(f: Function, value: tuple[int, int]) -> DenseAttr | None:
@@ -113,19 +115,22 @@ def _simplify(f: Function, n: int, ctx: PassContext) -> bool:
 
 def canonicalize_function(f: Function, ctx: PassContext, max_elements: int,
                           max_iterations: int) -> None:
+    nodes = f.nodes
     for _ in range(max_iterations):
         changed = False
         for n in f.ops():
-            if n not in f.graph:
+            d = nodes.get(n)
+            if d is None:  # erased earlier in this sweep
                 continue
-            op = f.op(n)
-            if op not in OPS or op == "mp.constant":
-                continue
-            if _simplify(f, n, ctx):
-                changed = True
-            elif _fold(f, n, max_elements):
-                ctx.stat("ops-folded")
-                changed = True
+            op = d["op"]
+            if op in _SIMPLIFIED:
+                if _simplify(f, n, ctx):
+                    changed = True
+            elif op in _ELEMENTWISE and all(nodes[u]["op"] == "mp.constant"
+                                            for _, u, _ in f.operand_edges(n)):
+                if _fold(f, n, max_elements):
+                    ctx.stat("ops-folded")
+                    changed = True
         dead = eliminate_dead_ops(f)
         merged = eliminate_common_subexpressions(f)
         ctx.stat("ops-erased", dead)

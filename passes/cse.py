@@ -3,44 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-import numpy as np
+from typing import ClassVar
 
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ops import OPS
 from mplower.pass_manager import Pass, PassContext, register_pass
 
 
-def _hashable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
-    if isinstance(v, tuple):
-        return tuple(_hashable(x) for x in v)
-    if isinstance(v, np.ndarray):
-        return (v.dtype.str, v.shape, v.tobytes())
-    return v
-
-
 def eliminate_common_subexpressions(f: Function) -> int:
     """Replace each op by the first earlier op computing the same thing; returns the count."""
-    g = f.graph
-    nodes = g.nodes
-    seen: dict[tuple, int] = {}
+    nodes = f.nodes
+    # Bucketed by (op, operands, result types); attribute dicts are compared only within a
+    # bucket, so the common case (no duplicate) never hashes attributes.
+    seen: dict[tuple, list[int]] = {}
     removed = 0
     for n in f.ops():
         d = nodes[n]
         opdef = OPS.get(d["op"])
         if d["op"] == RETURN or opdef is None or not opdef.pure:
             continue
-        try:  # scalar attribute values hash as they are; order does not matter
-            attrs = frozenset(d["attrs"].items())
-        except TypeError:
-            attrs = _hashable(d["attrs"])
-        key = (d["op"], tuple(f.operands(n)), attrs, tuple(d["types"]))
-        first = seen.get(key)
+        key = (d["op"], tuple((u, r) for _, u, r in f.operand_edges(n)), tuple(d["types"]))
+        bucket = seen.get(key)
+        if bucket is None:
+            seen[key] = [n]
+            continue
+        first = next((m for m in bucket if nodes[m]["attrs"] == d["attrs"]), None)
         if first is None:
-            seen[key] = n
+            bucket.append(n)
             continue
         for i in range(len(d["types"])):
             f.replace_all_uses((n, i), (first, i))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.ir.types import TypeAttr
 from mplower.numerics.formats import FORMATS
 from mplower.ops import attr_type
 from mplower.pass_manager import Pass, PassContext, register_pass
@@ -26,8 +27,7 @@ from mplower.policy import TYPE_CARRYING, result_format
 PRECISION, ACCUM = "mp.precision", "mp.accum"
 
 
-def _float(elem: str) -> bool:
-    return FORMATS[elem].is_float
+FLOATS = frozenset(n for n, f in FORMATS.items() if f.is_float)
 
 
 class _Casts:
@@ -60,43 +60,46 @@ class _Casts:
         return (node, 0)
 
 
-def _wanted(f: Function, n: int) -> str | None:
-    """The float format op `n` wants its float operands in, or None to keep them as they are."""
-    attrs = f.attrs_of(n)
-    p = attrs.get(PRECISION)
-    if p is None or f.op(n) in TYPE_CARRYING:
+def _wanted(d: dict) -> str | None:
+    """The float format an op (its node data) wants its float operands in, or None to keep them."""
+    p = d["attrs"].get(PRECISION)
+    if p is None or d["op"] in TYPE_CARRYING:
         return None
-    elem = attr_type(p)
-    return elem if _float(elem) else None
+    elem = p.type if isinstance(p, TypeAttr) else attr_type(p)
+    return elem if elem in FLOATS else None
 
 
 def insert_casts(f: Function, ctx: PassContext, keep_io_types: bool) -> None:
     casts = _Casts(f, ctx)
-    original = {n: [t.elem for t in f.operand_types(n)] for n in f.ops()}
+    nodes = f.nodes
+    # Element type each value had before this pass narrowed it: what unannotated users expect.
+    original: dict[Value, str] = {}
     if not keep_io_types:
-        _narrow_arguments(f, ctx)
+        _narrow_arguments(f, ctx, original)
+    narrowed = 0
     for n in f.ops():
-        op = f.op(n)
-        if op == RETURN or op == "mp.cast" and n not in original:
+        d = nodes[n]
+        op = d["op"]
+        if op == RETURN:
             continue
-        want = _wanted(f, n)
-        for pos, v in enumerate(f.operands(n)):
-            elem = f.type_of(v).elem
-            if not _float(elem):
+        want = _wanted(d)
+        for pos, u, r in f.operand_edges(n):
+            elem = nodes[u]["types"][r].elem
+            if elem not in FLOATS:
                 continue
-            target = want if want is not None else original[n][pos]
-            if op in TYPE_CARRYING:
-                target = original[n][pos]
+            target = want if want is not None else original.get((u, r), elem)
             if elem != target:
-                f.set_operand(n, pos, casts.get(v, target))
+                f.set_operand(n, pos, casts.get((u, r), target))
         if want is not None:
-            attrs = f.attrs_of(n)
-            accum = attr_type(attrs[ACCUM]) if ACCUM in attrs else None
-            out = result_format(op, want, accum)
-            for i, t in enumerate(f.types(n)):
-                if _float(t.elem) and t.elem != out:
+            accum = d["attrs"].get(ACCUM)
+            out = result_format(op, want, accum.type if isinstance(accum, TypeAttr) else
+                                attr_type(accum) if accum is not None else None)
+            for i, t in enumerate(d["types"]):
+                if t.elem in FLOATS and t.elem != out:
+                    original[(n, i)] = t.elem
                     f.set_result_type(n, i, t.with_elem(out))
-                    ctx.stat("results-narrowed")
+                    narrowed += 1
+    ctx.stat("results-narrowed", narrowed)
     ret = f.return_node
     for pos, v in enumerate(f.operands(ret)):
         declared = f.result_types[pos]
@@ -107,15 +110,16 @@ def insert_casts(f: Function, ctx: PassContext, keep_io_types: bool) -> None:
             f.result_types[pos] = f.type_of(v)
 
 
-def _narrow_arguments(f: Function, ctx: PassContext) -> None:
+def _narrow_arguments(f: Function, ctx: PassContext, original: dict[Value, str]) -> None:
     """Without keep_io_types, an argument all of whose users want one narrower format takes it."""
     for a in f.args:
         t = f.type_of((a, 0))
         users = f.uses((a, 0))
-        wants = {_wanted(f, u) for u, _ in users}
+        wants = {_wanted(f.data(u)) for u, _ in users}
         if users and len(wants) == 1 and None not in wants:
             (elem,) = wants
             if elem != t.elem and FORMATS[elem].bits < FORMATS[t.elem].bits:
+                original[(a, 0)] = t.elem
                 f.set_result_type(a, 0, t.with_elem(elem))
                 ctx.stat("arguments-narrowed")
 
