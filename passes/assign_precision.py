@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import networkx as nx
+
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import TypeAttr
 from mplower.numerics.formats import FORMATS
@@ -40,7 +42,10 @@ def plan_function(f: Function, policy: Policy) -> dict[int, Decision]:
     """The policy's decision for every op that takes one, in program order."""
     nodes = f.nodes
     order = f.ops()
-    heavy = [n for n in order if nodes[n]["op"] in COMPUTE_HEAVY]
+    # First and last among the ops that reach a result: dead code (which canonicalize will
+    # remove) must not decide, or the plan would change once it is gone.
+    live = nx.ancestors(f.graph, f.return_node)
+    heavy = [n for n in order if nodes[n]["op"] in COMPUTE_HEAVY and n in live]
     first_last = {heavy[0], heavy[-1]} if heavy else set()
     out_format: dict[int, str] = {}  # node -> element type of its float results under the plan
     plan: dict[int, Decision] = {}
