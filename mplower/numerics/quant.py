@@ -1,0 +1,233 @@
+"""Linear quantization, exactly as ONNX QuantizeLinear / DequantizeLinear define it.
+
+`quantize` computes q = saturate(round(x / scale) + zero_point): the division in float32, round
+half to even, saturation to the integer range of the target format from FORMATS (i8, ui8, i4;
+i4 values are stored in int8). Scale and zero point are per tensor (scalars) or per axis (1-D,
+of length x.shape[axis]). The f8 formats are accepted as ONNX accepts them: zero point 0, the
+float32 quotient rounded once by the f8 rounding kernel, saturating unless `saturate=False`,
+and returned as uint8 bit patterns. `dequantize` computes (q - zero_point) * scale in float32;
+for i32 (biases) ONNX requires a zero zero point, and so do we.
+
+Both run as one numba pass over memory, which for `quantize` also counts what quantization did
+(as the `Counts` of the rounding kernels): `overflow` is the number of values clamped to the
+integer range (±inf included); `underflow` the number of non-zero values whose quotient rounds
+to 0, i.e. that dequantize to exactly 0; `nan` the number of NaN quotients (NaN inputs, 0/0),
+which ONNX leaves undefined for integer outputs and which quantize to the zero point here. For
+the f8 formats the counts are those of `round_to`. Results agree bit for bit with onnx.reference
+wherever the reference is defined; it casts the rounded quotient to int32 before clamping, so
+for quotients beyond ±2^31 it wraps where the ONNX spec (and this module) saturates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from mplower.numerics.formats import FORMATS
+from mplower.numerics.rounding import Counts, decode, encode_counted
+
+QUANT_FORMATS = ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2")
+DEQUANT_FORMATS = ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2")
+
+_CHUNK = 1 << 16
+# Channel runs shorter than this (per-axis on a trailing axis) switch channel every few
+# elements; for them the scales are laid out per element of one period instead, so that the
+# inner loop reads them as a vector.
+_SHORT_RUN = 64
+_U32 = np.uint32
+
+
+@njit(cache=True, error_model="numpy")
+def _quantize_one(x, s, z, lo, hi):
+    r = np.rint(x / s)  # float32 division, then half to even, as ONNX
+    q = r + z  # exact below 2^24; anything larger saturates either way
+    is_nan = np.isnan(q)
+    clamped = q < lo or q > hi
+    q = max(min(q, hi), lo)
+    return np.int32(z if is_nan else q), clamped, r == 0 and x != 0, is_nan
+
+
+@njit(cache=True, error_model="numpy")
+def _quantize_span(xs, qs, ss, zs, lo, hi):
+    """Quantize one span that shares its scales: a scalar (size 1) or one per element."""
+    over = _U32(0)
+    under = _U32(0)
+    nan = _U32(0)
+    if ss.size == 1:
+        s = ss[0]
+        z = zs[0]
+        for j in range(xs.size):
+            qs[j], o, u, n = _quantize_one(xs[j], s, z, lo, hi)
+            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
+    else:
+        for j in range(xs.size):
+            qs[j], o, u, n = _quantize_one(xs[j], ss[j], zs[j], lo, hi)
+            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
+    return over, under, nan
+
+
+@njit(cache=True, error_model="numpy")
+def _dequantize_span(qs, ys, ss, zs):
+    # The difference is exact in int32 (8-bit values, or i32 with a zero zero point); ONNX
+    # then rounds it to float32 (a no-op except for large i32 values) and multiplies in float32.
+    if ss.size == 1:
+        s = ss[0]
+        z = np.int32(zs[0])
+        for j in range(qs.size):
+            ys[j] = np.float32(np.int32(np.int32(qs[j]) - z)) * s
+    else:
+        for j in range(qs.size):
+            ys[j] = np.float32(np.int32(np.int32(qs[j]) - np.int32(zs[j]))) * ss[j]
+
+
+@njit(cache=True, error_model="numpy")
+def _span(i, stop, period, per_element, n_scales):
+    """End of the span starting at flat index i, and which slice of the scale table it uses."""
+    offset = i % period
+    end = min(stop, i + period - offset)
+    if per_element:
+        return end, offset, offset + end - i
+    k = (i // period) % n_scales
+    return end, k, k + 1
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _quantize_kernel(x, scale, zero_point, period, per_element, lo, hi, out, counts):
+    for c in prange(counts.shape[0]):
+        i = c * _CHUNK
+        stop = min(x.size, i + _CHUNK)
+        over = 0
+        under = 0
+        nan = 0
+        while i < stop:
+            end, a, b = _span(i, stop, period, per_element, scale.size)
+            o, u, n = _quantize_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
+            over += o
+            under += u
+            nan += n
+            i = end
+        counts[c, 0] = over
+        counts[c, 1] = under
+        counts[c, 2] = nan
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _dequantize_kernel(q, scale, zero_point, period, per_element, out):
+    for c in prange((q.size + _CHUNK - 1) // _CHUNK):
+        i = c * _CHUNK
+        stop = min(q.size, i + _CHUNK)
+        while i < stop:
+            end, a, b = _span(i, stop, period, per_element, scale.size)
+            _dequantize_span(q[i:end], out[i:end], scale[a:b], zero_point[a:b])
+            i = end
+
+
+def _scale_table(s: np.ndarray, zp: np.ndarray, post: int):
+    """(scales, zero points, period, per_element) as the kernels walk them (see _SHORT_RUN)."""
+    if post >= _SHORT_RUN or s.size == 1:
+        return s, zp, post, False
+    return np.repeat(s, post), np.repeat(zp, post), s.size * post, True
+
+
+def _channels(shape: tuple[int, ...], scale, zero_point, axis: int | None,
+              what: str) -> tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]:
+    """Validate a per-tensor or per-axis scale / zero point against data of `shape`.
+
+    Returns the scales (float32) and zero points (int64) as 1-D arrays of one entry per
+    channel, the number of consecutive elements that share a channel ("post": the product of
+    the dimensions after `axis`), and the shape that broadcasts a channel vector against the data.
+    """
+    s = np.asarray(scale)
+    if isinstance(scale, (float, int)):  # a Python number: ONNX stores scales as float32
+        s = s.astype(np.float32)
+    if s.dtype != np.float32:
+        raise TypeError(f"{what}: scale must be float32 (as in ONNX), got {s.dtype}")
+    broadcast = [1] * len(shape)
+    if axis is None:
+        if s.size != 1:
+            raise ValueError(f"{what}: a per-tensor scale must be a scalar, got shape "
+                             f"{s.shape}; pass axis= for per-axis scales")
+        post = max(1, int(np.prod(shape)))
+    else:
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(f"{what}: axis {axis} is out of range for rank {len(shape)}")
+        axis %= len(shape)
+        if s.ndim != 1 or s.size != shape[axis]:
+            raise ValueError(f"{what}: a per-axis scale must be 1-D of length "
+                             f"shape[{axis}] = {shape[axis]}, got shape {s.shape}")
+        post = max(1, int(np.prod(shape[axis + 1:])))
+        broadcast[axis] = s.size
+    s = np.ascontiguousarray(s.reshape(-1))
+    zp = np.zeros(1, np.int64) if zero_point is None else \
+        np.asarray(zero_point).astype(np.int64).reshape(-1)
+    if zp.size == 1 and s.size != 1:
+        zp = np.full(s.size, zp[0], dtype=np.int64)
+    if zp.size != s.size:
+        raise ValueError(f"{what}: zero_point has {zp.size} values but scale has {s.size}")
+    return s, zp, post, tuple(broadcast)
+
+
+def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | int | None,
+             dtype: str, axis: int | None = None,
+             saturate: bool = True) -> tuple[np.ndarray, Counts]:
+    """ONNX QuantizeLinear of float32 `x` to `dtype`; returns (q, counts).
+
+    q is stored in FORMATS[dtype].storage (int8 for i8 and i4, uint8 for ui8 and the f8 bit
+    patterns). `saturate` only matters for the f8 formats, as in ONNX: integers always saturate.
+    """
+    if dtype not in QUANT_FORMATS:
+        raise ValueError(f"quantize: unsupported dtype '{dtype}'; "
+                         f"supported: {', '.join(QUANT_FORMATS)}")
+    x = np.asarray(x, order="C")
+    if x.dtype != np.float32:
+        raise TypeError(f"quantize expects float32 data, got {x.dtype}")
+    s, zp, post, broadcast = _channels(x.shape, scale, zero_point, axis, "quantize")
+    f = FORMATS[dtype]
+    if f.is_float:
+        if np.any(zp != 0):
+            raise ValueError(f"quantize: the zero point of {dtype} must be 0 (ONNX)")
+        # ONNX divides in float32 and rounds the quotient once, to the f8 format.
+        return encode_counted(x / s.reshape(broadcast), dtype, saturate)
+    if not np.all((zp >= f.min_value) & (zp <= f.max_finite)):
+        raise ValueError(f"quantize: zero_point outside the {dtype} range "
+                         f"[{int(f.min_value)}, {int(f.max_finite)}]")
+    out = np.empty(x.shape, dtype=f.storage)
+    counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
+    s, zp, period, per_element = _scale_table(s, zp.astype(np.float32), post)
+    _quantize_kernel(x.reshape(-1), s, zp, period, per_element, np.float32(f.min_value),
+                     np.float32(f.max_finite), out.reshape(-1), counts)
+    total = counts.sum(axis=0)
+    return out, Counts(int(total[0]), int(total[1]), int(total[2]))
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray | float,
+               zero_point: np.ndarray | int | None = None, axis: int | None = None,
+               dtype: str | None = None) -> np.ndarray:
+    """ONNX DequantizeLinear: (q - zero_point) * scale in float32.
+
+    The integer format is read from q's dtype (int8, uint8, int32); pass `dtype` for uint8
+    arrays that hold f8 bit patterns ("f8E4M3FN", "f8E5M2").
+    """
+    q = np.asarray(q, order="C")
+    s, zp, post, broadcast = _channels(q.shape, scale, zero_point, axis, "dequantize")
+    if dtype is not None and dtype not in DEQUANT_FORMATS:
+        raise ValueError(f"dequantize: unsupported dtype '{dtype}'; "
+                         f"supported: {', '.join(DEQUANT_FORMATS)}")
+    if dtype is not None and q.dtype != FORMATS[dtype].storage:
+        raise TypeError(f"dequantize: {dtype} values are stored as {FORMATS[dtype].storage}, "
+                        f"got {q.dtype}")
+    if dtype is not None and FORMATS[dtype].is_float:
+        if np.any(zp != 0):
+            raise ValueError(f"dequantize: the zero point of {dtype} must be 0 (ONNX)")
+        return decode(q, dtype) * s.reshape(broadcast)
+    if q.dtype not in (np.int8, np.uint8, np.int32):
+        raise TypeError(f"dequantize expects int8, uint8 or int32 values, got {q.dtype}")
+    if q.dtype == np.int32 and np.any(zp != 0):
+        raise ValueError("dequantize: int32 values (biases) need a zero zero_point (ONNX)")
+    info = np.iinfo(q.dtype)
+    if not np.all((zp >= info.min) & (zp <= info.max)):
+        raise ValueError(f"dequantize: zero_point outside the {q.dtype} range")
+    out = np.empty(q.shape, dtype=np.float32)
+    s, zp, period, per_element = _scale_table(s, zp.astype(np.int32), post)
+    _dequantize_kernel(q.reshape(-1), s, zp, period, per_element, out.reshape(-1))
+    return out

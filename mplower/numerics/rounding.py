@@ -1,0 +1,350 @@
+"""Bit-exact rounding of float32 data to the narrow float formats, with overflow accounting.
+
+The backend emulates a bf16/f16/tf32/fp8 tensor by rounding float32 values to the format and
+keeping the results in float32 containers, so that fp32 BLAS can consume them (products of such
+values are exact in fp32). `round_to` does that rounding and, in the same pass over memory,
+counts what the format did to the data: values that overflowed, non-zero values that underflowed
+to zero, and NaNs in the result. `encode` / `decode` convert between float32 and the packed bit
+patterns (uint16 for bf16/f16, uint8 for fp8). All three agree bit for bit with ml_dtypes and
+numpy's float16 on every float32 input (benchmarks/rounding.py --sweep checks all 2^32).
+Numba has no float16 on the CPU, so every kernel works on the float32 bit pattern with integer
+arithmetic; one step borrows the FPU: rounding into a target's subnormal range adds a power of
+two M whose ulp is the target's smallest subnormal, which rounds to nearest-even exactly once.
+
+Rounding is to nearest, ties to even. What happens beyond the range (`saturate=False`) is what
+ml_dtypes and numpy do: f16, bf16, tf32 and f8E5M2 overflow to ±inf, f8E4M3FN (no inf) to NaN,
+and ±inf becomes NaN in f8E4M3FN. With `saturate=True` every non-NaN result is finite: values
+beyond the range, ±inf included, clamp to ±max finite. For the fp8 formats this is ONNX Cast's
+saturate semantics; the same rule is applied to f16, bf16 and tf32 so that saturation means
+"no infinities" whatever the format. NaN stays NaN. The NaN bit patterns follow the references:
+numpy float16 keeps the top 10 payload bits (setting the lowest one if they are all zero);
+bf16, tf32 and both fp8 formats produce the canonical quiet NaN, keeping the sign.
+
+Counts: `overflow` is the number of non-NaN inputs that the format could not hold and changed:
+finite values that became ±inf/NaN or were clamped, and ±inf that became NaN (f8E4M3FN) or was
+clamped (saturate). ±inf stored as ±inf is not an overflow. `underflow` is the number of non-zero
+inputs (f32 subnormals included) whose result is ±0. `nan` is the number of NaNs in the result.
+
+`matmul_f16_accum` emulates an fp16 accumulator: see its docstring for the summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from mplower.numerics.formats import FORMATS
+
+# Formats round_to handles; f32 is accepted as the identity so callers need no special case.
+ROUNDING_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2")
+ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2")
+
+# Elements per parallel chunk: big enough to amortise scheduling, small enough to balance.
+_CHUNK = 1 << 16
+
+_F32_INF = 0x7F800000
+_F32_QNAN = 0x00400000  # quiet bit of the f32 mantissa
+_U32 = np.uint32
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What a rounding or quantization did to the data (see the module docstring)."""
+
+    overflow: int = 0
+    underflow: int = 0
+    nan: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(self.overflow + other.overflow, self.underflow + other.underflow,
+                      self.nan + other.nan)
+
+
+def _f32_bits(v: float) -> int:
+    return int(np.array(v, dtype=np.float32).view(np.uint32))
+
+
+@functools.cache
+def _params(fmt: str, saturate: bool) -> tuple:
+    """The constants that specialise the generic kernel to one format, as a tuple of uint32.
+
+    They travel as a tuple, not an array, so that numba keeps them in registers for the whole
+    loop instead of reloading them from memory that might alias the output.
+    """
+    f = FORMATS[fmt]
+    m = f.man_bits
+    shift = 23 - m  # f32 mantissa bits the format drops
+    bias = (1 << (f.exp_bits - 1)) - 1
+    max_bits = _f32_bits(f.max_finite)
+    # Formats with f32's exponent range (bf16, tf32) need no subnormal step: rounding the f32
+    # bit pattern of an f32 subnormal already lands on their subnormal grid.
+    has_own_subnormals = f.min_normal > 2.0 ** -126
+    sub_thr = _f32_bits(f.min_normal) if has_own_subnormals else 0
+    # M's ulp is the format's smallest subnormal, so |x| + M rounds |x| onto that grid.
+    m_bits = _f32_bits(f.min_subnormal * 2.0 ** 23) if has_own_subnormals else 0
+    exp_ones_enc = ((1 << f.exp_bits) - 1) << m
+    if saturate:
+        ovf_abs, ovf_enc = max_bits, (max_bits >> shift) - ((127 - bias) << m)
+    elif f.has_inf:
+        ovf_abs, ovf_enc = _F32_INF, exp_ones_enc
+    else:  # f8E4M3FN: the all-ones pattern is its only NaN
+        ovf_abs, ovf_enc = _F32_INF | _F32_QNAN, exp_ones_enc | ((1 << m) - 1)
+    if fmt == "f16":  # numpy keeps the top payload bits, forcing a non-zero mantissa
+        nan_keep, nan_fill, nan_fill_enc = 0x007FE000, 1 << shift, 1
+    elif f.has_inf:  # canonical quiet NaN
+        nan_keep, nan_fill, nan_fill_enc = 0, _F32_QNAN, 1 << (m - 1)
+    else:  # f8E4M3FN's single NaN, S.1111.111
+        nan_keep, nan_fill, nan_fill_enc = 0, _F32_QNAN, (1 << m) - 1
+    sign_shift = 32 - f.bits if fmt in ENCODING_FORMATS else 0
+    return tuple(np.uint32(v) for v in (
+        shift, (1 << (shift - 1)) - 1, (1 << shift) - 1, max_bits, sub_thr, m_bits,
+        (127 - bias) << m, ovf_abs, ovf_enc, nan_keep, nan_fill, exp_ones_enc, nan_fill_enc,
+        sign_shift,
+    ))
+
+
+@njit(cache=True)
+def _round_one(u, p):
+    """Round one f32 bit pattern; returns (result f32 bits, encoding, overflow?, underflow?).
+
+    Written as selects rather than branches so that the loops calling it vectorise; every
+    intermediate is cut back to uint32 because numba widens uint32 arithmetic to 64 bits.
+    """
+    (shift, half, low, max_bits, sub_thr, m_bits, rebias, ovf_abs, ovf_enc,
+     nan_keep, nan_fill, nan_base_enc, nan_fill_enc, sign_shift) = p
+    sign = _U32(u & _U32(0x80000000))
+    a = _U32(u ^ sign)
+    # Nearest-even on the bit pattern: add half an ulp minus one plus the kept lsb, truncate.
+    # A carry out of the mantissa bumps the exponent, which is exactly what rounding up does.
+    r = _U32(_U32(a + half + _U32((a >> shift) & _U32(1))) & _U32(~low))
+    enc = _U32(_U32(r >> shift) - rebias)
+    # Below the format's smallest normal: round on the FPU against M (see module docstring).
+    big = _U32(m_bits).view(np.float32)
+    s = np.float32(_U32(a).view(np.float32) + big)
+    is_sub = a < sub_thr
+    r = np.float32(s - big).view(np.uint32) if is_sub else r
+    enc = _U32(s.view(np.uint32) - m_bits) if is_sub else enc
+    is_nan = a > _U32(_F32_INF)
+    over = r > max_bits and not is_nan
+    r = ovf_abs if over else r
+    enc = ovf_enc if over else enc
+    over = over and a != ovf_abs  # inf kept as inf is representable, not an overflow
+    payload = _U32(a & nan_keep)
+    nan_r = _U32(_U32(_F32_INF) | payload)
+    nan_r = _U32(nan_r | nan_fill) if payload == _U32(0) else nan_r
+    nan_e = _U32(nan_base_enc | _U32(payload >> shift))
+    nan_e = _U32(nan_e | nan_fill_enc) if payload == _U32(0) else nan_e
+    r = nan_r if is_nan else r
+    enc = nan_e if is_nan else enc
+    under = a != _U32(0) and r == _U32(0)
+    return _U32(sign | r), _U32(_U32(sign >> sign_shift) | enc), over, under
+
+
+@njit(cache=True)
+def _round_span(s, d, p, codes):
+    """Round the f32 bits `s` into `d` (results, or with `codes` encodings); return counts."""
+    # uint32 counters (a chunk is far below 2^32) keep the vector lanes 32 bits wide.
+    over = _U32(0)
+    under = _U32(0)
+    nan = _U32(0)
+    for i in range(s.size):
+        r, e, o, un = _round_one(s[i], p)
+        d[i] = e if codes else r
+        over = _U32(over + o)
+        under = _U32(under + un)
+        nan = _U32(nan + (_U32(r & _U32(0x7FFFFFFF)) > _U32(_F32_INF)))
+    return over, under, nan
+
+
+@njit(cache=True, parallel=True)
+def _round_kernel(src, dst, p, codes, counts):
+    """Round src (f32 bits) into dst: the f32 results, or with `codes` the encodings."""
+    for c in prange(counts.shape[0]):
+        # Per-chunk slices: indices from 0 let numba drop its negative-index wraparound, which
+        # would otherwise turn the vector loads into gathers.
+        lo = c * _CHUNK
+        counts[c, 0], counts[c, 1], counts[c, 2] = _round_span(
+            src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], p, codes)
+
+
+@njit(cache=True)
+def _round_serial(src, dst, pa, codes):
+    """`_round_span` over a whole small array, with the parameters passed as an array (cheaper
+    for numba's dispatcher to type than a tuple) and turned back into a tuple in registers."""
+    p = (pa[0], pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], pa[8], pa[9], pa[10], pa[11],
+         pa[12], pa[13])
+    return _round_span(src, dst, p, codes)
+
+
+@functools.cache
+def _param_array(fmt: str, saturate: bool) -> np.ndarray:
+    return np.array(_params(fmt, saturate), dtype=np.uint32)
+
+
+def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) -> Counts:
+    # Views are taken here, outside the parallel kernel (numba can drop writes made through an
+    # array view created inside a prange body).
+    src, dst = x.reshape(-1).view(np.uint32), out.reshape(-1)
+    if x.size <= _CHUNK:
+        # One chunk runs serially: the thread pool could not split it, and waking it costs tens
+        # of microseconds, more than rounding a small tensor (the executor's per-op cost).
+        over, under, nan = _round_serial(src, dst, _param_array(fmt, saturate), codes)
+        return Counts(int(over), int(under), int(nan))
+    counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
+    _round_kernel(src, dst, _params(fmt, saturate), codes, counts)
+    total = counts.sum(axis=0)
+    return Counts(int(total[0]), int(total[1]), int(total[2]))
+
+
+@njit(cache=True, parallel=True)
+def _gather_kernel(src, dst, table):
+    for c in prange((src.size + _CHUNK - 1) // _CHUNK):
+        s = src[c * _CHUNK:(c + 1) * _CHUNK]
+        d = dst[c * _CHUNK:(c + 1) * _CHUNK]
+        for i in range(s.size):
+            d[i] = table[s[i]]
+
+
+def _f32_input(x: np.ndarray, what: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"{what} expects float32 data, got {x.dtype}; cast with "
+                        f".astype(np.float32) first (that is a rounding step of its own)")
+    return np.asarray(x, order="C")  # (ascontiguousarray would turn 0-d into 1-d)
+
+
+def _check_format(fmt: str, allowed: tuple[str, ...], what: str) -> None:
+    if fmt not in allowed:
+        raise ValueError(f"{what} does not handle format '{fmt}'; "
+                         f"it handles {', '.join(allowed)}")
+
+
+def round_to(x: np.ndarray, fmt: str, saturate: bool = False) -> tuple[np.ndarray, Counts]:
+    """Round float32 `x` to format `fmt`; return the results as float32 and what happened.
+
+    Equal bit for bit to `x.astype(T).astype(np.float32)` for the ml_dtypes/numpy type T of
+    `fmt` (NaN payloads included) when `saturate` is false.
+    """
+    _check_format(fmt, ROUNDING_FORMATS, "round_to")
+    x = _f32_input(x, "round_to")
+    if fmt == "f32":
+        return x.copy(), Counts(nan=int(np.count_nonzero(np.isnan(x))))
+    out = np.empty_like(x)
+    return out, _run(x, out.view(np.uint32), fmt, saturate, codes=False)
+
+
+def encode_counted(x: np.ndarray, fmt: str,
+                   saturate: bool = False) -> tuple[np.ndarray, Counts]:
+    """`encode` plus the counts of `round_to`, from the same pass."""
+    _check_format(fmt, ENCODING_FORMATS, "encode")
+    x = _f32_input(x, "encode")
+    out = np.empty(x.shape, dtype=np.uint16 if FORMATS[fmt].bits == 16 else np.uint8)
+    return out, _run(x, out, fmt, saturate, codes=True)
+
+
+def encode(x: np.ndarray, fmt: str, saturate: bool = False) -> np.ndarray:
+    """Packed bit patterns of float32 `x` in `fmt`: uint16 for bf16/f16, uint8 for fp8.
+
+    Same rounding as `round_to`; equal to `x.astype(T).view(uint)` for the reference type T.
+    """
+    return encode_counted(x, fmt, saturate)[0]
+
+
+def _decode_table(fmt: str) -> np.ndarray:
+    """f32 bit pattern of every code of `fmt`, built with integer arithmetic once per format."""
+    f = FORMATS[fmt]
+    m = f.man_bits
+    bias = (1 << (f.exp_bits - 1)) - 1
+    codes = np.arange(1 << f.bits, dtype=np.int64)
+    sign = (codes >> (f.bits - 1)) << 31
+    e = (codes >> m) & ((1 << f.exp_bits) - 1)
+    man = codes & ((1 << m) - 1)
+    normal = (e + 127 - bias) << 23 | man << (23 - m)
+    # A subnormal man * 2^(1-bias-m) has its leading one at bit position floor(log2(man)).
+    lead = np.floor(np.log2(np.maximum(man, 1))).astype(np.int64)
+    subnormal = np.where(man == 0, 0,
+                         (lead + 127 - bias - m + 1) << 23 | ((man << (23 - lead)) & 0x7FFFFF))
+    bits = np.where(e == 0, subnormal, normal)
+    top = e == (1 << f.exp_bits) - 1
+    if fmt == "f16":  # numpy keeps inf and the NaN payload
+        bits = np.where(top, _F32_INF | man << (23 - m), bits)
+    elif f.has_inf:  # ml_dtypes: inf, or the canonical quiet NaN
+        bits = np.where(top, np.where(man == 0, _F32_INF, _F32_INF | _F32_QNAN), bits)
+    else:  # f8E4M3FN: only S.1111.111 is NaN, the rest of the top binade is finite
+        bits = np.where(top & (man == (1 << m) - 1), _F32_INF | _F32_QNAN, bits)
+    return (bits | sign).astype(np.uint32)
+
+
+_DECODE_TABLES: dict[str, np.ndarray] = {}
+
+
+def decode(bits: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 values of packed `bits` in `fmt` (uint16 for bf16/f16, uint8 for fp8)."""
+    _check_format(fmt, ENCODING_FORMATS, "decode")
+    want = np.uint16 if FORMATS[fmt].bits == 16 else np.uint8
+    bits = np.asarray(bits, order="C")
+    if bits.dtype != want:
+        raise TypeError(f"decode('{fmt}') expects {np.dtype(want)} bit patterns, "
+                        f"got {bits.dtype}")
+    if fmt == "bf16":  # bf16 is the top half of an f32
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    table = _DECODE_TABLES.get(fmt)
+    if table is None:
+        table = _DECODE_TABLES[fmt] = _decode_table(fmt)
+    out = np.empty(bits.shape, dtype=np.float32)
+    _gather_kernel(bits.reshape(-1), out.reshape(-1).view(np.uint32), table)
+    return out
+
+
+@njit(cache=True)
+def _round_f64_to_f16(t):
+    """Nearest-even f16 value of a float64, as a float64 (the f16 of numpy's f64 -> f16 cast)."""
+    a = abs(t)
+    if not a < 65520.0:  # 65520 is the tie above 65504 that rounds to the would-be 65536
+        return t if np.isnan(t) else np.copysign(np.inf, t)
+    if a < 2.0 ** -14:
+        # ulp of 2^28 is 2^-24, the smallest f16 subnormal: the addition rounds onto that grid
+        r = (a + 2.0 ** 28) - 2.0 ** 28
+    else:
+        u = np.float64(a).view(np.uint64)
+        u = (u + np.uint64((1 << 41) - 1) + ((u >> np.uint64(42)) & np.uint64(1))) \
+            & ~np.uint64((1 << 42) - 1)
+        r = np.uint64(u).view(np.float64)
+    return np.copysign(r, t)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_f16_accum_kernel(a, b, out):
+    m, k = a.shape
+    n = b.shape[1]
+    for i in prange(m):
+        acc = np.zeros(n, dtype=np.float64)
+        for kk in range(k):
+            aik = np.float64(a[i, kk])
+            for j in range(n):
+                acc[j] = _round_f64_to_f16(acc[j] + aik * np.float64(b[kk, j]))
+        for j in range(n):
+            out[i, j] = np.float32(acc[j])
+
+
+def matmul_f16_accum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`a @ b` with an fp16 accumulator; `a` (M, K) and `b` (K, N) hold f16-representable f32.
+
+    For each output c[i, j]: acc = +0; for k = 0, 1, ..., K-1: acc = f16(acc + a[i, k] * b[k, j]),
+    where the product is exact (f16 x f16 fits an f32 significand) and the sum is rounded to f16
+    once, to nearest-even, overflowing to ±inf. The sum is formed in float64; that can round
+    when the exponents are far apart, but never onto an f16 tie the exact sum was not on, so the
+    f16 result equals that of the exact sum (in float32 it would not: see the tests). Returns
+    float32, where every f16 value is exact. That the inputs are f16 values is not checked:
+    round them with `round_to(x, "f16")` first.
+    """
+    a = _f32_input(a, "matmul_f16_accum")
+    b = _f32_input(b, "matmul_f16_accum")
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul_f16_accum needs (M, K) @ (K, N); got {a.shape} @ {b.shape}")
+    out = np.empty((a.shape[0], b.shape[1]), dtype=np.float32)
+    _matmul_f16_accum_kernel(a, b, out)
+    return out
