@@ -10,11 +10,13 @@ user; an internal error is reported as one and exits 1.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 
@@ -67,8 +69,38 @@ def _passes_parser(sub) -> None:
     p.set_defaults(handler=cmd_passes)
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that names the closest option when one is misspelt (`--print-ir-afer-all`)."""
+
+    _argv: Sequence[str] = ()
+
+    def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [s for a in self._command()._actions for s in a.option_strings]
+            for arg in message[len(prefix):].split():
+                close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1)
+                if arg.startswith("-") and close:
+                    message += f"; did you mean '{close[0]}'?"
+                    break
+        super().error(message)
+
+    def _command(self) -> argparse.ArgumentParser:
+        """The parser of the subcommand on the command line, or this one."""
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for word in self._argv:
+                    if word in a.choices:
+                        return a.choices[word]
+        return self
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="mplower", description="Precision lowering for an MLIR-style IR.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -116,7 +148,11 @@ def write_output(path: str, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        write_text_atomic(path, text)
+        try:
+            write_text_atomic(path, text)
+        except OSError as e:
+            raise DiagnosticError(Diagnostic(Location(path, 0, 0),
+                                             f"cannot write output: {e.strerror}")) from None
 
 
 def cmd_opt(args: argparse.Namespace) -> int:
@@ -131,6 +167,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
         PipelineError,
         format_statistics,
         format_timing,
+        load_passes,
         parse_pipeline,
     )
 
@@ -138,6 +175,14 @@ def cmd_opt(args: argparse.Namespace) -> int:
         passes = [p for piece in (args.pipeline or []) for p in parse_pipeline(piece)]
     except PipelineError as e:
         raise UsageError(str(e)) from None
+    known = load_passes()
+    for flag, names in (("--print-ir-before", args.print_ir_before),
+                        ("--print-ir-after", args.print_ir_after)):
+        for name in names:  # a misspelt name would silently print nothing
+            if name not in known:
+                close = difflib.get_close_matches(name, list(known), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise UsageError(f"{flag}: unknown pass '{name}'{hint}")
     timings: list[tuple[str, float]] = []
     t0 = time.perf_counter()
     text, name = read_input(args.input)
@@ -226,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"mplower: error: {e}\n")
         return EXIT_USAGE
     except DiagnosticError as e:
-        source = getattr(args, "_source", None)
+        source = e.source if e.source is not None else getattr(args, "_source", None)
         _print_diags(e.diagnostics, source)
         return EXIT_INPUT
     except KeyboardInterrupt:

@@ -242,7 +242,11 @@ def _opt_str(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, list | tuple):
         return ",".join(map(str, v))
-    return str(v)
+    s = str(v)
+    if any(c.isspace() or c in "{},\"'" for c in s):  # quoted, so that the text parses back
+        q = "'" if '"' in s else '"'
+        return f"{q}{s}{q}"
+    return s
 
 
 # ---- running -----------------------------------------------------------------------------

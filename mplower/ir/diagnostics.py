@@ -53,6 +53,9 @@ class DiagnosticError(Exception):
     def __init__(self, *diagnostics: Diagnostic):
         super().__init__(diagnostics[0].message if diagnostics else "error")
         self.diagnostics = list(diagnostics)
+        # The text the locations point into, when whoever raised it has the only copy (the CLI
+        # has none for a file that is not valid UTF-8).
+        self.source: str | None = None
 
     @classmethod
     def at(cls, loc: Location, message: str) -> DiagnosticError:

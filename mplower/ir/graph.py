@@ -41,6 +41,9 @@ class Function:
         self._dirty = False
         self._next_id = 0
         self._names: set[str] = set()
+        # base -> a k such that base_1 .. base_{k-1} are all taken, so that fresh_name is not
+        # quadratic in the number of ops made from one hint.
+        self._suffix: dict[str, int] = {}
 
     # ---- reading -------------------------------------------------------------------------
     def ops(self) -> list[int]:
@@ -119,9 +122,10 @@ class Function:
         base = hint or "v"
         if base not in self._names:
             return base
-        k = 1
+        k = self._suffix.get(base, 1)
         while f"{base}_{k}" in self._names:
             k += 1
+        self._suffix[base] = k
         return f"{base}_{k}"
 
     def _add_node(self, op: str, attrs: dict, types: list[TensorType], name: str,
@@ -195,7 +199,11 @@ class Function:
         """Remove an op whose results have no uses."""
         if self.graph._succ[node]:
             raise ValueError(f"cannot erase {self.graph.nodes[node]['op']}: its results are used")
-        self._names.discard(self.graph.nodes[node]["name"])
+        name = self.graph.nodes[node]["name"]
+        self._names.discard(name)
+        base, _, k = name.rpartition("_")
+        if k.isdigit() and base in self._suffix:  # base_k is free again
+            self._suffix[base] = min(self._suffix[base], int(k))
         self.graph.remove_node(node)
         self._dirty = True
 
@@ -211,19 +219,19 @@ class Function:
     def _materialize(self) -> None:
         nodes = self.graph.nodes
         order: list[int] = []
-
-        def emit(n: int) -> None:
-            for b in self._before.pop(n, ()):
-                emit(b)
-            if n in nodes:
-                order.append(n)
-            for a in self._after.pop(n, ()):
-                emit(a)
-
-        for n in self._at_start:
-            emit(n)
-        for n in self._order:
-            emit(n)
+        # Each op expands to (its pending `before` ops, itself, its pending `after` ops), depth
+        # first. An explicit stack, not recursion: a pass may build chains of thousands.
+        stack: list[tuple[int, bool]] = [(n, False) for n in reversed(self._order)]
+        stack.extend((n, False) for n in reversed(self._at_start))
+        while stack:
+            n, expanded = stack.pop()
+            if expanded:
+                if n in nodes:
+                    order.append(n)
+                continue
+            stack.extend((a, False) for a in reversed(self._after.pop(n, ())))
+            stack.append((n, True))
+            stack.extend((b, False) for b in reversed(self._before.pop(n, ())))
         self._order = order
         self._at_start = []
         self._before.clear()

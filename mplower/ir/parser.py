@@ -35,9 +35,11 @@ from mplower.ir.types import (
     TypedFloat,
     TypedInt,
     UNIT,
+    float_from_bits,
     tensor,
     value_dtype,
 )
+from mplower.numerics.formats import FORMATS
 
 MAX_ATTRIBUTE_DEPTH = 64  # nesting of arrays/dicts; deeper input is rejected, not recursed into
 SPLIT_MARKER = re.compile(r"^// -----.*$", re.M)
@@ -52,7 +54,8 @@ _TERMINAL_NAMES = {
     "LSQB": "'['", "RSQB": "']'", "COMMA": "','", "COLON": "':'", "EQUAL": "'='",
     "LESSTHAN": "'<'", "MORETHAN": "'>'", "_ARROW": "'->'", "FUNC": "'func.func'",
     "RETURN": "'return'", "FUNC_RETURN": "'func.return'", "MODULE": "'module'",
-    "TRUE": "'true'", "FALSE": "'false'", "DENSE": "'dense'", "_ATTRIBUTES": "'attributes'",
+    "TRUE": "'true'", "FALSE": "'false'", "DENSE": "'dense'", "ATTRIBUTES": "'attributes'",
+    "SIMPLE_OP": "an operation",
     "$END": "end of file",
 }
 
@@ -84,9 +87,14 @@ _ID = r"[A-Za-z0-9_$.\-]+"
 _TT = r"tensor<[^<>\n]*>"
 _TYPES = rf"\(\s*(?:{_TT}(?:\s*,\s*{_TT})*)?\s*\)"
 _NUM = r"[-+]?(?:0x[0-9a-fA-F]+|[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
-_STR = r'"(?:[^"\\\n]|\\[^\n])*"'
+# Unrolled (no repeated alternation) so that a long string costs no regex backtracking state.
+_STR = r'"[^"\\\n]*(?:\\[^\n][^"\\\n]*)*"'
 _BARE = r"[A-Za-z_][A-Za-z0-9_$.]*"
-_SIMPLE_VALUE = rf"(?:{_STR}|{_NUM}(?:\s*:\s*{_BARE})?|@{_BARE}|{_BARE})"
+# A bare identifier the general lexer reads as BARE_ID rather than as a keyword; where the
+# grammar wants an identifier, a keyword must leave the line to the general rules.
+_NAME = (r"(?!(?:module|func\.func|func\.return|return|true|false|dense|attributes)"
+         rf"(?![A-Za-z0-9_$.])){_BARE}")
+_SIMPLE_VALUE = rf"(?:{_STR}|{_NUM}(?:\s*:\s*{_NAME})?|@{_BARE}|true|false|{_NAME})"
 # A body `{ return }` must not read as a dictionary with a unit attribute named `return`.
 _SIMPLE_ENTRY = rf"(?!(?:func\.)?return\b)(?:{_BARE}|{_STR})(?:\s*=\s*{_SIMPLE_VALUE})?"
 
@@ -97,7 +105,7 @@ _SIMPLE_ATTRS = rf"\{{\s*{_SIMPLE_ENTRY}(?:\s*,\s*{_SIMPLE_ENTRY})*\s*\}}"
 # One operation on one line with scalar attributes, custom or generic form (see grammar.lark).
 _SIMPLE_OP = (rf"(?P<res>%{_ID})(?::(?P<count>[0-9]+))?\s*=\s*"
               rf"(?:(?P<gname>{_STR})\((?P<gops>\s*(?:{_VALS})?\s*)\)"
-              rf"|(?P<cname>{_BARE})(?P<cops>\s+{_VALS})?)"
+              rf"|(?P<cname>{_NAME})(?P<cops>\s+{_VALS})?)"
               rf"\s*(?P<attrs>{_SIMPLE_ATTRS})?\s*:\s*(?P<ftype>{_FUNCTYPE})[ \t]*(?=\n|//|$)")
 
 _TOKENS = [  # (name, pattern): tried in this order at each position
@@ -116,7 +124,7 @@ _PUNCT = {"(": "LPAR", ")": "RPAR", "{": "LBRACE", "}": "RBRACE", "[": "LSQB", "
           ",": "COMMA", ":": "COLON", "=": "EQUAL", "<": "LESSTHAN", ">": "MORETHAN"}
 _KEYWORDS = {"module": "MODULE", "func.func": "FUNC", "return": "RETURN",
              "func.return": "FUNC_RETURN", "true": "TRUE", "false": "FALSE", "dense": "DENSE",
-             "attributes": "_ATTRIBUTES"}
+             "attributes": "ATTRIBUTES"}
 # Whitespace and comments are skipped possessively: backtracking into a comment would let a
 # token match inside it.
 _SPACE = r"(?:[ \t\f\r\n]++|//[^\n]*+)*+"
@@ -260,16 +268,18 @@ class _Builder:
 
     # ---- attributes ----------------------------------------------------------------------
     def int_attr(self, tok: Token) -> int:
-        return int(tok.value, 0) if "x" in tok.value else int(tok.value)
+        return _HexInt(tok.value, 0) if "x" in tok.value else int(tok.value)
 
     def typed_int_attr(self, tok: Token, t: Any) -> TypedInt | TypedFloat:
-        if isinstance(t, str) and t in ELEMENT_TYPES and t.startswith(("f", "bf", "tf")):
-            # MLIR writes NaN and inf as the bit pattern of a float type: 0x7FC00000 : f32.
-            bits = int(tok.value, 0)
-            return TypedFloat(float(np.array([bits], np.uint32).view(np.float32)[0]), t)
+        if isinstance(t, str) and t in FORMATS and FORMATS[t].is_float:
+            # MLIR writes NaN and inf as a bit pattern of the type's width: 0x7FC00000 : f32.
+            if "x" not in tok.value:
+                raise self.error(tok, "unexpected decimal integer literal for a floating point "
+                                      f"value; add a trailing dot: '{tok.value}.0 : {t}'")
+            return TypedFloat(self._float_bits(tok, t), t)
         if not isinstance(t, str):
             raise self.error(tok, "an integer attribute's type must be a scalar type")
-        return TypedInt(self.int_attr(tok), t)
+        return TypedInt(int(self.int_attr(tok)), t)
 
     def float_attr(self, tok: Token) -> float:
         return float(tok.value)
@@ -358,18 +368,32 @@ class _Builder:
             text = v.value
             if text in ("true", "false"):
                 return text == "true"
-            if v.type == "INT" and "x" in text.lower() and t.elem in ("f32", "f64", "bf16", "f16"):
-                return float(np.array([int(text, 0)], np.uint32).view(np.float32)[0])
+            if v.type == "INT" and "x" in text and FORMATS[t.elem].is_float:
+                return self._float_bits(v, t.elem)
             return float(text) if v.type == "FLOAT" else int(text, 0)
+        if type(v) is _HexInt and FORMATS[t.elem].is_float:
+            return self._float_bits(tok, t.elem, v)
         if isinstance(v, bool | int | float):
             return v
         raise self.error(tok, f"bad element in dense literal of {t}: only numbers are allowed")
+
+    def _float_bits(self, tok: Token, elem: str, bits: int | None = None) -> float:
+        if bits is None:
+            bits = int(tok.value, 0)
+        try:
+            return float_from_bits(bits, elem)
+        except ValueError as e:
+            raise self.error(tok, f"{e} ({'-' if bits < 0 else ''}0x{abs(bits):X})") from None
 
     # ---- ops -----------------------------------------------------------------------------
     def operands(self, *toks: Token) -> tuple[Token, ...]:
         return toks
 
     def result_def(self, tok: Token, count: Token | None) -> tuple[Token, int]:
+        if "#" in tok.value:
+            base = tok.value.split("#")[0]
+            raise self.error(tok, f"'{tok.value}' names one result of an op and cannot be "
+                                  f"defined; write '{base}:N = ...' for N results")
         n = int(count.value) if count is not None else 1
         if n < 1:
             raise self.error(tok, "result count must be positive")
@@ -390,11 +414,9 @@ class _Builder:
                 raise self.error(rtok, "result count must be positive")
         if gname is not None:
             name_tok = _sub(tok, gname, m.start("gname"), "STRING")
-            name = _unquote(name_tok, self) if "\\" in gname else gname[1:-1]
             operands = _Names(_VALUE_RE.findall(gops), tok, m.start("gops"))
         else:
             name_tok = _sub(tok, cname, m.start("cname"), "BARE_ID")
-            name = cname
             operands = (_Names(_VALUE_RE.findall(cops), tok, m.start("cops"))
                         if cops is not None else ())
         attr_dict = (self._simple_attrs(attrs, tok, m.start("attrs"))
@@ -402,6 +424,9 @@ class _Builder:
         types = self.functype_cache.get(ftype)
         if types is None:
             types = self._functype_text(tok, m.start("ftype"), ftype)
+        # The generic name last: the grammar decodes it when the whole op is reduced.
+        name = (cname if gname is None else
+                _unquote(name_tok, self) if "\\" in gname else gname[1:-1])
         return ((rtok, n), name_tok, name, operands, attr_dict, types)
 
     def _functype_text(self, tok: Token, at: int, text: str) -> tuple[list, list]:
@@ -415,43 +440,52 @@ class _Builder:
 
     def _simple_attrs(self, text: str, tok: Token, at: int) -> dict:
         # Values are decoded from the text; a sub-token (for a located error) is made only when
-        # something is wrong, which keeps the common case cheap.
+        # something is wrong, which keeps the common case cheap. Errors come in the grammar's
+        # order: the first bad value, else the first bad or repeated name.
         out: dict[str, Any] = {}
+        name_error: DiagnosticError | None = None
         for m in _ENTRY_RE.finditer(text, 1):
             key, value = m.group("key", "value")
-            if key[0] == '"':
-                key = _unquote(_sub(tok, key, at + m.start("key"), "STRING"), self)
-            if key in out:
-                raise self.error(_sub(tok, key, at + m.start("key"), "BARE_ID"),
-                                 f"duplicate attribute '{key}'")
             if value is None:
-                out[key] = UNIT
-                continue
-            first = value[0]
-            vtype = m.group("vtype")
-            if vtype is not None:
+                v: Any = UNIT
+            elif (vtype := m.group("vtype")) is not None:
                 num = m.group("num")
                 if vtype not in ATTRIBUTE_SCALAR_TYPES:
                     self.type(_sub(tok, vtype, at + m.start("vtype"), "BARE_ID"))  # raises
                 kind = "FLOAT" if _FLOAT_RE.fullmatch(num) else "INT"
                 num_tok = _sub(tok, num, at + m.start("num"), kind)
-                out[key] = (self.typed_float_attr if kind == "FLOAT" else
-                            self.typed_int_attr)(num_tok, vtype)
-            elif first == '"':
-                out[key] = (_unquote(_sub(tok, value, at + m.start("value"), "STRING"), self)
-                            if "\\" in value else value[1:-1])
+                v = (self.typed_float_attr if kind == "FLOAT" else
+                     self.typed_int_attr)(num_tok, vtype)
+            elif (first := value[0]) == '"':
+                v = (_unquote(_sub(tok, value, at + m.start("value"), "STRING"), self)
+                     if "\\" in value else value[1:-1])
             elif first == "@":
-                out[key] = SymbolRef(value[1:])
+                v = SymbolRef(value[1:])
             elif value == "true" or value == "false":
-                out[key] = value == "true"
+                v = value == "true"
             elif _FLOAT_RE.fullmatch(value):
-                out[key] = float(value)
+                v = float(value)
             elif first.isdigit() or first in "+-":
-                out[key] = int(value, 0) if "x" in value else int(value)
+                v = int(value, 0) if "x" in value else int(value)
             elif value in ATTRIBUTE_SCALAR_TYPES:
-                out[key] = TypeAttr(value)
+                v = TypeAttr(value)
             else:
                 self.type(_sub(tok, value, at + m.start("value"), "BARE_ID"))  # raises
+            if name_error is not None:
+                continue
+            if key[0] == '"':
+                try:
+                    key = _unquote(_sub(tok, key, at + m.start("key"), "STRING"), self)
+                except DiagnosticError as e:
+                    name_error = e
+                    continue
+            if key in out:
+                name_error = self.error(_sub(tok, key, at + m.start("key"), "BARE_ID"),
+                                        f"duplicate attribute '{key}'")
+                continue
+            out[key] = v
+        if name_error is not None:
+            raise name_error
         return out
 
     def custom_op(self, rdef, name: Token, operands, attrs, ftype) -> tuple:
@@ -469,7 +503,7 @@ class _Builder:
     def args(self, *a: tuple) -> list:
         return list(a)
 
-    def func(self, kw: Token, sym: Token, args, results, attrs, *rest) -> Function:
+    def func(self, kw: Token, sym: Token, args, results, _attributes, attrs, *rest) -> Function:
         ops, rbrace = rest[:-1], rest[-1]
         name = sym.value[1:].strip('"')
         f = Function(name, _loc(kw, self.file))
@@ -497,7 +531,7 @@ class _Builder:
             for i, ot in enumerate(operand_toks):
                 v = values.get(ot)
                 if v is None:
-                    v = self._result_ref(_operand_token(operand_toks, i), values)
+                    v = self._result_ref(_operand_token(operand_toks, i), values, ops)
                 operand_values.append(v)
             if len(in_types) != len(operand_values):
                 raise self.error(name_tok, f"'{op_name}' has {len(operand_values)} operands but its "
@@ -533,10 +567,18 @@ class _Builder:
             raise self.error(rbrace, f"function @{name} does not end with a return")
         return f
 
-    def _result_ref(self, tok: Token, values: dict) -> tuple[int, int]:
-        if "#" in tok.value and tok.value.split("#")[0] in values:
-            raise self.error(tok, f"'{tok.value.split('#')[0]}' has a single result; use it "
-                                  f"without '#'")
+    def _result_ref(self, tok: Token, values: dict, ops: tuple) -> tuple[int, int]:
+        base = tok.value.split("#")[0]
+        if "#" in tok.value and base in values:
+            raise self.error(tok, f"'{base}' has a single result; use it without '#'")
+        n = 0
+        while f"{base}#{n}" in values:
+            n += 1
+        if n:  # an earlier op with n results
+            raise self.error(tok, f"use of undefined value '{tok.value}': '{base}' has {n} "
+                                  f"results, '{base}#0' to '{base}#{n - 1}'")
+        if any(_defined_name(item) == base for item in ops):
+            raise self.error(tok, f"use of value '{tok.value}' before its definition")
         raise self.error(tok, f"use of undefined value '{tok.value}'")
 
     def _tensor(self, t: Any, tok: Token) -> TensorType:
@@ -544,7 +586,7 @@ class _Builder:
             raise self.error(tok, f"expected a tensor type, got '{t}'")
         return t
 
-    def module(self, kw: Token, sym: Token | None, attrs, *rest) -> Module:
+    def module(self, kw: Token, sym: Token | None, _attributes, attrs, *rest) -> Module:
         funcs = rest[:-1]
         m = Module(name=sym.value[1:].strip('"') if sym is not None else None,
                    attrs=dict(attrs or {}), loc=_loc(kw, self.file))
@@ -556,7 +598,7 @@ class _Builder:
         modules = [i for i in items if isinstance(i, Module)]
         funcs = [i for i in items if isinstance(i, Function)]
         if modules and (funcs or len(modules) > 1):
-            loc = (funcs[0].loc if funcs else Location(self.file, 0, 0))
+            loc = funcs[0].loc if funcs else modules[1].loc
             raise DiagnosticError.at(loc, "a file holds either one module or bare functions")
         m = modules[0] if modules else Module()
         for f in funcs:
@@ -572,12 +614,28 @@ class _Dict(dict):
         self.depth = depth
 
 
+def _defined_name(item: Token | tuple) -> str | None:
+    """The result name an op of a function body defines (`%0`), or None."""
+    if type(item) is Token:
+        return _VALUE_RE.match(item.value).group()
+    return item[0][0].value if item[0] is not None else None
+
+
+class _HexInt(int):
+    """An integer written in hex, while parsing: in a dense literal of a float type it is the
+    element's bit pattern (`dense<[0x7FC00000, 1.0]> : tensor<2xf32>`), elsewhere an int."""
+
+
 def _freeze(v: Any) -> Any:
     """Parsed arrays become plain tuples and dicts plain dicts once nesting is checked."""
     if isinstance(v, _Array):
-        return tuple(_freeze(e) for e in v) if v.depth > 1 else tuple(v)
+        if v.depth > 1:
+            return tuple(_freeze(e) for e in v)
+        return tuple(int(e) if type(e) is _HexInt else e for e in v)
     if isinstance(v, _Dict):
         return dict(v)
+    if type(v) is _HexInt:
+        return int(v)
     return v
 
 
@@ -708,9 +766,12 @@ def decode_source(data: bytes, file: str) -> str:
     except UnicodeDecodeError as e:
         head = data[:e.start]
         line = head.count(b"\n") + 1
-        col = e.start - (head.rfind(b"\n") + 1) + 1
-        raise DiagnosticError.at(Location(file, line, col),
-                                 f"invalid UTF-8 byte 0x{data[e.start]:02x}") from None
+        # Columns count characters, as everywhere else; the bytes before the bad one are valid.
+        col = len(head[head.rfind(b"\n") + 1:].decode("utf-8")) + 1
+        err = DiagnosticError.at(Location(file, line, col),
+                                 f"invalid UTF-8 byte 0x{data[e.start]:02x}")
+        err.source = data.decode("utf-8", "replace")
+        raise err from None
 
 
 def split_source(text: str) -> list[tuple[str, int]]:

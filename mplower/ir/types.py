@@ -10,6 +10,8 @@ symbol reference). Everything here is hashable so that CSE can compare attribute
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -21,7 +23,7 @@ from mplower.numerics.formats import FORMATS
 ELEMENT_TYPES = tuple(FORMATS)
 # Scalar types that may annotate attributes (`3 : i64`) but are not tensor element types.
 ATTRIBUTE_SCALAR_TYPES = frozenset(ELEMENT_TYPES) | {"i16", "i64", "ui16", "ui32", "ui64", "index"}
-ENCODINGS = ("2:4", "csr")
+ENCODINGS = ("2:4", "1:2", "csr")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,7 @@ class TypedFloat:
     type: str
 
     def __str__(self) -> str:
-        return f"{format_float(self.value)} : {self.type}"
+        return f"{format_float(self.value, elem=self.type)} : {self.type}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,9 @@ class TypeAttr:
         return str(self.type)
 
 
+_BARE_SYMBOL = re.compile(r"[A-Za-z_$.][A-Za-z0-9_$.\-]*")  # others print quoted: @"a b"
+
+
 @dataclass(frozen=True, slots=True)
 class SymbolRef:
     """`@name`."""
@@ -102,7 +107,9 @@ class SymbolRef:
     name: str
 
     def __str__(self) -> str:
-        return f"@{self.name}"
+        if _BARE_SYMBOL.fullmatch(self.name):
+            return f"@{self.name}"
+        return f'@"{self.name}"'
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,15 +154,14 @@ class _Unit:
 UNIT = _Unit()
 
 
-def format_float(x: float, single: bool = False) -> str:
+def format_float(x: float, single: bool = False, elem: str = "f32") -> str:
     """Shortest text that reads back as the same float, always with a '.' or exponent (MLIR).
 
     `single`: shortest text for the float32 value (what dense f32/bf16/... literals hold).
+    NaN and infinities have no decimal spelling; they print as the bit pattern of `elem`.
     """
-    if x != x:
-        return "0x7FC00000"
-    if x in (float("inf"), float("-inf")):
-        return "0x7F800000" if x > 0 else "0xFF800000"
+    if not math.isfinite(x):
+        return float_bits_text(x, elem)
     s = str(np.float32(x)) if single else repr(float(x))
     if "e" in s or "E" in s:
         mant, exp = s.split("e")
@@ -163,6 +169,41 @@ def format_float(x: float, single: bool = False) -> str:
             mant += ".0"
         return f"{mant}e{exp}"
     return s if "." in s else s + ".0"
+
+
+def float_bits_text(x: float, elem: str) -> str:
+    """NaN or an infinity as MLIR writes it: the bit pattern at the width of `elem` (`0x7E00`
+    for an f16 NaN). A format without infinities (f8E4M3FN) turns them into NaN, as a
+    conversion to it does."""
+    fmt = FORMATS.get(elem)
+    if fmt is None or not fmt.is_float:
+        fmt = FORMATS["f32"]
+    e, m = fmt.exp_bits, fmt.man_bits
+    bits = ((1 << e) - 1) << m
+    if math.isnan(x) or not fmt.has_inf:
+        bits |= (1 << (m - 1)) if fmt.has_inf else (1 << m) - 1
+    elif x < 0:
+        bits |= 1 << (e + m)
+    return f"0x{bits:0{(e + m + 4) // 4}X}"
+
+
+def float_from_bits(bits: int, elem: str) -> float:
+    """The value of a bit pattern of the float type `elem` (MLIR's `0x7FC00000 : f32`).
+
+    Raises ValueError when the pattern is negative or wider than the type.
+    """
+    fmt = FORMATS[elem]
+    e, m = fmt.exp_bits, fmt.man_bits
+    if not 0 <= bits < 1 << (1 + e + m):
+        raise ValueError(f"hexadecimal float constant out of range for {elem}")
+    sign = -1.0 if bits >> (e + m) else 1.0
+    exp, man = (bits >> m) & ((1 << e) - 1), bits & ((1 << m) - 1)
+    if exp == (1 << e) - 1 and (fmt.has_inf or man == (1 << m) - 1):
+        return sign * math.inf if fmt.has_inf and man == 0 else math.nan
+    bias = (1 << (e - 1)) - 1
+    if exp == 0:
+        return sign * math.ldexp(man, 1 - bias - m)
+    return sign * math.ldexp((1 << m) | man, exp - bias - m)
 
 
 def attr_to_str(v: Any) -> str:
@@ -174,7 +215,8 @@ def attr_to_str(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return format_float(v)
+        # An untyped float is an f64 in MLIR, so NaN and inf carry that type to read back.
+        return format_float(v) if math.isfinite(v) else f"{float_bits_text(v, 'f64')} : f64"
     if isinstance(v, str):
         return quote(v)
     if isinstance(v, tuple):
@@ -217,10 +259,10 @@ def quote(s: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _elem_to_str(x: Any, is_float: bool, single: bool) -> str:
+def _elem_to_str(x: Any, is_float: bool, single: bool, elem: str) -> str:
     if isinstance(x, (bool, np.bool_)):
         return "true" if x else "false"
-    return format_float(float(x), single) if is_float else str(int(x))
+    return format_float(float(x), single, elem) if is_float else str(int(x))
 
 
 def value_dtype(elem: str) -> np.dtype:
@@ -237,17 +279,18 @@ def dense_to_str(attr: DenseAttr) -> str:
     single = attr.type.elem != "f64"
     vals = attr.array
     if attr.is_splat:
-        body = _elem_to_str(vals.reshape(-1)[0], is_float, single)
+        body = _elem_to_str(vals.reshape(-1)[0], is_float, single, attr.type.elem)
     elif vals.size == 0:
         body = ""
     else:
-        body = _nested(vals, is_float, single)
+        body = _nested(vals, is_float, single, attr.type.elem)
     return f"dense<{body}> : {attr.type}"
 
 
-def _nested(vals: np.ndarray, is_float: bool, single: bool) -> str:
+def _nested(vals: np.ndarray, is_float: bool, single: bool, elem: str) -> str:
     if vals.ndim == 0:
-        return _elem_to_str(vals.item(), is_float, single)
+        return _elem_to_str(vals.item(), is_float, single, elem)
     if vals.ndim == 1:
-        return "[" + ", ".join(_elem_to_str(x, is_float, single) for x in vals.tolist()) + "]"
-    return "[" + ", ".join(_nested(v, is_float, single) for v in vals) + "]"
+        return "[" + ", ".join(_elem_to_str(x, is_float, single, elem)
+                               for x in vals.tolist()) + "]"
+    return "[" + ", ".join(_nested(v, is_float, single, elem) for v in vals) + "]"

@@ -1,0 +1,79 @@
+"""Shared helpers for the core tests: the CLI run in-process, IR built from a body, both parse paths.
+
+`cli` runs `mplower.cli.main` in this process and returns exit code, stdout and stderr (argparse's
+own usage errors exit through SystemExit; their code is returned the same way). `func_ir` wraps
+an op body in a function so that a test shows only the lines it is about. `general_path` parses
+with the lexer's SIMPLE_OP fast path switched off, so that a test can compare the two paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import mplower.ir.parser as parser_module
+from mplower.cli import main
+from mplower.ir.graph import Module
+from mplower.ir.parser import parse
+from mplower.ir.printer import print_module
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "ir_examples").glob("*.ir"))
+
+
+@dataclass
+class CliResult:
+    rc: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    def run(*args: object) -> CliResult:
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return CliResult(rc, out, err)
+
+    return run
+
+
+def func_ir(body: str, args: str = "%x: tensor<2x3xf32>", result: str = "tensor<2x3xf32>",
+            name: str = "f") -> str:
+    """`func.func @name(args) -> result { body }`; body lines are indented by two spaces."""
+    lines = "".join(f"  {line}\n" for line in body.strip("\n").split("\n"))
+    head = f"func.func @{name}({args})" + (f" -> {result}" if result else "")
+    return f"{head} {{\n{lines}}}\n"
+
+
+def roundtrip(text: str) -> str:
+    return print_module(parse(text))
+
+
+# The lexer's master regex without the SIMPLE_OP alternative: every op goes through the grammar.
+_GENERAL_MASTER = re.compile(
+    parser_module._SPACE + "(?:" + "|".join(f"(?P<{n}>{p})" for n, p in parser_module._TOKENS
+                                           if n != "SIMPLE_OP") + ")")
+
+
+@contextlib.contextmanager
+def general_path() -> Iterator[None]:
+    fast = parser_module._MASTER
+    parser_module._MASTER = _GENERAL_MASTER
+    try:
+        yield
+    finally:
+        parser_module._MASTER = fast
+
+
+def parse_general(text: str, file: str = "<stdin>") -> Module:
+    with general_path():
+        return parse(text, file)

@@ -1,0 +1,284 @@
+"""Malformed inputs through `mplower opt`: one located diagnostic each, exit 1, no traceback.
+
+Every case pins the exact line and column, a fragment of the message, the source line (or the
+window of a long line) and a caret under that column, and that the `-o` file written before the
+run is untouched with no temporary file left beside it. A few cases also run the installed
+console script to prove that no Python traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import func_ir
+
+from mplower.ir.diagnostics import Diagnostic, Location
+
+T = "tensor<2x3xf32>"
+OP = f"({T}) -> {T}"
+RET = f"return %0 : {T}"
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    source: str | bytes
+    line: int
+    at: str | None  # the text the caret points at on that line (its first occurrence); None: EOF
+    message: str
+    nth: int = 1  # which occurrence of `at` on the line
+
+    @property
+    def data(self) -> bytes:
+        return self.source if isinstance(self.source, bytes) else self.source.encode()
+
+    def column(self) -> int:
+        line = self.data.split(b"\n")[self.line - 1].decode("utf-8", "replace")
+        if self.at is None:  # end of input: one past the last character
+            return len(line.rstrip()) + 1
+        i = -1
+        for _ in range(self.nth):
+            i = line.index(self.at, i + 1)
+        return i + 1
+
+
+DEEP = 20_000
+BIG = 12_000_000
+LONG_NUMBER = "1." + "0" * 2990 + "1"
+N_LONG = BIG // (len(LONG_NUMBER) + 2)
+BIG_STRING = "s" * BIG
+
+CASES = [
+    Case("truncated-file", func_ir(f"%0 = mp.relu %x : {OP}").rsplit("}", 1)[0], 2, None,
+         "unexpected end of file"),
+    Case("truncated-mid-type", f"func.func @f(%x: {T}) -> {T} {{\n  %0 = mp.relu %x : ({T}) ->",
+         2, None, "unexpected end of file; expected '(', a tensor type, an identifier"),
+    Case("unknown-op", func_ir(f"%0 = mp.rleu %x : {OP}\n{RET}"), 2, "%0",
+         "unknown operation 'mp.rleu'; did you mean 'mp.relu'?"),
+    Case("unknown-op-generic", func_ir(f'%0 = "mp.sigmod"(%x) : {OP}\n{RET}'), 2, "%0",
+         "unknown operation 'mp.sigmod'; did you mean 'mp.sigmoid'?"),
+    Case("undefined-value", func_ir(f"%0 = mp.relu %y : {OP}\n{RET}"), 2, "%y",
+         "use of undefined value '%y'"),
+    Case("undefined-value-in-return", func_ir(f"return %nope : {T}"), 2, "%nope",
+         "use of undefined value '%nope'"),
+    Case("redefined-value", func_ir(f"%0 = mp.relu %x : {OP}\n%0 = mp.neg %x : {OP}\n{RET}"),
+         3, "%0", "redefinition of value '%0'"),
+    Case("redefined-argument", func_ir(f"%x = mp.relu %x : {OP}\nreturn %x : {T}"), 2, "%x",
+         "redefinition of value '%x'"),
+    Case("use-before-definition",
+         func_ir(f"%0 = mp.relu %1 : {OP}\n%1 = mp.neg %x : {OP}\n{RET}"), 2, "%1",
+         "use of value '%1' before its definition"),
+    Case("wrong-operand-count", func_ir(f"%0 = mp.relu %x, %x : ({T}, {T}) -> {T}\n{RET}"),
+         2, "%0", "'mp.relu' expects 1 operands, got 2"),
+    Case("operands-and-types-disagree", func_ir(f"%0 = mp.relu %x, %x : {OP}\n{RET}"),
+         2, "mp.relu", "'mp.relu' has 2 operands but its type lists 1"),
+    Case("broadcast-mismatch",
+         func_ir("%0 = mp.add %a, %b : (tensor<4x8xf32>, tensor<3xf32>) -> tensor<4x8xf32>\n"
+                 "return %0 : tensor<4x8xf32>", args="%a: tensor<4x8xf32>, %b: tensor<3xf32>",
+                 result="tensor<4x8xf32>"),
+         2, "%0", "operands are not broadcast-compatible: tensor<4x8xf32> and tensor<3xf32>"),
+    Case("matmul-shape-mismatch",
+         func_ir("%0 = mp.matmul %a, %b : (tensor<4x8xf32>, tensor<7x2xf32>) -> tensor<4x2xf32>\n"
+                 "return %0 : tensor<4x2xf32>", args="%a: tensor<4x8xf32>, %b: tensor<7x2xf32>",
+                 result="tensor<4x2xf32>"),
+         2, "%0", "matmul contraction mismatch: 8 vs 7"),
+    Case("wrong-result-shape", func_ir(f"%0 = mp.relu %x : ({T}) -> tensor<3x2xf32>\n"
+                                       f"return %x : {T}"),
+         2, "%0", "'mp.relu' result type tensor<3x2xf32> does not match the inferred type "
+                  "tensor<2x3xf32>"),
+    Case("return-type-mismatch", func_ir(f"%0 = mp.relu %x : {OP}\nreturn %x, %0 : {T}, {T}"),
+         3, "return", "return type mismatch: function @f returns tensor<2x3xf32> but return "
+                      "gives tensor<2x3xf32>, tensor<2x3xf32>"),
+    Case("bad-element-type", func_ir(f"%0 = mp.relu %x : ({T}) -> tensor<2x3xf33>\n{RET}"),
+         2, "tensor<2x3xf33>", "unknown element type 'f33'; did you mean 'f32'?"),
+    Case("negative-dimension", func_ir(f"%0 = mp.relu %x : ({T}) -> tensor<-2x3xf32>\n{RET}"),
+         2, "tensor<-2", "negative dimension -2 in tensor<-2x3xf32>"),
+    Case("dynamic-dimension", func_ir(f"return %x : {T}", args="%x: tensor<?x3xf32>"),
+         1, "tensor<?", "dynamic dimensions are not supported; give a static size"),
+    Case("bad-dense-length",
+         func_ir("%0 = mp.constant {value = dense<[1.0, 2.0]> : tensor<3xf32>} : () -> "
+                 f"tensor<3xf32>\nreturn %x : {T}"),
+         2, "dense", "dense literal has 2 elements but tensor<3xf32> has 3"),
+    Case("ragged-dense",
+         func_ir("%0 = mp.constant {value = dense<[[1.0, 2.0], [3.0]]> : tensor<2x2xf32>} : () -> "
+                 f"tensor<2x2xf32>\nreturn %x : {T}"),
+         2, "dense", "ragged dense literal: nested lists of different lengths"),
+    Case("bad-perm", func_ir(f"%0 = mp.transpose %x {{perm = [0, 0]}} : {OP}\n{RET}"),
+         2, "%0", "attribute 'perm' must be a permutation of [0, 1], got [0, 0]"),
+    Case("axis-out-of-range", func_ir(f"%0 = mp.softmax %x {{axis = 2}} : {OP}\n{RET}"),
+         2, "%0", "attribute 'axis' = 2 is out of range [-2, 2)"),
+    Case("unterminated-string", func_ir(f'%0 = mp.relu %x {{x.s = "abc}} : {OP}\n{RET}'),
+         2, '"', "unterminated string"),
+    Case("stray-dollar", func_ir(f"%0 = mp.relu $x : {OP}\n{RET}"), 2, "$",
+         "unexpected character '$'"),
+    Case("stray-control-character", func_ir(f"%0 = mp.relu %x \x01: {OP}\n{RET}"), 2, "\x01",
+         "unexpected character '\\x01'"),
+    Case("invalid-utf8-in-comment",
+         func_ir(f"// caf\u00e9 XX\n%0 = mp.relu %x : {OP}\n{RET}").encode().replace(
+             b"XX", b"\xff\xfe"),
+         2, "\ufffd", "invalid UTF-8 byte 0xff"),
+    Case("invalid-utf8-in-op",
+         func_ir(f'%0 = mp.relu %x {{x.s = "aXb"}} : {OP}\n{RET}').encode().replace(b"X", b"\xc3"),
+         2, "\ufffd", "invalid UTF-8 byte 0xc3"),
+    Case("duplicate-function", func_ir(f"return %x : {T}") + func_ir(f"return %x : {T}"),
+         4, "func.func", "redefinition of function @f"),
+    Case("duplicate-attribute", func_ir(f"%0 = mp.softmax %x {{axis = 1, axis = 0}} : {OP}\n{RET}"),
+         2, "axis", "duplicate attribute 'axis'", nth=2),
+    Case("duplicate-attribute-general-path",
+         func_ir(f"%0 = mp.softmax %x {{x.a = [1], axis = 1, axis = 0}} : {OP}\n{RET}"),
+         2, "axis", "duplicate attribute 'axis'", nth=2),
+    Case("deeply-nested-array",
+         func_ir(f"%0 = mp.relu %x {{x.a = {'[' * DEEP}{']' * DEEP}}} : {OP}\n{RET}"),
+         2, "[" * 65 + "]", "attribute nesting is deeper than 64 levels"),  # level 65
+    Case("deeply-nested-dictionary",
+         func_ir(f"%0 = mp.relu %x {{x.a = {'{a = ' * DEEP}1{'}' * DEEP}}} : {OP}\n{RET}"),
+         2, "{a = " * 65 + "1", "attribute nesting is deeper than 64 levels"),
+    Case("12mb-line-garbage-after-a-long-string",
+         func_ir(f'%0 = mp.relu %x {{x.s = "{BIG_STRING}"}} : {OP} $\n{RET}'), 2, "$",
+         "unexpected character '$'"),
+    Case("12mb-line-of-garbage", func_ir("$" * BIG + f"\n{RET}"), 2, "$",
+         "unexpected character '$'"),
+    Case("12mb-dense-literal-with-wrong-count",
+         func_ir(f"%0 = mp.constant {{value = dense<[{', '.join([LONG_NUMBER] * N_LONG)}]> : "
+                 f"tensor<{N_LONG + 1}xf32>}} : () -> tensor<{N_LONG + 1}xf32>\n"
+                 f"return %0 : tensor<{N_LONG + 1}xf32>",
+                 result=f"tensor<{N_LONG + 1}xf32>"),
+         2, "dense", f"dense literal has {N_LONG} elements but tensor<{N_LONG + 1}xf32> has "
+                     f"{N_LONG + 1}"),
+    Case("missing-return", func_ir(f"%0 = mp.relu %x : {OP}"), 3, "}",
+         "function @f does not end with a return"),
+    Case("op-after-return", func_ir(f"return %x : {T}\n%0 = mp.relu %x : {OP}"), 3, "mp.relu",
+         "operation after the function's return"),
+    Case("unknown-attribute", func_ir(f"%0 = mp.softmax %x {{axsi = 1}} : {OP}\n{RET}"),
+         2, "%0", "unknown attribute 'axsi' for mp.softmax; did you mean 'axis'?"),
+    Case("attribute-on-op-without-attributes",
+         func_ir(f"%0 = mp.relu %x {{alpha = 0.1}} : {OP}\n{RET}"),
+         2, "%0", "mp.relu takes no attribute 'alpha'"),
+    Case("operand-type-mismatch",
+         func_ir(f"%0 = mp.relu %x : (tensor<3x2xf32>) -> tensor<3x2xf32>\nreturn %x : {T}"),
+         2, "%x", "operand #0 '%x' has type tensor<2x3xf32> but the op expects tensor<3x2xf32>"),
+    Case("hash-in-result-name", func_ir(f"%r#1 = mp.relu %x : {OP}\nreturn %x : {T}"),
+         2, "%r#1", "'%r#1' names one result of an op and cannot be defined"),
+    Case("hash-on-single-result", func_ir(f"%0 = mp.relu %x : {OP}\n"
+                                          f"%1 = mp.neg %0#0 : {OP}\nreturn %1 : {T}"),
+         3, "%0#0", "'%0' has a single result; use it without '#'"),
+    Case("decimal-integer-as-float", func_ir(f"%0 = mp.relu %x {{x.f = 3 : f32}} : {OP}\n{RET}"),
+         2, "3 :", "unexpected decimal integer literal for a floating point value"),
+    Case("hex-float-too-wide",
+         func_ir(f"%0 = mp.relu %x {{x.f = 0x7FC00000 : bf16}} : {OP}\n{RET}"),
+         2, "0x7F", "hexadecimal float constant out of range for bf16"),
+    Case("unknown-escape", func_ir(f'%0 = mp.relu %x {{x.s = "a\\qb"}} : {OP}\n{RET}'),
+         2, '"a', "unknown escape '\\q' in string"),
+    Case("missing-attribute", func_ir(f"%0 = mp.concat %x : {OP}\n{RET}"),
+         2, "%0", "mp.concat needs attribute 'axis'"),
+    Case("module-and-bare-function", "module {\n}\n" + func_ir(f"return %x : {T}"),
+         3, "func.func", "a file holds either one module or bare functions"),
+    Case("syntax-error-names-what-was-expected", func_ir(f"%0 = mp.relu %x : {T}\n{RET}"),
+         2, "tensor<2x3xf32>", "unexpected 'tensor<2x3xf32>'; expected '('"),
+    Case("non-tensor-argument", func_ir("return", args="%x: f32", result=""), 1, "%x",
+         "expected a tensor type, got 'f32'"),
+]
+
+
+def _check_rendered(err: str, path: Path, case: Case) -> None:
+    col = case.column()
+    assert "Traceback" not in err
+    first, shown, caret, *rest = err.split("\n")
+    assert first.startswith(f"{path}:{case.line}:{col}: error: "), first[:300]
+    assert case.message in first, first[:300]
+    assert rest == [""]  # one diagnostic, newline-terminated
+    source = case.data.split(b"\n")[case.line - 1].decode("utf-8", "replace").replace("\t", " ")
+    if len(source) <= 120:
+        assert shown == source
+    else:  # a window around the column, not the whole line
+        assert len(shown) <= 126 and shown.strip(".") in source
+    assert caret == " " * (len(caret) - 1) + "^"
+    if case.at is None:
+        assert len(caret) == len(shown.rstrip()) + 1
+    else:
+        assert shown[len(caret) - 1] == source[col - 1]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_malformed_input_is_one_located_diagnostic(case, cli, tmp_path):
+    src, out = tmp_path / "in.ir", tmp_path / "out.ir"
+    src.write_bytes(case.data)
+    out.write_bytes(b"KEEP ME")
+    r = cli("opt", src, "-o", out)
+    assert r.rc == 1
+    assert r.out == ""
+    _check_rendered(r.err, src, case)
+    assert len(r.err) < 2048
+    assert out.read_bytes() == b"KEEP ME"
+    assert sorted(os.listdir(tmp_path)) == ["in.ir", "out.ir"]
+
+
+def test_there_are_at_least_25_distinct_cases():
+    assert len({c.id for c in CASES}) == len(CASES) >= 25
+    assert len({c.message for c in CASES}) >= 25
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in (
+    "unknown-op", "invalid-utf8-in-comment", "deeply-nested-array", "missing-return")],
+    ids=lambda c: c.id)
+def test_console_script_prints_no_traceback(case, tmp_path):
+    src, out = tmp_path / "in.ir", tmp_path / "out.ir"
+    src.write_bytes(case.data)
+    out.write_bytes(b"KEEP ME")
+    mplower = Path(sys.executable).with_name("mplower")
+    proc = subprocess.run([str(mplower), "opt", str(src), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    _check_rendered(proc.stderr, src, case)
+    assert out.read_bytes() == b"KEEP ME"
+    assert sorted(os.listdir(tmp_path)) == ["in.ir", "out.ir"]
+
+
+def test_empty_file_is_an_empty_module(cli, tmp_path):
+    src = tmp_path / "empty.ir"
+    src.write_bytes(b"")
+    r = cli("opt", src)
+    assert (r.rc, r.out, r.err) == (0, "module {\n}\n", "")
+
+
+def test_missing_input_file_is_a_diagnostic(cli, tmp_path):
+    r = cli("opt", tmp_path / "nope.ir")
+    assert r.rc == 1
+    assert r.err == f"{tmp_path / 'nope.ir'}: error: cannot read input: No such file or directory\n"
+
+
+def test_every_error_of_a_module_is_reported_in_order(cli, tmp_path):
+    src = tmp_path / "two.ir"
+    src.write_text(func_ir(f"%0 = mp.softmax %x {{axis = 5}} : {OP}\n"
+                           f"%1 = mp.relu %0 : ({T}) -> tensor<3x2xf32>\n{RET}"))
+    r = cli("opt", src)
+    assert r.rc == 1
+    heads = [line for line in r.err.split("\n") if ": error: " in line]
+    assert [h.split(": error: ")[0] for h in heads] == [f"{src}:2:3", f"{src}:3:3"]
+
+
+def test_tabs_in_the_source_line_keep_the_caret_aligned(cli, tmp_path):
+    src = tmp_path / "tabs.ir"
+    src.write_text(f"func.func @f(%x: {T}) -> {T} {{\n\t%0 = mp.relu\t%y : {OP}\n\t{RET}\n}}\n")
+    r = cli("opt", src)
+    first, shown, caret, _ = r.err.split("\n")
+    assert first.startswith(f"{src}:2:15: error: use of undefined value '%y'")
+    assert shown[len(caret) - 1:].startswith("%y")
+
+
+def test_render_without_a_source_is_one_line():
+    d = Diagnostic(Location("f.ir", 3, 4), "bad")
+    assert d.render() == "f.ir:3:4: error: bad"
+    assert Diagnostic(Location("f.ir", 0, 0), "bad").render("text") == "f.ir: error: bad"
+
+
+def test_render_notes_follow_their_diagnostic():
+    d = Diagnostic(Location("f.ir", 1, 3), "bad",
+                   notes=[Diagnostic(Location("f.ir", 2, 1), "here", "note")])
+    assert d.render("abcd\nxy") == "f.ir:1:3: error: bad\nabcd\n  ^\nf.ir:2:1: note: here\nxy\n^"
