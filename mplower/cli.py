@@ -10,6 +10,7 @@ user; an internal error is reported as one and exits 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import difflib
 import os
 import sys
@@ -262,6 +263,10 @@ def _print_diags(diags: Sequence[Diagnostic], source: str | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The IR's graphs and tensors hold no reference cycles, so the cyclic collector has
+    # nothing to reclaim in a command's short life; each of its full passes costs time
+    # proportional to the heap (a third of `opt` on a 100k-op module).
+    gc.disable()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -17,6 +17,7 @@ import pkgutil
 import sys
 import time
 import typing
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
         raise TypeError(f"{cls.__name__} needs a name")
     if not dataclasses.is_dataclass(cls):
         cls = dataclass(cls)
+    existing = PASSES.get(cls.name)
+    if existing is not None and existing is not cls and (
+            existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(f"pass '{cls.name}' is already registered by "
+                        f"{existing.__module__}.{existing.__qualname__}")
     PASSES[cls.name] = cls
     return cls
 
@@ -87,9 +93,13 @@ def load_passes() -> dict[str, type[Pass]]:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="mplower.passes"):
-        obj = ep.load()
-        if isinstance(obj, type) and issubclass(obj, Pass) and obj.name not in PASSES:
-            register_pass(obj)
+        try:
+            obj = ep.load()
+            if isinstance(obj, type) and issubclass(obj, Pass) and obj.name not in PASSES:
+                register_pass(obj)
+        except Exception as e:  # a broken plugin must not take the built-in passes down
+            warnings.warn(f"mplower: skipping pass plugin '{ep.name}' ({ep.value}): {e}",
+                          stacklevel=2)
     return PASSES
 
 
@@ -338,6 +348,7 @@ def pass_options(cls: type[Pass]) -> list[tuple[str, str, Any, str]]:
             default = f.default_factory()
         else:
             default = None
-        tname = getattr(hints[f.name], "__name__", str(hints[f.name]))
+        hint = hints[f.name]
+        tname = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
         rows.append((f.name, tname, default, f.metadata.get("help", "")))
     return rows

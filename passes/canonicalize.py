@@ -142,7 +142,15 @@ def canonicalize_function(f: Function, ctx: PassContext, max_elements: int,
 @register_pass
 @dataclass
 class Canonicalize(Pass):
-    """Fold constants, remove no-op reshapes, transposes and casts, merge transposes; then DCE and CSE."""
+    """Local simplifications to a fixed point, then dead-code elimination and CSE.
+
+    Patterns: fold elementwise ops whose operands are all inline `dense` constants into a
+    constant (results that are f32, f64 or integer; non-splat results up to
+    `max_fold_elements`); drop reshapes and transposes that change nothing; merge a transpose
+    of a transpose; drop casts to the same type and cast pairs whose round trip is exact
+    (bf16 -> f32 -> bf16), never a lossy one (f32 -> bf16 -> f32). Then erase unused pure ops
+    and merge duplicates (the `dce` and `cse` passes).
+    """
 
     name: ClassVar[str] = "canonicalize"
     statistics: ClassVar[dict[str, str]] = {

@@ -173,7 +173,7 @@ def test_describe_pass_parses_back_to_an_equal_pass(p, options_pass):
 def test_pass_options_lists_name_type_default_and_help(options_pass):
     rows = pass_options(Options)
     assert rows[0] == ("count", "int", 1, "an int")
-    assert rows[4] == ("sizes", "list", [1, 2], "a list of ints")
+    assert rows[4] == ("sizes", "list[int]", [1, 2], "a list of ints")
     assert [r[0] for r in rows] == ["count", "ratio", "flag", "label", "sizes", "names", "limit"]
 
 
