@@ -416,7 +416,8 @@ def _def(name: str, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
         for i, t in enumerate(ins):
             if t.encoding is not None and i not in encoded_operands:
                 raise OpError(f'operand #{i} has sparse encoding "{t.encoding}"; only the second '
-                              "operand of mp.matmul may be encoded", operand=i)
+                              "operand of mp.matmul may be encoded (and mp.cast's, which "
+                              "keeps it)", operand=i)
         return infer(tuple(ins), _check_attrs(op, specs, attrs), tuple(declared))
 
     def checked_reference(inputs: Sequence[np.ndarray], attrs: Mapping[str, Any],
@@ -760,6 +761,20 @@ _def("gelu", ("x",), {"approximate": AttrSpec("str", default="none", choices=("n
      "GELU, exact (erf) or tanh approximation (ONNX Gelu).", elementwise=True)
 
 
+_erf_scalar = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    # math.erf is correctly rounded in float64; an erfc-based fit would lose relative precision
+    # near 0, where erf(x) ~ 1.13 x.
+    x = _fl(xs[0])
+    return [_erf_scalar(x.astype(np.float64)).astype(x.dtype)]
+
+
+_def("erf", ("x",), {}, _unary_infer(_FLOATS, "a float"), _erf_reference, _per_element(8),
+     _VECTOR, "Elementwise Gauss error function (ONNX Erf).", elementwise=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Normalizations
 
@@ -781,6 +796,48 @@ def _softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 _def("softmax", ("x",), {"axis": AttrSpec("int", default=-1)},
      _softmax_infer, _softmax_reference, _per_element(5), _VECTOR,
      "Softmax along one axis (ONNX Softmax, opset 13).")
+
+
+def _log_softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    d = x - np.max(x, axis=a["axis"], keepdims=True)
+    return [d - np.log(np.sum(np.exp(d), axis=a["axis"], keepdims=True))]
+
+
+# LogSoftmax: 5 operations per element (max, subtract, exp, sum, subtract; one log per row).
+_def("log_softmax", ("x",), {"axis": AttrSpec("int", default=-1)},
+     _softmax_infer, _log_softmax_reference, _per_element(5), _VECTOR,
+     "log(softmax(x)) along one axis, computed as x - max - log(sum(exp(x - max))) "
+     "(ONNX LogSoftmax, opset 13).")
+
+
+def _lrn_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    if x.rank < 3:
+        raise OpError(f"operand #0 must have rank >= 3 (N, C, spatial...), got {x}", operand=0)
+    return [tensor(x.shape, _elem_of(ins, _FLOATS, "a float"))]
+
+
+def _lrn_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    size = a["size"]
+    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2  # channels before / after c
+    sq = np.square(x.astype(np.float64))
+    pads = [(0, 0)] * x.ndim
+    pads[1] = (lo, hi)
+    win = np.lib.stride_tricks.sliding_window_view(np.pad(sq, pads), size, axis=1)
+    scale = a["bias"] + a["alpha"] / size * win.sum(axis=-1)
+    return [(x / scale ** a["beta"]).astype(x.dtype)]
+
+
+# LRN: a square and an add per window element, then scale, power and divide.
+_def("lrn", ("x",), {"size": AttrSpec("int", required=True, min=1),
+                     "alpha": AttrSpec("float", default=1e-4),
+                     "beta": AttrSpec("float", default=0.75),
+                     "bias": AttrSpec("float", default=1.0)},
+     _lrn_infer, _lrn_reference, lambda ins, a: (2 * a["size"] + 3) * ins[0].size, _VECTOR,
+     "Local response normalization across channels: x / (bias + alpha / size * "
+     "sum of x^2 over `size` neighbouring channels)^beta (ONNX LRN).")
 
 
 def _norm_infer(params: tuple[str, ...]) -> _ImplInfer:
@@ -1086,7 +1143,9 @@ _def("global_avg_pool", ("x",), {}, _global_pool_infer,
 
 
 def _cast_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
-    return [tensor(ins[0].shape, _declared("mp.cast", declared).elem)]
+    # Rounding keeps zeros zero, so a cast of a sparse-encoded weight keeps its encoding (the
+    # plan casts a weight to its compute format after lower-sparse encoded it).
+    return [tensor(ins[0].shape, _declared("mp.cast", declared).elem, ins[0].encoding)]
 
 
 def _round_to_format(x: np.ndarray, elem: str) -> np.ndarray:
@@ -1131,7 +1190,8 @@ def _cast_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 _def("cast", ("x",), {"saturate": AttrSpec("bool", default=True)}, _cast_infer,
      _cast_reference, _no_flops, _ANY,
      "Convert to the result's element type: round to nearest even, truncate to integers, "
-     "saturate fp8 unless saturate = false (ONNX Cast).", elementwise=True)
+     "saturate fp8 unless saturate = false (ONNX Cast); an encoded operand keeps its encoding.",
+     elementwise=True, encoded_operands=frozenset({0}))
 
 _QUANT_ATTRS = {"scale": AttrSpec("number", required=True),
                 "zero_point": AttrSpec("number", default=0),

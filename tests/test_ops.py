@@ -32,7 +32,7 @@ ALL_OPS = [
     "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "gelu", "softmax", "layer_norm",
     "rms_norm", "reduce_sum", "reduce_mean", "reduce_max", "argmax", "reshape", "transpose",
     "concat", "slice", "flatten", "max_pool2d", "avg_pool2d", "global_avg_pool", "cast",
-    "quantize", "dequantize", "fake_quant", "sparse_encode",
+    "quantize", "dequantize", "fake_quant", "sparse_encode", "erf", "log_softmax", "lrn",
 ]
 
 
@@ -344,7 +344,7 @@ INVALID = [
     ("dequantize-result", "dequantize", ["4xi8"], {"scale": 0.1}, ["4xi32"],
      "mp.dequantize result element type must be a float type, got i32", None),
     ("sparse-encode-plain", "sparse_encode", ["4x4xf32"], {}, ["4x4xf32"],
-     "mp.sparse_encode result must carry an encoding ('2:4' or 'csr')", None),
+     "mp.sparse_encode result must carry an encoding ('2:4' or '1:2' or 'csr')", None),
     ("constant-both", "constant", [], {"name": "w", "value": dense([1.0], "f32")}, ["1xf32"],
      "mp.constant needs exactly one of 'name'", None),
     ("constant-shape", "constant", [], {"value": dense([1.0, 2.0], "f32")}, ["3xf32"],
@@ -441,6 +441,12 @@ REFERENCE_CASES = [
     case("softmax-axis1", "softmax", [rand(3, 4, 5) * 5], {"axis": 1}, node("Softmax", 1, axis=1),
          opset=13),
     case("softmax-last", "softmax", [rand(3, 4, 5) * 5], {}, node("Softmax", 1), opset=13),
+    case("erf", "erf", [np.vstack([rand(3, 4) * 3, np.float32([[1e-8, -1e-6, 0.0, 5.0]])])], {},
+         node("Erf", 1)),
+    case("log_softmax-axis1", "log_softmax", [rand(3, 4, 5) * 5], {"axis": 1},
+         node("LogSoftmax", 1, axis=1), opset=13),
+    case("log_softmax-last", "log_softmax", [rand(2, 6) * 5], {}, node("LogSoftmax", 1),
+         opset=13),
     case("layer_norm", "layer_norm", [rand(3, 4, 5), rand(4, 5), rand(4, 5)],
          {"axis": 1, "epsilon": 1e-3}, node("LayerNormalization", 3, axis=1, epsilon=1e-3),
          opset=17),
@@ -549,6 +555,32 @@ def test_slice_clamps_a_far_negative_backward_start_to_zero_as_the_onnx_spec_say
     ours = OPS["mp.slice"].reference([x], attrs)[0]
     assert ours.tolist() == theirs.tolist() == [0.0]
     assert infer("slice", ["5xf32"], attrs) == [T("1xf32")]
+
+
+def test_log_softmax_stays_finite_where_log_of_softmax_underflows():
+    # 1e4 apart: softmax underflows to 0 in f32 and onnx's ReferenceEvaluator returns -inf.
+    x = np.float32([[0.0, 1e4, -1e4]])
+    ours = OPS["mp.log_softmax"].reference([x], {})[0]
+    np.testing.assert_array_equal(ours, np.float32([[-1e4, 0.0, -2e4]]))
+
+
+@pytest.mark.parametrize("size,attrs", [(3, {}), (5, {"alpha": 0.02, "beta": 0.5, "bias": 2.0}),
+                                        (1, {"alpha": 1.0})])
+def test_lrn_matches_onnxruntime(size, attrs):
+    # onnx's ReferenceEvaluator LRN loops over the batch instead of the channels, so the oracle
+    # here is onnxruntime (the backend node tests' own numpy loop agrees with it).
+    ort = pytest.importorskip("onnxruntime")
+    x = rand(2, 6, 3, 4)
+    graph = helper.make_graph(
+        [helper.make_node("LRN", ["in0"], ["out"], size=size, **attrs)], "lrn",
+        [helper.make_tensor_value_info("in0", TensorProto.FLOAT, x.shape)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = session.run(None, {"in0": x})[0]
+    ours = OPS["mp.lrn"].reference([x], {"size": size, **attrs})[0]
+    assert ours.dtype == np.float32
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_reference_returns_the_value_dtype_of_the_declared_result():

@@ -1,0 +1,436 @@
+"""Lowered mplower modules to ONNX models that onnx.checker accepts and onnxruntime runs.
+
+The exported graph computes what mplower's executor computes. Every tensor keeps the element
+type the IR gives it (BFLOAT16, FLOAT16, FLOAT8E4M3FN, FLOAT8E5M2, INT8, ...), so the bytes that
+cross each op boundary are exactly the narrow format; `mp.cast` becomes an ONNX Cast and
+`mp.quantize`/`mp.dequantize` become QuantizeLinear/DequantizeLinear. Arithmetic on a narrow
+float is emitted as the executor runs it: the operands are Cast to FLOAT, the op computes in
+FLOAT, and a Cast rounds the result back to the narrow result type. That is also the only form
+onnxruntime's CPU provider can run (it has no bf16 or fp8 MatMul); a product of two narrow
+values is exact in f32, so a bf16 x bf16 -> f32 matmul loses nothing. Integer contractions
+become MatMulInteger/ConvInteger (exact int32 accumulation, as mplower's executor). Weights
+become initializers in the type the IR declares, rounded by mplower's own rounding kernels.
+
+What ONNX cannot say is handled as documented in docs/onnx.md and reported as notes: tf32 has
+no ONNX type (its tensors are exported as FLOAT with the tf32 rounding dropped), f16
+accumulation (`mp.accum = f16`) is exported as f32 accumulation, and sparse encodings are
+exported dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from mplower.ir.diagnostics import DiagnosticError, Location
+from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.types import DenseAttr, TensorType
+from mplower.numerics.formats import FORMATS
+from mplower.ops import OPS, attr_array, attr_type, check_attrs
+from mplower.weights_io import WeightStore
+
+OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
+IR_VERSION = 10  # the IR version of opset 21; onnxruntime 1.18+ reads it
+
+ONNX_TYPE = {
+    "f64": TensorProto.DOUBLE, "f32": TensorProto.FLOAT, "tf32": TensorProto.FLOAT,
+    "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
+    "f8E4M3FN": TensorProto.FLOAT8E4M3FN, "f8E5M2": TensorProto.FLOAT8E5M2,
+    "i32": TensorProto.INT32, "i8": TensorProto.INT8, "ui8": TensorProto.UINT8,
+    "i4": TensorProto.INT4, "i1": TensorProto.BOOL,
+}
+# Floats that are computed by upcasting to FLOAT (the executor's f32-compute-then-round).
+_NARROW = frozenset({"bf16", "f16", "f8E4M3FN", "f8E5M2", "tf32"})
+# Ops that move or convert values without arithmetic: emitted in the operand type.
+_MOVES = frozenset({"mp.reshape", "mp.transpose", "mp.concat", "mp.slice", "mp.flatten",
+                    "mp.sparse_encode"})
+# onnxruntime's CPU provider moves these only after a Cast (to FLOAT, or INT8 for INT4).
+_NO_NATIVE_MOVES = frozenset({"f8E4M3FN", "f8E5M2", "i4"})
+
+_SIMPLE = {
+    "mp.add": "Add", "mp.sub": "Sub", "mp.mul": "Mul", "mp.div": "Div", "mp.maximum": "Max",
+    "mp.minimum": "Min", "mp.neg": "Neg", "mp.relu": "Relu", "mp.sigmoid": "Sigmoid",
+    "mp.tanh": "Tanh", "mp.exp": "Exp", "mp.log": "Log", "mp.sqrt": "Sqrt", "mp.erf": "Erf",
+    "mp.global_avg_pool": "GlobalAveragePool",
+}
+
+
+@dataclass
+class Exported:
+    model: onnx.ModelProto
+    notes: list[str] = field(default_factory=list)
+
+
+# Element types onnxruntime's Python API cannot exchange as numpy arrays, and the type a graph
+# input or output of that element type is exchanged as (exactly: every value converts).
+_IO_AS = {"bf16": "f32", "f8E4M3FN": "f32", "f8E5M2": "f32", "i4": "i8"}
+
+
+def export_module(module: Module, func: str | None = None, weights: str | None = None,
+                  narrow_io: bool = False) -> Exported:
+    """The ONNX model of one function of a (lowered) module; see the module docstring.
+
+    Graph inputs and outputs of bf16, fp8 and i4 are exchanged as FLOAT (INT8 for i4) with a
+    Cast right inside, because onnxruntime's Python API has no numpy type for them; an input
+    is rounded to its declared type there, as mplower's executor rounds its arguments.
+    `narrow_io` keeps the declared types at the boundary instead.
+    """
+    f = module.function(func)
+    if any("mp.precision" in f.attrs_of(n) for n in f.ops()):
+        # A plan that was never materialized: insert-casts is idempotent, as the executor does.
+        from mplower.pass_manager import PassContext, load_passes
+
+        load_passes()["insert-casts"]().run(module, PassContext())
+        f = module.function(func)
+    exporter = _Exporter(f, WeightStore(module, weights), Location(module.path, 0, 0),
+                         narrow_io)
+    model = exporter.run(module.name or f.name)
+    return Exported(model, sorted(set(exporter.notes)))
+
+
+def check_and_serialize(model: onnx.ModelProto, loc: Location) -> bytes:
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise DiagnosticError.at(loc, f"internal: the exported model fails onnx.checker: "
+                                      f"{str(e).strip().splitlines()[0][:300]}") from None
+    data = model.SerializeToString()
+    if len(data) >= 2 ** 31:
+        raise DiagnosticError.at(loc, "the exported model is over protobuf's 2 GB limit")
+    return data
+
+
+class _Exporter:
+    def __init__(self, f: Function, weights, loc: Location, narrow_io: bool):
+        self.f = f
+        self.narrow_io = narrow_io
+        self.weights = weights
+        self.loc = loc
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.names: dict[tuple[int, int], str] = {}
+        self.used: set[str] = set()
+        self.wide: dict[str, str] = {}  # narrow tensor -> its FLOAT copy
+        self.notes: list[str] = []
+
+    # ---- names and helpers ---------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        name, k = hint, 1
+        while name in self.used:
+            name = f"{hint}_{k}"
+            k += 1
+        self.used.add(name)
+        return name
+
+    def node(self, op: str, inputs: list[str], hint: str, **attrs) -> str:
+        out = self.fresh(hint)
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def init(self, arr: np.ndarray, hint: str) -> str:
+        name = self.fresh(hint)
+        self.inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    def ints(self, values, hint: str) -> str:
+        return self.init(np.asarray(values, np.int64), hint)
+
+    def error(self, n: int, message: str) -> DiagnosticError:
+        return DiagnosticError.at(self.f.data(n)["loc"], message)
+
+    def as_float(self, name: str, t: TensorType) -> str:
+        """The FLOAT copy of a narrow float tensor (one Cast per tensor)."""
+        if t.elem not in _NARROW or t.elem == "tf32":
+            return name
+        if name not in self.wide:
+            self.wide[name] = self.node("Cast", [name], f"{name}_f32", to=TensorProto.FLOAT)
+        return self.wide[name]
+
+    # ---- the walk ------------------------------------------------------------------------
+    def run(self, graph_name: str) -> onnx.ModelProto:
+        f = self.f
+        inputs = []
+        for a in f.args:
+            t = f.types(a)[0]
+            self._note_type(t)
+            name = self.fresh(f.data(a)["name"])
+            io = _IO_AS.get(t.elem)
+            if io is None or self.narrow_io:
+                inputs.append(_value_info(name, t))
+                self.names[(a, 0)] = name
+                continue
+            outer = self.fresh(f"{name}_{io}")
+            inputs.append(_value_info(outer, t.with_elem(io)))
+            self.nodes.append(helper.make_node("Cast", [outer], [name], name=name,
+                                               to=ONNX_TYPE[t.elem]))
+            self.names[(a, 0)] = name
+        outputs = []
+        for n in f.ops():
+            d = f.data(n)
+            if d["op"] == RETURN:
+                for i, v in enumerate(f.operands(n)):
+                    src = self.names[v]
+                    t = f.type_of(v)
+                    # A graph output needs its own name: not an input, initializer or repeat.
+                    io = None if self.narrow_io else _IO_AS.get(t.elem)
+                    if io is not None:
+                        src = self.node("Cast", [src], f"{src}_{io}", to=ONNX_TYPE[io])
+                        t = t.with_elem(io)
+                    elif src in {i.name for i in inputs} or \
+                            src in {x.name for x in self.inits} or \
+                            src in {o.name for o in outputs}:
+                        src = self.node("Identity", [src], f"output_{i}")
+                    outputs.append(_value_info(src, t))
+                continue
+            if len(d["types"]) != 1:
+                raise self.error(n, f"'{d['op']}' with several results has no ONNX export")
+            self._op(n)
+        self._note_weight_only_matmuls()
+        graph = helper.make_graph(self.nodes, graph_name, inputs, outputs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  ir_version=IR_VERSION, producer_name="mplower")
+        if self.notes:
+            model.doc_string = "; ".join(sorted(set(self.notes)))
+        return model
+
+    def _note_weight_only_matmuls(self) -> None:
+        """A float activation times a dequantized constant weight is what onnxruntime's
+        default optimizations turn into MatMulNBits, which quantizes the activation too."""
+        inits = {t.name for t in self.inits}
+        dq_of_const = {n.output[0] for n in self.nodes
+                       if n.op_type == "DequantizeLinear" and n.input[0] in inits}
+        dq = {n.output[0] for n in self.nodes if n.op_type == "DequantizeLinear"}
+        for n in self.nodes:
+            if n.op_type == "MatMul" and n.input[1] in dq_of_const and n.input[0] not in dq:
+                self.notes.append(
+                    "weight-only int8 matmuls: onnxruntime's default graph optimizations fuse "
+                    "them into MatMulNBits, which also quantizes the activations; set the "
+                    "session option session.disable_quant_qdq=1 to run them as exported")
+                return
+
+    def _note_type(self, t: TensorType) -> None:
+        if t.elem == "tf32":
+            self.notes.append("tf32 has no ONNX type: tf32 tensors are exported as FLOAT and "
+                              "their tf32 rounding is dropped")
+
+    def _op(self, n: int) -> None:
+        f = self.f
+        d = f.data(n)
+        op = d["op"]
+        opdef = OPS.get(op)
+        if opdef is None:
+            raise self.error(n, f"'{op}' has no ONNX export")
+        attrs = check_attrs(opdef, d["attrs"])
+        out_t = d["types"][0]
+        self._note_type(out_t)
+        ins = [self.names[v] for v in f.operands(n)]
+        in_types = f.operand_types(n)
+        hint = d["name"]
+        if op == "mp.constant":
+            self.names[(n, 0)] = self.init(self._constant(n, attrs, out_t), hint)
+            return
+        if attrs.get("mp.accum") is not None and attr_type(attrs["mp.accum"]) == "f16":
+            self.notes.append("f16 accumulation has no ONNX form: exported with f32 "
+                              "accumulation")
+        if op == "mp.sparse_encode":
+            self.notes.append("sparse encodings are exported as dense tensors")
+        if op in ("mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant"):
+            self.names[(n, 0)] = self._conversion(n, op, attrs, ins[0], in_types[0], out_t,
+                                                  hint)
+            return
+        if op in ("mp.matmul", "mp.conv2d") and FORMATS[in_types[0].elem].is_int:
+            self.names[(n, 0)] = self._integer_contraction(n, op, attrs, ins, in_types, hint)
+            return
+        if op in _MOVES and out_t.elem not in _NO_NATIVE_MOVES:
+            self.names[(n, 0)] = self._emit(op, attrs, ins, in_types, out_t, hint)
+            return
+        if op in _MOVES and out_t.elem == "i4":
+            wide = [self.node("Cast", [x], f"{x}_i8", to=TensorProto.INT8) for x in ins]
+            y = self._emit(op, attrs, wide, in_types, out_t, f"{hint}_i8")
+            self.names[(n, 0)] = self.node("Cast", [y], hint, to=TensorProto.INT4)
+            return
+        # Arithmetic: narrow floats compute in FLOAT and round back, as the executor does.
+        wide_ins = [self.as_float(x, t) for x, t in zip(ins, in_types)]
+        narrow_out = out_t.elem in _NARROW and out_t.elem != "tf32"
+        y = self._emit(op, attrs, wide_ins, in_types, out_t, f"{hint}_f32" if narrow_out
+                       else hint)
+        if narrow_out:
+            y = self.node("Cast", [y], hint, to=ONNX_TYPE[out_t.elem])
+        self.names[(n, 0)] = y
+
+    # ---- one op --------------------------------------------------------------------------
+    def _emit(self, op: str, a: dict, ins: list[str], in_types: list[TensorType],
+              out_t: TensorType, hint: str) -> str:
+        if op in _SIMPLE:
+            return self.node(_SIMPLE[op], ins, hint)
+        if op == "mp.rsqrt":
+            return self.node("Reciprocal", [self.node("Sqrt", ins, f"{hint}_sqrt")], hint)
+        if op == "mp.gelu":
+            return self.node("Gelu", ins, hint, approximate=a["approximate"])
+        if op in ("mp.softmax", "mp.log_softmax"):
+            return self.node("Softmax" if op == "mp.softmax" else "LogSoftmax", ins, hint,
+                             axis=a["axis"])
+        if op == "mp.layer_norm":
+            return self.node("LayerNormalization", ins, hint, axis=a["axis"],
+                             epsilon=a["epsilon"])
+        if op == "mp.rms_norm":
+            return self._rms_norm(a, ins, in_types[0], hint)
+        if op in ("mp.reduce_sum", "mp.reduce_mean", "mp.reduce_max"):
+            onnx_op = {"mp.reduce_sum": "ReduceSum", "mp.reduce_mean": "ReduceMean",
+                       "mp.reduce_max": "ReduceMax"}[op]
+            axes = [self.ints(a["axes"], f"{hint}_axes")] if a["axes"] else []
+            return self.node(onnx_op, ins + axes, hint, keepdims=int(a["keepdims"]))
+        if op == "mp.argmax":
+            idx = self.node("ArgMax", ins, f"{hint}_i64", axis=a["axis"],
+                            keepdims=int(a["keepdims"]))
+            return self.node("Cast", [idx], hint, to=TensorProto.INT32)
+        if op == "mp.reshape":
+            return self.node("Reshape", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
+        if op == "mp.transpose":
+            perm = a.get("perm", tuple(reversed(range(in_types[0].rank))))
+            return self.node("Transpose", ins, hint, perm=list(perm))
+        if op == "mp.concat":
+            return self.node("Concat", ins, hint, axis=a["axis"])
+        if op == "mp.slice":
+            rank = in_types[0].rank
+            steps = a.get("steps", (1,) * rank)
+            return self.node("Slice", [ins[0], self.ints(a["starts"], f"{hint}_starts"),
+                                       self.ints(a["ends"], f"{hint}_ends"),
+                                       self.ints(range(rank), f"{hint}_axes"),
+                                       self.ints(steps, f"{hint}_steps")], hint)
+        if op == "mp.flatten":
+            return self.node("Flatten", ins, hint, axis=a["axis"])
+        if op == "mp.sparse_encode":
+            return self.node("Identity", ins, hint)
+        if op in ("mp.max_pool2d", "mp.avg_pool2d"):
+            extra = {} if op == "mp.max_pool2d" else {"count_include_pad": 0}
+            return self.node("MaxPool" if op == "mp.max_pool2d" else "AveragePool", ins, hint,
+                             kernel_shape=list(a["kernel"]), strides=list(a["strides"]),
+                             pads=list(a["padding"]), **extra)
+        if op == "mp.matmul":
+            return self.node("MatMul", ins, hint)
+        if op == "mp.conv2d":
+            return self.node("Conv", ins, hint, strides=list(a["strides"]),
+                             pads=list(a["padding"]), dilations=list(a["dilations"]),
+                             group=a["groups"])
+        if op == "mp.lrn":
+            return self.node("LRN", ins, hint, size=a["size"], alpha=a["alpha"],
+                             beta=a["beta"], bias=a["bias"])
+        raise DiagnosticError.at(self.loc, f"'{op}' has no ONNX export")
+
+    def _rms_norm(self, a: dict, ins: list[str], x_t: TensorType, hint: str) -> str:
+        x, gamma = ins
+        axes = self.ints(range(a["axis"] % x_t.rank, x_t.rank), f"{hint}_axes")
+        sq = self.node("Mul", [x, x], f"{hint}_sq")
+        ms = self.node("ReduceMean", [sq, axes], f"{hint}_ms", keepdims=1)
+        eps = self.init(np.array(a["epsilon"], np.float64 if x_t.elem == "f64" else np.float32),
+                        f"{hint}_eps")
+        root = self.node("Sqrt", [self.node("Add", [ms, eps], f"{hint}_ms_eps")],
+                         f"{hint}_rms")
+        return self.node("Mul", [self.node("Div", [x, root], f"{hint}_normed"), gamma], hint)
+
+    def _conversion(self, n: int, op: str, a: dict, x: str, in_t: TensorType,
+                    out_t: TensorType, hint: str) -> str:
+        if op == "mp.cast":
+            return self._cast(a, x, in_t, out_t, hint)
+        scale = attr_array(a["scale"]).astype(np.float32)
+        zp = attr_array(a.get("zero_point", 0))
+        axis = {}
+        if max(scale.size, zp.size) > 1:  # per axis: ONNX wants both as 1-D of one length
+            n = max(scale.size, zp.size)
+            scale, zp = (np.broadcast_to(v.reshape(-1), (n,)) for v in (scale, zp))
+            axis = {"axis": a["axis"]}
+        if op == "mp.dequantize":
+            q_elem = in_t.elem
+        elif op == "mp.quantize":
+            q_elem = out_t.elem
+        else:
+            q_elem = attr_type(a["dtype"])
+        if q_elem not in ("i8", "ui8", "i4") and not (op == "mp.dequantize" and q_elem == "i32"):
+            raise self.error(n, f"{op} to {q_elem} has no ONNX QuantizeLinear form")
+        s = self.init(scale, f"{hint}_scale")
+        z = self.init(zp.astype(helper.tensor_dtype_to_np_dtype(ONNX_TYPE[q_elem])),
+                      f"{hint}_zero_point")
+        if op in ("mp.quantize", "mp.fake_quant"):
+            q = self.node("QuantizeLinear", [self.as_float(x, in_t), s, z],
+                          hint if op == "mp.quantize" else f"{hint}_q", **axis)
+            if op == "mp.quantize":
+                return q
+            x = q
+        wide = out_t.elem in _NARROW and out_t.elem != "tf32"
+        y = self.node("DequantizeLinear", [x, s, z], f"{hint}_f32" if wide else hint, **axis)
+        return self.node("Cast", [y], hint, to=ONNX_TYPE[out_t.elem]) if wide else y
+
+    def _cast(self, a: dict, x: str, in_t: TensorType, out_t: TensorType, hint: str) -> str:
+        src, dst = in_t.elem, out_t.elem
+        if ONNX_TYPE[src] == ONNX_TYPE[dst]:  # f32 <-> tf32
+            return self.node("Identity", [x], hint)
+        attrs = {}
+        if dst.startswith("f8"):
+            attrs["saturate"] = int(a.get("saturate", True))
+        if src in _NARROW and dst != "f32":
+            x = self.as_float(x, in_t)  # a narrow value is exact in FLOAT: one rounding
+        if FORMATS[src].is_float and FORMATS[dst].is_int and dst != "i1":
+            # mplower saturates out-of-range values (ONNX leaves them undefined): clip first.
+            fmt = FORMATS[dst]
+            dtype = np.float64 if src == "f64" else np.float32
+            x = self.as_float(x, in_t)
+            lo = self.init(np.array(fmt.min_value, dtype), f"{hint}_lo")
+            hi = self.init(np.array(fmt.max_finite, dtype), f"{hint}_hi")
+            x = self.node("Clip", [x, lo, hi], f"{hint}_clipped")
+        return self.node("Cast", [x], hint, to=ONNX_TYPE[dst], **attrs)
+
+    def _integer_contraction(self, n: int, op: str, a: dict, ins: list[str],
+                             in_types: list[TensorType], hint: str) -> str:
+        out_t = self.f.types(n)[0]
+        if out_t.elem != "i32" or any(t.elem not in ("i8", "ui8") for t in in_types[:2]):
+            raise self.error(n, f"{op} on {in_types[0].elem} x {in_types[1].elem} -> "
+                                f"{out_t.elem} has no ONNX form (MatMulInteger/ConvInteger "
+                                f"give i32 from 8-bit operands)")
+        if op == "mp.matmul":
+            return self.node("MatMulInteger", ins[:2], hint)
+        y = self.node("ConvInteger", ins[:2], hint if len(ins) == 2 else f"{hint}_nobias",
+                      strides=list(a["strides"]), pads=list(a["padding"]),
+                      dilations=list(a["dilations"]), group=a["groups"])
+        if len(ins) == 3:
+            bias = ins[2]
+            if in_types[2].elem != "i32":
+                bias = self.node("Cast", [bias], f"{hint}_bias_i32", to=TensorProto.INT32)
+            shaped = self.node("Reshape", [bias, self.ints((1, -1, 1, 1), f"{hint}_bshape")],
+                               f"{hint}_bias")
+            y = self.node("Add", [y, shaped], hint)
+        return y
+
+    def _constant(self, n: int, a: dict, t: TensorType) -> np.ndarray:
+        if isinstance(a.get("value"), DenseAttr):
+            raw = a["value"].array
+        else:
+            raw = self.weights.get(a["name"], t.shape, self.f.data(n)["loc"])
+        return _in_onnx_type(raw, t.elem)
+
+
+def _in_onnx_type(raw: np.ndarray, elem: str) -> np.ndarray:
+    """Constant values in the numpy dtype of the ONNX type of `elem`, rounded exactly as
+    mplower's executor rounds a constant of that type."""
+    fmt = FORMATS[elem]
+    if fmt.is_float and elem not in ("f64", "f32", "tf32"):
+        from mplower.numerics.rounding import round_to
+
+        vals = round_to(np.ascontiguousarray(raw, dtype=np.float32), elem)[0]
+        return vals.astype(helper.tensor_dtype_to_np_dtype(ONNX_TYPE[elem]))
+    if elem == "tf32":
+        from mplower.numerics.rounding import round_to
+
+        return round_to(np.ascontiguousarray(raw, dtype=np.float32), elem)[0]
+    dtype = helper.tensor_dtype_to_np_dtype(ONNX_TYPE[elem])
+    if fmt.is_int and elem != "i1":
+        return np.clip(raw, fmt.min_value, fmt.max_finite).astype(dtype)
+    return np.asarray(raw).astype(dtype)
+
+
+def _value_info(name: str, t: TensorType) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, ONNX_TYPE[t.elem], list(t.shape))
+

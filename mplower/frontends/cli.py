@@ -1,0 +1,117 @@
+"""`mplower import` (ONNX -> IR + weights) and `mplower export` (IR -> ONNX).
+
+Both write atomically: the IR and its .npz, or the .onnx, appear whole or not at all, and a
+failing run leaves earlier files untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("import", help="import an ONNX model as IR (weights to an .npz beside it)",
+                       description="Convert an ONNX model (opset 9 and up) to an mplower module "
+                                   "with static shapes; large constants go to OUT.npz beside "
+                                   "the IR.")
+    p.add_argument("model", help="the .onnx file")
+    p.add_argument("-o", dest="output", required=True, help="the IR file to write")
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME=DxDx...",
+                   help="fix the shape of an input with dynamic dimensions (repeatable; "
+                        "default: a dynamic batch dimension becomes 1)")
+    p.add_argument("--outputs", metavar="NAME,...",
+                   help="keep only these graph outputs, and only the nodes that feed them")
+    p.set_defaults(handler=cmd_import)
+
+    e = sub.add_parser("export", help="export a (lowered) module as an ONNX model",
+                       description="Write an ONNX model that computes what mplower's executor "
+                                   "computes: narrow formats as Cast nodes, int8 as "
+                                   "QuantizeLinear/DequantizeLinear, weights as initializers.")
+    e.add_argument("input", help="IR file, or - for stdin")
+    e.add_argument("--format", choices=("onnx",), default="onnx")
+    e.add_argument("-o", dest="output", required=True, help="the .onnx file to write")
+    e.add_argument("--weights", help="weights .npz to use instead of the module's mp.weights")
+    e.add_argument("--func", default=None, help="function to export (default: main or the "
+                                                 "only one)")
+    e.add_argument("--narrow-io", action="store_true",
+                   help="keep bf16/fp8/i4 graph inputs and outputs in their own types (by "
+                        "default they are exchanged as FLOAT/INT8, which onnxruntime's Python "
+                        "API can feed and fetch)")
+    e.set_defaults(handler=cmd_export)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from mplower.cli import EXIT_OK, UsageError
+    from mplower.fileio import atomic_output
+    from mplower.frontends.onnx_import import import_model, load_model, parse_input_shape
+    from mplower.ir.diagnostics import DiagnosticError, Location
+    from mplower.ir.printer import print_module
+
+    shapes = {}
+    for text in args.input_shape:
+        try:
+            name, shape = parse_input_shape(text)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        shapes[name] = shape
+    outputs = None
+    if args.outputs is not None:
+        outputs = [o.strip() for o in args.outputs.split(",") if o.strip()]
+    model = load_model(args.model)
+    imported = import_model(model, args.model, input_shapes=shapes, outputs=outputs)
+    module = imported.module
+    out = Path(args.output)
+    npz = out.with_suffix(".npz")
+    if imported.weights:
+        module.attrs["mp.weights"] = npz.name
+    source = f"// Imported from {Path(args.model).name} by `mplower import`.\n"
+    text = source + print_module(module)
+    try:
+        if imported.weights:
+            with atomic_output(npz, "wb") as fz, atomic_output(out) as fi:
+                np.savez(fz, **imported.weights)
+                fi.write(text)
+        else:
+            with atomic_output(out) as fi:
+                fi.write(text)
+    except OSError as e:
+        raise DiagnosticError.at(Location(str(out), 0, 0),
+                                 f"cannot write output: {e.strerror or e}") from None
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mplower.cli import EXIT_OK, read_input
+    from mplower.exporters.onnx_export import check_and_serialize, export_module
+    from mplower.fileio import atomic_output
+    from mplower.ir.diagnostics import DiagnosticError, Location
+    from mplower.ir.parser import parse
+    from mplower.ir.verifier import verify
+
+    text, name = read_input(args.input)
+    args._source = text
+    module = parse(text, name)
+    if name == "<stdin>":
+        module.path = str(Path.cwd() / "<stdin>")
+    verify(module)
+    try:
+        module.function(args.func)
+    except KeyError:
+        have = ", ".join(sorted(module.functions)) or "none"
+        raise DiagnosticError.at(module.loc, f"no function '{args.func}' to export (the module "
+                                             f"has: {have})") from None
+    exported = export_module(module, args.func, args.weights, args.narrow_io)
+    data = check_and_serialize(exported.model, Location(name, 0, 0))
+    try:
+        with atomic_output(args.output, "wb") as fh:
+            fh.write(data)
+    except OSError as e:
+        raise DiagnosticError.at(Location(args.output, 0, 0),
+                                 f"cannot write output: {e.strerror or e}") from None
+    for note in exported.notes:
+        sys.stderr.write(f"{name}: note: {note}\n")
+    return EXIT_OK
