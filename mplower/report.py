@@ -3,7 +3,8 @@
 One row per operation: result name, op, compute format, accumulator, kernel, reason, FLOPs and
 the roofline time the target's cost model gives it (mplower.target.Target.op_time); the
 summary adds the total and the speedup against the same module run entirely in f32. The
-compute format of an op is its `mp.precision`, or the element type it already has.
+compute format of an op is its `mp.precision`, or the element type it already has. A module
+with sparse kernel decisions gets the sparse reality check too (mplower.backend.sparse).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from mplower.backend.sparse import sparse_lines, sparse_report
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.types import TensorType
 from mplower.numerics.formats import FORMATS
@@ -64,9 +66,19 @@ def op_row(f: Function, n: int, target: Target) -> Row | None:
     return Row(name, op, compute, accum, kernel, attrs.get("mp.reason", ""), flops, time, fp32)
 
 
-def precision_sheet(module: Module, target: Target, func: str | None = None) -> dict[str, Any]:
+def precision_sheet(module: Module, target: Target, func: str | None = None,
+                    measure: bool = True) -> dict[str, Any]:
+    """The sheet as a dict; with sparse decisions in the module, a `sparse` section too (the
+    reality check of mplower.backend.sparse.sparse_report; `measure` times the CPU kernels),
+    whose modeled sparse times replace the type-only estimate of those ops' rows."""
     f = module.function(func)
     rows = [r for r in (op_row(f, n, target) for n in f.ops()) if r is not None]
+    sparse = sparse_report(module, target, func, measure=measure)
+    if sparse is not None:
+        modeled = {e["name"]: e["modeled_sparse_s"] for e in sparse["ops"]
+                   if "modeled_sparse_s" in e}
+        rows = [replace(r, modeled_time_s=modeled[r.name]) if r.name in modeled else r
+                for r in rows]
     total = sum(r.modeled_time_s for r in rows)
     fp32_total = sum(r.fp32_time_s for r in rows)
     return {
@@ -83,6 +95,7 @@ def precision_sheet(module: Module, target: Target, func: str | None = None) -> 
             "modeled_speedup_vs_fp32": fp32_total / total if total else 1.0,
             "modeled_inferences_per_s": 1.0 / total if total else float("inf"),
         },
+        **({"sparse": sparse} if sparse is not None else {}),
     }
 
 
@@ -115,13 +128,14 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
     footer = (f"{s['ops']} ops, {s['lowered_ops']} lowered; modeled {s['modeled_time_s'] * 1e6:.3f}"
               f" us on {sheet['target']} ({s['modeled_inferences_per_s']:.1f} inferences/s), "
               f"{s['modeled_speedup_vs_fp32']:.2f}x the f32 plan")
+    sparse = sparse_lines(sheet["sparse"], fmt) if "sparse" in sheet else []
     if fmt == "markdown":
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
-        return "\n".join(lines) + f"\n\n{footer}\n"
+        return "\n".join(lines) + f"\n\n{footer}\n" + "".join(f"{x}\n" for x in sparse)
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines) + f"\n{footer}\n"
+    return "\n".join(lines) + f"\n{footer}\n" + "".join(f"{x}\n" for x in sparse)
