@@ -5,8 +5,10 @@ ops are lowered, follow ops are lowered when one of their float inputs already i
 ops stay f32, overrides and keep-first-last adjust that. The pass records the decision as
 `mp.precision`, `mp.accum` (matmul, conv, reductions) and `mp.reason`, and the sheet on the
 module (`mp.policy`, for the guardrails of `mplower run`). It changes no type: `insert-casts`
-materializes the plan. A module that the sheet lowers nowhere (the fp32 sheet) is left
-untouched, so that pipeline is the identity.
+materializes the plan. With `overflow_guard=true` an op whose result or operands
+range-analysis flags (overflow or flush to zero in the chosen format) is kept in bf16 where
+bf16 holds it, else f32, with the hazard as its reason. A module that the sheet lowers
+nowhere (the fp32 sheet) is left untouched, so that pipeline is the identity.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import networkx as nx
+from mplower.passes.range_analysis import hazard
 
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import TypeAttr
@@ -22,6 +25,7 @@ from mplower.numerics.formats import FORMATS
 from mplower.ops import OPS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 from mplower.policy import (
+    ACCUMULATING,
     COMPUTE_HEAVY,
     TYPE_CARRYING,
     Decision,
@@ -38,8 +42,37 @@ FLOAT_FORMATS = frozenset(n for n, f in FORMATS.items() if f.is_float)
 NARROW_FLOATS = frozenset(n for n, f in FORMATS.items() if f.is_float and f.bits < 32)
 
 
-def plan_function(f: Function, policy: Policy) -> dict[int, Decision]:
-    """The policy's decision for every op that takes one, in program order."""
+def guarded(f: Function, n: int, decision: Decision) -> Decision:
+    """`decision`, or a safe format where range-analysis predicts that the op's result or an
+    operand overflows or flushes to zero in it: bf16 where bf16 is safe (it has f32's range),
+    else f32; the reason names the hazard."""
+    op = f.op(n)
+    compute = decision.compute
+    if compute in ("f32", "f64"):
+        return decision
+
+    def hazards(fmt: str) -> list[str]:
+        out_fmt = result_format(op, fmt, "f32" if op in ACCUMULATING else None)
+        found = []
+        if out_fmt not in ("f32", "f64"):
+            found.append(hazard(f, (n, 0), out_fmt))
+        for _, u, r in f.operand_edges(n):
+            if f.type_of((u, r)).elem in FLOAT_FORMATS:
+                found.append(hazard(f, (u, r), fmt))
+        return [h for h in found if h is not None]
+
+    found = hazards(compute)
+    if not found:
+        return decision
+    safe = "bf16" if (compute != "bf16" and "bf16" in OPS[op].precisions
+                      and not hazards("bf16")) else "f32"
+    return Decision(safe, "f32" if op in ACCUMULATING else None, f"overflow-guard: {found[0]}")
+
+
+def plan_function(f: Function, policy: Policy,
+                  overflow_guard: bool = False) -> dict[int, Decision]:
+    """The policy's decision for every op that takes one, in program order; `overflow_guard`
+    applies `guarded` (range-analysis's flags) to each."""
     nodes = f.nodes
     order = f.ops()
     # First and last among the ops that reach a result: dead code (which canonicalize will
@@ -70,6 +103,8 @@ def plan_function(f: Function, policy: Policy) -> dict[int, Decision]:
         if decision.compute not in OPS[op].precisions:
             decision = Decision("f32", decision.accum and "f32",
                                 f"{op} has no {decision.compute} form")
+        if overflow_guard:
+            decision = guarded(f, n, decision)
         plan[n] = decision
         out_format[n] = result_format(op, decision.compute, decision.accum)
     return plan
@@ -83,20 +118,28 @@ class AssignPrecision(Pass):
     The sheet is a built-in name (`mplower.policy.builtin_policies()`: fp32, tf32, bf16, fp16,
     fp8, int8, w8a16, ...) or a path to a TOML sheet (docs/policy.md). Annotations:
     `mp.precision`, `mp.accum`, `mp.reason`; the module gets `mp.policy`. Types are not
-    changed; run `insert-casts` (after `legalize`) to materialize the plan.
+    changed; run `insert-casts` (after `legalize`) to materialize the plan. With
+    `overflow_guard=true` (after `range-analysis`), an op whose result or operands are
+    predicted to overflow or flush to zero in its format is kept in bf16 where bf16 holds
+    them, else f32, with reason `overflow-guard: <format> overflows (max ... > ...)`.
     """
 
     name: ClassVar[str] = "assign-precision"
     statistics: ClassVar[dict[str, str]] = {
         "ops-lowered": "ops assigned a format narrower than f32",
         "ops-kept-wide": "ops kept in f32 (deny-list, keep-first-last, not listed, ...)",
+        "ops-guarded": "ops moved to bf16 or f32 by overflow_guard (range-analysis's flags)",
     }
     policy: str = option("bf16", "built-in policy sheet name or path to a .toml sheet")
+    overflow_guard: bool = option(False, "keep ops that range-analysis flags (overflow or "
+                                         "flush to zero in their format) in bf16, else f32")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         policy = load_policy(self.policy, known_ops=OPS)
-        plans = {name: plan_function(f, policy) for name, f in module.functions.items()}
-        if not any(d.compute != "f32" for plan in plans.values() for d in plan.values()):
+        plans = {name: plan_function(f, policy, self.overflow_guard)
+                 for name, f in module.functions.items()}
+        if not any(d.compute != "f32" or d.reason.startswith("overflow-guard")
+                   for plan in plans.values() for d in plan.values()):
             return  # the sheet lowers nothing here: leave the module exactly as it was
         types = {name: TypeAttr(name) for name in FORMATS}
         for name, f in module.functions.items():
@@ -111,6 +154,9 @@ class AssignPrecision(Pass):
                 lowered += d.compute != "f32"
             ctx.stat("ops-lowered", lowered)
             ctx.stat("ops-kept-wide", len(plans[name]) - lowered)
+            if self.overflow_guard:
+                ctx.stat("ops-guarded", sum(d.reason.startswith("overflow-guard")
+                                            for d in plans[name].values()))
         module.attrs["mp.policy"] = policy.source.removeprefix("builtin:")
         if not policy.keep_io_types:
             module.attrs["mp.keep_io_types"] = False

@@ -54,7 +54,7 @@ def _fold(f: Function, n: int, max_elements: int) -> bool:
     except (OpError, FloatingPointError):
         return False
     array = np.broadcast_to(np.asarray(result), out.shape).astype(value_dtype(out.elem))
-    attr = DenseAttr(np.ascontiguousarray(array), out)
+    attr = DenseAttr(np.array(array, order="C"), out)  # (ascontiguousarray makes 0-d 1-d)
     new = f.create_op("mp.constant", [], [out], {"value": attr}, before=n, name_hint=d["name"])
     f.replace_all_uses((n, 0), (new, 0))
     f.erase(n)

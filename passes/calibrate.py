@@ -1,0 +1,193 @@
+"""`calibrate`: run the fp32 reference over a calibration set and record every tensor's range.
+
+The one pass that executes the model. Calibration is by definition "run the model on data", so
+the pass drives the executor's fp32 reference itself: it imports mplower.backend.executor inside
+`run` (passes otherwise never import the backend; doing it lazily keeps `import
+mplower.passes.*` free of the backend and lets the layering rule be checked on import). The
+alternative, a calibration driver in a layer above the passes, would make `calibrate` the only
+step of a pipeline that cannot be written in `--pass-pipeline`, which is worse for users.
+
+The data file is an .npz keyed by argument name; each array is one batch of the argument's shape
+or a stack of such batches (leading axis), and every argument has the same number of batches.
+Each batch runs through a copy of the module (the executor materializes any precision plan, and
+the module itself must stay as it was), statistics are gathered with mplower.calibration's
+mergeable histograms and recorded per value: `mp.range = [lo, hi]` (what quantize uses),
+`mp.calib` (the method), `mp.observed` (the extremes, when the method clipped them), `mp.tiny`
+(a power of two at or below the 1% quantile of the non-zero magnitudes, for range-analysis) and,
+on the activations that feed a matmul or conv, `mp.channel_absmax` over the reduction channels
+(for smooth-quant). Weights (constant-only values) are not recorded: quantize reads them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from mplower.calibration import METHODS, Progress, TensorStats, constant_nodes, record
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
+from mplower.ir.graph import Function, Module, Value
+from mplower.numerics.formats import FORMATS
+from mplower.pass_manager import Pass, PassContext, option, register_pass
+from mplower.weights_io import read_npz
+
+
+def channel_axes(f: Function, constants: set[int]) -> dict[Value, int]:
+    """Activations that enter a matmul or conv against a weight, and their reduction axis."""
+    out: dict[Value, int] = {}
+    for n in f.ops():
+        op = f.op(n)
+        if op not in ("mp.matmul", "mp.conv2d"):
+            continue
+        ins = f.operands(n)
+        if ins[0][0] in constants or ins[1][0] not in constants:
+            continue
+        t = f.type_of(ins[0])
+        out[ins[0]] = (t.rank - 1) if op == "mp.matmul" else 1
+    return out
+
+
+def split_batches(f: Function, arrays: dict[str, np.ndarray],
+                  loc: Location) -> list[list[np.ndarray]]:
+    """Per batch, the arrays of every argument in order (one batch or a stack of batches)."""
+    names = [f.data(a)["name"] for a in f.args]
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        have = ", ".join(sorted(arrays)) or "none"
+        raise DiagnosticError.at(loc, f"calibration data lacks argument(s) "
+                                      f"{', '.join(missing)} (it has: {have})")
+    per_arg = []
+    for a, name in zip(f.args, names):
+        shape = f.type_of((a, 0)).shape
+        arr = np.asarray(arrays[name])
+        if tuple(arr.shape) == shape:
+            per_arg.append([arr])
+        elif arr.ndim == len(shape) + 1 and tuple(arr.shape[1:]) == shape:
+            per_arg.append(list(arr))
+        else:
+            raise DiagnosticError.at(loc, (
+                f"calibration array '{name}' has shape {list(arr.shape)}; expected one batch "
+                f"{list(shape)} or a stack [N, {', '.join(map(str, shape))}]"))
+    counts = {len(b) for b in per_arg}
+    if len(counts) != 1:
+        raise DiagnosticError.at(loc, f"calibration arrays hold different numbers of batches: "
+                                      f"{dict(zip(names, (len(b) for b in per_arg)))}")
+    return [list(batch) for batch in zip(*per_arg)]
+
+
+def reference_values(program, inputs: list[np.ndarray]) -> list[np.ndarray | None]:
+    """Every slot's value in the fp32 reference run of `program` (mplower.backend.executor)."""
+    refs: list[np.ndarray | None] = [None] * program.num_slots
+    for i, (x, t) in enumerate(zip(inputs, program.arg_types)):
+        x = np.asarray(x)
+        refs[i] = x.astype(np.float32) if FORMATS[t.elem].is_float else x
+    with np.errstate(all="ignore"):
+        for step in program.steps:
+            ins = [refs[i] for i in step.inputs]
+            refs[step.output] = step.reference(ins) if all(r is not None for r in ins) else None
+    return refs
+
+
+def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
+                       weights: str | None, bins: int,
+                       progress: Progress | None = None) -> dict[Value, TensorStats]:
+    """Statistics of every float, non-constant value of the function over all batches."""
+    from mplower.backend.executor import Program  # calibration runs the model: see above
+
+    f = module.function(func)
+    shadow = copy.deepcopy(module)  # the executor may materialize a plan on what it compiles
+    program = Program(shadow, func, weights)
+    constants = constant_nodes(f)
+    axes = channel_axes(f, constants)
+    slots: dict[Value, int] = {(a, 0): i for i, a in enumerate(f.args)}
+    for step in program.steps:
+        slots[(step.node, 0)] = step.output
+    # Casts the executor added to its copy are not values of the module.
+    tracked = [v for v in slots if v[0] in f.nodes and v[0] not in constants
+               and FORMATS[f.type_of(v).elem].is_float]
+    stats = {v: TensorStats(bins) for v in tracked}
+    for batch in batches:
+        refs = reference_values(program, batch)
+        for v in tracked:
+            if refs[slots[v]] is None:  # no fp32 counterpart (an integer input)
+                continue
+            try:
+                stats[v].add(refs[slots[v]], axes.get(v))
+            except ValueError as e:  # non-finite data, or an op that overflows f32 on it
+                where = "argument " if v[0] in f.args else "the fp32 reference of "
+                raise DiagnosticError.at(f.data(v[0])["loc"], (
+                    f"calibration: {where}{f.value_name(v)}: {e}")) from None
+        if progress is not None:
+            progress.update()
+    return stats
+
+
+@register_pass
+@dataclass
+class Calibrate(Pass):
+    """Run the fp32 reference over a calibration set and record each tensor's range.
+
+    `data` is an .npz keyed by argument name (`x` for `%x`); each array is one batch of the
+    argument's shape or a stack of such batches. Statistics use a fixed, mergeable
+    power-of-two histogram grid, so the ranges are bit-identical however the same samples are
+    split into batches or ordered. Records `mp.range` (and `mp.calib`, `mp.observed`,
+    `mp.tiny`, `mp.channel_absmax` where useful) on each value's producer; function arguments
+    keep theirs in the function's `arg_attrs`. Methods: minmax, percentile (of |x|), entropy
+    (TensorRT's KL search), mse. A progress bar is drawn on a terminal for long runs.
+    """
+
+    name: ClassVar[str] = "calibrate"
+    statistics: ClassVar[dict[str, str]] = {
+        "batches": "calibration batches run through the fp32 reference",
+        "tensors-calibrated": "values given a calibrated range",
+        "ranges-clipped": "values whose calibrated range is narrower than the observed one",
+    }
+    data: str = option("", "calibration .npz keyed by argument name (a batch or a stack)")
+    method: str = option("minmax", "range estimator: minmax, percentile, entropy or mse")
+    percentile: float = option(99.99, "percentile of |x| kept by method=percentile")
+    bins: int = option(2048, "histogram bins over [0, 2**e) (a power of two)")
+    symmetric: bool = option(True, "entropy/mse: optimize for symmetric int8 (127 steps a side) "
+                                   "or, when false, 255 steps over one-sided data")
+    func: str = option("", "function to calibrate (default: main or the only one)")
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        loc = module.loc
+        if self.method not in METHODS:
+            raise DiagnosticError.at(loc, f"calibrate: unknown method '{self.method}'; "
+                                          f"expected one of {', '.join(METHODS)}")
+        if self.bins < 2 or self.bins & (self.bins - 1):
+            raise DiagnosticError.at(loc, f"calibrate: bins must be a power of two, "
+                                          f"got {self.bins}")
+        if not 0 < self.percentile <= 100:
+            raise DiagnosticError.at(loc, f"calibrate: percentile must be in (0, 100], "
+                                          f"got {self.percentile}")
+        if not self.data:
+            raise DiagnosticError.at(loc, "calibrate needs data=CALIB.npz (arrays keyed by "
+                                          "argument name)")
+        data_loc = Location(self.data, 0, 0)
+        arrays = read_npz(Path(self.data), data_loc, "calibration data")
+        func = self.func or None
+        try:
+            f = module.function(func)
+        except KeyError as e:
+            raise DiagnosticError(Diagnostic(loc, f"calibrate: {e.args[0]}")) from None
+        batches = split_batches(f, arrays, data_loc)
+        progress = Progress(len(batches), "calibrate")
+        try:
+            stats = calibrate_function(module, func, batches, ctx.weights_path, self.bins,
+                                       progress)
+        finally:
+            progress.close()
+        axes = channel_axes(f, constant_nodes(f))
+        for v, s in stats.items():
+            if s.count == 0:
+                continue
+            lo, hi = record(f, v, s, self.method, self.percentile, self.symmetric,
+                            channels=v in axes)
+            ctx.stat("tensors-calibrated")
+            if (lo, hi) != (s.min, s.max):
+                ctx.stat("ranges-clipped")
+        ctx.stat("batches", len(batches))

@@ -1,0 +1,440 @@
+"""`quantize`: turn calibrated matmuls and convs into integer kernels or weight-only chains.
+
+w8a8 (static, as ONNX Runtime's and TensorRT's int8 flows): activations are quantized per
+tensor from their calibrated `mp.range`, weights per channel along the output axis (`x @ W`
+with W (in, out): axis 1; W @ x: the rows; conv OIHW: axis 0) or per tensor, symmetrically with
+127 steps a side. When every activation zero point is 0 the op becomes the quantized kernel the
+executor runs exactly: i8 x i8 (or ui8 x i8) -> i32, then one `mp.dequantize` of the i32
+result with scale s_act * s_weight per output channel (the requantization to float), and a
+conv's bias added after it. Symmetric activations (the default) always take this path, and so
+do asymmetric ones whose range is one-sided (relu outputs, pixels): [0, hi] in ui8 with zero
+point 0 is the same grid as ORT's int8 with zero point -128. An asymmetric range that
+straddles 0 needs a zero point z, which the integer kernel has no operand for. For `x @ W` the
+pass shifts instead: x - c with c = -z * scale (an `mp.sub`) is quantized with zero point 0,
+which is the same grid (ORT's: 256 levels over [lo, hi], 0 exact), and
+`c * colsum(dequantize(W_q))` is added back after the dequantize, so the result is asymmetric
+quantization's. Both are float ops in the graph, and in the fp32 reference, which drops
+quantize/dequantize, they cancel to x @ W, so the kernel stays integer. Elsewhere (conv, whose
+zero padding would see the shift; activation x activation) the op is written in QDQ form
+(quantize -> dequantize -> f32 op, what ORT's QDQ format writes and fuses) and annotated
+`mp.precision = f32` with the reason, because that is what it computes in.
+
+Weight-only (w8a16, w4a16): the weight of each matmul is quantized in groups of `group` along
+the reduction axis (one scale per group and output column, as ORT's MatMulNBits and GPTQ/AWQ
+do), dequantized to f32 and computed in the activation format (the op's float plan, which
+insert-casts materializes). mp.quantize takes one scale per index of one axis, so the groups
+are laid out on one axis: W (K, N) -> reshape (K/g, g, N) -> transpose (g, K/g, N) -> reshape
+(g, K/g * N), quantized along axis 1, and the same steps back. Conv weights are per output
+channel.
+
+Which ops: where the module carries a precision plan (assign-precision), exactly the matmuls
+and convs the plan puts in i8 (w8a8) or in any format narrower than f32 (weight-only); without
+a plan, every matmul and conv that has a weight or a calibrated activation. Weights are read
+with mplower.calibration.ConstantValues. The fp32 reference of the executor drops quantize and
+dequantize, so `mplower run` measures exactly what quantization costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mplower.calibration import (
+    CALIB,
+    CALIB_KEYS,
+    RANGE,
+    ConstantValues,
+    dense_f32,
+    range_of,
+    set_value_attrs,
+)
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+from mplower.ir.graph import Function, Module, Value
+from mplower.ir.types import TensorType, TypeAttr, tensor
+from mplower.numerics.formats import FORMATS
+from mplower.ops import attr_type
+from mplower.pass_manager import Pass, PassContext, option, register_pass
+
+PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
+WEIGHT_QUANT = "mp.weight_quant"
+QUANT_MARK = "mp.quant"
+ZERO_POINT = "zero-point"  # QUANT_MARK of the add that undoes an activation shift
+SCHEMES = {"w8a8": "i8", "w8a16": "i8", "w4a16": "i4"}  # scheme -> weight format
+QUANTIZED_OPS = ("mp.matmul", "mp.conv2d")
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Scale and zero point of one tensor (per tensor, or per index of `axis`)."""
+
+    elem: str
+    scale: np.ndarray  # float32, scalar or 1-D
+    zero_point: int = 0
+    axis: int | None = None
+
+    def attrs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"scale": _number(self.scale)}
+        if self.zero_point:
+            out["zero_point"] = self.zero_point
+        if self.axis is not None and self.scale.size > 1:
+            out["axis"] = self.axis
+        return out
+
+    def key(self) -> tuple:
+        return (self.elem, self.scale.tobytes(), self.zero_point, self.axis)
+
+
+def _number(scale: np.ndarray) -> Any:
+    return float(scale.reshape(-1)[0]) if scale.size == 1 else dense_f32(scale)
+
+
+def _safe(scale: np.ndarray) -> np.ndarray:
+    """float32 scales, with 1 where a channel is all zeros (any positive scale is exact)."""
+    s = np.asarray(scale, np.float64)
+    return np.where(s > 0, s, 1.0).astype(np.float32)
+
+
+def activation_qparams(lo: float, hi: float, symmetric: bool) -> QParams:
+    """Per-tensor parameters for the calibrated range [lo, hi] (widened to contain 0, as ORT)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if symmetric:
+        return QParams("i8", _safe(np.float64(max(-lo, hi)) / 127))
+    if lo == 0.0:  # one-sided: the whole unsigned range, zero point 0
+        return QParams("ui8", _safe(np.float64(hi) / 255))
+    if hi == 0.0:
+        return QParams("i8", _safe(np.float64(-lo) / 255), 127)
+    scale = _safe(np.float64(hi - lo) / 255)
+    zp = int(np.clip(np.rint(-128 - lo / float(scale)), -128, 127))
+    return QParams("i8", scale, zp)
+
+
+def weight_qparams(w: np.ndarray, axis: int | None, qmax: int, elem: str) -> QParams:
+    """Symmetric parameters, per index of `axis` (None: per tensor)."""
+    if axis is None:
+        return QParams(elem, _safe(np.float64(np.abs(w).max(initial=0.0)) / qmax))
+    axis %= w.ndim
+    others = tuple(i for i in range(w.ndim) if i != axis)
+    amax = np.abs(w.astype(np.float64)).max(axis=others, initial=0.0)
+    return QParams(elem, _safe(amax / qmax), axis=axis)
+
+
+def quantized_targets(f: Function, scheme: str) -> list[int]:
+    """The matmuls and convs this scheme quantizes (see the module docstring)."""
+    planned = any(PRECISION in f.attrs_of(n) for n in f.ops())
+    out = []
+    for n in f.ops():
+        if f.op(n) not in QUANTIZED_OPS:
+            continue
+        if any(FORMATS[t.elem].is_int for t in f.operand_types(n)):
+            continue  # already quantized
+        if planned:
+            p = f.attrs_of(n).get(PRECISION)
+            if p is None:
+                continue
+            fmt = attr_type(p)
+            if scheme == "w8a8" and not FORMATS[fmt].is_int:
+                continue
+            if scheme != "w8a8" and fmt == "f32":
+                continue
+        out.append(n)
+    return out
+
+
+@dataclass
+class _Rewriter:
+    f: Function
+    ctx: PassContext
+    consts: ConstantValues
+    cache: dict[tuple, Value] = field(default_factory=dict)
+
+    def quantize(self, v: Value, qp: QParams, hint: str) -> Value:
+        """One mp.quantize per (value, parameters), right after the value's producer."""
+        key = (v, "q") + qp.key()
+        if key not in self.cache:
+            t = self.f.type_of(v)
+            node = self.f.create_op("mp.quantize", [v], [t.with_elem(qp.elem)], qp.attrs(),
+                                    after=v[0], name_hint=hint)
+            self.ctx.stat("quantize-ops")
+            self.cache[key] = (node, 0)
+        return self.cache[key]
+
+    def dequantize(self, q: Value, qp: QParams, elem: str, hint: str) -> Value:
+        key = (q, "dq", elem) + qp.key()
+        if key not in self.cache:
+            t = self.f.type_of(q)
+            node = self.f.create_op("mp.dequantize", [q], [t.with_elem(elem)], qp.attrs(),
+                                    after=q[0], name_hint=hint)
+            self.ctx.stat("dequantize-ops")
+            self.cache[key] = (node, 0)
+        return self.cache[key]
+
+    def shifted(self, v: Value, shift: float) -> Value:
+        """`v - shift`, once per value, with the range it will have."""
+        key = (v, "shift", shift)
+        if key not in self.cache:
+            t = self.f.type_of(v)
+            c = self.f.create_op("mp.constant", [], [tensor((), t.elem)],
+                                 {"value": dense_f32(np.float32(shift))}, after=v[0],
+                                 name_hint=f"{_name(self.f, v)}_shift")
+            node = self.f.create_op("mp.sub", [v, (c, 0)], [t], {}, after=c,
+                                    name_hint=f"{_name(self.f, v)}_shift")
+            lo, hi = range_of(self.f, v)
+            self.f.set_attr(node, RANGE, (float(min(lo, 0.0) - shift),
+                                          float(max(hi, 0.0) - shift)))
+            self.f.set_attr(node, CALIB, "shifted")
+            self.ctx.stat("activations-shifted")
+            self.cache[key] = (node, 0)
+        return self.cache[key]
+
+    def unshift(self, y: Value, shifted: Value, w_q: Value, pw: QParams, hint: str) -> Value:
+        """y + c * colsum(dequantize(W_q)): the shift taken off the activation, put back with
+        the weights the kernel used (so the result is asymmetric quantization's, exactly); the
+        fp32 reference sees colsum(W), which is what it needs to recover x @ W."""
+        f = self.f
+        c = f.operands(shifted[0])[1]
+        w_dq = self.dequantize(w_q, pw, "f32", f"{_name(f, w_q)}_dq")
+        wt = f.type_of(w_dq)
+        sums = wt.shape[:-2] + (1, wt.shape[-1])
+        # After y, the dequantized kernel result, which comes after both W_q and c.
+        colsum = self.after("mp.reduce_sum", [w_dq], tensor(sums, "f32"),
+                            {"axes": (wt.rank - 2,), "keepdims": True}, y[0], f"{hint}_zp")
+        corr = self.after("mp.mul", [colsum, c], tensor(sums, "f32"), {}, colsum[0],
+                          f"{hint}_zp")
+        t = f.type_of(y)
+        # Marked, so that mplower.bisect can drop it when it returns the op to f32.
+        return self.after("mp.add", [y, corr], t, {QUANT_MARK: ZERO_POINT}, corr[0],
+                          f"{hint}_zp")
+
+    def after(self, op: str, operands: list[Value], t: TensorType, attrs: dict, anchor: int,
+              hint: str) -> Value:
+        return (self.f.create_op(op, operands, [t], attrs, after=anchor, name_hint=hint), 0)
+
+
+def _name(f: Function, v: Value) -> str:
+    return f.value_name(v).lstrip("%").replace("#", "_")
+
+
+def _error(f: Function, n: int, message: str) -> Diagnostic:
+    return Diagnostic(f.data(n)["loc"], f"'{f.op(n)}' {message}")
+
+
+def missing_range(f: Function, n: int, consts: ConstantValues) -> Diagnostic | None:
+    """A diagnostic for the first activation operand of `n` without a calibrated range."""
+    for i, v in enumerate(f.operands(n)[:2]):
+        if v not in consts and range_of(f, v) is None:
+            return _error(f, n, f"operand #{i} {f.value_name(v)} has no calibrated range "
+                                f"(mp.range); run calibrate{{data=...}} first")
+    return None
+
+
+def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> None:
+    """Quantize one matmul/conv whose activations have ranges (see `missing_range`)."""
+    f = rw.f
+    op = f.op(n)
+    ins = f.operands(n)
+    is_weight = [v in rw.consts for v in ins[:2]]
+    if all(is_weight):
+        return
+    params: list[QParams] = []
+    sources = list(ins[:2])  # what is quantized: the operand, or the operand shifted by c
+    shift: float | None = None
+    shift_value: Value | None = None
+    for i, v in enumerate(ins[:2]):
+        rank = f.type_of(v).rank
+        if is_weight[i]:
+            axis = None
+            if per_channel:
+                axis = 0 if op == "mp.conv2d" else (rank - 1 if i == 1 else rank - 2)
+                if rank < 2:
+                    axis = None
+            params.append(weight_qparams(rw.consts.get(v), axis, 127, "i8"))
+            rw.ctx.stat("weights-quantized")
+            continue
+        lo, hi = range_of(f, v)
+        qp = activation_qparams(lo, hi, symmetric)
+        # A zero point: shift instead where the correction is a constant (x @ W, not conv,
+        # whose zero padding would see the shift).
+        if qp.zero_point and op == "mp.matmul" and i == 0 and is_weight[1]:
+            # x - c with c = -zero_point * scale, on a zero point 0 grid, is the same grid as
+            # x with that zero point: q = round(x / s) + z = round((x - c) / s).
+            shift = float(np.float32(-qp.zero_point * np.float64(qp.scale)))
+            qp = QParams("i8", qp.scale)
+            sources[0] = shift_value = rw.shifted(v, shift)
+        params.append(qp)
+    qs = [rw.quantize(v, qp, f"{_name(f, v)}_q") for v, qp in zip(sources, params)]
+    d = f.data(n)
+    out_t = d["types"][0]
+    out_elem = out_t.elem if FORMATS[out_t.elem].is_float else "f32"
+    if any(qp.zero_point for qp in params):
+        # QDQ form: no integer kernel takes a zero point here.
+        for i, (q, qp) in enumerate(zip(qs, params)):
+            f.set_operand(n, i, rw.dequantize(q, qp, f.type_of(ins[i]).elem,
+                                              f"{_name(f, ins[i])}_dq"))
+        f.set_attr(n, PRECISION, TypeAttr("f32"))
+        f.set_attr(n, ACCUM, TypeAttr("f32"))
+        f.set_attr(n, REASON, "quantize w8a8: QDQ form (an activation zero point is not 0; "
+                              "the integer kernel takes none)")
+        rw.ctx.stat("ops-qdq")
+        return
+    # The quantized kernel: integer operands, i32 result, one dequantize with the product scale
+    # (at most one operand, the weight, has one scale per output channel).
+    scale = _safe(params[0].scale.astype(np.float64) * params[1].scale.astype(np.float64))
+    axis = None
+    if scale.size > 1:
+        axis = 1 if op == "mp.conv2d" else out_t.rank - (1 if is_weight[1] else 2)
+    bias = ins[2] if len(ins) == 3 else None
+    i32 = out_t.with_elem("i32")
+    if bias is None:
+        f.set_operand(n, 0, qs[0])
+        f.set_operand(n, 1, qs[1])
+        f.set_result_type(n, 0, i32)
+        kernel = n
+    else:  # conv with bias: the i32 kernel takes none; the float bias is added afterwards
+        kernel = f.create_op(op, qs, [i32], dict(d["attrs"]), before=n, name_hint=d["name"])
+    dq_params = QParams("i32", scale, 0, axis)
+    dq = f.create_op("mp.dequantize", [(kernel, 0)], [out_t.with_elem(out_elem)],
+                     dq_params.attrs(), after=kernel, name_hint=f"{d['name']}_dq")
+    rw.ctx.stat("dequantize-ops")
+    result: Value = (dq, 0)
+    if shift is not None:
+        result = rw.unshift(result, shift_value, qs[1], params[1], d["name"])
+    if bias is not None:
+        o = f.type_of(bias).shape[0]
+        shaped = rw.after("mp.reshape", [bias], tensor((o, 1, 1), f.type_of(bias).elem), {},
+                          dq, f"{_name(f, bias)}_chw")
+        result = rw.after("mp.add", [result, shaped], out_t.with_elem(out_elem), {}, shaped[0],
+                          f"{d['name']}_bias")
+        f.replace_all_uses((n, 0), result)
+        f.erase(n)
+    else:
+        f.replace_all_uses((n, 0), result, exclude={dq})
+    # The calibrated range describes the float result, which the kernel no longer produces.
+    moved = {k: v for k, v in f.attrs_of(kernel).items() if k in CALIB_KEYS}
+    set_value_attrs(f, result, moved)
+    for k in moved:
+        f.del_attr(kernel, k)
+    f.set_attr(kernel, PRECISION, TypeAttr("i8"))
+    f.set_attr(kernel, ACCUM, TypeAttr("i32"))
+    if REASON not in f.attrs_of(kernel):
+        f.set_attr(kernel, REASON, "quantize w8a8")
+    rw.ctx.stat("ops-quantized")
+
+
+def quantize_weight_only(rw: _Rewriter, n: int, elem: str, per_channel: bool,
+                         group: int) -> None:
+    """Quantize the weight of one matmul/conv group-wise and dequantize it to f32."""
+    f = rw.f
+    op = f.op(n)
+    ins = f.operands(n)
+    if ins[1] not in rw.consts or ins[0] in rw.consts:
+        rw.ctx.stat("skipped-no-weight")
+        return
+    w_val = ins[1]
+    w = rw.consts.get(w_val)
+    wt = f.type_of(w_val)
+    qmax = int(FORMATS[elem].max_finite)
+    name = _name(f, w_val)
+    detail = f"{elem} per-tensor"
+    k = wt.shape[-2] if wt.rank >= 2 else 0
+    grouped = (op == "mp.matmul" and per_channel and wt.rank == 2 and 0 < group < k
+               and k % group == 0)
+    if op == "mp.matmul" and per_channel and wt.rank == 2 and 0 < group < k and k % group:
+        rw.ctx.stat("groups-not-dividing")
+    if grouped:
+        g, n_out = group, wt.shape[1]
+        layout = w.reshape(k // g, g, n_out).transpose(1, 0, 2).reshape(g, k // g * n_out)
+        qp = weight_qparams(layout, 1, qmax, elem)
+        a = rw.after("mp.reshape", [w_val], tensor((k // g, g, n_out), wt.elem), {}, w_val[0],
+                     f"{name}_groups")
+        b = rw.after("mp.transpose", [a], tensor((g, k // g, n_out), wt.elem),
+                     {"perm": (1, 0, 2)}, a[0], f"{name}_groups")
+        c = rw.after("mp.reshape", [b], tensor((g, k // g * n_out), wt.elem), {}, b[0],
+                     f"{name}_groups")
+        q = rw.quantize(c, qp, f"{name}_q")
+        dq = rw.dequantize(q, qp, "f32", f"{name}_dq")
+        back = rw.after("mp.reshape", [dq], tensor((g, k // g, n_out), "f32"), {}, dq[0],
+                        f"{name}_dq")
+        back = rw.after("mp.transpose", [back], tensor((k // g, g, n_out), "f32"),
+                        {"perm": (1, 0, 2)}, back[0], f"{name}_dq")
+        result = rw.after("mp.reshape", [back], wt.with_elem("f32"), {}, back[0], f"{name}_dq")
+        detail = f"{elem} group {g}"
+    else:
+        axis = (0 if op == "mp.conv2d" else wt.rank - 1) if per_channel and wt.rank >= 2 \
+            else None
+        qp = weight_qparams(w, axis, qmax, elem)
+        result = rw.dequantize(rw.quantize(w_val, qp, f"{name}_q"), qp, "f32", f"{name}_dq")
+        if axis is not None:
+            detail = f"{elem} per-channel"
+    act = f.type_of(ins[0]).elem
+    if act != "f32" and PRECISION not in f.attrs_of(n):  # an unplanned narrow activation
+        result = rw.after("mp.cast", [result], wt.with_elem(act), {}, result[0], f"{name}_{act}")
+    f.set_operand(n, 1, result)
+    f.set_attr(n, WEIGHT_QUANT, detail)
+    rw.ctx.stat("weights-quantized")
+    rw.ctx.stat("ops-quantized")
+
+
+@register_pass
+@dataclass
+class Quantize(Pass):
+    """Insert quantize/dequantize pairs and integer kernels from the calibrated ranges.
+
+    w8a8: activations per tensor from `mp.range` (run calibrate first), weights per channel or
+    per tensor; i8 x i8 -> i32 matmul/conv and one dequantize of the i32 result. Asymmetric
+    activations use ORT's grid: ui8 where the range is one-sided; a zero point otherwise,
+    written for `x @ W` as a shift of x and its constant correction (the kernel stays
+    integer), elsewhere in QDQ form. w8a16 / w4a16: weights only, group-wise along the
+    reduction axis, computed in the activation format. Honours a precision plan: with one,
+    exactly the ops planned i8 (w8a8) or narrower than f32 (weight-only) are quantized;
+    without one, every matmul and conv.
+    """
+
+    name: ClassVar[str] = "quantize"
+    statistics: ClassVar[dict[str, str]] = {
+        "ops-quantized": "matmul/conv ops quantized",
+        "ops-qdq": "w8a8 ops written in QDQ form (an activation zero point)",
+        "activations-shifted": "asymmetric activations quantized as x - c (c = -zero_point * scale)",
+        "weights-quantized": "weight operands quantized",
+        "quantize-ops": "mp.quantize ops inserted",
+        "dequantize-ops": "mp.dequantize ops inserted",
+        "groups-not-dividing": "weight-only ops quantized per channel: group does not divide K",
+        "skipped-no-weight": "weight-only: matmul/conv without a constant weight operand",
+    }
+    scheme: str = option("w8a8", "w8a8 (static int8), w8a16 or w4a16 (weight-only)")
+    weights: str = option("per-channel", "weight scales: per-channel or per-tensor")
+    activations: str = option("per-tensor", "activation scales: per-tensor (static)")
+    symmetric: bool = option(True, "activations: symmetric i8; false: asymmetric on ORT's "
+                                   "grid (ui8 for one-sided ranges, else a zero point)")
+    group: int = option(128, "weight-only: group size along the reduction axis (0: per channel)")
+
+    def run(self, module: Module, ctx: PassContext) -> None:
+        loc = module.loc
+        if self.scheme not in SCHEMES:
+            raise DiagnosticError.at(loc, f"quantize: unknown scheme '{self.scheme}'; expected "
+                                          f"one of {', '.join(SCHEMES)}")
+        if self.weights not in ("per-channel", "per-tensor"):
+            raise DiagnosticError.at(loc, f"quantize: weights must be per-channel or "
+                                          f"per-tensor, got '{self.weights}'")
+        if self.activations != "per-tensor":
+            raise DiagnosticError.at(loc, f"quantize: activations must be per-tensor (static "
+                                          f"ranges), got '{self.activations}'")
+        per_channel = self.weights == "per-channel"
+        work = []
+        for f in module.functions.values():
+            targets = quantized_targets(f, self.scheme)
+            if targets:
+                work.append((f, targets, ConstantValues(module, f, ctx.weights_path)))
+        if self.scheme == "w8a8":  # check everything first: a failing pass changes nothing
+            errors = [d for f, targets, consts in work for n in targets
+                      if (d := missing_range(f, n, consts)) is not None]
+            if errors:
+                raise DiagnosticError(*errors)
+        for f, targets, consts in work:
+            rw = _Rewriter(f, ctx, consts)
+            for n in targets:
+                if self.scheme == "w8a8":
+                    quantize_w8a8(rw, n, per_channel, self.symmetric)
+                else:
+                    quantize_weight_only(rw, n, SCHEMES[self.scheme], per_channel, self.group)

@@ -1,0 +1,251 @@
+"""Calibration: mergeable statistics, the range estimators, and the calibrate pass.
+
+The central promise is determinism: the same samples give bit-identical ranges however they
+are split into batches and in whatever order the batches come. Estimator tests use
+distributions whose answer is known in closed form (uniform, a point mass plus outliers).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mplower.calibration import (
+    RANGE,
+    Progress,
+    TensorStats,
+    channel_absmax_of,
+    entropy_threshold,
+    estimate_range,
+    mse_threshold,
+    percentile_threshold,
+    range_of,
+    value_attrs,
+)
+from mplower.ir.parser import parse
+from mplower.ir.printer import print_module
+from mplower.pass_manager import PassContext, PassManager, parse_pipeline
+
+
+def stats_of(chunks: list[np.ndarray], bins: int = 256) -> TensorStats:
+    s = TensorStats(bins)
+    for c in chunks:
+        s.add(c, channel_axis=1 if c.ndim == 2 else None)
+    return s
+
+
+def same_stats(a: TensorStats, b: TensorStats) -> bool:
+    return (a.exp == b.exp and a.min == b.min and a.max == b.max and a.count == b.count
+            and np.array_equal(a.pos, b.pos) and np.array_equal(a.neg, b.neg)
+            and np.array_equal(a.exponents, b.exponents)
+            and np.array_equal(a.channel_absmax, b.channel_absmax))
+
+
+def test_tensor_stats_are_identical_for_any_split_and_order():
+    rng = np.random.default_rng(0)
+    # Magnitudes grow across the data, so the histogram range widens (and rebins) on the way.
+    x = (rng.standard_normal((42, 5)) * np.geomspace(1e-3, 1e3, 42)[:, None]).astype(np.float32)
+    whole = stats_of([x])
+    for parts in (3, 7):
+        chunks = np.array_split(x, parts)
+        for order in itertools.islice(itertools.permutations(range(parts)), 12):
+            assert same_stats(stats_of([chunks[i] for i in order]), whole)
+    # Merging separately gathered statistics is the same as adding the data in one go.
+    left, right = stats_of([x[:20]]), stats_of([x[20:]])
+    right.merge(left)
+    assert same_stats(right, whole)
+
+
+def test_histogram_bins_match_a_direct_count_on_the_final_grid():
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-3, 5, 10_000)
+    s = stats_of([x[:10], x[10:]], bins=64)
+    assert s.exp == 3  # max |x| < 8 = 2**3
+    width = 8 / 64
+    expect_pos = np.bincount((x[x >= 0] / width).astype(int), minlength=64)
+    expect_neg = np.bincount((-x[x < 0] / width).astype(int), minlength=64)
+    assert np.array_equal(s.pos, expect_pos) and np.array_equal(s.neg, expect_neg)
+
+
+def test_tiny_is_a_power_of_two_at_or_below_the_first_percentile():
+    x = np.concatenate([np.full(5, 1e-6), np.full(995, 0.5), np.zeros(100)])
+    s = stats_of([x.reshape(-1, 1)])
+    assert s.tiny() == 0.5  # 1% of 1000 non-zero values is 10 > 5 tiny ones: the 10th is 0.5
+    assert stats_of([np.zeros((3, 1))]).tiny() is None
+
+
+def test_percentile_keeps_the_requested_share_of_magnitudes():
+    hist = np.zeros(1000, np.int64)
+    hist[:990] = 1  # 990 values spread over [0, 0.99); 10 outliers at the top
+    hist[999] = 10
+    assert percentile_threshold(hist, 0.001, 99.0) == pytest.approx(0.990)
+    assert percentile_threshold(hist, 0.001, 100.0) == pytest.approx(1.0)
+
+
+def test_entropy_and_percentile_clip_a_few_far_outliers():
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.standard_normal(200_000), [60.0, -55.0]])
+    s = stats_of([x.reshape(-1, 1)], bins=2048)
+    for method in ("entropy", "percentile"):
+        lo, hi = estimate_range(s, method)
+        assert 2.0 < hi < 20.0 and -20.0 < lo < -2.0, method  # well inside [-55, 60]
+    assert estimate_range(s, "minmax") == (-55.0, 60.0)
+    # MSE keeps them: clipping two values by ~50 costs more than 200k rounding errors gain.
+    assert estimate_range(s, "mse")[1] > 30.0
+
+
+def test_mse_threshold_minimizes_the_quantization_error_it_predicts():
+    rng = np.random.default_rng(3)
+    x = np.abs(rng.laplace(size=50_000))
+    s = stats_of([x.reshape(-1, 1)], bins=1024)
+    hist, width = s.pos + s.neg, s.bin_width
+    t = mse_threshold(hist, width, 127)
+
+    def error(threshold: float) -> float:
+        step = threshold / 127
+        return float(np.mean((x - np.minimum(np.rint(x / step), 127) * step) ** 2))
+
+    assert error(t) < error(x.max())
+    assert error(t) <= 1.05 * min(error(c) for c in np.linspace(t * 0.5, t * 2, 41))
+
+
+def test_entropy_threshold_keeps_everything_when_it_fits_the_levels():
+    hist = np.zeros(2048, np.int64)
+    hist[:100] = 7
+    assert entropy_threshold(hist, 0.5, 128) == 50.0
+
+
+MODEL = """
+func.func @main(%x: tensor<{b}x4xf32>) -> tensor<{b}x3xf32> {{
+  %w = mp.constant {{value = dense<[[0.5, -1.0, 2.0], [1.5, 0.25, -0.5], [-2.0, 1.0, 0.75],
+                                    [0.125, 3.0, -1.25]]> : tensor<4x3xf32>}} : () -> tensor<4x3xf32>
+  %0 = mp.matmul %x, %w : (tensor<{b}x4xf32>, tensor<4x3xf32>) -> tensor<{b}x3xf32>
+  %1 = mp.relu %0 : (tensor<{b}x3xf32>) -> tensor<{b}x3xf32>
+  %2 = mp.tanh %1 : (tensor<{b}x3xf32>) -> tensor<{b}x3xf32>
+  return %2 : tensor<{b}x3xf32>
+}}
+"""
+
+
+def calibrated(tmp_path: Path, batch: int, data: np.ndarray, options: str = "") -> dict:
+    """The calibration attributes of every value, keyed by value name."""
+    path = tmp_path / f"calib_{batch}_{abs(hash(data.tobytes()))}.npz"
+    np.savez(path, x=data)
+    module = parse(MODEL.format(b=batch))
+    PassManager(parse_pipeline(f"calibrate{{data={path} {options}}}")).run(module, PassContext())
+    f = module.function()
+    values = [(a, 0) for a in f.args] + [(n, 0) for n in f.ops() if f.data(n)["types"]]
+    return {f.value_name(v): dict(value_attrs(f, v)) for v in values}
+
+
+@pytest.mark.parametrize("options", ["", "method=percentile percentile=99.0 bins=256",
+                                     "method=entropy bins=512", "method=mse bins=256"])
+def test_calibrate_ranges_are_bit_identical_for_1_3_7_batches_in_any_order(tmp_path, options):
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((21, 4)) * [1, 3, 0.5, 8]).astype(np.float32)
+    x[5, 3] = 40.0  # an outlier the clipping methods act on
+    expect = calibrated(tmp_path, 21, x, options)
+    assert expect["%0"][RANGE] != (0.0, 0.0)
+    for batches in (3, 7):
+        stack = x.reshape(batches, 21 // batches, 4)
+        for order in ([*range(batches)][::-1], list(np.random.default_rng(batches).permutation(
+                batches))):
+            got = calibrated(tmp_path, 21 // batches, stack[order], options)
+            assert got == expect, (batches, order)
+
+
+def test_calibrate_records_ranges_channel_maxima_and_argument_ranges(tmp_path):
+    x = np.array([[1.0, -2.0, 0.5, 4.0], [3.0, 0.0, -1.0, 2.0]], np.float32)
+    attrs = calibrated(tmp_path, 2, x)
+    assert attrs["%x"][RANGE] == (-2.0, 4.0)
+    w = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5], [-2.0, 1.0, 0.75], [0.125, 3.0, -1.25]])
+    y = x.astype(np.float64) @ w
+    assert attrs["%0"][RANGE] == (float(np.float32(y.min())), float(np.float32(y.max())))
+    assert attrs["%1"][RANGE][0] == 0.0
+    assert "mp.channel_absmax" in attrs["%x"] and "mp.channel_absmax" not in attrs["%1"]
+    assert "%w" not in attrs or RANGE not in attrs["%w"]  # weights are read by quantize
+
+
+def test_calibrated_module_prints_and_parses_back(tmp_path):
+    path = tmp_path / "c.npz"
+    np.savez(path, x=np.arange(8, dtype=np.float32).reshape(2, 4))
+    module = parse(MODEL.format(b=2))
+    PassManager(parse_pipeline(f"calibrate{{data={path} method=mse bins=64}}")).run(
+        module, PassContext())
+    text = print_module(module)
+    again = parse(text)
+    assert print_module(again) == text
+    f = again.function()
+    assert range_of(f, (f.args[0], 0)) == (0.0, 7.0)
+    assert channel_absmax_of(f, (f.args[0], 0)).tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def test_calibrate_clipping_keeps_the_observed_extremes(tmp_path):
+    x = np.random.default_rng(5).standard_normal((64, 4)).astype(np.float32)
+    x[0, 0] = 100.0
+    attrs = calibrated(tmp_path, 64, x, "method=percentile percentile=99.0 bins=1024")
+    _lo, hi = attrs["%x"][RANGE]
+    assert hi < 10.0 and attrs["%x"]["mp.observed"][1] == 100.0
+    assert attrs["%x"]["mp.calib"] == "percentile"
+
+
+@pytest.mark.parametrize("options, message", [
+    ("", "calibrate needs data=CALIB.npz"),
+    ("data=DATA method=kl", "unknown method 'kl'"),
+    ("data=DATA bins=1000", "bins must be a power of two"),
+    ("data=WRONG", "expected one batch [2, 4] or a stack [N, 2, 4]"),
+    ("data=MISSING", "does not exist"),
+])
+def test_calibrate_reports_bad_options_and_data(tmp_path, cli, options, message):
+    (tmp_path / "m.ir").write_text(MODEL.format(b=2))
+    np.savez(tmp_path / "d.npz", x=np.ones((2, 4), np.float32))
+    np.savez(tmp_path / "w.npz", x=np.ones((3, 4), np.float32))
+    options = (options.replace("DATA", str(tmp_path / "d.npz"))
+               .replace("WRONG", str(tmp_path / "w.npz"))
+               .replace("MISSING", str(tmp_path / "none.npz")))
+    r = cli("opt", tmp_path / "m.ir", f"--pass=calibrate{{{options}}}")
+    assert r.rc == 1 and message in r.err, r.err
+
+
+def test_calibrate_rejects_non_finite_data_and_names_the_op_that_overflows(tmp_path, cli):
+    (tmp_path / "m.ir").write_text(MODEL.format(b=2).replace("mp.tanh", "mp.exp"))
+    data = np.ones((2, 4), np.float32)
+    data[1, 1] = np.inf
+    np.savez(tmp_path / "d.npz", x=data)
+    r = cli("opt", tmp_path / "m.ir", f"--pass=calibrate{{data={tmp_path / 'd.npz'}}}")
+    assert r.rc == 1 and "argument %x: 1 values are NaN or infinite" in r.err, r.err
+    np.savez(tmp_path / "d.npz", x=np.full((2, 4), 50.0, np.float32))  # exp(>88) overflows f32
+    r = cli("opt", tmp_path / "m.ir", f"--pass=calibrate{{data={tmp_path / 'd.npz'}}}")
+    assert r.rc == 1 and "m.ir:7:3" in r.err and "values are NaN or infinite" in r.err, r.err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_on_a_terminal_and_stays_quiet_elsewhere():
+    tty = _Terminal()
+    bar = Progress(4, "calibrate", stream=tty, delay=0.0)
+    for _ in range(4):
+        bar.update()
+    bar.close()
+    assert "calibrate [" in tty.getvalue() and "4/4" in tty.getvalue()
+    assert tty.getvalue().endswith("\n")
+    pipe = io.StringIO()
+    quiet = Progress(4, "calibrate", stream=pipe, delay=0.0)
+    quiet.update(4)
+    quiet.close()
+    assert pipe.getvalue() == ""
+
+
+def test_estimate_range_of_a_one_sided_tensor_stays_one_sided():
+    s = stats_of([np.abs(np.random.default_rng(6).standard_normal((1000, 1)))], bins=512)
+    for method in ("minmax", "percentile", "entropy", "mse"):
+        lo, hi = estimate_range(s, method)
+        assert lo >= 0.0 and 0 < hi <= s.max and math.isfinite(hi), method
