@@ -1,22 +1,37 @@
-"""`mplower run` and `mplower bench`: execute a lowered module, report drift, time it."""
+"""`mplower run` and `mplower bench`: execute a lowered module, report drift, time it.
+
+Both read the module, materialize an annotated plan (insert-casts), compile it once and take
+their inputs from `--inputs` or, by default, seeded random values. `run` executes the plan
+beside its fp32 reference and prints the report (DESIGN §6, docs/report.md), with guardrails
+from the module's policy sheet (`mp.policy`) overridden by `--guardrail`; `bench` times the
+lowered plan alone and adds the cost model's figures for a target. Nothing is written unless
+the whole run succeeded, and then atomically.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
+
 
 def _input_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="IR file, or - for stdin")
-    p.add_argument("--inputs", help=".npz keyed by argument name (x for %%x)")
-    p.add_argument("--random-inputs", action="store_true",
-                   help="standard-normal inputs (the default when --inputs is not given)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --random-inputs")
-    p.add_argument("--weights", help="weights .npz to use instead of the module's mp.weights")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--inputs", metavar="IN.npz",
+                        help=".npz keyed by argument name (x for %%x)")
+    source.add_argument("--random-inputs", action="store_true",
+                        help="seeded random inputs: standard normal floats, uniform integers "
+                             "(the default when --inputs is not given)")
+    p.add_argument("--seed", type=int, default=0, help="seed for --random-inputs (default 0)")
+    p.add_argument("--weights", metavar="W.npz",
+                   help="weights .npz to use instead of the module's mp.weights")
     p.add_argument("--func", default=None, help="function to run (default: main or the only one)")
 
 
@@ -34,18 +49,34 @@ def register(sub) -> None:
                    help="a guardrail, e.g. max_rel_l2=0.01 (overrides the policy sheet's)")
     p.set_defaults(handler=cmd_run)
 
-    b = sub.add_parser("bench", help="latency percentiles and inferences/s, measured and modeled")
+    b = sub.add_parser("bench", help="latency percentiles and inferences/s, measured and modeled",
+                       description="Time the lowered plan on this CPU (emulated formats) and "
+                                   "add the cost model's figures for a target.")
     _input_flags(b)
-    b.add_argument("--warmup", type=int, default=3)
-    b.add_argument("--iterations", "-n", type=int, default=20)
-    b.add_argument("--target", default=None, help="target for the modeled figures")
+    b.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
+    b.add_argument("--iterations", "-n", type=int, default=20, help="timed runs (default 20)")
+    b.add_argument("--target", default=None,
+                   help="target for the modeled figures (default: the module's mp.target, "
+                        "else generic)")
     b.add_argument("--format", choices=("table", "json"), default="table")
     b.set_defaults(handler=cmd_bench)
 
 
+def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.ndarray:
+    from mplower.numerics.formats import FORMATS
+
+    f = FORMATS[elem]
+    if f.is_float:
+        return rng.standard_normal(shape).astype(np.float64 if elem == "f64" else np.float32)
+    if elem == "i1":
+        return rng.integers(0, 2, shape).astype(np.bool_)
+    return rng.integers(int(f.min_value), int(f.max_finite) + 1, shape, dtype=np.int64)
+
+
 def _load(args: argparse.Namespace):
+    """(module, program, input arrays) for the run and bench commands."""
     from mplower.backend.executor import Program
-    from mplower.backend.weights import check_finite, load_inputs
+    from mplower.backend.weights import load_inputs
     from mplower.cli import read_input
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
@@ -53,31 +84,26 @@ def _load(args: argparse.Namespace):
     text, name = read_input(args.input)
     args._source = text
     module = parse(text, name)
-    if name == "<stdin>":
-        module.path = str(Path.cwd() / "<stdin>")
+    module.path = str(Path.cwd() / "<stdin>") if name == "<stdin>" else name
     verify(module)
     program = Program(module, args.func, args.weights)
     if args.inputs:
-        arrays = load_inputs(args.inputs, program.arg_names, [t.shape for t in program.arg_types])
+        arrays = load_inputs(args.inputs, program.arg_names, program.arg_types,
+                             program.arg_locs)
     else:
         rng = np.random.default_rng(args.seed)
-        arrays = [rng.standard_normal(t.shape).astype(np.float32) for t in program.arg_types]
-    for n, a in zip(program.arg_names, arrays):
-        check_finite(n, a)
+        arrays = [_random(rng, t.elem, t.shape) for t in program.arg_types]
     return module, program, arrays
 
 
-def _guardrails(module, flags: list[str]) -> dict[str, float]:
+def _guardrail_flags(flags: list[str]) -> dict[str, float]:
     from mplower.backend.report import GUARDRAIL_KEYS
     from mplower.cli import UsageError
-    from mplower.policy import load_policy
 
     limits: dict[str, float] = {}
-    policy = module.attrs.get("mp.policy")
-    if isinstance(policy, str):
-        limits.update(load_policy(policy, search_dir=Path(module.path).parent).guardrails)
     for flag in flags:
         key, sep, value = flag.partition("=")
+        key = key.strip()
         if not sep or key not in GUARDRAIL_KEYS:
             raise UsageError(f"--guardrail takes KEY=VALUE with KEY one of "
                              f"{', '.join(GUARDRAIL_KEYS)}; got '{flag}'")
@@ -85,58 +111,103 @@ def _guardrails(module, flags: list[str]) -> dict[str, float]:
             limits[key] = float(value)
         except ValueError:
             raise UsageError(f"--guardrail {key} needs a number, got '{value}'") from None
+        if math.isnan(limits[key]):
+            raise UsageError(f"--guardrail {key} needs a number, got '{value}'")
     return limits
+
+
+def _policy_guardrails(module) -> dict[str, float]:
+    """The guardrails of the sheet assign-precision recorded on the module (`mp.policy`)."""
+    from mplower.policy import load_policy
+
+    policy = module.attrs.get("mp.policy")
+    if not isinstance(policy, str):
+        return {}
+    try:
+        return dict(load_policy(policy, search_dir=Path(module.path).parent).guardrails)
+    except DiagnosticError as e:  # located in the sheet: show its lines, not the IR's
+        sheet = Path(e.diagnostics[0].loc.file)
+        if e.source is None and sheet.is_file():
+            e.source = sheet.read_text(encoding="utf-8", errors="replace")
+        # No line: the source shown with these diagnostics may be the sheet's, not the IR's.
+        e.diagnostics.append(Diagnostic(Location(module.loc.file, 0, 0), (
+            f"while reading the guardrails of policy '{policy}' (the module's mp.policy)"),
+            "note"))
+        raise
+
+
+def _write_atomic(path: str, write) -> None:
+    from mplower.fileio import atomic_output
+
+    try:
+        with atomic_output(path, "wb") as fh:
+            write(fh)
+    except OSError as e:
+        raise DiagnosticError.at(Location(path, 0, 0),
+                                 f"cannot write output: {e.strerror or e}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from mplower.backend.report import build_report, render
-    from mplower.cli import EXIT_GUARDRAIL, EXIT_OK, write_output
-    from mplower.fileio import atomic_output
+    from mplower.cli import EXIT_GUARDRAIL, EXIT_OK
 
+    flags = _guardrail_flags(args.guardrail)  # usage errors before any work
     module, program, arrays = _load(args)
-    limits = _guardrails(module, args.guardrail)
+    limits = {**_policy_guardrails(module), **flags}
     result = program.run(arrays)
-    report = build_report(result, limits, module.attrs.get("mp.policy"))
+    report = build_report(result, limits, module.attrs.get("mp.policy"),
+                          program.function.name)
+    shown = render(report, args.format)
     if args.save_outputs:
-        with atomic_output(args.save_outputs, "wb") as fh:
-            np.savez(fh, **{f"output_{i}": y for i, y in enumerate(result.outputs)})
+        outputs = {f"output_{i}": y for i, y in enumerate(result.outputs)}
+        _write_atomic(args.save_outputs, lambda fh: np.savez(fh, **outputs))
     if args.report:
-        write_output(args.report, render(report, "json"))
-    sys.stdout.write(render(report, args.format))
+        text = render(report, "json").encode()
+        _write_atomic(args.report, lambda fh: fh.write(text))
+    sys.stdout.write(shown)
     if args.check and report["summary"]["verdict"] != "pass":
         return EXIT_GUARDRAIL
     return EXIT_OK
 
 
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
+    from mplower.cli import EXIT_OK, UsageError
     from mplower.ops import OPS
     from mplower.report import precision_sheet
     from mplower.target import load_target
 
+    if args.iterations < 1 or args.warmup < 0:
+        raise UsageError("--iterations must be at least 1 and --warmup at least 0")
     module, program, arrays = _load(args)
+    target = load_target(args.target or module.attrs.get("mp.target", "generic"), known_ops=OPS)
     prepared = program.prepare_inputs(arrays)
-    for _ in range(max(args.warmup, 0)):
+    for _ in range(args.warmup):
         program.run_lowered(prepared)
     times = []
-    for _ in range(max(args.iterations, 1)):
+    for _ in range(args.iterations):
         t0 = time.perf_counter()
         program.run_lowered(prepared)
         times.append(time.perf_counter() - t0)
     ms = np.array(times) * 1e3
-    target = load_target(args.target or module.attrs.get("mp.target", "generic"), known_ops=OPS)
-    modeled = precision_sheet(module, target, args.func)["summary"]
+    modeled = precision_sheet(module, target, program.function.name)["summary"]
     out = {
+        "function": program.function.name,
         "iterations": len(times),
+        "warmup": args.warmup,
         "latency_ms": {p: float(np.percentile(ms, q)) for p, q in
                        (("p50", 50), ("p95", 95), ("p99", 99))},
         "inferences_per_s": float(1e3 / np.median(ms)),
         "modeled": {"target": target.name, "time_s": modeled["modeled_time_s"],
-                    "inferences_per_s": modeled["modeled_inferences_per_s"]},
+                    "inferences_per_s": _finite(modeled["modeled_inferences_per_s"])},
     }
     if args.format == "json":
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        sys.stdout.write(json.dumps(out, indent=2, allow_nan=False) + "\n")
     else:
         lat = out["latency_ms"]
         sys.stdout.write(
@@ -144,5 +215,5 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"p50 {lat['p50']:.3f} ms, p95 {lat['p95']:.3f} ms, p99 {lat['p99']:.3f} ms, "
             f"{out['inferences_per_s']:.1f} inferences/s\n"
             f"modeled on {target.name}: {out['modeled']['time_s'] * 1e6:.3f} us, "
-            f"{out['modeled']['inferences_per_s']:.1f} inferences/s\n")
-    return 0
+            f"{modeled['modeled_inferences_per_s']:.1f} inferences/s\n")
+    return EXIT_OK

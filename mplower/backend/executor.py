@@ -1,20 +1,23 @@
 """The executor: runs a lowered function with every number format emulated exactly.
 
 A function is compiled once into a schedule (one step per op, in program order, with its
-operand slots, checked attributes and the way it runs). Tensors are numpy arrays of values:
+operand slots, checked attributes and the kernel it runs). Tensors are numpy arrays of values:
 float formats narrower than f32 are held as the float32 values they represent (so fp32 BLAS
-can consume them: products of two such values are exact in f32), integer formats as integers.
+can consume them: the product of two such values is exact in f32), integer formats as integers.
 Each step computes in f32 and rounds its result to the result's element type, counting
 overflow, underflow and NaN in the same pass (mplower.numerics.rounding); casts round;
 quantize/dequantize follow ONNX (mplower.numerics.quant). Matmul and conv honour the
 accumulator: f32 BLAS on exactly representable inputs for an f32 accumulator, the step-by-step
-f16 accumulator of `matmul_f16_accum`, and exact integer accumulation for i8 x i8 -> i32.
+fp16 accumulator of `matmul_f16_accum`, and exact integer sums for i8 x i8 -> i32.
 
-The fp32 reference is the same schedule run with every cast and quantize/dequantize pair
-removed and nothing rounded; `run` executes both side by side and keeps per-op statistics.
-An op/format pair the backend has no kernel for (a sparse kernel, an f16-accumulated conv, an
-integer plan that was never quantized) runs on the nearest wider path and is reported as a
-fallback with its reason.
+The fp32 reference is the same schedule with every cast and quantize/dequantize removed and
+nothing rounded; `run` executes both side by side and keeps per-op statistics, `run_lowered`
+only the lowered plan (what `mplower bench` times). An op/format pair the backend has no kernel
+for runs on the nearest wider path and is reported as a fallback with its reason code: a
+sparse kernel (`no-sparse-kernel`: run densely), an integer plan that was never quantized
+(`not-quantized`: its float operands run in their own format), an fp16 accumulator over
+operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's fallbacks
+(`mp.fallback`, `mp.requested`) are reported as the pass recorded them.
 """
 
 from __future__ import annotations
@@ -32,12 +35,30 @@ from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
-from mplower.ops import OPS, OpError, attr_array, attr_type, check_attrs
+from mplower.ops import OPS, OpError, _pad_hw, _windows, attr_array, attr_type, check_attrs
+from mplower.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 
+NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()
-# Largest contraction length for which i8 x i8 sums stay exact in float32 (|a*b| <= 2^14,
-# so K * 2^14 <= 2^24); longer ones accumulate in float64, exact to 2^53.
-_EXACT_F32_K = 1 << 10
+CONTRACTIONS = ("mp.matmul", "mp.conv2d")
+CONVERSIONS = ("mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant")
+# Ops whose results are operand values (or their negations): on operands of the result's format
+# there is nothing to round, so the backend skips the rounding pass. (Not max_pool2d: a window
+# of padding alone yields -inf, which f8E4M3FN cannot hold.)
+VALUE_PRESERVING = frozenset({
+    "mp.reshape", "mp.transpose", "mp.slice", "mp.concat", "mp.flatten", "mp.maximum",
+    "mp.minimum", "mp.relu", "mp.neg", "mp.reduce_max"})
+# An integer sum stays exact in a float accumulator while every partial sum is below 2^(p+1)
+# for a p-bit mantissa: f32 BLAS takes i8 x i8 up to K = 2^24 / 2^14 = 1024, f64 up to 2^39.
+_F32_EXACT = 2.0 ** 24
+# The fp16 accumulator adds each product to an f16 value in float64 (matmul_f16_accum). Near an
+# f16 tie that sum must be exact: the product's bits reach 11 + (its significant bits) below
+# the accumulator's leading bit, within f64's 53 for operands of up to 15 significant bits
+# (f16, bf16, tf32, fp8: products of up to 30 bits), not for f32 operands (48-bit products).
+_F16_ACCUM_MAX_BITS = 15
+# What an op runs on when it returns a result together with what rounding it did (None: the
+# result passed through unrounded; `run` counts its NaNs, `run_lowered` does not need to).
+Kernel = Callable[[list[np.ndarray]], tuple[np.ndarray, Counts | None]]
 
 
 @dataclass
@@ -47,13 +68,16 @@ class Step:
     op: str
     inputs: list[int]  # slot of each operand
     output: int  # slot of the (single) result
-    run: Callable[[list[np.ndarray]], tuple[np.ndarray, Counts]]
-    reference: Callable[[list[np.ndarray]], np.ndarray]
-    requested: dict[str, str]
-    executed: dict[str, str]
-    reason: str | None  # why executed differs from requested
+    run: Kernel
+    reference: Callable[[list[np.ndarray]], np.ndarray | None]
+    requested: dict[str, str | None]
+    executed: dict[str, str | None]
+    reason: str | None  # why executed differs from requested (reason codes joined by ",")
     flops: int
     out_type: TensorType
+    loc: Location
+    constant: np.ndarray | None = None  # the lowered value of an mp.constant, rounded once
+    constant_counts: Counts = NO_COUNTS
 
 
 @dataclass
@@ -68,57 +92,72 @@ class OpResult:
 @dataclass
 class RunResult:
     outputs: list[np.ndarray]
-    reference: list[np.ndarray] | None
+    # The fp32 reference's outputs (None without a reference run; an entry is None where the
+    # lowered graph has no fp32 counterpart, see `_reference`).
+    reference: list[np.ndarray | None] | None
     ops: list[OpResult] = field(default_factory=list)
-
-
-def _rounded(x: np.ndarray, elem: str, saturate: bool = False) -> tuple[np.ndarray, Counts]:
-    """Values rounded to `elem` (a float format), with counts; integers pass through."""
-    if elem in ROUNDING_FORMATS:
-        if x.dtype != np.float32:
-            x = x.astype(np.float32)
-        return round_to(np.ascontiguousarray(x), elem, saturate)
-    if elem == "f64":
-        return x.astype(np.float64), NO_COUNTS
-    return x.astype(value_dtype(elem)), NO_COUNTS
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
     return x if x.dtype == np.float32 else x.astype(np.float32)
 
 
+def _finish(y: np.ndarray, elem: str, saturate: bool = False) -> tuple[np.ndarray, Counts | None]:
+    """A computed result in the values of `elem`: rounded (with counts) or converted."""
+    if elem in ROUNDING_FORMATS and elem != "f32":
+        return round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
+    if FORMATS[elem].is_float:
+        return y.astype(value_dtype(elem), copy=False), None
+    return y.astype(value_dtype(elem), copy=False), NO_COUNTS
+
+
+def _nan_counts(y: np.ndarray) -> Counts:
+    return Counts(nan=int(np.count_nonzero(np.isnan(y)))) if y.dtype.kind == "f" else NO_COUNTS
+
+
 def _wide(t: TensorType) -> TensorType:
     return t.with_elem("f32") if FORMATS[t.elem].is_float and t.elem != "f64" else t
 
 
-def _stats_of(d: dict) -> tuple[str | None, str | None, str]:
-    attrs = d["attrs"]
-    precision = attr_type(attrs["mp.precision"]) if "mp.precision" in attrs else None
-    accum = attr_type(attrs["mp.accum"]) if "mp.accum" in attrs else None
-    return precision, accum, attrs.get("mp.kernel", "dense")
+def _significant_bits(elem: str) -> int:
+    f = FORMATS[elem]
+    return f.man_bits + 1 if f.is_float else f.bits
+
+
+def _magnitude(elem: str) -> float:
+    """The largest |value| of an integer format (128 for i8)."""
+    f = FORMATS[elem]
+    return max(abs(f.min_value), f.max_finite)
 
 
 class Program:
-    """A function compiled for execution; `run` may be called any number of times."""
+    """A function compiled for execution; `run` may be called any number of times.
+
+    A module whose plan is still only annotations (assign-precision without insert-casts) is
+    materialized first: insert-casts is idempotent, so it runs on every annotated module.
+    """
 
     def __init__(self, module: Module, func: str | None = None, weights: str | None = None):
-        if any("mp.precision" in module.function(func).attrs_of(n)
-               for n in module.function(func).ops()):
-            # A plan that was never materialized: insert-casts is idempotent, so always run it.
+        try:
+            f = module.function(func)
+        except KeyError:
+            have = ", ".join(f"@{n}" for n in module.functions) or "none"
+            what = f"no function @{func}" if func else "several functions and none is @main"
+            raise DiagnosticError.at(module.loc, f"the module has {what} (it has: {have}); "
+                                                 f"pick one with --func") from None
+        if any("mp.precision" in f.attrs_of(n) for n in f.ops()):
             from mplower.pass_manager import PassContext, load_passes
 
             load_passes()["insert-casts"]().run(module, PassContext())
         self.module = module
-        self.function: Function = module.function(func)
+        self.function: Function = f
         self.weights = Weights(module, weights)
-        f = self.function
         self.arg_names = [f.data(a)["name"] for a in f.args]
         self.arg_types = [f.types(a)[0] for a in f.args]
-        slot: dict[tuple[int, int], int] = {}
-        for i, a in enumerate(f.args):
-            slot[(a, 0)] = i
+        self.arg_locs = [f.data(a)["loc"] for a in f.args]
+        slot: dict[tuple[int, int], int] = {(a, 0): i for i, a in enumerate(f.args)}
         self.steps: list[Step] = []
-        self.constants: dict[int, tuple[np.ndarray, Counts, np.ndarray]] = {}
+        self.outputs: list[int] = []
         for n in f.ops():
             d = f.data(n)
             if d["op"] == RETURN:
@@ -131,6 +170,11 @@ class Program:
             slot[(n, 0)] = out
             self.steps.append(self._compile(f, n, [slot[v] for v in f.operands(n)], out))
         self.num_slots = len(slot)
+        self._runtime = [s for s in self.steps if s.constant is None]
+        self._initial: list[Any] = [None] * self.num_slots
+        for s in self.steps:
+            if s.constant is not None:
+                self._initial[s.output] = s.constant
 
     # ---- compiling one op ------------------------------------------------------------------
     def _compile(self, f: Function, n: int, inputs: list[int], out: int) -> Step:
@@ -139,180 +183,298 @@ class Program:
         opdef = OPS.get(op)
         if opdef is None or op == ARG:
             raise DiagnosticError.at(loc, f"cannot execute unknown operation '{op}'")
-        attrs = check_attrs(opdef, d["attrs"])
         in_types = f.operand_types(n)
         out_t = d["types"][0]
-        precision, accum, kernel = _stats_of(d)
-        float_ins = [t.elem for t in in_types if FORMATS[t.elem].is_float]
-        ran_in = float_ins[0] if float_ins else out_t.elem
-        requested = {"precision": precision or ran_in, "accum": accum, "kernel": kernel}
-        if "mp.requested" in d["attrs"]:  # legalize's fallback: report what the policy asked
-            text = d["attrs"]["mp.requested"]
-            fmt, _, knl = text.partition(" ")
-            prec, _, acc = fmt.partition("/")
-            requested = {"precision": prec, "accum": acc or None, "kernel": knl or "dense"}
-        executed = {"precision": ran_in, "accum": accum, "kernel": "dense"}
-        reasons = []
-        if "mp.fallback" in d["attrs"]:
-            reasons.append(d["attrs"]["mp.fallback"])
-        if kernel != "dense":
-            reasons.append("no-sparse-kernel")  # the CPU backend runs structured sparsity densely
-        if precision is not None and precision != ran_in and FORMATS[precision].is_int \
-                and op in ("mp.matmul", "mp.conv2d") and not FORMATS[ran_in].is_int:
-            reasons.append("not-quantized")  # an i8 plan needs calibrate + quantize first
+        try:
+            attrs = check_attrs(opdef, d["attrs"])
+            plan = _Plan(op, d["attrs"], in_types, out_t)
+        except OpError as e:  # e.g. `mp.precision = "x"`, which the verifier leaves alone
+            raise DiagnosticError.at(loc, f"'{op}': {e.message}") from None
         flops = int(opdef.flops(in_types, d["types"], attrs))
-        wide_rt = [_wide(out_t)]
-
-        def reference(xs: list[np.ndarray], _ref=opdef.reference, _a=attrs) -> np.ndarray:
-            return _ref([_f32(x) if x.dtype.kind == "f" else x for x in xs], _a, wide_rt)[0]
-
-        runner: Callable[[list[np.ndarray]], tuple[np.ndarray, Counts]]
+        reference = _reference(opdef.reference, attrs, op, out_t)
+        constant, constant_counts = None, NO_COUNTS
+        run: Kernel
         if op == "mp.constant":
-            lowered, counts, ref = self._constant(d, attrs, out_t, loc)
-            self.constants[n] = (lowered, counts, ref)
-            runner = lambda xs, _v=lowered: (_v, NO_COUNTS)  # noqa: E731
-            reference = lambda xs, _r=ref: _r  # noqa: E731
+            constant, constant_counts, ref = self._constant(attrs, out_t, loc)
+            run = lambda xs, _v=constant: (_v, NO_COUNTS)
+            reference = lambda xs, _r=ref: _r
         elif op == "mp.cast":
-            runner = self._cast(out_t, attrs, in_types[0])
+            run = _cast_kernel(out_t, attrs, opdef.reference)
             if FORMATS[in_types[0].elem].is_float and FORMATS[out_t.elem].is_float:
-                reference = lambda xs: xs[0]  # noqa: E731  (the f32 plan has no casts)
-        elif op in ("mp.quantize", "mp.dequantize", "mp.fake_quant"):
-            runner = self._quant(op, attrs, in_types[0], out_t)
-            reference = lambda xs: _f32(xs[0]) if xs[0].dtype.kind == "f" else xs[0]  # noqa: E731
-            if op == "mp.dequantize":
-                reference = lambda xs: xs[0].astype(np.float32)  # noqa: E731
+                reference = lambda xs: xs[0]  # the f32 plan has no casts
+        elif op in ("mp.quantize", "mp.fake_quant"):
+            run = _quant_kernel(op, attrs, in_types[0], out_t)
+            reference = lambda xs: _f32(xs[0]) if xs[0].dtype.kind == "f" else xs[0]
+        elif op == "mp.dequantize":
+            # Removed in the reference, where the value it dequantizes is still a float; an
+            # integer that never was one (an i8 constant or argument) is dequantized for real.
+            run = _quant_kernel(op, attrs, in_types[0], out_t)
+            reference = lambda xs, _q=run: xs[0] if xs[0].dtype.kind == "f" else _q(xs)[0]
         elif op == "mp.matmul":
-            if accum == "f16" and not all(len(t.shape) == 2 for t in in_types):
-                reasons.append("no-f16-accum-batched")
-                executed["accum"] = "f32"
-            runner = self._matmul(out_t, in_types, executed["accum"] or "f32")
-        elif op == "mp.conv2d":
-            if accum == "f16":
-                reasons.append("no-f16-accum-conv")
-                executed["accum"] = "f32"
-            runner = self._generic(opdef.reference, attrs, out_t)
+            run = _matmul_kernel(plan, in_types, out_t)
+        elif op == "mp.conv2d" and plan.executed["accum"] == "f16":
+            run = _conv_f16_kernel(attrs, out_t)
         else:
-            runner = self._generic(opdef.reference, attrs, out_t)
-        reason = ",".join(dict.fromkeys(reasons)) or None
-        return Step(n, f.value_name((n, 0)), op, inputs, out, runner, reference, requested,
-                    executed, reason, flops, out_t)
+            exact = op in VALUE_PRESERVING and all(
+                t.elem == out_t.elem for t in in_types if FORMATS[t.elem].is_float)
+            run = _generic_kernel(opdef.reference, attrs, out_t, exact)
+        return Step(n, f.value_name((n, 0)), op, inputs, out, run, reference, plan.requested,
+                    plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts)
 
-    def _constant(self, d: dict, attrs: dict, t: TensorType,
+    def _constant(self, attrs: dict, t: TensorType,
                   loc: Location) -> tuple[np.ndarray, Counts, np.ndarray]:
-        if "value" in attrs and isinstance(attrs["value"], DenseAttr):
+        if isinstance(attrs.get("value"), DenseAttr):
             raw = attrs["value"].array
         elif "name" in attrs:
-            raw = self.weights.get(attrs["name"], t.shape, loc)
+            raw = self.weights.get(attrs["name"], t, loc)
         else:
             raise DiagnosticError.at(loc, "mp.constant needs a 'value' or a 'name'")
-        ref = raw.astype(np.float32) if FORMATS[t.elem].is_float and t.elem != "f64" else raw
-        lowered, counts = _rounded(np.ascontiguousarray(raw), t.elem)
-        return lowered, counts, ref
-
-    def _cast(self, out_t: TensorType, attrs: dict, in_t: TensorType):
-        elem = out_t.elem
-        saturate = bool(attrs.get("saturate", True)) and elem.startswith("f8")
-        if FORMATS[elem].is_float:
-            return lambda xs: _rounded(xs[0], elem, saturate)
-        from mplower.ops import OPS as _OPS
-
-        ref = _OPS["mp.cast"].reference
-        return lambda xs: (ref([xs[0]], attrs, [out_t])[0], NO_COUNTS)
-
-    def _quant(self, op: str, attrs: dict, in_t: TensorType, out_t: TensorType):
-        scale = attr_array(attrs["scale"]).astype(np.float32)
-        zp = attr_array(attrs.get("zero_point", 0))
-        axis = attrs.get("axis") if scale.size > 1 else None
-        if op == "mp.quantize":
-            elem = out_t.elem
-            return lambda xs: quantize(_f32(xs[0]), scale, zp, elem, axis)
-        if op == "mp.dequantize":
-            storage = FORMATS[in_t.elem].storage
-            return lambda xs: (dequantize(xs[0].astype(storage), scale, zp, axis), NO_COUNTS)
-        qelem = attr_type(attrs["dtype"])
-
-        def fake(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
-            q, counts = quantize(_f32(xs[0]), scale, zp, qelem, axis)
-            return dequantize(q, scale, zp, axis), counts
-        return fake
-
-    def _generic(self, reference, attrs: dict, out_t: TensorType):
-        rt = [out_t]
-        elem = out_t.elem
-
-        def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
-            y = reference([_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x
-                           for x in xs], attrs, rt)[0]
-            return _rounded(np.asarray(y), elem)
-        return run
-
-    def _matmul(self, out_t: TensorType, in_types: list[TensorType], accum: str):
-        elem = out_t.elem
-        a_t, b_t = in_types
-        if FORMATS[a_t.elem].is_int and FORMATS[b_t.elem].is_int:
-            k = a_t.shape[-1]
-            work = np.float32 if k <= _EXACT_F32_K else np.float64
-
-            def run_int(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
-                y = np.matmul(xs[0].astype(work), xs[1].astype(work))
-                return y.astype(value_dtype(elem)), NO_COUNTS
-            return run_int
-        if accum == "f16":
-            def run_f16(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
-                return _rounded(matmul_f16_accum(_f32(xs[0]), _f32(xs[1])), elem)
-            return run_f16
-
-        def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
-            return _rounded(np.matmul(_f32(xs[0]), _f32(xs[1])), elem)
-        return run
+        is_float = FORMATS[t.elem].is_float
+        ref = raw.astype(np.float32) if is_float and t.elem != "f64" else raw
+        lowered, counts = _finish(np.ascontiguousarray(raw), t.elem)
+        return lowered, counts if counts is not None else _nan_counts(lowered), ref
 
     # ---- running -------------------------------------------------------------------------
     def prepare_inputs(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """Arguments in their declared formats (rounded when the signature is narrow)."""
         out = []
-        for name, t, arr in zip(self.arg_names, self.arg_types, arrays):
+        for name, t, arr in zip(self.arg_names, self.arg_types, arrays, strict=True):
+            arr = np.asarray(arr)
             if tuple(arr.shape) != t.shape:
                 raise DiagnosticError(Diagnostic(self.function.loc, (
                     f"input '{name}' has shape {list(arr.shape)} but the function takes "
                     f"{list(t.shape)}")))
-            out.append(_rounded(np.asarray(arr), t.elem)[0])
+            out.append(_finish(arr, t.elem)[0])
         return out
 
     def run(self, inputs: list[np.ndarray], reference: bool = True) -> RunResult:
-        values: list[Any] = [None] * self.num_slots
-        refs: list[Any] = [None] * self.num_slots if reference else []
+        """The lowered plan and (with `reference`) the fp32 reference, with per-op statistics."""
+        values = list(self._initial)
+        refs: list[Any] = [None] * self.num_slots
         for i, x in enumerate(self.prepare_inputs(inputs)):
             values[i] = x
-            if reference:
-                refs[i] = _f32(np.asarray(inputs[i])) if FORMATS[self.arg_types[i].elem].is_float \
-                    else np.asarray(inputs[i])
+            raw = np.asarray(inputs[i])
+            refs[i] = _f32(raw) if FORMATS[self.arg_types[i].elem].is_float else raw
         results = []
         for step in self.steps:
-            xs = [values[i] for i in step.inputs]
-            try:
-                y, counts = step.run(xs)
-            except (OpError, ValueError, TypeError) as e:
-                raise DiagnosticError.at(self.function.data(step.node)["loc"],
-                                         f"'{step.op}' failed to execute: {e}") from None
-            if step.op == "mp.constant":
-                counts = self.constants[step.node][1]
-            values[step.output] = y
-            res = OpResult(step, counts)
+            if step.constant is not None:
+                y, counts = step.constant, step.constant_counts
+            else:
+                y, counts = self._execute(step, values)
+                values[step.output] = y
+            res = OpResult(step, counts if counts is not None else _nan_counts(y))
             if reference:
-                ref = step.reference([refs[i] for i in step.inputs])
+                ref_in = [refs[i] for i in step.inputs]
+                ref = None
+                if all(r is not None for r in ref_in):  # None: no fp32 counterpart upstream
+                    with np.errstate(all="ignore"):
+                        ref = step.reference(ref_in)
+                    _drift(res, y, ref)
                 refs[step.output] = ref
-                _drift(res, y, ref)
             results.append(res)
         outs = [values[i] for i in self.outputs]
         return RunResult(outs, [refs[i] for i in self.outputs] if reference else None, results)
 
     def run_lowered(self, prepared: list[np.ndarray]) -> list[np.ndarray]:
         """The lowered plan only, on inputs from `prepare_inputs` (what `mplower bench` times)."""
-        values: list[Any] = [None] * self.num_slots
+        values = list(self._initial)
         values[:len(prepared)] = prepared
-        for step in self.steps:
-            values[step.output] = step.run([values[i] for i in step.inputs])[0]
+        try:
+            with np.errstate(all="ignore"):  # inf and NaN are results here, not warnings
+                for step in self._runtime:
+                    values[step.output] = step.run([values[i] for i in step.inputs])[0]
+        except (OpError, ValueError, TypeError) as e:
+            raise _failed(step, e) from None
         return [values[i] for i in self.outputs]
+
+    def _execute(self, step: Step, values: list[Any]) -> tuple[np.ndarray, Counts | None]:
+        try:
+            with np.errstate(all="ignore"):  # inf and NaN are results here, counted, not raised
+                return step.run([values[i] for i in step.inputs])
+        except (OpError, ValueError, TypeError) as e:
+            raise _failed(step, e) from None
+
+
+def _failed(step: Step, e: Exception) -> DiagnosticError:
+    return DiagnosticError.at(step.loc, f"'{step.op}' failed to execute: {e}")
+
+
+class _Plan:
+    """What an op was asked to run in, what the backend runs it in, and why they differ."""
+
+    def __init__(self, op: str, attrs: dict, in_types: list[TensorType], out_t: TensorType):
+        precision = attr_type(attrs["mp.precision"]) if "mp.precision" in attrs else None
+        accum = attr_type(attrs["mp.accum"]) if "mp.accum" in attrs else None
+        kernel = attrs.get("mp.kernel", "dense")
+        floats = [t.elem for t in in_types if FORMATS[t.elem].is_float]
+        if op in CONVERSIONS:  # a conversion runs in the format it produces
+            ran = attr_type(attrs["dtype"]) if op == "mp.fake_quant" else out_t.elem
+        else:
+            ran = floats[0] if floats else (in_types[0].elem if in_types else out_t.elem)
+        ran_accum = None
+        if op in CONTRACTIONS:
+            ran_accum = "i32" if FORMATS[ran].is_int else "f32"
+        reasons = []
+        if "mp.fallback" in attrs:
+            reasons.append(attrs["mp.fallback"])
+        if precision is not None and FORMATS[precision].is_int and floats \
+                and op not in CONVERSIONS:
+            reasons.append(NOT_QUANTIZED)  # an integer plan needs calibrate + quantize first
+        if accum == "f16" and op in CONTRACTIONS:
+            if FORMATS[ran].is_float and _significant_bits(ran) <= _F16_ACCUM_MAX_BITS:
+                ran_accum = "f16"
+            else:
+                reasons.append(NO_F16_ACCUM)
+        if kernel != "dense":
+            reasons.append(NO_SPARSE_KERNEL)  # the CPU backend runs structured sparsity densely
+        self.requested: dict[str, str | None] = {
+            "precision": precision or ran, "accum": accum or ran_accum, "kernel": kernel}
+        if "mp.requested" in attrs:  # legalize's fallback: report what the policy asked for
+            fmt, _, knl = attrs["mp.requested"].partition(" ")
+            prec, _, acc = fmt.partition("/")
+            self.requested = {"precision": prec, "accum": acc or None, "kernel": knl or "dense"}
+        self.executed: dict[str, str | None] = {
+            "precision": ran, "accum": ran_accum, "kernel": "dense"}
+        self.reason = ",".join(dict.fromkeys(r for code in reasons for r in code.split(","))) \
+            or None
+
+
+# ---- kernels -------------------------------------------------------------------------------
+
+
+def _reference(reference: Callable, attrs: dict, op: str, out_t: TensorType) -> Callable:
+    """The op in the fp32 reference: its numpy semantics on f32 values, results kept wide."""
+    wide = [_wide(out_t)]
+    as_f32 = [out_t.with_elem("f32")]
+
+    def run(xs: list[np.ndarray]) -> np.ndarray | None:
+        xs = [_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x for x in xs]
+        rt = wide
+        if op in CONTRACTIONS and not FORMATS[out_t.elem].is_float:
+            kinds = {x.dtype.kind == "f" for x in xs[:2]}
+            if kinds == {True, False}:
+                # An integer operand that never was a float (an i8 constant or argument fed
+                # straight to the matmul): its scale is unknown, so there is no fp32 value.
+                return None
+            if kinds == {True}:
+                rt = as_f32  # an integer plan whose quantize was removed: the reference is float
+        return reference(xs, attrs, rt)[0]
+    return run
+
+
+def _generic_kernel(reference: Callable, attrs: dict, out_t: TensorType,
+                    exact: bool) -> Kernel:
+    """The op's numpy reference in f32 (integers as they are), rounded to the result type
+    unless it is `exact`: a value-preserving op on operands already in that type."""
+    rt = [_wide(out_t)]
+    elem = out_t.elem
+
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        y = reference([_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x
+                       for x in xs], attrs, rt)[0]
+        return (y, None) if exact else _finish(y, elem)
+    return run
+
+
+def _cast_kernel(out_t: TensorType, attrs: dict, reference: Callable) -> Kernel:
+    elem = out_t.elem
+    if not FORMATS[elem].is_float:
+        return lambda xs: (reference([xs[0]], attrs, [out_t])[0], NO_COUNTS)
+    saturate = bool(attrs["saturate"]) and elem.startswith("f8")  # ONNX Cast: fp8 only
+    return lambda xs: _finish(xs[0], elem, saturate)
+
+
+def _quant_kernel(op: str, attrs: dict, in_t: TensorType, out_t: TensorType) -> Kernel:
+    scale = attr_array(attrs["scale"]).astype(np.float32)
+    zp = attr_array(attrs["zero_point"])
+    axis = attrs["axis"] if scale.size > 1 else None
+    if op == "mp.quantize":
+        elem = out_t.elem
+        return lambda xs: quantize(_f32(xs[0]), scale, zp, elem, axis)
+    if op == "mp.dequantize":
+        storage = FORMATS[in_t.elem].storage
+        out = out_t.elem
+        return lambda xs: _finish(dequantize(xs[0].astype(storage), scale, zp, axis), out)
+    qelem, out = attr_type(attrs["dtype"]), out_t.elem
+
+    def fake(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        q, counts = quantize(_f32(xs[0]), scale, zp, qelem, axis)
+        y, rounded = _finish(dequantize(q, scale, zp, axis), out)  # back in x's format
+        return y, counts + rounded if rounded is not None else counts
+    return fake
+
+
+def _matmul_kernel(plan: _Plan, in_types: list[TensorType], out_t: TensorType) -> Kernel:
+    elem = out_t.elem
+    a_t, b_t = in_types
+    if FORMATS[a_t.elem].is_int and FORMATS[b_t.elem].is_int:
+        # Exact: every partial sum of integer products is an integer below the bound, which
+        # float BLAS represents exactly whatever its summation order.
+        bound = _magnitude(a_t.elem) * _magnitude(b_t.elem) * a_t.shape[-1]
+        work = np.float32 if bound <= _F32_EXACT else np.float64
+        fmt = FORMATS[elem]  # i32 (storage int32: half of int64's bytes), or an 8-bit result
+
+        def run_int(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+            y = np.matmul(xs[0].astype(work), xs[1].astype(work))
+            if elem == "i32":
+                return y.astype(fmt.storage), NO_COUNTS
+            # A narrower result saturates, as the clamp of a requantization would.
+            over = int(np.count_nonzero((y < fmt.min_value) | (y > fmt.max_finite)))
+            return np.clip(y, fmt.min_value, fmt.max_finite).astype(fmt.storage), Counts(over)
+        return run_int
+    if plan.executed["accum"] == "f16":
+        def run_f16(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+            y, overflow = _matmul_f16(_f32(xs[0]), _f32(xs[1]))
+            y, counts = _finish(y, elem)
+            return y, Counts(overflow) + (counts or _nan_counts(y))
+        return run_f16
+
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        return _finish(np.matmul(_f32(xs[0]), _f32(xs[1])), elem)
+    return run
+
+
+def _matmul_f16(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+    """np.matmul (batch broadcasting, 1-D operands) with the fp16 accumulator, and how many
+    results the accumulator overflowed (inf/NaN from finite operands)."""
+    a2 = a if a.ndim > 1 else a[None, :]
+    b2 = b if b.ndim > 1 else b[:, None]
+    batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    a3 = np.broadcast_to(a2, batch + a2.shape[-2:]).reshape(-1, *a2.shape[-2:])
+    b3 = np.broadcast_to(b2, batch + b2.shape[-2:]).reshape(-1, *b2.shape[-2:])
+    y = np.stack([matmul_f16_accum(x, w) for x, w in zip(a3, b3)])
+    y = y.reshape(batch + y.shape[-2:])
+    if a.ndim == 1:
+        y = y[..., 0, :]
+    if b.ndim == 1:
+        y = y[..., 0]
+    finite = np.isfinite(a).all() and np.isfinite(b).all()
+    return y, int(np.count_nonzero(~np.isfinite(y))) if finite else 0
+
+
+def _conv_f16_kernel(attrs: dict, out_t: TensorType) -> Kernel:
+    """conv2d with the fp16 accumulator: im2col, then per image and group the f16-accumulated
+    matmul over (input channel, kernel row, kernel column); the bias is the last addition."""
+    elem = out_t.elem
+
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        x, w = _f32(xs[0]), _f32(xs[1])
+        n, (o, cg, kh, kw), g = x.shape[0], w.shape, attrs["groups"]
+        win = _windows(_pad_hw(x, attrs["padding"]), (kh, kw), attrs["strides"],
+                       attrs["dilations"])
+        ho, wo = win.shape[2:4]
+        cols = (win.reshape(n, g, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
+                .reshape(n, g, ho * wo, cg * kh * kw))
+        wmat = w.reshape(g, o // g, cg * kh * kw).transpose(0, 2, 1)
+        if len(xs) == 3:  # the bias as one more term with weight 1
+            ones = np.ones((n, g, ho * wo, 1), np.float32)
+            cols = np.concatenate([cols, ones], axis=-1)
+            wmat = np.concatenate([wmat, _f32(xs[2]).reshape(g, 1, o // g)], axis=1)
+        y, overflow = _matmul_f16(cols, wmat)
+        y = y.transpose(0, 1, 3, 2).reshape(n, o, ho, wo)
+        y, counts = _finish(y, elem)
+        return y, Counts(overflow) + (counts or _nan_counts(y))
+    return run
 
 
 def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:
@@ -331,8 +493,3 @@ def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:
                                                                     else float("inf"))
     res.sqnr_db = float(10 * np.log10(signal / noise)) if noise > 0 else float("inf")
     res.max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
-
-
-def compile_module(module: Module, func: str | None = None,
-                   weights: str | None = None) -> Program:
-    return Program(module, func, weights)

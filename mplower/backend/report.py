@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
 
+# The JSON Schema of the report, shipped as package data (tests validate every report with it).
+SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 GUARDRAIL_KEYS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "min_top1_agreement")
 
 
@@ -25,10 +28,22 @@ def _finite(x: float | None) -> float | None:
 
 
 def output_drift(result: RunResult) -> dict[str, float | None]:
-    """Drift of all outputs together against the fp32 reference, and top-1 agreement."""
-    ys = [np.asarray(y, np.float64).ravel() for y in result.outputs]
-    rs = [np.asarray(r, np.float64).ravel() for r in result.reference]
-    y, r = np.concatenate(ys), np.concatenate(rs)
+    """Drift of all outputs together against the fp32 reference, and top-1 agreement.
+
+    An output is compared where the reference has a counterpart of the same kind: a quantized
+    (integer) output against a float reference, or one with no reference at all (see
+    executor._reference), is not, and without any comparable output the figures are None.
+    """
+    none = {"output_rel_l2": None, "output_max_abs": None, "sqnr_db": None,
+            "top1_agreement": None}
+    if result.reference is None:
+        return none
+    pairs = [(np.asarray(y), np.asarray(r)) for y, r in zip(result.outputs, result.reference)
+             if r is not None and (np.asarray(y).dtype.kind == "f") == (r.dtype.kind == "f")]
+    if not pairs:
+        return none
+    y = np.concatenate([a.astype(np.float64).ravel() for a, _ in pairs])
+    r = np.concatenate([b.astype(np.float64).ravel() for _, b in pairs])
     diff = y - r
     if not np.all(np.isfinite(diff)):
         rel, max_abs, sqnr = math.inf, math.inf, -math.inf
@@ -37,7 +52,7 @@ def output_drift(result: RunResult) -> dict[str, float | None]:
         rel = math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf)
         max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
         sqnr = 10 * math.log10(signal / noise) if noise > 0 else math.inf
-    out0, ref0 = np.asarray(result.outputs[0]), np.asarray(result.reference[0])
+    out0, ref0 = pairs[0]
     top1 = None
     if out0.ndim >= 1 and out0.shape[-1] > 1 and out0.dtype.kind == "f":
         top1 = float(np.mean(np.argmax(out0, axis=-1) == np.argmax(ref0, axis=-1)))
@@ -75,7 +90,8 @@ def op_entry(r: OpResult) -> dict[str, Any]:
 
 
 def build_report(result: RunResult, guardrails: dict[str, float],
-                 policy: str | None = None) -> dict[str, Any]:
+                 policy: str | None = None, function: str | None = None) -> dict[str, Any]:
+    """The report of one run (docs/report.md); `guardrails` maps GUARDRAIL_KEYS to limits."""
     ops = [op_entry(r) for r in result.ops]
     counted = [o for o in ops if o["op"] != "mp.constant"]
     fallbacks = sum(1 for o in counted if o["fallback"])
@@ -92,7 +108,7 @@ def build_report(result: RunResult, guardrails: dict[str, float],
     summary["verdict"] = "pass" if all(g["ok"] for g in summary["guardrails"].values()) else "fail"
     for key in ("output_rel_l2", "output_max_abs", "sqnr_db"):
         summary[key] = _finite(summary[key])
-    return {"policy": policy, "summary": summary, "ops": ops}
+    return {"function": function, "policy": policy, "summary": summary, "ops": ops}
 
 
 def _severity(op: dict[str, Any]) -> float:
@@ -128,8 +144,9 @@ def render(report: dict[str, Any], fmt: str) -> str:
              f"{num(s['output_max_abs'], '.4g')}, sqnr {num(s['sqnr_db'], '.2f')} dB"
              + (f", top-1 agreement {s['top1_agreement']:.4f}"
                 if s["top1_agreement"] is not None else ""),
-             f"ops: {s['ops']}, fallbacks: {s['fallback_ops']} ({100 * s['fallback_rate']:.1f}%), "
-             f"overflow {s['overflow']}, underflow {s['underflow']}, nan {s['nan']}", ""]
+             (f"ops: {s['ops']}, fallbacks: {s['fallback_ops']} "
+              f"({100 * s['fallback_rate']:.1f}%), overflow {s['overflow']}, "
+              f"underflow {s['underflow']}, nan {s['nan']}"), ""]
     if fmt == "markdown":
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))

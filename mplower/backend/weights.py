@@ -16,6 +16,8 @@ import numpy as np
 
 from mplower.ir.diagnostics import UNKNOWN, Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Module
+from mplower.ir.types import TensorType
+from mplower.numerics.formats import FORMATS
 
 
 def _error(loc: Location, message: str) -> DiagnosticError:
@@ -25,7 +27,10 @@ def _error(loc: Location, message: str) -> DiagnosticError:
 def open_npz(path: Path, loc: Location, what: str) -> dict[str, np.ndarray]:
     """All arrays of an .npz, read without pickle; a diagnostic for anything unreadable."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # a bare .npy array
+            raise _error(loc, f"{what} file '{path}' is not an .npz archive of named arrays")
+        with data:
             return {k: data[k] for k in data.files}
     except FileNotFoundError:
         raise _error(loc, f"{what} file '{path}' does not exist") from None
@@ -58,7 +63,8 @@ class Weights:
         self.loc = module.loc
         self._arrays: dict[str, np.ndarray] | None = None
 
-    def get(self, name: str, shape: tuple[int, ...], loc: Location) -> np.ndarray:
+    def get(self, name: str, t: TensorType, loc: Location) -> np.ndarray:
+        """The array named `name`, checked against the constant's declared type `t`."""
         if self.path is None:
             raise _error(loc, f"constant '{name}' needs weights, but the module has no "
                               f"mp.weights attribute and no --weights was given")
@@ -67,32 +73,47 @@ class Weights:
         arr = self._arrays.get(name)
         if arr is None:
             raise _error(loc, f"weight '{name}' is missing from {self.path}")
-        if tuple(arr.shape) != tuple(shape):
+        if tuple(arr.shape) != t.shape:
             raise _error(loc, f"weight '{name}' has shape {list(arr.shape)} in {self.path} but "
-                              f"the IR declares {list(shape)}")
-        if arr.dtype.kind not in "fiub":
-            raise _error(loc, f"weight '{name}' has unsupported dtype {arr.dtype}")
+                              f"the IR declares {list(t.shape)}")
+        check_values(f"weight '{name}'", arr, t.elem, loc)
         return arr
 
 
-def load_inputs(path: str, names: list[str], shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+def check_values(what: str, arr: np.ndarray, elem: str, loc: Location) -> None:
+    """Values an element type can hold: numbers for a float, in-range integers for an integer."""
+    fmt = FORMATS[elem]
+    if arr.dtype.kind not in ("fiub" if fmt.is_float else "iub"):
+        raise _error(loc, f"{what} has dtype {arr.dtype}, which cannot hold {elem} values")
+    if fmt.is_int and arr.size and elem != "i1" and (
+            arr.min() < fmt.min_value or arr.max() > fmt.max_finite):
+        raise _error(loc, f"{what} has values in [{arr.min()}, {arr.max()}], outside the "
+                          f"{elem} range [{int(fmt.min_value)}, {int(fmt.max_finite)}]")
+
+
+def load_inputs(path: str, names: list[str], types: list[TensorType],
+                locs: list[Location]) -> list[np.ndarray]:
+    """The function's arguments from an .npz keyed by argument name, each checked against its
+    declared type; a problem is reported at the argument (`locs`) and names the file."""
     arrays = open_npz(Path(path), Location(path, 0, 0), "inputs")
     out = []
-    for name, shape in zip(names, shapes):
+    for name, t, loc in zip(names, types, locs, strict=True):
         if name not in arrays:
             have = ", ".join(sorted(arrays)) or "none"
-            raise _error(Location(path, 0, 0), f"input '{name}' is missing from {path} "
-                                               f"(it has: {have})")
+            raise _error(loc, f"input '{name}' is missing from {path} (it has: {have})")
         arr = arrays[name]
-        if tuple(arr.shape) != tuple(shape):
-            raise _error(Location(path, 0, 0), f"input '{name}' has shape {list(arr.shape)} "
-                                               f"but the function takes {list(shape)}")
+        if tuple(arr.shape) != t.shape:
+            raise _error(loc, f"input '{name}' in {path} has shape {list(arr.shape)} but the "
+                              f"function takes {list(t.shape)}")
+        check_values(f"input '{name}' in {path}", arr, t.elem, loc)
+        check_finite(f"input '{name}' in {path}", arr, loc)
         out.append(arr)
     return out
 
 
-def check_finite(name: str, arr: np.ndarray, loc: Location = UNKNOWN) -> None:
+def check_finite(what: str, arr: np.ndarray, loc: Location = UNKNOWN) -> None:
     if arr.dtype.kind == "f":
         bad = int(np.count_nonzero(~np.isfinite(arr)))
         if bad:
-            raise _error(loc, f"input '{name}' has {bad} NaN or infinite values")
+            raise _error(loc, f"{what} has {bad} NaN or infinite value{'s' * (bad != 1)}; "
+                              f"the fp32 reference needs finite inputs")

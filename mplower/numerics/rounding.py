@@ -44,6 +44,11 @@ ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2")
 
 # Elements per parallel chunk: big enough to amortise scheduling, small enough to balance.
 _CHUNK = 1 << 16
+# Arrays smaller than this are rounded by one thread: it streams 4M values in about 2 ms, while
+# entering a parallel region costs tens of microseconds on an idle machine and 10-15 ms when
+# other processes hold the cores (measured on a shared 2-core VM, benchmarks/backend.py) --
+# the executor's per-op cost on small tensors, and on every tensor of a busy machine.
+_SERIAL_BELOW = 1 << 22
 
 _F32_INF = 0x7F800000
 _F32_QNAN = 0x00400000  # quiet bit of the f32 mantissa
@@ -146,7 +151,7 @@ def _round_one(u, p):
 @njit(cache=True)
 def _round_span(s, d, p, codes):
     """Round the f32 bits `s` into `d` (results, or with `codes` encodings); return counts."""
-    # uint32 counters (a chunk is far below 2^32) keep the vector lanes 32 bits wide.
+    # uint32 counters (a span is far below 2^32) keep the vector lanes 32 bits wide.
     over = _U32(0)
     under = _U32(0)
     nan = _U32(0)
@@ -172,8 +177,8 @@ def _round_kernel(src, dst, p, codes, counts):
 
 @njit(cache=True)
 def _round_serial(src, dst, pa, codes):
-    """`_round_span` over a whole small array, with the parameters passed as an array (cheaper
-    for numba's dispatcher to type than a tuple) and turned back into a tuple in registers."""
+    """`_round_span` over a whole array in this thread, with the parameters passed as an array
+    (cheaper for numba's dispatcher to type than a tuple) and turned back into a tuple."""
     p = (pa[0], pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], pa[8], pa[9], pa[10], pa[11],
          pa[12], pa[13])
     return _round_span(src, dst, p, codes)
@@ -188,9 +193,7 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
     # Views are taken here, outside the parallel kernel (numba can drop writes made through an
     # array view created inside a prange body).
     src, dst = x.reshape(-1).view(np.uint32), out.reshape(-1)
-    if x.size <= _CHUNK:
-        # One chunk runs serially: the thread pool could not split it, and waking it costs tens
-        # of microseconds, more than rounding a small tensor (the executor's per-op cost).
+    if x.size < _SERIAL_BELOW:
         over, under, nan = _round_serial(src, dst, _param_array(fmt, saturate), codes)
         return Counts(int(over), int(under), int(nan))
     counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)

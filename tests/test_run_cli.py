@@ -1,0 +1,336 @@
+"""`mplower run` and `mplower bench` (DESIGN §6, §7): report schema, formats, guardrails, safety.
+
+Every error case asserts a located diagnostic, exit code 1 and no traceback, and that the
+`--save-outputs` / `--report` files a failing run names are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mplower.backend.report import SCHEMA_PATH
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "ir_examples"
+
+MATMUL_IR = """module @m attributes {mp.weights = "w.npz"} {
+  func.func @main(%x: tensor<4x8xf32>) -> tensor<4x3xf32> {
+    %w = mp.constant {name = "w"} : () -> tensor<8x3xf32>
+    %y = mp.matmul %x, %w : (tensor<4x8xf32>, tensor<8x3xf32>) -> tensor<4x3xf32>
+    return %y : tensor<4x3xf32>
+  }
+}
+"""
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A one-matmul model with its weights and inputs in tmp_path."""
+    rng = np.random.default_rng(0)
+    (tmp_path / "m.ir").write_text(MATMUL_IR)
+    np.savez(tmp_path / "w.npz", w=rng.standard_normal((8, 3)).astype(np.float32))
+    np.savez(tmp_path / "in.npz", x=rng.standard_normal((4, 8)).astype(np.float32))
+    return tmp_path / "m.ir"
+
+
+@pytest.fixture
+def lowered(tmp_path: Path, cli) -> Path:
+    """The transformer example under the bf16 sheet (assign-precision only), in tmp_path."""
+    out = tmp_path / "t_bf16.ir"
+    assert cli("opt", EXAMPLES / "transformer.ir", "--pass=assign-precision{policy=bf16}",
+               "-o", out).rc == 0
+    (tmp_path / "transformer.npz").write_bytes((EXAMPLES / "transformer.npz").read_bytes())
+    return out
+
+
+def validate(report: dict) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, json.loads(SCHEMA_PATH.read_text()))
+
+
+def assert_clean_error(res, *fragments: str) -> None:
+    assert res.rc == 1, res.err
+    assert "Traceback" not in res.err and "internal error" not in res.err
+    assert ": error: " in res.err
+    for f in fragments:
+        assert f in res.err
+
+
+# ---- report and formats ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("passes", [
+    [],
+    ["--pass=assign-precision{policy=bf16}"],
+    ["--pass=assign-precision{policy=fp8}", "--pass=legalize{target=a100}"],
+    ["--pass=assign-precision{policy=int8}"],
+])
+def test_report_json_validates_against_the_schema(cli, tmp_path, passes) -> None:
+    ir = tmp_path / "t.ir"
+    assert cli("opt", EXAMPLES / "transformer.ir", *passes, "-o", ir).rc == 0
+    res = cli("run", ir, "--weights", EXAMPLES / "transformer.npz", "--inputs",
+              EXAMPLES / "transformer_inputs.npz", "--format", "json",
+              "--report", tmp_path / "r.json")
+    assert res.rc == 0, res.err
+    report = json.loads(res.out)
+    validate(report)
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    s = report["summary"]
+    assert s["ops"] == sum(1 for o in report["ops"] if o["op"] != "mp.constant")
+    assert s["fallback_ops"] == sum(1 for o in report["ops"] if o["fallback"])
+    assert s["verdict"] == "pass"
+
+
+def test_counts_reach_the_report_and_the_schema_accepts_nulls(cli, tmp_path) -> None:
+    from test_backend import COUNTS_IR, COUNTS_X, EXPECTED_COUNTS
+
+    (tmp_path / "c.ir").write_text(COUNTS_IR)
+    np.savez(tmp_path / "x.npz", x=COUNTS_X)
+    res = cli("run", tmp_path / "c.ir", "--inputs", tmp_path / "x.npz", "--format", "json")
+    assert res.rc == 0, res.err
+    report = json.loads(res.out)
+    validate(report)
+    got = {o["name"]: (o["overflow"], o["underflow"], o["nan"]) for o in report["ops"]}
+    assert got == EXPECTED_COUNTS
+    s = report["summary"]
+    assert (s["overflow"], s["underflow"], s["nan"]) == (11, 12, 3)
+    assert s["output_rel_l2"] is None and s["sqnr_db"] is None
+
+
+def test_table_and_markdown_show_the_worst_ops_first(cli, lowered) -> None:
+    args = ("run", lowered, "--inputs", EXAMPLES / "transformer_inputs.npz")
+    report = json.loads(cli(*args, "--format", "json").out)
+    drifts = {o["name"]: o["rel_l2"] for o in report["ops"] if o["op"] != "mp.constant"}
+    worst = max(drifts, key=lambda n: drifts[n] or 0)
+    table = cli(*args).out.splitlines()
+    assert table[0].startswith("verdict: pass (max_rel_l2 ")  # the bf16 sheet's guardrail
+    header = next(i for i, line in enumerate(table) if line.startswith("name "))
+    rows = [line.split()[0] for line in table[header + 1:]]
+    assert rows[0] == worst
+    assert len(rows) == len(drifts)
+    shown = [drifts[n] or 0 for n in rows]
+    assert shown == sorted(shown, reverse=True)
+    md = cli(*args, "--format", "markdown").out.splitlines()
+    first = md.index(next(line for line in md if line.startswith("| name |")))
+    assert md[first + 2].startswith(f"| {worst} |")
+
+
+def test_save_outputs_writes_output_n_in_result_order(cli, model, tmp_path) -> None:
+    res = cli("run", model, "--inputs", tmp_path / "in.npz", "--save-outputs", tmp_path / "o.npz")
+    assert res.rc == 0, res.err
+    with np.load(tmp_path / "o.npz") as out, np.load(tmp_path / "w.npz") as w, \
+            np.load(tmp_path / "in.npz") as x:
+        assert out.files == ["output_0"]
+        np.testing.assert_allclose(out["output_0"], x["x"] @ w["w"], rtol=1e-6)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_random_inputs_are_seeded_and_exclusive_with_inputs(cli, model, tmp_path) -> None:
+    outs = []
+    for seed in ("1", "1", "2"):
+        res = cli("run", model, "--random-inputs", "--seed", seed, "--save-outputs",
+                  tmp_path / "o.npz")
+        assert res.rc == 0, res.err
+        with np.load(tmp_path / "o.npz") as out:
+            outs.append(out["output_0"].tobytes())
+    assert outs[0] == outs[1] != outs[2]
+    res = cli("run", model, "--random-inputs", "--inputs", tmp_path / "in.npz")
+    assert res.rc == 2 and "not allowed with" in res.err
+
+
+def test_func_picks_the_function_and_an_unknown_one_is_a_diagnostic(cli, tmp_path) -> None:
+    (tmp_path / "two.ir").write_text("""
+func.func @first(%x: tensor<3xf32>) -> tensor<3xf32> {
+  %0 = mp.neg %x : (tensor<3xf32>) -> tensor<3xf32>
+  return %0 : tensor<3xf32>
+}
+func.func @second(%x: tensor<3xf32>) -> tensor<3xf32> {
+  %0 = mp.relu %x : (tensor<3xf32>) -> tensor<3xf32>
+  return %0 : tensor<3xf32>
+}
+""")
+    np.savez(tmp_path / "x.npz", x=np.array([-1.0, 0.5, 2.0], np.float32))
+    res = cli("run", tmp_path / "two.ir", "--inputs", tmp_path / "x.npz", "--func", "second",
+              "--save-outputs", tmp_path / "o.npz", "--format", "json")
+    assert res.rc == 0, res.err
+    assert json.loads(res.out)["function"] == "second"
+    with np.load(tmp_path / "o.npz") as out:
+        assert out["output_0"].tolist() == [0.0, 0.5, 2.0]
+    assert_clean_error(cli("run", tmp_path / "two.ir", "--func", "third"),
+                       "no function @third", "@first, @second")
+    assert_clean_error(cli("run", tmp_path / "two.ir"), "--func")
+
+
+def test_run_reads_the_module_from_stdin(cli, model, tmp_path, monkeypatch) -> None:
+    import io
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(MATMUL_IR.encode())))
+    res = cli("run", "-", "--inputs", "in.npz", "--format", "json")
+    assert res.rc == 0, res.err
+    assert json.loads(res.out)["summary"]["ops"] == 1
+
+
+# ---- guardrails and --check ------------------------------------------------------------
+
+
+def test_policy_sheet_guardrails_pass_under_check(cli, lowered) -> None:
+    res = cli("run", lowered, "--check", "--format", "json")
+    assert res.rc == 0, res.err
+    report = json.loads(res.out)
+    assert report["policy"] == "bf16"
+    g = report["summary"]["guardrails"]["max_rel_l2"]
+    assert g["limit"] == 0.02 and g["ok"] and 0 < g["value"] <= 0.02
+
+
+def test_failing_guardrail_exits_3_only_under_check(cli, lowered, tmp_path) -> None:
+    args = ("run", lowered, "--guardrail", "max_rel_l2=1e-9", "--report", tmp_path / "r.json")
+    res = cli(*args, "--check")
+    assert res.rc == 3
+    assert res.out.startswith("verdict: fail")
+    assert "FAILED" in res.out
+    report = json.loads((tmp_path / "r.json").read_text())  # the report says why
+    assert report["summary"]["guardrails"]["max_rel_l2"]["ok"] is False
+    assert report["summary"]["verdict"] == "fail"
+    assert cli(*args).rc == 0
+    res = cli("run", lowered, "--guardrail", "max_rel_l2=0.5", "--guardrail",
+              "min_sqnr_db=20", "--check")
+    assert res.rc == 0, res.out
+
+
+def test_guardrails_come_from_a_custom_policy_sheet(cli, tmp_path) -> None:
+    sheet = tmp_path / "strict.toml"
+    sheet.write_text((ROOT / "mplower" / "policies" / "bf16.toml").read_text())
+    text = sheet.read_text()
+    assert "max_rel_l2" in text
+    sheet.write_text("\n".join("max_rel_l2 = 1e-9" if line.startswith("max_rel_l2") else line
+                               for line in text.splitlines()) + "\n")
+    ir = tmp_path / "t.ir"
+    assert cli("opt", EXAMPLES / "transformer.ir",
+               f"--pass=assign-precision{{policy={sheet}}}", "-o", ir).rc == 0
+    (tmp_path / "transformer.npz").write_bytes((EXAMPLES / "transformer.npz").read_bytes())
+    assert cli("run", ir, "--check").rc == 3
+    assert cli("run", ir, "--check", "--guardrail", "max_rel_l2=0.05").rc == 0  # flag wins
+
+
+@pytest.mark.parametrize("flag", ["max_rel_l2", "max_rel=0.1", "max_rel_l2=abc",
+                                  "max_rel_l2=nan"])
+def test_bad_guardrail_flag_is_a_usage_error(cli, model, flag) -> None:
+    res = cli("run", model, "--guardrail", flag, "--check")
+    assert res.rc == 2
+    assert "--guardrail" in res.err and "Traceback" not in res.err
+
+
+# ---- safety ------------------------------------------------------------------------------
+
+
+def test_weights_path_leaving_the_model_folder_is_refused(cli, tmp_path) -> None:
+    inner = tmp_path / "models"
+    inner.mkdir()
+    (inner / "m.ir").write_text(MATMUL_IR.replace('"w.npz"', '"../x.npz"'))
+    np.savez(tmp_path / "x.npz", w=np.zeros((8, 3), np.float32))
+    res = cli("run", inner / "m.ir")
+    assert_clean_error(res, f"{inner / 'm.ir'}:1:", "leaves the model's folder", "--weights")
+    # Named deliberately with --weights, the same file is fine.
+    assert cli("run", inner / "m.ir", "--weights", tmp_path / "x.npz").rc == 0
+
+
+def test_missing_weight_and_shape_mismatch_point_at_the_constant(cli, model, tmp_path) -> None:
+    np.savez(tmp_path / "w.npz", other=np.zeros((8, 3), np.float32))
+    assert_clean_error(cli("run", model), f"{model}:3:", "weight 'w' is missing")
+    np.savez(tmp_path / "w.npz", w=np.zeros((3, 8), np.float32))
+    res = cli("run", model)
+    assert_clean_error(res, f"{model}:3:", "shape [3, 8]", "declares [8, 3]")
+    assert "%w = mp.constant" in res.err and "^" in res.err  # the source line and a caret
+
+
+def test_npz_with_pickled_objects_is_not_loaded(cli, model, tmp_path) -> None:
+    np.savez(tmp_path / "w.npz", w=np.array([{"boom": 1}] * 24, dtype=object).reshape(8, 3),
+             allow_pickle=True)
+    assert_clean_error(cli("run", model), "cannot read weights", "allow_pickle=False")
+    np.savez(tmp_path / "evil.npz", x=np.array([object()] * 32, dtype=object).reshape(4, 8),
+             allow_pickle=True)
+    np.savez(tmp_path / "w.npz", w=np.zeros((8, 3), np.float32))
+    assert_clean_error(cli("run", model, "--inputs", tmp_path / "evil.npz"),
+                       "cannot read inputs")
+
+
+def test_bad_inputs_are_diagnostics_at_the_argument(cli, model, tmp_path) -> None:
+    x = np.ones((4, 8), np.float32)
+    x[1, 2], x[3, 3] = np.nan, np.inf
+    np.savez(tmp_path / "nan.npz", x=x)
+    assert_clean_error(cli("run", model, "--inputs", tmp_path / "nan.npz"),
+                       f"{model}:2:", "2 NaN or infinite values")
+    np.savez(tmp_path / "other.npz", y=np.ones((4, 8), np.float32))
+    assert_clean_error(cli("run", model, "--inputs", tmp_path / "other.npz"),
+                       "input 'x' is missing", "(it has: y)")
+    np.savez(tmp_path / "shape.npz", x=np.ones((8, 4), np.float32))
+    assert_clean_error(cli("run", model, "--inputs", tmp_path / "shape.npz"), "shape [8, 4]")
+    np.save(tmp_path / "bare.npy", x)
+    assert_clean_error(cli("run", model, "--inputs", tmp_path / "bare.npy"), "not an .npz")
+    assert_clean_error(cli("run", model, "--inputs", tmp_path / "none.npz"), "does not exist")
+
+
+def test_failed_run_leaves_output_files_untouched(cli, model, tmp_path) -> None:
+    outputs, report = tmp_path / "o.npz", tmp_path / "r.json"
+    outputs.write_bytes(b"previous outputs")
+    report.write_text("previous report")
+    np.savez(tmp_path / "nan.npz", x=np.full((4, 8), np.nan, np.float32))
+    res = cli("run", model, "--inputs", tmp_path / "nan.npz", "--save-outputs", outputs,
+              "--report", report)
+    assert_clean_error(res)
+    assert outputs.read_bytes() == b"previous outputs"
+    assert report.read_text() == "previous report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["m.ir", "w.npz", "in.npz", "nan.npz", "o.npz", "r.json"])
+    res = cli("run", model, "--save-outputs", tmp_path / "missing" / "o.npz")
+    assert_clean_error(res, "cannot write output")
+
+
+# ---- bench -------------------------------------------------------------------------------
+
+
+def test_bench_json_has_measured_and_modeled_figures(cli, lowered) -> None:
+    res = cli("bench", lowered, "--format", "json", "--iterations", "5", "--warmup", "1",
+              "--target", "h100")
+    assert res.rc == 0, res.err
+    out = json.loads(res.out)
+    lat = out["latency_ms"]
+    assert set(lat) == {"p50", "p95", "p99"}
+    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"]
+    assert out["inferences_per_s"] == pytest.approx(1e3 / lat["p50"])
+    assert out["modeled"]["target"] == "h100"
+    assert out["modeled"]["time_s"] > 0
+    assert out["modeled"]["inferences_per_s"] == pytest.approx(1 / out["modeled"]["time_s"])
+    assert out["iterations"] == 5
+
+
+def test_bench_table_and_random_inputs_by_default(cli, model) -> None:
+    res = cli("bench", model, "-n", "3")
+    assert res.rc == 0, res.err
+    assert "p50" in res.out and "inferences/s" in res.out and "modeled on generic" in res.out
+    assert cli("bench", model, "-n", "0").rc == 2
+
+
+# ---- the numba cache ---------------------------------------------------------------------
+
+
+def test_second_process_loads_compiled_kernels_from_the_cache(tmp_path, lowered) -> None:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "NUMBA_DEBUG_CACHE": "1"}
+    cmd = [sys.executable, "-m", "mplower", "run", str(lowered), "--seed", "1"]
+    logs = []
+    for _ in range(2):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        logs.append(done.stdout + done.stderr)
+    assert "[cache] data saved" in logs[0]
+    assert "[cache] data loaded" in logs[1]
+    assert "[cache] data saved" not in logs[1]
