@@ -28,7 +28,6 @@ from mplower.ir.parser import parse, parse_file
 from mplower.ir.printer import print_module
 from mplower.ir.types import DenseAttr, dense_to_str, tensor
 from mplower.ir.verifier import verify
-from mplower.numerics.rounding import round_to
 from mplower.pass_manager import PassContext, PassManager, PipelineError, parse_pipeline
 from mplower.sparsity import (
     has_pattern,
@@ -298,9 +297,9 @@ def test_sparse_plan_survives_legalize_and_insert_casts_and_is_idempotent(transf
 
 
 def test_lowered_outputs_equal_dense_execution_of_the_pruned_weights(transformer):
-    """The lowered module, run by the executor, against the same bf16 plan run densely on the
-    pruned weights; then with the sparse runner in place of every sparse matmul (what the
-    executor will do), equal up to fp32 reassociation inside each product."""
+    """The lowered module runs its six weight matmuls on the 2:4 kernel and equals the same
+    bf16 plan run densely on the pruned weights, up to fp32 reassociation inside each product
+    (which can flip a bf16 rounding or two downstream)."""
     out = lowered(transformer, "sparsify,assign-precision,lower-sparse{target=h100}")
     x = np.load(transformer.with_name("transformer_inputs.npz"))["x"]
     dense = parse(transformer.read_text().replace('"transformer.npz"', '"lowered.npz"'),
@@ -308,20 +307,12 @@ def test_lowered_outputs_equal_dense_execution_of_the_pruned_weights(transformer
     run_pipeline(dense, "assign-precision")
     want = Program(dense).run([x]).outputs[0]
     program = Program(parse_file(out))
-    assert np.array_equal(program.run([x]).outputs[0], want)
-    swapped = 0
-    for step in program.steps:
-        kernel = step.requested["kernel"]
-        if kernel == DENSE:
-            continue
-        f = program.function
-        x_t, w_t = f.operand_types(step.node)
-        runner = sparse_runner(kernel, x_t, w_t, step.out_type)
-        step.run = lambda xs, _r=runner, _e=step.out_type.elem: round_to(_r(xs), _e)
-        swapped += 1
-    assert swapped == 6
+    sparse_steps = [s for s in program.steps if s.executed["kernel"] == SPARSE_2_4]
+    assert len(sparse_steps) == 6
+    assert all(s.reason is None for s in sparse_steps)
     got = program.run([x]).outputs[0]
-    np.testing.assert_allclose(got, want, rtol=0, atol=0.02)  # a bf16 rounding flip or two
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.02)
+    assert np.mean(got == want) > 0.9  # most outputs are bit-identical
 
 
 # ---- kernels ---------------------------------------------------------------------------------
@@ -356,7 +347,7 @@ def test_kernels_equal_the_dense_matmul(x_shape, k, n):
 
 
 def test_parallel_kernels_equal_the_serial_ones(monkeypatch):
-    import mplower.backend.sparse as sparse
+    from mplower.backend import sparse
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((9, 36)).astype(np.float32)

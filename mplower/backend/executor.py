@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mplower.backend.sparse import sparse_runner
 from mplower.backend.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module
@@ -325,8 +326,16 @@ class _Plan:
                 ran_accum = "f16"
             else:
                 reasons.append(NO_F16_ACCUM)
+        # A sparse kernel runs when the weight arrives encoded (mp.sparse_encode, which
+        # lower-sparse inserts after checking the pattern) and backend/sparse.py has a kernel
+        # for the operands (float, f32 accumulator, 2-D weight); otherwise the op runs densely.
+        self.sparse = None
         if kernel != "dense":
-            reasons.append(NO_SPARSE_KERNEL)  # the CPU backend runs structured sparsity densely
+            encoded = len(in_types) > 1 and in_types[1].encoding is not None
+            if op == "mp.matmul" and ran_accum == "f32" and encoded:
+                self.sparse = sparse_runner(kernel, in_types[0], in_types[1], out_t)
+            if self.sparse is None:
+                reasons.append(NO_SPARSE_KERNEL)
         self.requested: dict[str, str | None] = {
             "precision": precision or ran, "accum": accum or ran_accum, "kernel": kernel}
         if "mp.requested" in attrs:  # legalize's fallback: report what the policy asked for
@@ -334,7 +343,8 @@ class _Plan:
             prec, _, acc = fmt.partition("/")
             self.requested = {"precision": prec, "accum": acc or None, "kernel": knl or "dense"}
         self.executed: dict[str, str | None] = {
-            "precision": ran, "accum": ran_accum, "kernel": "dense"}
+            "precision": ran, "accum": ran_accum,
+            "kernel": kernel if self.sparse is not None else "dense"}
         self.reason = ",".join(dict.fromkeys(r for code in reasons for r in code.split(","))) \
             or None
 
@@ -428,6 +438,12 @@ def _matmul_kernel(plan: _Plan, in_types: list[TensorType], out_t: TensorType) -
             y, counts = _finish(y, elem)
             return y, Counts(overflow) + (counts or _nan_counts(y))
         return run_f16
+
+    if plan.sparse is not None:
+        def run_sparse(xs: list[np.ndarray], _kernel=plan.sparse) -> tuple[np.ndarray,
+                                                                            Counts | None]:
+            return _finish(_kernel([_f32(xs[0]), _f32(xs[1])]), elem)
+        return run_sparse
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         return _finish(np.matmul(_f32(xs[0]), _f32(xs[1])), elem)
