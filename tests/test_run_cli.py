@@ -112,7 +112,9 @@ def test_table_and_markdown_show_the_worst_ops_first(cli, lowered) -> None:
     table = cli(*args).out.splitlines()
     assert table[0].startswith("verdict: pass (max_rel_l2 ")  # the bf16 sheet's guardrail
     header = next(i for i, line in enumerate(table) if line.startswith("name "))
-    rows = [line.split()[0] for line in table[header + 1:]]
+    end = table.index("", header)  # the per-op quantization table follows a blank line
+    rows = [line.split()[0] for line in table[header + 1:end]]
+    assert "quantization error (worst first):" in table[end:]
     assert rows[0] == worst
     assert len(rows) == len(drifts)
     shown = [drifts[n] or 0 for n in rows]
@@ -334,3 +336,28 @@ def test_second_process_loads_compiled_kernels_from_the_cache(tmp_path, lowered)
     assert "[cache] data saved" in logs[0]
     assert "[cache] data loaded" in logs[1]
     assert "[cache] data saved" not in logs[1]
+
+
+def test_bisect_names_the_ops_to_keep_in_f32_and_the_report_validates(cli, lowered,
+                                                                        tmp_path) -> None:
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parent.parent / "mplower" / "backend"
+                         / "report.schema.json").read_text())
+    args = ("run", lowered, "--inputs", EXAMPLES / "transformer_inputs.npz",
+            "--guardrail", "max_rel_l2=0.002", "--bisect", "--report", tmp_path / "r.json")
+    res = cli(*args)
+    assert res.rc == 0, res.err
+    report = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(report, schema)
+    b = report["bisect"]
+    assert b["met"] is True and 0 < len(b["ops"]) <= len(report["quantization"])
+    assert f"bisect: keep in f32: {', '.join(b['ops'])}" in res.out
+    # The per-op quantization rows come worst first by the op's own loss.
+    local = [q["local_sqnr_db"] for q in report["quantization"] if q["local_sqnr_db"] is not None]
+    assert local == sorted(local)
+
+
+def test_bisect_without_guardrails_is_a_usage_error(cli, model) -> None:
+    res = cli("run", model, "--bisect")
+    assert res.rc == 2 and "--bisect needs guardrails" in res.err

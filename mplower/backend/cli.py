@@ -45,6 +45,8 @@ def register(sub) -> None:
     p.add_argument("--format", choices=("table", "json", "markdown"), default="table",
                    help="format of the report printed on stdout")
     p.add_argument("--check", action="store_true", help="exit 3 if a guardrail fails")
+    p.add_argument("--bisect", action="store_true",
+                   help="name the smallest set of ops whose return to f32 meets the guardrails")
     p.add_argument("--guardrail", action="append", default=[], metavar="KEY=VALUE",
                    help="a guardrail, e.g. max_rel_l2=0.01 (overrides the policy sheet's)")
     p.set_defaults(handler=cmd_run)
@@ -148,15 +150,27 @@ def _write_atomic(path: str, write) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import copy
+
     from mplower.backend.report import build_report, render
-    from mplower.cli import EXIT_GUARDRAIL, EXIT_OK
+    from mplower.cli import EXIT_GUARDRAIL, EXIT_OK, UsageError
+    from mplower.quant_report import converted_ops, json_safe, operand_sqnr
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
     module, program, arrays = _load(args)
     limits = {**_policy_guardrails(module), **flags}
+    if args.bisect and not limits:
+        raise UsageError("--bisect needs guardrails: the policy sheet's or --guardrail KEY=VALUE")
+    pristine = copy.deepcopy(module) if args.bisect else None
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get("mp.policy"),
                           program.function.name)
+    if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
+        report["quantization"] = json_safe(operand_sqnr(program, arrays))
+    if args.bisect:
+        from mplower.bisect import bisect
+
+        report["bisect"] = bisect(pristine, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
     if args.save_outputs:
         outputs = {f"output_{i}": y for i, y in enumerate(result.outputs)}

@@ -147,13 +147,26 @@ def render(report: dict[str, Any], fmt: str) -> str:
              (f"ops: {s['ops']}, fallbacks: {s['fallback_ops']} "
               f"({100 * s['fallback_rate']:.1f}%), overflow {s['overflow']}, "
               f"underflow {s['underflow']}, nan {s['nan']}"), ""]
-    if fmt == "markdown":
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("|" + "---|" * len(header))
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    else:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-                  for i, h in enumerate(header)]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += _table(header, rows, fmt)
+    quant = report.get("quantization")
+    if quant:
+        qheader = ["name", "op", "weight_sqnr_db", "activation_sqnr_db",
+                   "activation_local_sqnr_db", "local_sqnr_db"]
+        qrows = [[q["name"], q["op"], *(num(q[k], ".1f") for k in qheader[2:])] for q in quant]
+        lines += ["", "quantization error (worst first):", *_table(qheader, qrows, fmt)]
+    b = report.get("bisect")
+    if b is not None:
+        kept = ", ".join(b["ops"]) or "nothing"
+        met = "met" if b["met"] else "not met"
+        lines += ["", f"bisect: keep in f32: {kept} ({b['runs']} runs; guardrails {met})"]
     return "\n".join(lines) + "\n"
+
+
+def _table(header: list[str], rows: list[list[str]], fmt: str) -> list[str]:
+    if fmt == "markdown":
+        return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                *("| " + " | ".join(r) + " |" for r in rows)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    return ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
+            *("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
