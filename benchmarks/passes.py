@@ -37,8 +37,8 @@ def module_text(n_ops: int) -> str:
         "mp.gelu {a} : ({T}) -> {T}",
         "mp.matmul {a}, %w : ({T}, tensor<64x64xf32>) -> {T}",
         "mp.add {a}, {r} : ({T}, {T}) -> {T}",
-        "mp.layer_norm {a}, %b, %b {{axis = 1, epsilon = 1.0e-05}} : "
-        "({T}, tensor<64xf32>, tensor<64xf32>) -> {T}",
+        ("mp.layer_norm {a}, %b, %b {{axis = 1, epsilon = 1.0e-05}} : "
+         "({T}, tensor<64xf32>, tensor<64xf32>) -> {T}"),
         "mp.softmax {a} {{axis = -1}} : ({T}) -> {T}",
     ]
     residual = prev
@@ -82,10 +82,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = [(n, run(n, args.repeat)) for n in args.sizes]
     names = [k for k in rows[0][1] if k != "total"] + ["total"]
-    out = [f"Command: `python benchmarks/passes.py --sizes {' '.join(map(str, args.sizes))} "
-           f"--repeat {args.repeat}`  ",
-           f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python "
-           f"{platform.python_version()}; date {datetime.date.today()}  ",
+    sizes = " ".join(map(str, args.sizes))
+    out = [f"Command: `python benchmarks/passes.py --sizes {sizes} --repeat {args.repeat}`  ",
+           (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python "
+            f"{platform.python_version()}; date {datetime.date.today()}  "),
            f"Pipeline: `{PIPELINE}`, medians of {args.repeat} runs, verification off.", "",
            "| ops | " + " | ".join(names) + " | total per 1k ops |",
            "|---:|" + "---:|" * (len(names) + 1)]

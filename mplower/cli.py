@@ -10,8 +10,8 @@ user; an internal error is reported as one and exits 1.
 from __future__ import annotations
 
 import argparse
-import gc
 import difflib
+import gc
 import os
 import sys
 import time

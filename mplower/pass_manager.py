@@ -97,7 +97,7 @@ def load_passes() -> dict[str, type[Pass]]:
             obj = ep.load()
             if isinstance(obj, type) and issubclass(obj, Pass) and obj.name not in PASSES:
                 register_pass(obj)
-        except Exception as e:  # a broken plugin must not take the built-in passes down
+        except Exception as e:  # noqa: BLE001 -- a broken plugin must not take the built-ins down
             warnings.warn(f"mplower: skipping pass plugin '{ep.name}' ({ep.value}): {e}",
                           stacklevel=2)
     return PASSES

@@ -123,14 +123,13 @@ def canonicalize_function(f: Function, ctx: PassContext, max_elements: int,
             if d is None:  # erased earlier in this sweep
                 continue
             op = d["op"]
-            if op in _SIMPLIFIED:
-                if _simplify(f, n, ctx):
-                    changed = True
-            elif op in _ELEMENTWISE and all(nodes[u]["op"] == "mp.constant"
-                                            for _, u, _ in f.operand_edges(n)):
-                if _fold(f, n, max_elements):
-                    ctx.stat("ops-folded")
-                    changed = True
+            if op in _SIMPLIFIED and _simplify(f, n, ctx):
+                changed = True
+            elif (op in _ELEMENTWISE and all(nodes[u]["op"] == "mp.constant"
+                                             for _, u, _ in f.operand_edges(n))
+                  and _fold(f, n, max_elements)):
+                ctx.stat("ops-folded")
+                changed = True
         dead = eliminate_dead_ops(f)
         merged = eliminate_common_subexpressions(f)
         ctx.stat("ops-erased", dead)

@@ -17,6 +17,6 @@ CASES = sorted(p for p in LIT_ROOT.rglob("*") if p.suffix in (".ir", ".mlir")
 def test_lit(case: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", "from lit.main import main; main()", "-v",
                            "--no-progress-bar", str(case)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "Passed: 1" in proc.stdout or "Passed  : 1" in proc.stdout, proc.stdout

@@ -153,7 +153,7 @@ ACT = "tensor<8x16xf32>"
 @st.composite
 def modules(draw) -> str:
     """Random DAGs of matmuls, elementwise ops, softmax and layer_norm on 8x16 activations."""
-    lines = [f"  %w = mp.constant {{name = \"w\"}} : () -> tensor<16x16xf32>",
+    lines = ["  %w = mp.constant {name = \"w\"} : () -> tensor<16x16xf32>",
              "  %b = mp.constant {value = dense<0.5> : tensor<16xf32>} : () -> tensor<16xf32>"]
     values = ["%x"]
     for i in range(draw(st.integers(1, 12))):

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 from lark import Lark, Token
-from lark.lexer import Lexer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.lexer import Lexer
 
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
@@ -28,13 +28,13 @@ from mplower.ir.types import (
     ATTRIBUTE_SCALAR_TYPES,
     ELEMENT_TYPES,
     ENCODINGS,
+    UNIT,
     DenseAttr,
     SymbolRef,
     TensorType,
     TypeAttr,
     TypedFloat,
     TypedInt,
-    UNIT,
     float_from_bits,
     tensor,
     value_dtype,
@@ -42,7 +42,7 @@ from mplower.ir.types import (
 from mplower.numerics.formats import FORMATS
 
 MAX_ATTRIBUTE_DEPTH = 64  # nesting of arrays/dicts; deeper input is rejected, not recursed into
-SPLIT_MARKER = re.compile(r"^// -----.*$", re.M)
+SPLIT_MARKER = re.compile(r"^// -----.*$", re.MULTILINE)
 
 _GRAMMAR = Path(__file__).with_name("grammar.lark")
 
@@ -112,7 +112,7 @@ _TOKENS = [  # (name, pattern): tried in this order at each position
     ("SIMPLE_OP", _SIMPLE_OP),
     ("TENSOR_TYPE", _TT),
     ("VALUE_ID", _VAL),
-    ("SYMBOL", rf'@(?:[A-Za-z_$.][A-Za-z0-9_$.\-]*|"[^"\n]*")'),
+    ("SYMBOL", r'@(?:[A-Za-z_$.][A-Za-z0-9_$.\-]*|"[^"\n]*")'),
     ("FLOAT", r"[-+]?[0-9]+(?:\.[0-9]*(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)"),
     ("INT", r"[-+]?(?:0x[0-9a-fA-F]+|[0-9]+)"),
     ("STRING", _STR),
@@ -693,8 +693,30 @@ class _Callbacks:
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
     # The builder is bound once; parse() points it at the current file before each run.
-    return Lark(_GRAMMAR.read_text(), parser="lalr", lexer=_IRLexer,
+    grammar = _GRAMMAR.read_text()
+    return Lark(grammar, parser="lalr", lexer=_IRLexer, cache=_cache_file(grammar),
                 maybe_placeholders=True, transformer=_Callbacks(_BUILDER))
+
+
+def _cache_file(grammar: str) -> str | bool:
+    """Where lark keeps its parse tables between processes (60 ms to build, 4 ms to load).
+
+    Lark's cache is a pickle, so it lives in the user's own cache folder (as trusted as the
+    user's files), never in a shared temporary folder; named by the grammar's and lark's
+    versions, so a changed grammar never loads stale tables. False (no cache) if unwritable.
+    """
+    import hashlib
+    import os
+
+    import lark
+
+    key = hashlib.sha256(f"{lark.__version__}\0{grammar}".encode()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mplower"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return str(base / f"grammar-{key}.lark")
 
 
 def parse(text: str, file: str = "<stdin>", line_offset: int = 0) -> Module:

@@ -90,4 +90,4 @@ def print_module(m: Module, generic: bool = False) -> str:
     return "\n".join(parts) + "\n"
 
 
-__all__ = ["print_module", "print_function", "attr_to_str"]
+__all__ = ["attr_to_str", "print_function", "print_module"]

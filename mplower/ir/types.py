@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ class TensorType:
         return f"tensor<{dims}{self.elem}{enc}>"
 
 
-@lru_cache(maxsize=None)
+@cache
 def tensor(shape: tuple[int, ...], elem: str, encoding: str | None = None) -> TensorType:
     """The interned tensor type; use this rather than the constructor in hot paths."""
     return TensorType(tuple(shape), elem, encoding)

@@ -1,3 +1,4 @@
+# ruff: noqa: F821 -- lit runs this file with `config` defined
 # lit configuration for mplower's FileCheck tests: `// RUN:` lines run the installed `mplower`
 # console script and the Python `filecheck` port, as MLIR and xDSL tests do.
 import os
