@@ -52,22 +52,9 @@ class Trace:
 
 
 def trace(program: Program, inputs: list[np.ndarray]) -> Trace:
-    """Run the lowered plan and the fp32 reference, keeping every value (see Program.run)."""
-    values: list[Any] = [None] * program.num_slots
-    refs: list[Any] = [None] * program.num_slots
-    for i, x in enumerate(program.prepare_inputs(inputs)):
-        values[i] = x
-        raw = np.asarray(inputs[i])
-        refs[i] = raw.astype(np.float32) if FORMATS[program.arg_types[i].elem].is_float else raw
-    f = program.function
-    slots: dict[Value, int] = {(a, 0): i for i, a in enumerate(f.args)}
-    with np.errstate(all="ignore"):
-        for step in program.steps:
-            values[step.output] = step.run([values[i] for i in step.inputs])[0]
-            ins = [refs[i] for i in step.inputs]
-            refs[step.output] = step.reference(ins) if all(r is not None for r in ins) else None
-            slots[(step.node, 0)] = step.output
-    return Trace(values, refs, slots)
+    """Run the lowered plan and the fp32 reference, keeping every value (Program.run)."""
+    result = program.run(inputs)
+    return Trace(result.values, result.refs, dict(program.slots))
 
 
 def sqnr_db(y: np.ndarray, ref: np.ndarray) -> float | None:

@@ -78,19 +78,6 @@ def split_batches(f: Function, arrays: dict[str, np.ndarray],
     return [list(batch) for batch in zip(*per_arg)]
 
 
-def reference_values(program, inputs: list[np.ndarray]) -> list[np.ndarray | None]:
-    """Every slot's value in the fp32 reference run of `program` (mplower.backend.executor)."""
-    refs: list[np.ndarray | None] = [None] * program.num_slots
-    for i, (x, t) in enumerate(zip(inputs, program.arg_types)):
-        x = np.asarray(x)
-        refs[i] = x.astype(np.float32) if FORMATS[t.elem].is_float else x
-    with np.errstate(all="ignore"):
-        for step in program.steps:
-            ins = [refs[i] for i in step.inputs]
-            refs[step.output] = step.reference(ins) if all(r is not None for r in ins) else None
-    return refs
-
-
 def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
                        weights: str | None, bins: int,
                        progress: Progress | None = None) -> dict[Value, TensorStats]:
@@ -110,7 +97,7 @@ def calibrate_function(module: Module, func: str | None, batches: list[list[np.n
                and FORMATS[f.type_of(v).elem].is_float]
     stats = {v: TensorStats(bins) for v in tracked}
     for batch in batches:
-        refs = reference_values(program, batch)
+        refs = program.run_reference(batch)
         for v in tracked:
             if refs[slots[v]] is None:  # no fp32 counterpart (an integer input)
                 continue

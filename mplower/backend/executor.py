@@ -97,6 +97,10 @@ class RunResult:
     # lowered graph has no fp32 counterpart, see `_reference`).
     reference: list[np.ndarray | None] | None
     ops: list[OpResult] = field(default_factory=list)
+    # Every value of the run by slot (Program.slots maps a Value to its slot): the lowered
+    # plan's, and the fp32 reference's (None where there is none), for per-tensor analyses.
+    values: list[Any] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -171,6 +175,7 @@ class Program:
             slot[(n, 0)] = out
             self.steps.append(self._compile(f, n, [slot[v] for v in f.operands(n)], out))
         self.num_slots = len(slot)
+        self.slots: dict[tuple[int, int], int] = slot  # value -> slot, for RunResult.values
         self._runtime = [s for s in self.steps if s.constant is None]
         self._initial: list[Any] = [None] * self.num_slots
         for s in self.steps:
@@ -274,7 +279,21 @@ class Program:
                 refs[step.output] = ref
             results.append(res)
         outs = [values[i] for i in self.outputs]
-        return RunResult(outs, [refs[i] for i in self.outputs] if reference else None, results)
+        return RunResult(outs, [refs[i] for i in self.outputs] if reference else None, results,
+                         values, refs)
+
+    def run_reference(self, inputs: list[np.ndarray]) -> list[Any]:
+        """Every slot's value in the fp32 reference alone (what calibration observes)."""
+        refs: list[Any] = [None] * self.num_slots
+        for i, (x, t) in enumerate(zip(inputs, self.arg_types)):
+            x = np.asarray(x)
+            refs[i] = _f32(x) if FORMATS[t.elem].is_float else x
+        with np.errstate(all="ignore"):
+            for step in self.steps:
+                ins = [refs[i] for i in step.inputs]
+                refs[step.output] = step.reference(ins) if all(r is not None for r in ins) \
+                    else None
+        return refs
 
     def run_lowered(self, prepared: list[np.ndarray]) -> list[np.ndarray]:
         """The lowered plan only, on inputs from `prepare_inputs` (what `mplower bench` times)."""
