@@ -198,3 +198,23 @@ def test_quantize_rejects_bad_arguments():
         quantize(x, np.float32(1), 0, "i32")
     with pytest.raises(ValueError, match="int32"):
         dequantize(np.zeros(3, np.int32), np.float32(1), 5)
+
+
+def test_parallel_and_serial_quant_kernels_agree(monkeypatch):
+    """Small tensors run on one thread (quant.SERIAL_BELOW); both paths give the same bits."""
+    import mplower.numerics.quant as quant_mod
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, 70_001)) * 40).astype(np.float32)  # chunk-crossing rows
+    x[0, :5] = [np.nan, 0.5, 1.5, -2.5, 1e-9]
+    scale = np.array([0.25, 0.5, 1.0], np.float32)
+    zp = np.array([0, 3, -2], np.int64)
+    results = []
+    for threshold in (0, 1 << 40):  # everything parallel, everything serial
+        monkeypatch.setattr(quant_mod, "SERIAL_BELOW", threshold)
+        q, counts = quant_mod.quantize(x, scale, zp, "i8", axis=0)
+        y = quant_mod.dequantize(q, scale, zp, axis=0)
+        results.append((q, counts, y))
+    (q0, c0, y0), (q1, c1, y1) = results
+    assert np.array_equal(q0, q1) and c0 == c1 and c0.nan == 1
+    assert np.array_equal(y0.view(np.uint32), y1.view(np.uint32))

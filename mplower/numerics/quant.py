@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from mplower.numerics.formats import FORMATS
-from mplower.numerics.rounding import Counts, decode, encode_counted
+from mplower.numerics.rounding import SERIAL_BELOW, Counts, decode, encode_counted
 
 QUANT_FORMATS = ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2")
 DEQUANT_FORMATS = ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2")
@@ -91,35 +91,57 @@ def _span(i, stop, period, per_element, n_scales):
     return end, k, k + 1
 
 
+@njit(cache=True, error_model="numpy")
+def _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, c):
+    i = c * _CHUNK
+    stop = min(x.size, i + _CHUNK)
+    over = 0
+    under = 0
+    nan = 0
+    while i < stop:
+        end, a, b = _span(i, stop, period, per_element, scale.size)
+        o, u, n = _quantize_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
+        over += o
+        under += u
+        nan += n
+        i = end
+    counts[c, 0] = over
+    counts[c, 1] = under
+    counts[c, 2] = nan
+
+
 @njit(cache=True, parallel=True, error_model="numpy")
 def _quantize_kernel(x, scale, zero_point, period, per_element, lo, hi, out, counts):
     for c in prange(counts.shape[0]):
-        i = c * _CHUNK
-        stop = min(x.size, i + _CHUNK)
-        over = 0
-        under = 0
-        nan = 0
-        while i < stop:
-            end, a, b = _span(i, stop, period, per_element, scale.size)
-            o, u, n = _quantize_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
-            over += o
-            under += u
-            nan += n
-            i = end
-        counts[c, 0] = over
-        counts[c, 1] = under
-        counts[c, 2] = nan
+        _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, c)
+
+
+@njit(cache=True, error_model="numpy")
+def _quantize_serial(x, scale, zero_point, period, per_element, lo, hi, out, counts):
+    for c in range(counts.shape[0]):
+        _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, c)
+
+
+@njit(cache=True, error_model="numpy")
+def _dequantize_chunk(q, scale, zero_point, period, per_element, out, c):
+    i = c * _CHUNK
+    stop = min(q.size, i + _CHUNK)
+    while i < stop:
+        end, a, b = _span(i, stop, period, per_element, scale.size)
+        _dequantize_span(q[i:end], out[i:end], scale[a:b], zero_point[a:b])
+        i = end
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
 def _dequantize_kernel(q, scale, zero_point, period, per_element, out):
     for c in prange((q.size + _CHUNK - 1) // _CHUNK):
-        i = c * _CHUNK
-        stop = min(q.size, i + _CHUNK)
-        while i < stop:
-            end, a, b = _span(i, stop, period, per_element, scale.size)
-            _dequantize_span(q[i:end], out[i:end], scale[a:b], zero_point[a:b])
-            i = end
+        _dequantize_chunk(q, scale, zero_point, period, per_element, out, c)
+
+
+@njit(cache=True, error_model="numpy")
+def _dequantize_serial(q, scale, zero_point, period, per_element, out):
+    for c in range((q.size + _CHUNK - 1) // _CHUNK):
+        _dequantize_chunk(q, scale, zero_point, period, per_element, out, c)
 
 
 def _scale_table(s: np.ndarray, zp: np.ndarray, post: int):
@@ -194,7 +216,9 @@ def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | 
     out = np.empty(x.shape, dtype=f.storage)
     counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
     s, zp, period, per_element = _scale_table(s, zp.astype(np.float32), post)
-    _quantize_kernel(x.reshape(-1), s, zp, period, per_element, np.float32(f.min_value),
+    # Small tensors on one thread, as in rounding.py (SERIAL_BELOW says why).
+    kernel = _quantize_serial if x.size < SERIAL_BELOW else _quantize_kernel
+    kernel(x.reshape(-1), s, zp, period, per_element, np.float32(f.min_value),
                      np.float32(f.max_finite), out.reshape(-1), counts)
     total = counts.sum(axis=0)
     return out, Counts(int(total[0]), int(total[1]), int(total[2]))
@@ -229,5 +253,6 @@ def dequantize(q: np.ndarray, scale: np.ndarray | float,
         raise ValueError(f"dequantize: zero_point outside the {q.dtype} range")
     out = np.empty(q.shape, dtype=np.float32)
     s, zp, period, per_element = _scale_table(s, zp.astype(np.int32), post)
-    _dequantize_kernel(q.reshape(-1), s, zp, period, per_element, out.reshape(-1))
+    kernel = _dequantize_serial if q.size < SERIAL_BELOW else _dequantize_kernel
+    kernel(q.reshape(-1), s, zp, period, per_element, out.reshape(-1))
     return out

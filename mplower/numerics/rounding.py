@@ -48,7 +48,7 @@ _CHUNK = 1 << 16
 # entering a parallel region costs tens of microseconds on an idle machine and 10-15 ms when
 # other processes hold the cores (measured on a shared 2-core VM, benchmarks/backend.py) --
 # the executor's per-op cost on small tensors, and on every tensor of a busy machine.
-_SERIAL_BELOW = 1 << 22
+SERIAL_BELOW = 1 << 22
 
 _F32_INF = 0x7F800000
 _F32_QNAN = 0x00400000  # quiet bit of the f32 mantissa
@@ -193,7 +193,7 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
     # Views are taken here, outside the parallel kernel (numba can drop writes made through an
     # array view created inside a prange body).
     src, dst = x.reshape(-1).view(np.uint32), out.reshape(-1)
-    if x.size < _SERIAL_BELOW:
+    if x.size < SERIAL_BELOW:
         over, under, nan = _round_serial(src, dst, _param_array(fmt, saturate), codes)
         return Counts(int(over), int(under), int(nan))
     counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
