@@ -60,6 +60,11 @@ _TERMINAL_NAMES = {
 }
 
 
+# Widths of the integer types an attribute may name; `index` is 64 bits, as in MLIR.
+_INT_BITS = {name: int(name.lstrip("ui")) for name in ATTRIBUTE_SCALAR_TYPES
+             if name.lstrip("u").startswith("i") and name.lstrip("ui").isdigit()} | {"index": 64}
+
+
 class _Names(tuple):
     """Operand names from a SIMPLE_OP token, which locates them if one is wrong."""
 
@@ -279,7 +284,16 @@ class _Builder:
             return TypedFloat(self._float_bits(tok, t), t)
         if not isinstance(t, str):
             raise self.error(tok, "an integer attribute's type must be a scalar type")
-        return TypedInt(int(self.int_attr(tok)), t)
+        value = int(self.int_attr(tok))
+        bits = _INT_BITS.get(t)
+        # MLIR's rule for a signless iN: the value must fit N bits, read signed or unsigned.
+        if bits is not None:
+            lo = 0 if t.startswith("ui") else -(1 << (bits - 1))
+            hi = (1 << bits) - 1
+            if not lo <= value <= hi:
+                raise self.error(tok, f"integer value {value} does not fit {t} "
+                                      f"(range [{lo}, {hi}])")
+        return TypedInt(value, t)
 
     def float_attr(self, tok: Token) -> float:
         return float(tok.value)
