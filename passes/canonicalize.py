@@ -17,7 +17,7 @@ from mplower.passes.dce import eliminate_dead_ops
 
 from mplower.ir.graph import Function, Module
 from mplower.ir.types import DenseAttr, value_dtype
-from mplower.numerics.formats import represents
+from mplower.numerics.formats import FORMATS, represents
 from mplower.ops import OPS, OpError, attr_ints, check_attrs
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
@@ -53,6 +53,10 @@ def _fold(f: Function, n: int, max_elements: int) -> bool:
         (result,) = opdef.reference([c.array for c in consts], check_attrs(opdef, d["attrs"]))
     except (OpError, FloatingPointError):
         return False
+    fmt = FORMATS[out.elem]
+    if fmt.is_int and out.elem != "i1" and np.size(result) and (
+            np.min(result) < fmt.min_value or np.max(result) > fmt.max_finite):
+        return False  # an integer result the type cannot hold: leave it to the op at run time
     array = np.broadcast_to(np.asarray(result), out.shape).astype(value_dtype(out.elem))
     attr = DenseAttr(np.array(array, order="C"), out)  # (ascontiguousarray makes 0-d 1-d)
     new = f.create_op("mp.constant", [], [out], {"value": attr}, before=n, name_hint=d["name"])
