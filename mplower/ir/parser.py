@@ -720,15 +720,19 @@ def _cache_file(grammar: str) -> str | bool:
     versions, so a changed grammar never loads stale tables. False (no cache) if unwritable.
     """
     import hashlib
+    import logging
     import os
 
     import lark
 
     key = hashlib.sha256(f"{lark.__version__}\0{grammar}".encode()).hexdigest()[:16]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mplower"
+    # A cache file another process is writing fails to load; lark then rebuilds the tables
+    # and logs the failure with a traceback, which must not reach the user.
+    logging.getLogger("lark").setLevel(logging.CRITICAL)
     try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mplower"
         base.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    except (OSError, RuntimeError):  # no home folder, or not writable: build the tables
         return False
     return str(base / f"grammar-{key}.lark")
 
