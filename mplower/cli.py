@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_GUARDRAIL = 0, 1, 2, 3
 
@@ -181,9 +181,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
                         ("--print-ir-after", args.print_ir_after)):
         for name in names:  # a misspelt name would silently print nothing
             if name not in known:
-                close = difflib.get_close_matches(name, list(known), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise UsageError(f"{flag}: unknown pass '{name}'{hint}")
+                raise UsageError(f"{flag}: unknown pass '{name}'{did_you_mean(name, known)}")
     timings: list[tuple[str, float]] = []
     t0 = time.perf_counter()
     text, name = read_input(args.input)

@@ -30,7 +30,7 @@ from mplower.ir.types import (
     tensor,
     value_dtype,
 )
-from mplower.numerics.formats import FLOAT_FORMATS, FORMATS
+from mplower.numerics.formats import FLOATS, FORMATS
 
 
 class OpError(Exception):
@@ -291,7 +291,7 @@ def _check_value(name: str, spec: AttrSpec, value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Type rules shared by several ops
 
-_FLOATS = frozenset(FLOAT_FORMATS)
+_FLOATS = FLOATS
 # i1 is a mask type: it may be moved around and compared but not computed with.
 _NUMERIC = frozenset(n for n in ELEMENT_TYPES if n != "i1")
 _ANY = frozenset(ELEMENT_TYPES)

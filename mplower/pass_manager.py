@@ -11,7 +11,6 @@ pass, prints IR before/after passes on request and collects per-pass statistics.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import pkgutil
 import sys
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TextIO
 
+from mplower.ir.diagnostics import did_you_mean
 from mplower.ir.graph import Module
 
 
@@ -146,9 +146,7 @@ def parse_pass(text: str) -> Pass:
         name, opts = text[:text.index("{")].strip(), text[text.index("{") + 1:-1]
     cls = PASSES.get(name)
     if cls is None:
-        close = difflib.get_close_matches(name, list(PASSES), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise PipelineError(f"unknown pass '{name}'{hint}")
+        raise PipelineError(f"unknown pass '{name}'{did_you_mean(name, PASSES)}")
     return cls(**parse_options(cls, opts))
 
 
@@ -162,8 +160,7 @@ def parse_options(cls: type[Pass], text: str) -> dict[str, Any]:
         else:
             key, raw = (s.strip() for s in item.split("=", 1))
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(key, fields)
             known = ", ".join(fields) or "none"
             raise PipelineError(f"pass '{cls.name}' has no option '{key}'{hint} "
                                 f"(options: {known})")

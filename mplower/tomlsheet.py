@@ -13,15 +13,14 @@ falls back to the nearest enclosing key it knows for anything else.
 from __future__ import annotations
 
 import bisect
-import difflib
 import re
 import tomllib
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mplower.ir.diagnostics import DiagnosticError, Location
+from mplower.ir.diagnostics import DiagnosticError, Location, did_you_mean
 from mplower.numerics.formats import FORMATS
 
 KeyPath = tuple[str | int, ...]
@@ -35,12 +34,6 @@ _TABLE_HEADER = re.compile(rf"\s*\[\s*({_DOTTED})\s*\]\s*(?:#.*)?$")
 _KEY = re.compile(rf"\s*({_DOTTED})\s*=")
 _TOML_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 _TOML_END = re.compile(r"\s*\(at end of document\)$")
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """`"; did you mean 'x'?"` for the closest choice, or "" when nothing is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _split_dotted(text: str) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from mplower.passes.range_analysis import hazard
 
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import TypeAttr
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
 from mplower.ops import OPS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 from mplower.policy import (
@@ -37,9 +37,6 @@ from mplower.policy import (
 PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
 
 
-FLOAT_FORMATS = frozenset(n for n, f in FORMATS.items() if f.is_float)
-# Narrower than f32: what makes a follow op lower itself too.
-NARROW_FLOATS = frozenset(n for n, f in FORMATS.items() if f.is_float and f.bits < 32)
 
 
 def guarded(f: Function, n: int, decision: Decision) -> Decision:
@@ -57,7 +54,7 @@ def guarded(f: Function, n: int, decision: Decision) -> Decision:
         if out_fmt not in ("f32", "f64"):
             found.append(hazard(f, (n, 0), out_fmt))
         for _, u, r in f.operand_edges(n):
-            if f.type_of((u, r)).elem in FLOAT_FORMATS:
+            if f.type_of((u, r)).elem in FLOATS:
                 found.append(hazard(f, (u, r), fmt))
         return [h for h in found if h is not None]
 
@@ -96,7 +93,7 @@ def plan_function(f: Function, policy: Policy,
         lowered = None
         for _, u, r in f.operand_edges(n):
             src = nodes[u]
-            if src["op"] == "mp.constant" or src["types"][r].elem not in FLOAT_FORMATS:
+            if src["op"] == "mp.constant" or src["types"][r].elem not in FLOATS:
                 continue
             lowered = (lowered is not False) and out_format[u] in NARROW_FLOATS
         decision = policy.decide(op, d["name"], bool(lowered), n in first_last)

@@ -19,15 +19,12 @@ from typing import ClassVar
 
 from mplower.ir.graph import RETURN, Function, Module, Value
 from mplower.ir.types import TypeAttr
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.ops import attr_type
 from mplower.pass_manager import Pass, PassContext, register_pass
 from mplower.policy import TYPE_CARRYING, result_format
 
 PRECISION, ACCUM = "mp.precision", "mp.accum"
-
-
-FLOATS = frozenset(n for n, f in FORMATS.items() if f.is_float)
 
 
 class _Casts:

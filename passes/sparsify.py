@@ -12,13 +12,12 @@ whole file, pruned arrays replaced, is written to `<stem>.npz` beside `-o`.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import Function, Module
 from mplower.ir.types import DenseAttr
 from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
@@ -74,8 +73,7 @@ class Sparsify(Pass):
 
     def __post_init__(self) -> None:
         if self.pattern not in (*PATTERNS, UNSTRUCTURED):
-            close = difflib.get_close_matches(self.pattern, [*PATTERNS, UNSTRUCTURED], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(self.pattern, (*PATTERNS, UNSTRUCTURED))
             raise PipelineError(f"sparsify: unknown pattern '{self.pattern}'{hint} "
                                 f"(2:4, 1:2 or unstructured)")
         if not 0.0 <= self.sparsity <= 1.0:

@@ -43,6 +43,7 @@ from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
 from mplower.ir.types import DenseAttr, TensorType
 from mplower.numerics.formats import FORMATS
+from mplower.numerics.rounding import ROUNDING_FORMATS
 from mplower.ops import OPS, attr_type, check_attrs
 from mplower.sparsity import (
     WEIGHT_OPERAND,
@@ -298,9 +299,8 @@ def sparse_runner(kernel: str, x_type: TensorType, w_type: TensorType,
     in float32 computed by `kernel`, or None where this backend has no such kernel (an
     integer or f64 operand, a weight that is not 2-D, a dense kernel): run those densely.
     The result is unrounded; the caller rounds it to `out_type`'s element type."""
-    floats = {"f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2"}
     if (kernel not in SPARSE_KERNELS or w_type.rank != 2 or x_type.rank < 1
-            or x_type.elem not in floats or w_type.elem not in floats
+            or x_type.elem not in ROUNDING_FORMATS or w_type.elem not in ROUNDING_FORMATS
             or not FORMATS[out_type.elem].is_float):
         return None
     return _Compressed(kernel, (w_type.shape[0], w_type.shape[1]))

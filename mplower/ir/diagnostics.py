@@ -8,6 +8,8 @@ message.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 _WINDOW = 120  # characters of a long source line shown around the caret
@@ -60,6 +62,12 @@ class DiagnosticError(Exception):
     @classmethod
     def at(cls, loc: Location, message: str) -> DiagnosticError:
         return cls(Diagnostic(loc, message))
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`"; did you mean 'x'?"` for the closest choice, or "" when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def source_line(source: str, line: int) -> str | None:

@@ -10,7 +10,6 @@ lark grammar cache on disk.
 
 from __future__ import annotations
 
-import difflib
 import gc
 import re
 from functools import lru_cache
@@ -22,7 +21,7 @@ from lark import Lark, Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 from lark.lexer import Lexer
 
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import (
     ATTRIBUTE_SCALAR_TYPES,
@@ -228,7 +227,7 @@ class _Builder:
                 t = self.type_cache[tok.value] = self._tensor_type(tok)
             return t
         if tok.value not in ATTRIBUTE_SCALAR_TYPES:
-            raise self.error(tok, f"unknown type '{tok.value}'{_did_you_mean(tok.value, ELEMENT_TYPES)}")
+            raise self.error(tok, f"unknown type '{tok.value}'{did_you_mean(tok.value, ELEMENT_TYPES)}")
         return tok.value
 
     def _tensor_type(self, tok: Token) -> TensorType:
@@ -259,7 +258,7 @@ class _Builder:
         if elem not in ELEMENT_TYPES:
             if elem.lstrip("-").isdigit():
                 raise self.error(tok, f"missing element type in {tok.value}")
-            raise self.error(tok, f"unknown element type '{elem}'{_did_you_mean(elem, ELEMENT_TYPES)}")
+            raise self.error(tok, f"unknown element type '{elem}'{did_you_mean(elem, ELEMENT_TYPES)}")
         return tensor(tuple(dims), elem, encoding)
 
     def types(self, *ts: Any) -> list:
@@ -683,11 +682,6 @@ def _unquote(tok: Token, b: _Builder) -> str:
         else:
             raise b.error(tok, f"unknown escape '\\{nxt}' in string")
     return "".join(out)
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 _BUILDER = _Builder("<stdin>")

@@ -9,9 +9,7 @@ failures are collected, each located at its op, and raised together.
 
 from __future__ import annotations
 
-import difflib
-
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, did_you_mean
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ops import OPS, OpError, check_attrs
 
@@ -87,9 +85,7 @@ def verify_op(name: str, in_types: list, attrs: dict, out_types: list) -> str | 
         return None
     opdef = OPS.get(name)
     if opdef is None:
-        close = difflib.get_close_matches(name, list(OPS), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        return f"unknown operation '{name}'{hint}"
+        return f"unknown operation '{name}'{did_you_mean(name, OPS)}"
     n = len(in_types)
     lo, hi = opdef.min_operands, opdef.max_operands
     if n < lo or (hi is not None and n > hi):

@@ -76,6 +76,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 )}
 
 FLOAT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_float)
+FLOATS = frozenset(FLOAT_FORMATS)  # for membership tests on hot paths
+# Floats narrower than f32: a value in one of these has been lowered.
+NARROW_FLOATS = frozenset(n for n in FLOAT_FORMATS if FORMATS[n].bits < 32)
 INT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_int)
 
 
