@@ -460,3 +460,23 @@ def test_fifo_as_model_or_external_data_is_refused_without_waiting(tmp_path):
                            text=True, timeout=120)
         assert r.returncode == 1, r.stderr
         assert f"{model}: error: {message}" in r.stderr
+
+
+def test_memory_error_reading_a_tensor_names_the_model_and_the_tensor(tmp_path, cli,
+                                                                      monkeypatch):
+    import onnx.external_data_helper
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    model = _add_w_model()
+    path = save(model, tmp_path / "m.onnx")
+    monkeypatch.setattr(numpy_helper, "to_array", out_of_memory)
+    assert_import_error(cli("import", path, "-o", tmp_path / "m.ir"), path,
+                        "not enough memory to read tensor 'w' [4]")
+    (tmp_path / "w.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    path = save(_external(model, "w.bin"), tmp_path / "ext.onnx")
+    monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_tensor",
+                        out_of_memory)
+    assert_import_error(cli("import", path, "-o", tmp_path / "m.ir"), path,
+                        "tensor 'w': not enough memory to read its external data 'w.bin'")
