@@ -194,7 +194,8 @@ def beside(output_path: str) -> Path:
 
 class WeightStore:
     """A module's named constants, each read on first use, after its npy header has been
-    checked against the declared shape."""
+    checked against the declared shape. The archive stays open while the store lives, so that
+    each constant costs one member's read, not another pass over the zip's directory."""
 
     def __init__(self, module: Module, override: str | None = None):
         self.module = module
