@@ -5,13 +5,22 @@ refused if the path leaves that file's folder; `--weights` (PassContext.weights_
 another file explicitly. Arrays are read with `allow_pickle=False`, so an npz can never run
 code. A pass that changes weights writes all of them to `<stem>.npz` beside `-o` in one atomic
 rename (mplower.fileio) and points `mp.weights` at it. Every problem is a located diagnostic.
-(mplower.backend.weights holds the executor's copy of the same rules; it should use this.)
+
+An archive is read one member at a time (`NpzArchive`): a model pays only for the arrays it
+names, and each member's npy header is checked (against the IR's type by the caller, against the
+size the zip records here) before any of its data is inflated.
 """
 
 from __future__ import annotations
 
+import lzma
+import math
+import os
+import stat
 import zipfile
+import zlib
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -41,18 +50,132 @@ def weights_file(module: Module, override: str | None) -> Path | None:
     return candidate
 
 
-def read_npz(path: Path, loc: Location, what: str = "weights") -> dict[str, np.ndarray]:
-    """All arrays of an .npz, in file order, read without pickle."""
+# What zipfile and numpy raise for a damaged, encrypted or oddly compressed member.
+_READ_ERRORS = (OSError, ValueError, EOFError, RuntimeError, NotImplementedError,
+                zipfile.BadZipFile, zlib.error, lzma.LZMAError)
+
+
+class NpzArchive:
+    """An .npz archive whose arrays are read one at a time, each only when asked for.
+
+    `header` reads a member's npy header and nothing more, so a caller compares shape and dtype
+    with the IR before paying for the data. `read` refuses a member whose header promises more
+    or less data than the zip entry holds; since zipfile never inflates an entry past the size
+    its directory records, a member allocates at most what its (already checked) header
+    promises, however well its data compresses. Loads never unpickle.
+    """
+
+    def __init__(self, path: Path, loc: Location, what: str = "weights"):
+        self.path, self.what = path, what
+        fh = _open_regular_file(path, loc, what)
+        try:
+            self._zip = zipfile.ZipFile(fh)
+        except zipfile.BadZipFile:
+            fh.close()
+            raise _error(loc, f"{what} file '{path}' is not an .npz archive of named "
+                              f"arrays") from None
+        except _READ_ERRORS as e:
+            fh.close()
+            raise _error(loc, f"cannot read {what} file '{path}': {e}") from None
+        # numpy's keys: a member's name without its .npy suffix
+        self._members = {m.removesuffix(".npy"): m for m in self._zip.namelist()}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._zip.close()
+
+    @property
+    def names(self) -> list[str]:
+        """The archive's keys, in file order."""
+        return list(self._members)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._members
+
+    def header(self, name: str, loc: Location) -> tuple[tuple[int, ...], np.dtype]:
+        """Shape and dtype of array `name` (a key of `names`) from its npy header alone."""
+        with self._open(name, loc) as fh:
+            shape, dtype, _ = self._header(fh, name, loc)
+        return shape, dtype
+
+    def read(self, name: str, loc: Location) -> np.ndarray:
+        """Array `name` (a key of `names`)."""
+        member = self._members[name]
+        with self._open(name, loc) as fh:
+            shape, dtype, offset = self._header(fh, name, loc)
+            promised = math.prod(shape) * dtype.itemsize
+            held = self._zip.getinfo(member).file_size - offset
+            if held != promised:
+                raise _error(loc, f"{self.what} file '{self.path}': array '{name}' is damaged: "
+                                  f"its header promises {promised} bytes of data "
+                                  f"({'x'.join(map(str, shape)) or 'scalar'} {dtype}) but the "
+                                  f"archive holds {held}")
+            try:
+                fh.seek(0)
+                return np.lib.format.read_array(fh, allow_pickle=False)
+            except MemoryError:
+                raise _error(loc, f"not enough memory to load array '{name}' ({promised} "
+                                  f"bytes) from {self.what} file '{self.path}'") from None
+            except _READ_ERRORS as e:
+                raise _error(loc, f"cannot read array '{name}' of {self.what} file "
+                                  f"'{self.path}': {e}") from None
+
+    def _open(self, name: str, loc: Location):
+        try:
+            return self._zip.open(self._members[name])
+        except _READ_ERRORS as e:
+            raise _error(loc, f"cannot read array '{name}' of {self.what} file "
+                              f"'{self.path}': {e}") from None
+
+    def _header(self, fh, name: str, loc: Location) -> tuple[tuple[int, ...], np.dtype, int]:
+        """(shape, dtype, offset of the data) of the open member `fh`."""
+        fmt = np.lib.format
+        try:
+            if fh.read(len(fmt.MAGIC_PREFIX)) != fmt.MAGIC_PREFIX:
+                raise _error(loc, f"{self.what} file '{self.path}': member '{name}' is not a "
+                                  f"numpy array (.npy)")
+            fh.seek(0)
+            version = fmt.read_magic(fh)
+            # Versions 2.0 and 3.0 share the header layout (3.0 allows UTF-8 field names).
+            read_header = fmt.read_array_header_1_0 if version == (1, 0) \
+                else fmt.read_array_header_2_0
+            shape, _, dtype = read_header(fh)
+            offset = fh.tell()
+        except _READ_ERRORS as e:
+            raise _error(loc, f"cannot read array '{name}' of {self.what} file "
+                              f"'{self.path}': {e}") from None
+        if dtype.hasobject:
+            raise _error(loc, f"cannot read {self.what} file '{self.path}': array '{name}' "
+                              f"holds Python objects, which only unpickling could load "
+                              f"(mplower loads with allow_pickle=False)")
+        return tuple(shape), dtype, offset
+
+
+def _open_regular_file(path: Path, loc: Location, what: str):
+    """`path` opened for reading, refused at once unless it is a regular file: a FIFO or a
+    device would block the read or never end."""
     try:
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise _error(loc, f"{what} file '{path}' is not an .npz archive of named arrays")
-        with data:
-            return {k: data[k] for k in data.files}
+        # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise _error(loc, f"{what} file '{path}' does not exist") from None
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
-        raise _error(loc, f"cannot read {what} file '{path}': {e}") from None
+    except OSError as e:
+        raise _error(loc, f"cannot read {what} file '{path}': {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _error(loc, f"{what} file '{path}' is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_npz(path: Path, loc: Location, what: str = "weights") -> dict[str, np.ndarray]:
+    """All arrays of an .npz, in file order, read without pickle."""
+    with NpzArchive(path, loc, what) as archive:
+        return {name: archive.read(name, loc) for name in archive.names}
 
 
 def write_npz(path: Path, arrays: dict[str, np.ndarray], loc: Location) -> None:
@@ -70,30 +193,43 @@ def beside(output_path: str) -> Path:
 
 
 class WeightStore:
-    """A module's named constants, read on first use and checked against their declared shape."""
+    """A module's named constants, each read on first use, after its npy header has been
+    checked against the declared shape. The archive stays open while the store lives, so that
+    each constant costs one member's read, not another pass over the zip's directory."""
 
     def __init__(self, module: Module, override: str | None = None):
         self.module = module
         self.path = weights_file(module, override)
-        self._arrays: dict[str, np.ndarray] | None = None
+        self._archive: NpzArchive | None = None
+        self._arrays: dict[str, np.ndarray] = {}
 
-    def all(self, loc: Location) -> dict[str, np.ndarray]:
-        """Every array of the file (what a pass that rewrites some of them copies over)."""
+    def _open(self, loc: Location) -> NpzArchive:
         if self.path is None:
             raise _error(loc, "this constant needs weights, but the module has no mp.weights "
                               "attribute and no --weights was given")
-        if self._arrays is None:
-            self._arrays = read_npz(self.path, self.module.loc)
-        return self._arrays
+        if self._archive is None:
+            self._archive = NpzArchive(self.path, self.module.loc)
+        return self._archive
+
+    def all(self, loc: Location) -> dict[str, np.ndarray]:
+        """Every array of the file (what a pass that rewrites some of them copies over)."""
+        archive = self._open(loc)
+        return {name: self._read(archive, name, loc) for name in archive.names}
 
     def get(self, name: str, shape: tuple[int, ...], loc: Location) -> np.ndarray:
-        arrays = self.all(loc)
-        arr = arrays.get(name)
-        if arr is None:
+        archive = self._open(loc)
+        if name not in archive:
             raise _error(loc, f"weight '{name}' is missing from {self.path}")
-        if tuple(arr.shape) != tuple(shape):
-            raise _error(loc, f"weight '{name}' has shape {list(arr.shape)} in {self.path} but "
+        have, dtype = archive.header(name, loc)
+        if have != tuple(shape):
+            raise _error(loc, f"weight '{name}' has shape {list(have)} in {self.path} but "
                               f"the IR declares {list(shape)}")
-        if arr.dtype.kind not in "fiub":
-            raise _error(loc, f"weight '{name}' has dtype {arr.dtype}, which holds no numbers")
+        if dtype.kind not in "fiub":
+            raise _error(loc, f"weight '{name}' has dtype {dtype}, which holds no numbers")
+        return self._read(archive, name, loc)
+
+    def _read(self, archive: NpzArchive, name: str, loc: Location) -> np.ndarray:
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._arrays[name] = archive.read(name, loc)
         return arr

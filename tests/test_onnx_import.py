@@ -6,6 +6,9 @@ backend node tests are in test_onnx_conformance.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -325,3 +328,155 @@ def test_batchnorm_folding_leaves_weights_shared_with_another_conv_alone():
     x = _rng.normal(size=(1, 3, 4, 4)).astype(np.float32)
     np.testing.assert_allclose(run_mplower(model, {"x": x})[0], run_ort(model, {"x": x})[0],
                                rtol=1e-5, atol=1e-6)
+
+
+# ---- models that lie about their shapes, their values' producers or their files ----------------
+
+
+def assert_import_error(r, path: Path, message: str) -> None:
+    assert r.rc == 1, r.err
+    assert "Traceback" not in r.err and "internal error" not in r.err
+    assert f"{path}: error: {message}" in r.err, r.err
+
+
+@pytest.mark.parametrize("dims", [[-5, 4], [2, -5]])
+def test_negative_input_dimension_is_refused_at_import(tmp_path, cli, dims):
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", dims)],
+                       [vi("y", dims)])
+    path = save(model, tmp_path / "neg.onnx")
+    r = cli("import", path, "-o", tmp_path / "neg.ir")
+    k = dims.index(-5)
+    assert_import_error(r, path, f"input 'x' has a negative dimension {k} (-5); ONNX "
+                                 f"dimensions are >= 0")
+    assert not (tmp_path / "neg.ir").exists()
+
+
+def test_initializer_with_a_negative_dimension_is_refused(tmp_path, cli):
+    w = TensorProto(name="w", data_type=F, dims=[-1, 4],
+                    raw_data=np.ones(4, np.float32).tobytes())
+    model = make_model([helper.make_node("Add", ["x", "w"], ["y"])], [vi("x", [1, 4])],
+                       [vi("y", [1, 4])], [w])
+    path = save(model, tmp_path / "w.onnx")
+    assert_import_error(cli("import", path, "-o", tmp_path / "w.ir"), path,
+                        "tensor 'w' has negative dimensions [-1, 4]; ONNX dimensions are >= 0")
+
+
+def test_computed_negative_shapes_for_reshape_and_constant_of_shape_are_refused():
+    # Neg computes the shape at import time, where ONNX's shape inference cannot see it.
+    shape = init("s", np.array([2, 3], np.int64))
+    model = make_model([helper.make_node("Neg", ["s"], ["ns"]),
+                        helper.make_node("Reshape", ["x", "ns"], ["y"], name="r")],
+                       [vi("x", [2, 3])], [vi("y", None)], [shape])
+    with pytest.raises(DiagnosticError, match=r"node 'r' \(Reshape\): target shape \[-2, -3\] "
+                                              r"has a negative dimension other than -1"):
+        import_model(model, "r.onnx")
+    model = make_model([helper.make_node("Neg", ["s"], ["ns"]),
+                        helper.make_node("ConstantOfShape", ["ns"], ["c"], name="c"),
+                        helper.make_node("Add", ["x", "c"], ["y"])],
+                       [vi("x", [1])], [vi("y", None)], [shape])
+    with pytest.raises(DiagnosticError, match=r"node 'c' \(ConstantOfShape\): shape \[-2, -3\] "
+                                              r"has a negative dimension"):
+        import_model(model, "c.onnx")
+
+
+def test_constant_of_shape_too_large_for_memory_names_the_node(tmp_path, cli):
+    shape = init("s", np.array([2 ** 40], np.int64))  # 4 TiB of float32
+    model = make_model([helper.make_node("ConstantOfShape", ["s"], ["c"], name="fill"),
+                        helper.make_node("Add", ["x", "c"], ["y"])],
+                       [vi("x", [1])], [vi("y", None)], [shape])
+    path = save(model, tmp_path / "big.onnx")
+    assert_import_error(cli("import", path, "-o", tmp_path / "big.ir"), path,
+                        "node 'fill' (ConstantOfShape): not enough memory for a tensor of shape "
+                        "[1099511627776] (1099511627776 elements)")
+
+
+def test_two_nodes_writing_one_value_is_refused_naming_both(tmp_path, cli):
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="first"),
+                        helper.make_node("Neg", ["x"], ["y"], name="second")],
+                       [vi("x", [2, 4])], [vi("y", [2, 4])])
+    path = save(model, tmp_path / "dup.onnx")
+    assert_import_error(cli("import", path, "-o", tmp_path / "dup.ir"), path,
+                        "node 'second' (#1, Neg) writes 'y', which is already written by node "
+                        "'first' (#0, Relu); a value must have one producer")
+    assert not (tmp_path / "dup.ir").exists()
+
+
+@pytest.mark.parametrize("shadowed, what", [("x", "a graph input"), ("w", "an initializer")])
+def test_node_output_shadowing_an_input_or_initializer_is_refused(shadowed, what):
+    model = make_model([helper.make_node("Relu", ["x"], [shadowed], name="r"),
+                        helper.make_node("Add", ["x", "w"], ["y"])],
+                       [vi("x", [4])], [vi("y", [4])], [init("w", np.zeros(4, np.float32))])
+    with pytest.raises(DiagnosticError, match=rf"node 'r' \(#0, Relu\) writes '{shadowed}', "
+                                              rf"which is already {what}; a value must have "
+                                              rf"one producer"):
+        import_model(model, "s.onnx")
+
+
+def _external(model: onnx.ModelProto, location: str) -> onnx.ModelProto:
+    w = model.graph.initializer[0]
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    del w.external_data[:]
+    w.external_data.add(key="location", value=location)
+    return model
+
+
+def _add_w_model() -> onnx.ModelProto:
+    return make_model([helper.make_node("Add", ["x", "w"], ["y"])], [vi("x", [4])],
+                      [vi("y", [4])], [init("w", np.zeros(4, np.float32))])
+
+
+def test_external_data_location_with_a_nul_byte_is_refused(tmp_path, cli):
+    (tmp_path / "w.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    path = save(_external(_add_w_model(), "w.bin\0../../etc/passwd"), tmp_path / "m.onnx")
+    assert_import_error(cli("import", path, "-o", tmp_path / "m.ir"), path,
+                        "tensor 'w' keeps its data in 'w.bin\\x00../../etc/passwd', whose name "
+                        "holds a NUL byte; refusing to read it")
+
+
+@pytest.mark.parametrize("location", ["/etc/passwd", "sub/../../secret.bin", "link.bin"])
+def test_external_data_escaping_the_model_folder_is_refused(tmp_path, location):
+    (tmp_path / "secret.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    folder = tmp_path / "models"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "link.bin").symlink_to(tmp_path / "secret.bin")
+    path = save(_external(_add_w_model(), location), folder / "m.onnx")
+    with pytest.raises(DiagnosticError, match=rf"tensor 'w' keeps its data in '{location}', "
+                                              rf"outside the model's folder"):
+        load_model(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_as_model_or_external_data_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "w.bin")
+    path = save(_external(_add_w_model(), "w.bin"), tmp_path / "m.onnx")
+    os.mkfifo(tmp_path / "pipe.onnx")
+    # In a child process: a read that blocks (the bug) fails the test instead of hanging it.
+    external = "tensor 'w': external data file 'w.bin' is not a regular file"
+    for model, message in ((path, external),
+                           (tmp_path / "pipe.onnx", "cannot read model: not a regular file")):
+        r = subprocess.run([sys.executable, "-m", "mplower", "import", str(model), "-o",
+                            str(tmp_path / "m.ir")], check=False, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 1, r.stderr
+        assert f"{model}: error: {message}" in r.stderr
+
+
+def test_memory_error_reading_a_tensor_names_the_model_and_the_tensor(tmp_path, cli,
+                                                                      monkeypatch):
+    import onnx.external_data_helper
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    model = _add_w_model()
+    path = save(model, tmp_path / "m.onnx")
+    monkeypatch.setattr(numpy_helper, "to_array", out_of_memory)
+    assert_import_error(cli("import", path, "-o", tmp_path / "m.ir"), path,
+                        "not enough memory to read tensor 'w' [4]")
+    (tmp_path / "w.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    path = save(_external(model, "w.bin"), tmp_path / "ext.onnx")
+    monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_tensor",
+                        out_of_memory)
+    assert_import_error(cli("import", path, "-o", tmp_path / "m.ir"), path,
+                        "tensor 'w': not enough memory to read its external data 'w.bin'")

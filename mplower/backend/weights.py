@@ -15,7 +15,7 @@ import numpy as np
 from mplower.ir.diagnostics import UNKNOWN, Diagnostic, DiagnosticError, Location
 from mplower.ir.types import TensorType
 from mplower.numerics.formats import FORMATS
-from mplower.weights_io import WeightStore, read_npz
+from mplower.weights_io import NpzArchive, WeightStore
 
 
 def _error(loc: Location, message: str) -> DiagnosticError:
@@ -46,20 +46,22 @@ def check_values(what: str, arr: np.ndarray, elem: str, loc: Location) -> None:
 def load_inputs(path: str, names: list[str], types: list[TensorType],
                 locs: list[Location]) -> list[np.ndarray]:
     """The function's arguments from an .npz keyed by argument name, each checked against its
-    declared type; a problem is reported at the argument (`locs`) and names the file."""
-    arrays = read_npz(Path(path), Location(path, 0, 0), "inputs")
+    declared type; a problem is reported at the argument (`locs`) and names the file. Only the
+    arguments' arrays are read, each after its header matched the argument's shape."""
     out = []
-    for name, t, loc in zip(names, types, locs, strict=True):
-        if name not in arrays:
-            have = ", ".join(sorted(arrays)) or "none"
-            raise _error(loc, f"input '{name}' is missing from {path} (it has: {have})")
-        arr = arrays[name]
-        if tuple(arr.shape) != t.shape:
-            raise _error(loc, f"input '{name}' in {path} has shape {list(arr.shape)} but the "
-                              f"function takes {list(t.shape)}")
-        check_values(f"input '{name}' in {path}", arr, t.elem, loc)
-        check_finite(f"input '{name}' in {path}", arr, loc)
-        out.append(arr)
+    with NpzArchive(Path(path), Location(path, 0, 0), "inputs") as archive:
+        for name, t, loc in zip(names, types, locs, strict=True):
+            if name not in archive:
+                have = ", ".join(sorted(archive.names)) or "none"
+                raise _error(loc, f"input '{name}' is missing from {path} (it has: {have})")
+            shape, _ = archive.header(name, loc)
+            if shape != t.shape:
+                raise _error(loc, f"input '{name}' in {path} has shape {list(shape)} but the "
+                                  f"function takes {list(t.shape)}")
+            arr = archive.read(name, loc)
+            check_values(f"input '{name}' in {path}", arr, t.elem, loc)
+            check_finite(f"input '{name}' in {path}", arr, loc)
+            out.append(arr)
     return out
 
 

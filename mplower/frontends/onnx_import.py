@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import numpy as np
@@ -111,6 +112,8 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     path = Path(path)
     loc = Location(str(path), 0, 0)
     try:
+        if not S_ISREG(path.stat().st_mode):  # a FIFO would block the read, a device never end
+            raise DiagnosticError.at(loc, "cannot read model: not a regular file")
         model = onnx.load(str(path), load_external_data=False)
     except FileNotFoundError:
         raise DiagnosticError.at(loc, "cannot read model: no such file") from None
@@ -131,18 +134,27 @@ def _load_external_data(model: onnx.ModelProto, base: Path, loc: Location) -> No
             continue
         info = {e.key: e.value for e in t.external_data}
         rel = info.get("location", "")
+        if "\0" in rel:  # no path can hold one; the OS would refuse it with a bare ValueError
+            raise DiagnosticError.at(loc, f"tensor '{t.name}' keeps its data in {rel!r}, whose "
+                                          f"name holds a NUL byte; refusing to read it")
         target = (base / rel).resolve()
         if not rel or Path(rel).is_absolute() or not target.is_relative_to(base):
             raise DiagnosticError.at(loc, f"tensor '{t.name}' keeps its data in '{rel}', "
                                           f"outside the model's folder {base}; refusing to read it")
-        if not target.is_file():
+        if not target.exists():
             raise DiagnosticError.at(loc, f"tensor '{t.name}': external data file '{rel}' "
                                           f"does not exist")
+        if not target.is_file():  # a FIFO or a device would block the read or never end
+            raise DiagnosticError.at(loc, f"tensor '{t.name}': external data file '{rel}' "
+                                          f"is not a regular file")
         try:
             load_external_data_for_tensor(t, str(base))
         except (OSError, ValueError) as e:
             raise DiagnosticError.at(loc, f"tensor '{t.name}': cannot read external data "
                                           f"'{rel}': {e}") from None
+        except MemoryError:
+            raise DiagnosticError.at(loc, f"tensor '{t.name}': not enough memory to read its "
+                                          f"external data '{rel}'") from None
         t.data_location = TensorProto.DEFAULT
         del t.external_data[:]
 
@@ -238,6 +250,7 @@ class _Importer:
     def run(self) -> Imported:
         g = self.model.graph
         self.opset = self._opset()
+        self._check_single_assignment()
         nodes = self._pruned_nodes()
         bad = unsupported_ops(g)
         if bad:
@@ -293,6 +306,24 @@ class _Importer:
             raise DiagnosticError.at(self.loc, f"the model uses ai.onnx opset {version}; mplower "
                                                f"imports opsets {MIN_OPSET} to {MAX_OPSET}")
         return version
+
+    def _check_single_assignment(self) -> None:
+        """Every value has one producer. Pruning and the walk look values up by name, so a
+        second writer would silently replace the first (ONNX's checker says so too, but only
+        after pruning has already dropped one of them)."""
+        g = self.model.graph
+        written: dict[str, str] = {i.name: "a graph input" for i in g.input}
+        written.update((t.name, "an initializer") for t in g.initializer)
+        for index, node in enumerate(g.node):
+            for name in node.output:
+                if not name:
+                    continue  # an optional output left out
+                here = f"node '{node.name or node.output[0]}' (#{index}, {op_key(node)})"
+                if name in written:
+                    raise DiagnosticError.at(self.loc, f"{here} writes '{name}', which is "
+                                                       f"already {written[name]}; a value must "
+                                                       f"have one producer")
+                written[name] = f"written by {here}"
 
     def _pruned_nodes(self) -> list[onnx.NodeProto]:
         g = self.model.graph
@@ -373,6 +404,11 @@ class _Importer:
                                                    f"with --input-shape {vi.name}=DxDx...")
             return tuple(given)
         dims = list(tt.shape.dim)
+        for k, d in enumerate(dims):
+            if d.HasField("dim_value") and d.dim_value < 0:
+                raise DiagnosticError.at(self.loc, f"input '{vi.name}' has a negative dimension "
+                                                   f"{k} ({d.dim_value}); ONNX dimensions are "
+                                                   f">= 0")
         if given is not None:
             if len(given) != len(dims):
                 raise DiagnosticError.at(self.loc, f"--input-shape {vi.name} has rank "
@@ -439,10 +475,16 @@ class _Importer:
         if t.data_type == TensorProto.STRING:
             raise DiagnosticError.at(self.loc, f"tensor '{t.name}' holds strings; mplower "
                                                f"imports numeric tensors only")
+        if any(d < 0 for d in t.dims):  # numpy would read -1 as "whatever is left"
+            raise DiagnosticError.at(self.loc, f"tensor '{t.name}' has negative dimensions "
+                                               f"{list(t.dims)}; ONNX dimensions are >= 0")
         try:
             return numpy_helper.to_array(t)
         except (ValueError, TypeError, KeyError) as e:
             raise DiagnosticError.at(self.loc, f"cannot read tensor '{t.name}': {e}") from None
+        except MemoryError:
+            raise DiagnosticError.at(self.loc, f"not enough memory to read tensor "
+                                               f"'{t.name}' {list(t.dims)}") from None
 
     def input(self, i: int) -> Const | Run | None:
         node = self.node
@@ -803,7 +845,14 @@ def _constant_of_shape(imp: _Importer, node: onnx.NodeProto) -> list:
 def _fill(imp: _Importer, node: onnx.NodeProto, shape: np.ndarray) -> np.ndarray:
     a = _attrs(node)
     value = imp._tensor_array(a["value"]) if "value" in a else np.zeros(1, np.float32)
-    return np.full(tuple(int(d) for d in shape), value.reshape(-1)[0], value.dtype)
+    dims = tuple(int(d) for d in np.reshape(shape, -1))
+    if any(d < 0 for d in dims):
+        raise imp.error(f"shape {list(dims)} has a negative dimension")
+    try:
+        return np.full(dims, value.reshape(-1)[0], value.dtype)
+    except MemoryError:
+        raise imp.error(f"not enough memory for a tensor of shape {list(dims)} "
+                        f"({math.prod(dims)} elements)") from None
 
 
 _FAST_FOLD: dict[str, Callable[[_Importer, onnx.NodeProto, list], list[np.ndarray]]] = {
@@ -1276,6 +1325,8 @@ def _reshape(imp: _Importer, node: onnx.NodeProto) -> list:
                 raise imp.error(f"target shape {target} copies dimension {k}, which the input "
                                 f"{x.type} lacks")
             shape[k] = x.type.shape[k]
+    if any(d < -1 for d in shape):
+        raise imp.error(f"target shape {target} has a negative dimension other than -1")
     if shape.count(-1) > 1:
         raise imp.error(f"target shape {target} has more than one -1")
     if -1 in shape:
