@@ -5,7 +5,9 @@ A pass is a dataclass whose fields are its options and whose docstring is its do
 docs/passes.md are generated from. Built-in passes live in the `mplower.passes` package; other
 packages add theirs through the entry-point group `mplower.passes`. Pipelines are written as in
 mlir-opt: `name{opt=val other=val},name2`. The manager verifies after each pass, times each
-pass, prints IR before/after passes on request and collects per-pass statistics.
+pass, prints IR before/after passes on request and collects per-pass statistics. At the end
+of a run it points the module's file attributes (`mp.weights`, `mp.policy`, `mp.target`) at
+the files the run used, from the folder the module is written to (`place_module_files`).
 """
 
 from __future__ import annotations
@@ -381,9 +383,12 @@ def place_module_files(module: Module, ctx: PassContext, named: dict[str, Any]) 
         value = module.attrs.get(attr)
         if not isinstance(value, str) or (attr != "mp.weights" and not names_a_file(value)):
             continue  # absent, or a built-in sheet's name
+        changed = value != named[attr]  # a pass recorded it from a name on the command line
+        if out is None and not changed:
+            continue  # printed, the module stays in its input's folder: nothing moves
         if attr == "mp.weights" and ctx.weights_path is not None:
             path = Path(ctx.weights_path).resolve()
-        elif value != named[attr]:  # a pass recorded it from a name on the command line
+        elif changed:
             path = module_folder(module) / value
         else:
             try:

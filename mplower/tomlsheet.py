@@ -7,7 +7,9 @@ the source once and records where each key (and each table header) was written; 
 checkers then ask for the location of a key path such as `("override", 1, "compute")`, or of
 one string inside a key's value (an op name in a list). The scan understands what these
 sheets use (tables, arrays of tables, dotted and quoted keys, one-line inline tables) and
-falls back to the nearest enclosing key it knows for anything else.
+falls back to the nearest enclosing key it knows for anything else. Numbers are checked
+against per-field `Bounds` (NaN, inf and integers beyond a float are refused like any value out
+of range), and `locate` confines a sheet that a module names to the module's folder.
 """
 
 from __future__ import annotations

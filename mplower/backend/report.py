@@ -3,8 +3,10 @@
 Schema (DESIGN §6; docs/report.md): `summary` with op and fallback counts, overflow/underflow/
 NaN totals, the outputs' drift against the fp32 reference (rel_l2, max_abs, SQNR), guardrails
 and a verdict; `ops`, one entry per executed op. Guardrails come from the module's policy
-sheet (`mp.policy`, recorded by assign-precision) or from the command line; non-finite figures
-(an op that overflowed to inf) are written as null in JSON.
+sheet (`mp.policy`, recorded by assign-precision) or from the command line. Drift leaves out
+positions where result and reference hold the same inf/NaN (an attention mask) and counts every
+other non-finite position as a `nonfinite_mismatch` (executor.drift); non-finite figures (an op
+that overflowed to inf) are written as null, so the JSON is strict.
 """
 
 from __future__ import annotations
