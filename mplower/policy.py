@@ -109,7 +109,7 @@ class Policy:
     keep_first_last: bool
     overrides: tuple[Override, ...]
     guardrails: dict[str, float] = field(hash=False)
-    source: str = ""  # the sheet's path, or "builtin:NAME"
+    source: str = ""  # the sheet's absolute path, or "builtin:NAME"
     description: str = ""
 
     def decide(self, op: str, result_name: str, inputs_lowered: bool,

@@ -133,7 +133,7 @@ class Target:
     formats: Mapping[str, FormatPeak]
     ops: Mapping[str, KernelSet]  # ops listed in a [[kernels]] group
     default: KernelSet  # every other op
-    source: str  # the sheet's path, or "builtin:NAME"
+    source: str  # the sheet's absolute path, or "builtin:NAME"
 
     def kernels(self, op: str, fmt: str) -> frozenset[str]:
         """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
