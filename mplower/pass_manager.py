@@ -5,7 +5,9 @@ A pass is a dataclass whose fields are its options and whose docstring is its do
 docs/passes.md are generated from. Built-in passes live in the `mplower.passes` package; other
 packages add theirs through the entry-point group `mplower.passes`. Pipelines are written as in
 mlir-opt: `name{opt=val other=val},name2`. The manager verifies after each pass, times each
-pass, prints IR before/after passes on request and collects per-pass statistics.
+pass, prints IR before/after passes on request and collects per-pass statistics. At the end
+of a run it points the module's file attributes (`mp.weights`, `mp.policy`, `mp.target`) at
+the files the run used, from the folder the module is written to (`place_module_files`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
 from mplower.ir.diagnostics import did_you_mean
@@ -285,6 +288,7 @@ class PassManager:
         inst = self.instrumentation
         out = inst.stream or sys.stderr
         ctx = ctx or PassContext()
+        named = {a: module.attrs.get(a) for a in FILE_ATTRS}  # as the (untrusted) input has them
         for p in self.passes:
             if inst.print_before_all or p.name in inst.print_before:
                 out.write(f"// -----// IR Dump Before {describe_pass(p)} //----- //\n")
@@ -304,6 +308,7 @@ class PassManager:
             if inst.print_after_all or p.name in inst.print_after:
                 out.write(f"// -----// IR Dump After {describe_pass(p)} //----- //\n")
                 out.write(print_module(module, inst.generic))
+        place_module_files(module, ctx, named)
 
 
 def format_timing(rows: list[tuple[str, float]]) -> str:
@@ -349,3 +354,77 @@ def pass_options(cls: type[Pass]) -> list[tuple[str, str, Any, str]]:
         tname = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
         rows.append((f.name, tname, default, f.metadata.get("help", "")))
     return rows
+
+
+# Module attributes that name a file relative to the module's IR file (mplower.fileio), and the
+# suffix of the copy written beside `-o` when the file is outside the output's folder.
+FILE_ATTRS = {"mp.weights": ".npz", "mp.policy": ".policy.toml", "mp.target": ".target.toml"}
+
+
+def place_module_files(module: Module, ctx: PassContext, named: dict[str, Any]) -> None:
+    """Point the module's file attributes at the files this run used, from the folder the module
+    is written to (`ctx.output_path`'s; printed, its input's), so that it runs from there.
+
+    A file inside that folder is recorded relative to it; one outside is copied beside the
+    output as `<stem>.npz`, `<stem>.policy.toml`, `<stem>.target.toml` (a sheet keeps its
+    name), because the lowered module may not name a file outside its folder. The files used
+    are the ones the user named (`--weights`, a pass's `policy=` / `target=`), the weights a
+    pass wrote, and the ones the input names inside its own folder. A value the input carried
+    that leaves its folder or names no file is left as written and never read: an IR file
+    must not make mplower copy a file from outside the model's folder.
+    """
+    from mplower.fileio import module_folder, module_relative, path_from
+    from mplower.ir.diagnostics import DiagnosticError
+    from mplower.tomlsheet import names_a_file
+
+    out = Path(ctx.output_path).resolve() if ctx.output_path is not None else None
+    folder = out.parent if out is not None else module_folder(module)
+    for attr, suffix in FILE_ATTRS.items():
+        value = module.attrs.get(attr)
+        if not isinstance(value, str) or (attr != "mp.weights" and not names_a_file(value)):
+            continue  # absent, or a built-in sheet's name
+        changed = value != named[attr]  # a pass recorded it from a name on the command line
+        if out is None and not changed:
+            continue  # printed, the module stays in its input's folder: nothing moves
+        if attr == "mp.weights" and ctx.weights_path is not None:
+            path = Path(ctx.weights_path).resolve()
+        elif changed:
+            path = module_folder(module) / value
+        else:
+            try:
+                path = module_relative(module, attr, value, "")
+            except DiagnosticError:
+                continue
+        if not path.is_file():
+            continue
+        if out is not None and not path.resolve().is_relative_to(folder):
+            copy = out.with_name(out.stem + suffix)
+            _copy_file(path, copy, attr[len("mp."):])
+            path = copy
+        module.attrs[attr] = path_from(folder, path)
+
+
+def _copy_file(source: Path, dest: Path, kind: str) -> None:
+    """Copy `source` to `dest` atomically. A policy or target sheet without a `name` gets its
+    file stem as its name, so that the copy shows the same name in reports."""
+    import contextlib
+    import shutil
+
+    from mplower.fileio import atomic_output
+    from mplower.ir.diagnostics import DiagnosticError, Location
+    from mplower.tomlsheet import Sheet
+
+    try:
+        if kind == "weights":
+            with open(source, "rb") as src, atomic_output(dest, "wb") as fh:
+                shutil.copyfileobj(src, fh)
+            return
+        data = source.read_bytes()
+        with contextlib.suppress(DiagnosticError, UnicodeDecodeError):  # then copied as it is
+            data = Sheet.parse(data.decode("utf-8"), str(source)).named(kind, source.stem
+                                                                         ).encode("utf-8")
+        with atomic_output(dest, "wb") as fh:
+            fh.write(data)
+    except OSError as e:
+        raise DiagnosticError.at(Location(str(dest), 0, 0),
+                                 f"cannot copy {source} here: {e.strerror or e}") from None

@@ -17,9 +17,10 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from mplower.ir.graph import Module
 from mplower.numerics.formats import FORMATS, width_rank
 from mplower.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
-from mplower.tomlsheet import KeyPath, Sheet, locate
+from mplower.tomlsheet import Bounds, KeyPath, Sheet, locate
 from mplower.tomlsheet import builtin_names as _builtin_names
 
 # The ops keep_first_last counts: the first and last of these in a function stay f32.
@@ -27,6 +28,15 @@ COMPUTE_HEAVY = frozenset({"mp.matmul", "mp.conv2d"})
 # Ops whose Decision carries an accumulator; every other op gets accum None.
 ACCUMULATING = frozenset({"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"})
 GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "min_top1_agreement")
+# What a guardrail limit may be (docs/policy.md): a relative error beyond 1000 or an SQNR beyond
+# 1000 dB means nothing (f64 itself reaches ~320 dB), a count of overflowed values must be
+# exact in a float (2^53), an agreement is a fraction.
+GUARDRAIL_BOUNDS = {
+    "max_rel_l2": Bounds(0, 1e3),
+    "min_sqnr_db": Bounds(0, 1e3, " dB"),
+    "max_overflow": Bounds(0, 2 ** 53, " values"),
+    "min_top1_agreement": Bounds(0, 1),
+}
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
 
 # Reason strings of Decision (docs/policy.md); follow and override reasons carry a detail.
@@ -99,7 +109,7 @@ class Policy:
     keep_first_last: bool
     overrides: tuple[Override, ...]
     guardrails: dict[str, float] = field(hash=False)
-    source: str = ""  # the sheet's path, or "builtin:NAME"
+    source: str = ""  # the sheet's absolute path, or "builtin:NAME"
     description: str = ""
 
     def decide(self, op: str, result_name: str, inputs_lowered: bool,
@@ -153,14 +163,17 @@ def builtin_policies() -> list[str]:
     return _builtin_names(_BUILTIN_DIR)
 
 
-def load_policy(spec: str, *, search_dir: str | Path | None = None,
+def load_policy(spec: str, *, module: Module | None = None,
                 known_ops: Collection[str] | None = None) -> Policy:
     """Load a built-in policy by name or a policy sheet by path (see docs/policy.md).
 
-    `known_ops`, when given, is checked against every op name in the sheet. Every problem is
-    a DiagnosticError located in the sheet.
+    `module`: the spec is that module's `mp.policy`, so a path is relative to its IR file's
+    folder and may not leave it; without it the spec was named by the user, relative to the
+    current folder. `known_ops`, when given, is checked against every op name in the sheet.
+    Every problem is a DiagnosticError located in the sheet.
     """
-    path, source = locate(spec, "policy", _BUILTIN_DIR, search_dir)
+    path, source = locate(spec, "policy", _BUILTIN_DIR, module,
+                          "give its guardrails with --guardrail KEY=VALUE instead")
     return _parse(Sheet.read(path), path.stem, source, known_ops)
 
 
@@ -206,7 +219,7 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         keep_first_last=sheet.boolean(head, ("policy", "keep_first_last"), False),
         overrides=tuple(_override(sheet, o, ("override", i), known_ops)
                         for i, o in enumerate(sheet.tables(data, ("override",)))),
-        guardrails={k: sheet.number(guardrails_table, ("guardrails", k))
+        guardrails={k: sheet.number(guardrails_table, ("guardrails", k), GUARDRAIL_BOUNDS[k])
                     for k in guardrails_table},
         source=source,
         description=sheet.string(head, ("policy", "description"), ""),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -112,10 +113,20 @@ def _cells(row: dict[str, Any]) -> list[str]:
     return out
 
 
+def _strict(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return value
+
+
 def render(sheet: dict[str, Any], fmt: str) -> str:
     s = sheet["summary"]
-    if fmt == "json":
-        return json.dumps(sheet, indent=2) + "\n"
+    if fmt == "json":  # strict JSON: an infinite figure (no ops to time) is null
+        return json.dumps(_strict(sheet), indent=2, allow_nan=False) + "\n"
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")

@@ -25,13 +25,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from mplower.ir.verifier import verify
     from mplower.ops import OPS
     from mplower.report import precision_sheet, render
-    from mplower.target import load_target
+    from mplower.target import module_target
 
     text, name = read_input(args.input)
     args._source = text
     module = parse(text, name)
     verify(module)
-    target = load_target(args.target or module.attrs.get("mp.target", "generic"), known_ops=OPS)
+    target = module_target(module, args.target, known_ops=OPS)
     try:
         sheet = precision_sheet(module, target, args.func)
     except KeyError as e:

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.graph import Module
 from mplower.numerics.formats import FORMATS
-from mplower.tomlsheet import KeyPath, Sheet, format_problem, locate
+from mplower.tomlsheet import Bounds, KeyPath, Sheet, format_problem, locate
 from mplower.tomlsheet import builtin_names as _builtin_names
 
 # Kernel kinds, as written in `mp.kernel`. The structured kinds name the pattern their data
@@ -131,7 +133,7 @@ class Target:
     formats: Mapping[str, FormatPeak]
     ops: Mapping[str, KernelSet]  # ops listed in a [[kernels]] group
     default: KernelSet  # every other op
-    source: str  # the sheet's path, or "builtin:NAME"
+    source: str  # the sheet's absolute path, or "builtin:NAME"
 
     def kernels(self, op: str, fmt: str) -> frozenset[str]:
         """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
@@ -216,19 +218,42 @@ def builtin_targets() -> list[str]:
     return _builtin_names(_BUILTIN_DIR)
 
 
-def load_target(spec: str, *, search_dir: str | Path | None = None,
+def load_target(spec: str, *, module: Module | None = None,
                 known_ops: Collection[str] | None = None) -> Target:
     """Load a built-in target by name or a target sheet by path (see docs/targets.md).
 
-    `known_ops`, when given, is checked against every op name in the sheet. Every problem is
-    a DiagnosticError located in the sheet.
+    `module`: the spec is that module's `mp.target`, so a path is relative to its IR file's
+    folder and may not leave it; without it the spec was named by the user, relative to the
+    current folder. `known_ops`, when given, is checked against every op name in the sheet.
+    Every problem is a DiagnosticError located in the sheet.
     """
-    path, source = locate(spec, "target", _BUILTIN_DIR, search_dir)
+    path, source = locate(spec, "target", _BUILTIN_DIR, module,
+                          "pass --target to use it deliberately")
     return _parse(Sheet.read(path), path.stem, source, known_ops)
+
+
+def module_target(module: Module, named: str | None,
+                  known_ops: Collection[str] | None = None) -> Target:
+    """The target to price `module` on: `named` on the command line, else the module's
+    `mp.target` (recorded by legalize / lower-sparse), else generic."""
+    if named is not None:
+        return load_target(named, known_ops=known_ops)
+    recorded = module.attrs.get("mp.target")
+    if recorded is None:
+        return load_target("generic", known_ops=known_ops)
+    if not isinstance(recorded, str):
+        raise DiagnosticError.at(module.loc, "module attribute mp.target must be a string")
+    return load_target(recorded, module=module, known_ops=known_ops)
 
 
 _TOP_KEYS = ("target", "formats", "kernels", "default")
 _TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s")
+# Sane figures for a machine (docs/targets.md): today's fastest parts are near 1e16 FLOP/s and
+# 1e13 bytes/s, so these leave room for decades and keep every modeled time finite and
+# non-zero; below 1 FLOP/s or 1 byte/s is a typo for a unit.
+PEAK_BOUNDS = Bounds(1, 1e21, " FLOP/s")
+BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
+OVERHEAD_BOUNDS = Bounds(0, 1, " s")
 _PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
@@ -262,8 +287,8 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
     return Target(
         name=sheet.string(head, ("target", "name"), stem),
         description=sheet.string(head, ("target", "description"), ""),
-        bandwidth=sheet.number(head, ("target", "bandwidth"), required=True, positive=True),
-        overhead_s=sheet.number(head, ("target", "overhead_s"), 0.0),
+        bandwidth=sheet.number(head, ("target", "bandwidth"), BANDWIDTH_BOUNDS, required=True),
+        overhead_s=sheet.number(head, ("target", "overhead_s"), OVERHEAD_BOUNDS, 0.0),
         formats=formats,
         ops=ops,
         default=_kernel_set(sheet, default, ("default",), formats),
@@ -278,7 +303,7 @@ def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:
     if not isinstance(entry, dict):
         raise sheet.error(kp, f"'formats.{fmt}' must be a table")
     sheet.check_keys(entry, kp, _PEAK_KEYS)
-    sparse = sheet.number(entry, (*kp, "sparse"), positive=True)
+    sparse = sheet.number(entry, (*kp, "sparse"), PEAK_BOUNDS)
     pattern = sheet.string(entry, (*kp, "sparse_pattern"), "2:4")
     sheet.choice(pattern, (*kp, "sparse_pattern"), STRUCTURED_KERNEL, "sparse pattern")
     if "sparse_pattern" in entry and sparse is None:
@@ -292,10 +317,10 @@ def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:
     if base not in accum:
         raise sheet.error((*kp, "accum"), f"the accumulators of {fmt} must include {base}")
     return FormatPeak(
-        dense=sheet.number(entry, (*kp, "dense"), required=True, positive=True),
+        dense=sheet.number(entry, (*kp, "dense"), PEAK_BOUNDS, required=True),
         sparse=sparse,
         sparse_pattern=pattern,
-        csr=sheet.number(entry, (*kp, "csr"), positive=True),
+        csr=sheet.number(entry, (*kp, "csr"), PEAK_BOUNDS),
         accum=accum,
     )
 

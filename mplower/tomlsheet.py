@@ -7,12 +7,15 @@ the source once and records where each key (and each table header) was written; 
 checkers then ask for the location of a key path such as `("override", 1, "compute")`, or of
 one string inside a key's value (an op name in a list). The scan understands what these
 sheets use (tables, arrays of tables, dotted and quoted keys, one-line inline tables) and
-falls back to the nearest enclosing key it knows for anything else.
+falls back to the nearest enclosing key it knows for anything else. Numbers are checked
+against per-field `Bounds` (NaN, inf and integers beyond a float are refused like any value out
+of range), and `locate` confines a sheet that a module names to the module's folder.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import re
 import tomllib
 from collections.abc import Collection
@@ -20,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mplower.fileio import module_relative
 from mplower.ir.diagnostics import DiagnosticError, Location, did_you_mean
+from mplower.ir.graph import Module
 from mplower.numerics.formats import FORMATS
 
 KeyPath = tuple[str | int, ...]
@@ -70,6 +75,19 @@ class Sheet:
         except UnicodeDecodeError:
             raise DiagnosticError.at(where, "not UTF-8 text") from None
         return cls.parse(text, str(path))
+
+    def named(self, table: str, name: str) -> str:
+        """The sheet's text with `name = "NAME"` in its `[table]` when the table sets none
+        (and is written as a `[table]` header, the form every sheet uses)."""
+        off = self._offsets.get((table,))
+        if "name" in self.data.get(table, {}) or off is None:
+            return self.text
+        line_start = self._line_starts[bisect.bisect_right(self._line_starts, off) - 1]
+        line_end = self.text.find("\n", off)
+        if line_end < 0 or not _TABLE_HEADER.match(self.text[line_start:line_end]):
+            return self.text
+        quoted = name.replace("\\", "\\\\").replace('"', '\\"')
+        return f'{self.text[:line_end + 1]}name = "{quoted}"\n{self.text[line_end + 1:]}'
 
     def _scan(self) -> None:
         self._line_starts = [0] + [m.end() for m in re.finditer("\n", self.text)]
@@ -187,8 +205,10 @@ class Sheet:
     def boolean(self, table: dict[str, Any], keypath: KeyPath, default: bool) -> bool:
         return self._typed(table, keypath, bool, "true or false", default, False)
 
-    def number(self, table: dict[str, Any], keypath: KeyPath, default: float | None = None,
-               *, required: bool = False, positive: bool = False) -> float | None:
+    def number(self, table: dict[str, Any], keypath: KeyPath, bounds: Bounds,
+               default: float | None = None, *, required: bool = False) -> float | None:
+        """A number within `bounds`; TOML's nan and inf, and integers too large for a float,
+        are refused like any other value out of range."""
         value = table.get(keypath[-1])
         if value is None:
             if required:
@@ -196,9 +216,8 @@ class Sheet:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.error(keypath, f"'{_dotted(keypath)}' must be a number")
-        if value < 0 or (positive and value == 0):
-            which = "positive" if positive else "non-negative"
-            raise self.error(keypath, f"'{_dotted(keypath)}' must be {which}, not {value}")
+        if (problem := bounds.problem(value)) is not None:
+            raise self.error(keypath, f"'{_dotted(keypath)}' {problem}")
         return float(value)
 
     def strings(self, table: dict[str, Any], keypath: KeyPath) -> tuple[str, ...]:
@@ -232,6 +251,25 @@ class Sheet:
         return value
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a number in a sheet may take: finite and within [low, high] (`unit` is for
+    the message)."""
+
+    low: float
+    high: float
+    unit: str = ""
+
+    def problem(self, value: float) -> str | None:
+        """What is wrong with `value`, as the end of a sentence about it, or None."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, not {value}"
+        # An int compares exactly, however large: no float conversion that could overflow.
+        if not self.low <= value <= self.high:
+            return f"must be between {self.low:g} and {self.high:g}{self.unit}, not {value}"
+        return None
+
+
 def format_problem(name: str, allowed: Collection[str], role: str) -> str | None:
     """What is wrong with `name` as a format for `role` ("compute", "accumulator"), if
     anything. A real format in the wrong place is told apart from a typo."""
@@ -260,21 +298,30 @@ def _syntax_error(message: str, text: str, path: str) -> tuple[Location, str]:
     return loc, f"invalid TOML: {message[:1].lower()}{message[1:]}"
 
 
-def locate(spec: str, kind: str, builtin_dir: Path, search_dir: str | Path | None
-           ) -> tuple[Path, str]:
-    """The file a `spec` names and the `source` to record for it.
+def names_a_file(spec: str) -> bool:
+    """A sheet spec that ends in `.toml` or contains a path separator is a file; anything
+    else is the name of a built-in sheet."""
+    return spec.endswith(".toml") or "/" in spec or "\\" in spec
 
-    A spec that ends in `.toml` or contains a path separator is a file, relative to
-    `search_dir` when given (the folder of the IR file that names it); anything else is the
-    name of a built-in sheet in `builtin_dir`.
+
+def locate(spec: str, kind: str, builtin_dir: Path, module: Module | None = None,
+           deliberately: str = "") -> tuple[Path, str]:
+    """The file a `spec` names and the `source` to record for it (its absolute path, or
+    `builtin:NAME`).
+
+    A file named on the command line (`module` None) may be anywhere, relative to the current
+    folder. One named by the module attribute `mp.KIND` of `module` is relative to the IR
+    file's folder and must stay inside it (mplower.fileio.module_relative; `deliberately`
+    says how to name such a file on the command line instead).
     """
-    if spec.endswith(".toml") or "/" in spec or "\\" in spec:
-        path = Path(spec)
-        if search_dir is not None and not path.is_absolute():
-            path = Path(search_dir) / path
+    if names_a_file(spec):
+        if module is None:
+            path = Path(spec)
+        else:
+            path = module_relative(module, f"mp.{kind}", spec, deliberately)
         if not path.is_file():
             raise DiagnosticError.at(Location(str(path), 0, 0), f"no such {kind} file")
-        return path, str(path)
+        return path, str(path.resolve())
     names = builtin_names(builtin_dir)
     if spec not in names:
         raise DiagnosticError.at(

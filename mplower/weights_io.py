@@ -24,7 +24,7 @@ from typing import Self
 
 import numpy as np
 
-from mplower.fileio import atomic_output
+from mplower.fileio import atomic_output, module_relative
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Module
 
@@ -42,12 +42,7 @@ def weights_file(module: Module, override: str | None) -> Path | None:
         return None
     if not isinstance(rel, str):
         raise _error(module.loc, "module attribute mp.weights must be a string path")
-    base = Path(module.path).resolve().parent
-    candidate = (base / rel).resolve()
-    if not candidate.is_relative_to(base):
-        raise _error(module.loc, f"mp.weights '{rel}' leaves the model's folder {base}; "
-                                 f"pass --weights to use it deliberately")
-    return candidate
+    return module_relative(module, "mp.weights", rel, "pass --weights to use it deliberately")
 
 
 # What zipfile and numpy raise for a damaged, encrypted or oddly compressed member.

@@ -14,11 +14,13 @@ nowhere (the fp32 sheet) is left untouched, so that pipeline is the identity.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import networkx as nx
 from mplower.passes.range_analysis import hazard
 
+from mplower.fileio import module_folder, path_from
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import TypeAttr
 from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
@@ -154,7 +156,11 @@ class AssignPrecision(Pass):
             if self.overflow_guard:
                 ctx.stat("ops-guarded", sum(d.reason.startswith("overflow-guard")
                                             for d in plans[name].values()))
-        module.attrs["mp.policy"] = policy.source.removeprefix("builtin:")
+        # A built-in by its name; a sheet by its path from the module's folder (mplower run
+        # reads it from there; `opt -o` carries it to the output's folder).
+        module.attrs["mp.policy"] = (
+            policy.source.removeprefix("builtin:") if policy.source.startswith("builtin:")
+            else path_from(module_folder(module), Path(policy.source)))
         if not policy.keep_io_types:
             module.attrs["mp.keep_io_types"] = False
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.graph import Module
 from mplower.policy import (
     ACCUMULATING,
     ALLOW_LIST,
@@ -239,9 +240,11 @@ def test_defaults_of_a_minimal_sheet(tmp_path):
     assert p.source == str(path)
 
 
-def test_relative_path_resolves_against_search_dir(tmp_path):
+def test_module_relative_path_resolves_against_the_ir_files_folder(tmp_path):
     write_sheet(tmp_path, '[policy]\ncompute = "f16"\n', name="local.toml")
-    assert load_policy("local.toml", search_dir=tmp_path).compute == "f16"
+    module = Module()
+    module.path = str(tmp_path / "m.ir")
+    assert load_policy("local.toml", module=module).compute == "f16"
 
 
 def test_guardrails_are_read_as_floats(tmp_path):

@@ -352,7 +352,8 @@ def test_missing_bandwidth_and_default(tmp_path):
 def test_negative_figures_are_rejected(tmp_path):
     path = write_sheet(tmp_path, MINIMAL.replace("dense = 2e9", "dense = -2e9"))
     err = load_error(path)
-    assert err.diagnostics[0].message == "'formats.bf16.dense' must be positive, not -2000000000.0"
+    assert err.diagnostics[0].message == ("'formats.bf16.dense' must be between 1 and "
+                                          "1e+21 FLOP/s, not -2000000000.0")
     assert err.diagnostics[0].loc.line == line_of(path, "-2e9")
 
 

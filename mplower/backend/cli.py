@@ -101,6 +101,7 @@ def _load(args: argparse.Namespace):
 def _guardrail_flags(flags: list[str]) -> dict[str, float]:
     from mplower.backend.report import GUARDRAIL_KEYS
     from mplower.cli import UsageError
+    from mplower.policy import GUARDRAIL_BOUNDS
 
     limits: dict[str, float] = {}
     for flag in flags:
@@ -113,8 +114,8 @@ def _guardrail_flags(flags: list[str]) -> dict[str, float]:
             limits[key] = float(value)
         except ValueError:
             raise UsageError(f"--guardrail {key} needs a number, got '{value}'") from None
-        if math.isnan(limits[key]):
-            raise UsageError(f"--guardrail {key} needs a number, got '{value}'")
+        if (problem := GUARDRAIL_BOUNDS[key].problem(limits[key])) is not None:
+            raise UsageError(f"--guardrail {key} {problem}")
     return limits
 
 
@@ -126,7 +127,7 @@ def _policy_guardrails(module) -> dict[str, float]:
     if not isinstance(policy, str):
         return {}
     try:
-        return dict(load_policy(policy, search_dir=Path(module.path).parent).guardrails)
+        return dict(load_policy(policy, module=module).guardrails)
     except DiagnosticError as e:  # located in the sheet: show its lines, not the IR's
         sheet = Path(e.diagnostics[0].loc.file)
         if e.source is None and sheet.is_file():
@@ -194,12 +195,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from mplower.cli import EXIT_OK, UsageError
     from mplower.ops import OPS
     from mplower.report import precision_sheet
-    from mplower.target import load_target
+    from mplower.target import module_target
 
     if args.iterations < 1 or args.warmup < 0:
         raise UsageError("--iterations must be at least 1 and --warmup at least 0")
     module, program, arrays = _load(args)
-    target = load_target(args.target or module.attrs.get("mp.target", "generic"), known_ops=OPS)
+    target = module_target(module, args.target, known_ops=OPS)
     prepared = program.prepare_inputs(arrays)
     for _ in range(args.warmup):
         program.run_lowered(prepared)

@@ -22,6 +22,7 @@ operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,7 @@ class OpResult:
     rel_l2: float | None = None
     sqnr_db: float | None = None
     max_abs: float | None = None
+    nonfinite_mismatch: int | None = None  # see `drift`; None where there is no drift
 
 
 @dataclass
@@ -242,15 +244,31 @@ class Program:
 
     # ---- running -------------------------------------------------------------------------
     def prepare_inputs(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        """Arguments in their declared formats (rounded when the signature is narrow)."""
+        """Arguments in their declared formats (rounded when the signature is narrow).
+
+        NaN and ±inf that the caller wrote are kept (an attention mask holds -inf); a finite
+        value that the argument's type cannot hold, and would turn into inf or NaN, is an
+        error at the argument: that is checked after the cast, in the declared format.
+        """
         out = []
-        for name, t, arr in zip(self.arg_names, self.arg_types, arrays, strict=True):
+        for name, t, arr, loc in zip(self.arg_names, self.arg_types, arrays, self.arg_locs,
+                                     strict=True):
             arr = np.asarray(arr)
             if tuple(arr.shape) != t.shape:
                 raise DiagnosticError(Diagnostic(self.function.loc, (
                     f"input '{name}' has shape {list(arr.shape)} but the function takes "
                     f"{list(t.shape)}")))
-            out.append(_finish(arr, t.elem)[0])
+            with np.errstate(all="ignore"):  # the overflow is what is checked below
+                x = _finish(arr, t.elem)[0]
+            if arr.dtype.kind == "f" and x.dtype.kind == "f":
+                lost = np.isfinite(arr) & ~np.isfinite(x)
+                if (bad := int(np.count_nonzero(lost))):
+                    raise DiagnosticError.at(loc, (
+                        f"input '{name}' has {bad} finite value{'s' * (bad != 1)} that {t.elem} "
+                        f"cannot hold (largest magnitude {np.max(np.abs(arr[lost])):g}, "
+                        f"{t.elem} ends at {FORMATS[t.elem].max_finite:g}); they would become "
+                        f"inf or NaN"))
+            out.append(x)
         return out
 
     def run(self, inputs: list[np.ndarray], reference: bool = True) -> RunResult:
@@ -512,19 +530,45 @@ def _conv_f16_kernel(attrs: dict, out_t: TensorType) -> Kernel:
     return run
 
 
-def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:
-    """rel_l2 = ||y - ref|| / ||ref|| and SQNR against the fp32 reference (inf: not finite)."""
-    if y.dtype.kind != "f" or ref.dtype.kind != "f" or y.shape != ref.shape:
-        return
+@dataclass(frozen=True)
+class Drift:
+    """How far a result is from its fp32 reference (see `drift`)."""
+
+    rel_l2: float
+    sqnr_db: float
+    max_abs: float
+    nonfinite_mismatch: int
+
+
+def drift(y: np.ndarray, ref: np.ndarray) -> Drift:
+    """rel_l2 = ||y - ref|| / ||ref||, SQNR and max |y - ref| in float64, over the positions
+    where both are finite; a position where the two are the same non-finite value (the -inf
+    of an attention mask in both) takes no part. Any other position with a non-finite value
+    (finite in one and not the other, -inf against NaN, ...) is a non-finite mismatch: it is
+    counted, and the drift is infinite (rel_l2 = max_abs = inf, SQNR = -inf)."""
     r = ref.astype(np.float64)
-    diff = y.astype(np.float64) - r
-    if not np.all(np.isfinite(diff)):
-        res.rel_l2 = res.max_abs = float("inf")
-        res.sqnr_db = float("-inf")
-        return
+    with np.errstate(invalid="ignore"):  # inf - inf: a NaN that is looked at below
+        diff = y.astype(np.float64) - r
+    mismatch = 0
+    if not np.all(np.isfinite(diff)):  # one pass for the common all-finite case
+        y64 = y.astype(np.float64)
+        same = (y64 == r) | (np.isnan(y64) & np.isnan(r))
+        mismatch = int(np.count_nonzero(~np.isfinite(diff) & ~same))
+        if mismatch:
+            return Drift(math.inf, -math.inf, math.inf, mismatch)
+        keep = np.isfinite(diff)
+        r, diff = r[keep], diff[keep]
     signal = float(np.sum(r * r))
     noise = float(np.sum(diff * diff))
-    res.rel_l2 = float(np.sqrt(noise / signal)) if signal > 0 else (0.0 if noise == 0
-                                                                    else float("inf"))
-    res.sqnr_db = float(10 * np.log10(signal / noise)) if noise > 0 else float("inf")
-    res.max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
+    rel = float(np.sqrt(noise / signal)) if signal > 0 else (0.0 if noise == 0 else math.inf)
+    sqnr = float(10 * np.log10(signal / noise)) if noise > 0 else math.inf
+    return Drift(rel, sqnr, float(np.max(np.abs(diff))) if diff.size else 0.0, mismatch)
+
+
+def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:
+    """The drift of one op's result against the fp32 reference (float results only)."""
+    if y.dtype.kind != "f" or ref.dtype.kind != "f" or y.shape != ref.shape:
+        return
+    d = drift(y, ref)
+    res.rel_l2, res.sqnr_db, res.max_abs = d.rel_l2, d.sqnr_db, d.max_abs
+    res.nonfinite_mismatch = d.nonfinite_mismatch

@@ -3,8 +3,10 @@
 Schema (DESIGN §6; docs/report.md): `summary` with op and fallback counts, overflow/underflow/
 NaN totals, the outputs' drift against the fp32 reference (rel_l2, max_abs, SQNR), guardrails
 and a verdict; `ops`, one entry per executed op. Guardrails come from the module's policy
-sheet (`mp.policy`, recorded by assign-precision) or from the command line; non-finite figures
-(an op that overflowed to inf) are written as null in JSON.
+sheet (`mp.policy`, recorded by assign-precision) or from the command line. Drift leaves out
+positions where result and reference hold the same inf/NaN (an attention mask) and counts every
+other non-finite position as a `nonfinite_mismatch` (executor.drift); non-finite figures (an op
+that overflowed to inf) are written as null, so the JSON is strict.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
+from mplower.backend.executor import drift as result_drift
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -35,29 +38,35 @@ def output_drift(result: RunResult) -> dict[str, float | None]:
     executor._reference), is not, and without any comparable output the figures are None.
     """
     none = {"output_rel_l2": None, "output_max_abs": None, "sqnr_db": None,
-            "top1_agreement": None}
+            "nonfinite_mismatch": None, "top1_agreement": None}
     if result.reference is None:
         return none
     pairs = [(np.asarray(y), np.asarray(r)) for y, r in zip(result.outputs, result.reference)
              if r is not None and (np.asarray(y).dtype.kind == "f") == (r.dtype.kind == "f")]
     if not pairs:
         return none
-    y = np.concatenate([a.astype(np.float64).ravel() for a, _ in pairs])
-    r = np.concatenate([b.astype(np.float64).ravel() for _, b in pairs])
-    diff = y - r
-    if not np.all(np.isfinite(diff)):
-        rel, max_abs, sqnr = math.inf, math.inf, -math.inf
-    else:
-        signal, noise = float(np.sum(r * r)), float(np.sum(diff * diff))
-        rel = math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf)
-        max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
-        sqnr = 10 * math.log10(signal / noise) if noise > 0 else math.inf
+    d = result_drift(np.concatenate([a.astype(np.float64).ravel() for a, _ in pairs]),
+                     np.concatenate([b.astype(np.float64).ravel() for _, b in pairs]))
     out0, ref0 = pairs[0]
     top1 = None
     if out0.ndim >= 1 and out0.shape[-1] > 1 and out0.dtype.kind == "f":
         top1 = float(np.mean(np.argmax(out0, axis=-1) == np.argmax(ref0, axis=-1)))
-    return {"output_rel_l2": rel, "output_max_abs": max_abs, "sqnr_db": sqnr,
-            "top1_agreement": top1}
+    return {"output_rel_l2": d.rel_l2, "output_max_abs": d.max_abs, "sqnr_db": d.sqnr_db,
+            "nonfinite_mismatch": d.nonfinite_mismatch, "top1_agreement": top1}
+
+
+def nonfinite_weights(result: RunResult) -> list[dict[str, Any]]:
+    """The constants holding NaN or ±inf as the lowered plan runs them, i.e. after the cast to
+    their declared type (a finite f64 weight beyond f32's range is inf here): they are run as
+    they are (a mask may mean -inf), and reported."""
+    out = []
+    for r in result.ops:
+        c = r.step.constant
+        if c is not None and c.dtype.kind == "f":
+            nan, inf = int(np.count_nonzero(np.isnan(c))), int(np.count_nonzero(np.isinf(c)))
+            if nan or inf:
+                out.append({"name": r.step.name, "nan": nan, "inf": inf})
+    return out
 
 
 def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +94,8 @@ def op_entry(r: OpResult) -> dict[str, Any]:
         "fallback": s.reason is not None, "reason": s.reason,
         "overflow": r.counts.overflow, "underflow": r.counts.underflow, "nan": r.counts.nan,
         "rel_l2": _finite(r.rel_l2), "sqnr_db": _finite(r.sqnr_db),
-        "max_abs": _finite(r.max_abs), "flops": s.flops,
+        "max_abs": _finite(r.max_abs), "nonfinite_mismatch": r.nonfinite_mismatch,
+        "flops": s.flops,
     }
 
 
@@ -102,6 +112,7 @@ def build_report(result: RunResult, guardrails: dict[str, float],
         "overflow": sum(o["overflow"] for o in ops),
         "underflow": sum(o["underflow"] for o in ops),
         "nan": sum(o["nan"] for o in ops),
+        "nonfinite_weights": nonfinite_weights(result),
         **drift,
     }
     summary["guardrails"] = evaluate_guardrails(guardrails, summary)
@@ -115,7 +126,7 @@ def _severity(op: dict[str, Any]) -> float:
     """Sort key for "worst first": drift, with overflowed ops (no finite drift) on top."""
     if op["rel_l2"] is not None:
         return op["rel_l2"]
-    return math.inf if op["overflow"] or op["nan"] else -1.0
+    return math.inf if op["overflow"] or op["nan"] or op["nonfinite_mismatch"] else -1.0
 
 
 def render(report: dict[str, Any], fmt: str) -> str:
@@ -147,6 +158,8 @@ def render(report: dict[str, Any], fmt: str) -> str:
              (f"ops: {s['ops']}, fallbacks: {s['fallback_ops']} "
               f"({100 * s['fallback_rate']:.1f}%), overflow {s['overflow']}, "
               f"underflow {s['underflow']}, nan {s['nan']}"), ""]
+    if s["nonfinite_mismatch"] or s["nonfinite_weights"]:
+        lines.insert(-1, _nonfinite_line(s))
     lines += _table(header, rows, fmt)
     quant = report.get("quantization")
     if quant:
@@ -160,6 +173,13 @@ def render(report: dict[str, Any], fmt: str) -> str:
         met = "met" if b["met"] else "not met"
         lines += ["", f"bisect: keep in f32: {kept} ({b['runs']} runs; guardrails {met})"]
     return "\n".join(lines) + "\n"
+
+
+def _nonfinite_line(s: dict[str, Any]) -> str:
+    weights = ", ".join(f"{w['name']} ({w['nan']} NaN, {w['inf']} inf)"
+                        for w in s["nonfinite_weights"]) or "none"
+    return (f"non-finite: {s['nonfinite_mismatch'] or 0} output values where the reference "
+            f"differs; weights holding NaN/inf: {weights}")
 
 
 def _table(header: list[str], rows: list[list[str]], fmt: str) -> list[str]:

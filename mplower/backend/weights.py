@@ -2,8 +2,9 @@
 
 Finding and reading the weights file (path confinement, `allow_pickle=False`) is
 mplower.weights_io's; this adds what execution needs on top: values an element type can hold
-(in-range integers), inputs keyed by argument name, and no NaN/inf in inputs. Every problem
-is a located diagnostic.
+(in-range integers) and inputs keyed by argument name; a finite input that its argument's type
+cannot hold is refused after the cast (executor.Program.prepare_inputs). Every problem is a
+located diagnostic.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mplower.ir.diagnostics import UNKNOWN, Diagnostic, DiagnosticError, Location
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.types import TensorType
 from mplower.numerics.formats import FORMATS
 from mplower.weights_io import NpzArchive, WeightStore
@@ -60,14 +61,5 @@ def load_inputs(path: str, names: list[str], types: list[TensorType],
                                   f"function takes {list(t.shape)}")
             arr = archive.read(name, loc)
             check_values(f"input '{name}' in {path}", arr, t.elem, loc)
-            check_finite(f"input '{name}' in {path}", arr, loc)
             out.append(arr)
     return out
-
-
-def check_finite(what: str, arr: np.ndarray, loc: Location = UNKNOWN) -> None:
-    if arr.dtype.kind == "f":
-        bad = int(np.count_nonzero(~np.isfinite(arr)))
-        if bad:
-            raise _error(loc, f"{what} has {bad} NaN or infinite value{'s' * (bad != 1)}; "
-                              f"the fp32 reference needs finite inputs")
