@@ -22,7 +22,7 @@ from typing import Any
 
 from mplower.numerics.formats import FORMATS
 from mplower.ops import OPS, op_signature_table
-from mplower.pass_manager import Pass, load_passes, pass_options
+from mplower.pass_manager import Pass, is_builtin, load_passes, pass_options
 
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
 REGENERATE = "python -m mplower.docgen --write"
@@ -32,8 +32,7 @@ REGENERATE = "python -m mplower.docgen --write"
 
 def builtin_passes() -> dict[str, type[Pass]]:
     """The registered passes that ship with mplower, by name, sorted."""
-    return {name: cls for name, cls in sorted(load_passes().items())
-            if cls.__module__.startswith("mplower.")}
+    return {name: cls for name, cls in sorted(load_passes().items()) if is_builtin(cls)}
 
 
 def passes_markdown() -> str:

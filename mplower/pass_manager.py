@@ -86,6 +86,11 @@ class PluginWarning(UserWarning):
     """A plugin entry point that was skipped; the CLI prints it as one `mplower: warning:` line."""
 
 
+def is_builtin(cls: type[Pass]) -> bool:
+    """Whether the pass ships with mplower (the package `mplower.passes`), not with a plugin."""
+    return cls.__module__.startswith("mplower.")
+
+
 def register_pass(cls: type[Pass]) -> type[Pass]:
     if not cls.name:
         raise TypeError(f"{cls.__name__} needs a name")
@@ -127,9 +132,9 @@ def load_passes() -> dict[str, type[Pass]]:
                 raise TypeError(f"it names a {type(obj).__name__}, not a Pass subclass")
             register_pass(obj)
         except PassNameConflict as e:  # also raised by a class that registers itself on import
-            owner = e.existing.__module__
-            taken = ("a built-in pass" if owner.startswith("mplower.")
-                     else f"already registered by {owner}.{e.existing.__qualname__}")
+            existing = e.existing
+            taken = ("a built-in pass" if is_builtin(existing) else
+                     f"already registered by {existing.__module__}.{existing.__qualname__}")
             raise PluginError(f"{plugin} registers pass '{e.name}', which is {taken}; "
                               f"rename the plugin's pass or uninstall its package") from None
         except Exception as e:  # noqa: BLE001 -- a broken plugin must not take the built-ins down
