@@ -146,20 +146,19 @@ def weight_values(f: Function, value: Value, store: WeightStore) -> np.ndarray |
 @register_pass
 @dataclass
 class LowerSparse(Pass):
-    """Choose a dense, 2:4 / 1:2 structured-sparse or CSR kernel for each weight matmul and conv2d.
+    """Choose a dense, 2:4 / 1:2 structured-sparse or CSR kernel for each matmul and conv2d.
 
-    Every op gets a decision; one whose second operand is computed rather than a constant
-    weight (attention's q @ k^T) is dense with reason no-constant-weight. For each op whose
-    weight (second operand) is a constant: the target's kernels for the op in
+    For each op whose weight (second operand) is a constant: the target's kernels for the op in
     its compute format (`mp.precision`, else the operand type: run after assign-precision), the
     weight's pattern along its reduction axis (2:4 or 1:2; CSR needs `csr_min_sparsity` zeros),
-    the shape thresholds and the target's cost model decide. Sets `mp.kernel`; a dense choice
-    gets its reason code in `mp.sparse_reason` (no-constant-weight, no-sparse-kernel,
-    pattern-invalid, dtype-unsupported, too-small, not-profitable; docs/sparse.md) and every
-    choice a note in
-    `mp.reason`. A sparse matmul reads its weight through `mp.sparse_encode` to a tensor type
-    with the encoding ("2:4", "1:2", "csr"). Ops whose weight is already encoded are left as
-    they are, so the pass is idempotent.
+    the shape thresholds and the target's cost model decide. An op whose second operand is
+    computed (attention's q @ k^T) is dense with reason no-constant-weight, so every op gets a
+    decision. Sets `mp.kernel`; a dense choice gets its reason code in `mp.sparse_reason`
+    (no-constant-weight, no-sparse-kernel, pattern-invalid, dtype-unsupported, too-small,
+    not-profitable; docs/sparse.md) and every choice a note in `mp.reason`. A sparse matmul
+    reads its weight through `mp.sparse_encode` to a tensor type with the encoding ("2:4",
+    "1:2", "csr"). Ops whose weight is already encoded are left as they are, and a re-run
+    repeats no note, so the pass is idempotent.
     """
 
     name: ClassVar[str] = "lower-sparse"
