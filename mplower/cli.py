@@ -15,11 +15,13 @@ import gc
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
+from mplower.pass_manager import PluginError, PluginWarning
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_GUARDRAIL = 0, 1, 2, 3
 
@@ -100,9 +102,41 @@ class _ArgumentParser(argparse.ArgumentParser):
         return self
 
 
+# The runtime dependencies whose versions change mplower's numbers or what it accepts.
+_VERSIONED = ("numpy", "numba", "onnx", "networkx", "lark")
+
+
+def version_text() -> str:
+    """`mplower X.Y.Z` and, as mlir-opt names its LLVM, the versions it runs with."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return "unknown (not installed)"
+
+    deps = ", ".join(f"{d} {of(d)}" for d in _VERSIONED)
+    return f"mplower {of('mplower')}\n  with {deps}; Python {platform.python_version()}\n"
+
+
+class _VersionAction(argparse.Action):
+    """argparse's version action, but the versions are only looked up when asked for."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(version_text())
+        parser.exit(EXIT_OK)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog="mplower", description="Precision lowering for an MLIR-style IR.")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of mplower and its numeric libraries and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _opt_parser(sub)
@@ -260,7 +294,19 @@ def _print_diags(diags: Sequence[Diagnostic], source: str | None) -> None:
         sys.stderr.write(d.render(source) + "\n")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A skipped plugin is one `mplower: warning:` line, not Python's two-line warning."""
+    if issubclass(category, PluginWarning):
+        sys.stderr.write(f"mplower: warning: {message}\n")
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     # The IR's graphs and tensors hold no reference cycles, so the cyclic collector has
     # nothing to reclaim in a command's short life; each of its full passes costs time
     # proportional to the heap (a third of `opt` on a 100k-op module).
@@ -273,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"mplower: error: {e}\n")
         return EXIT_USAGE
+    except PluginError as e:
+        sys.stderr.write(f"mplower: error: {e}\n")
+        return EXIT_INPUT
     except DiagnosticError as e:
         source = e.source if e.source is not None else getattr(args, "_source", None)
         _print_diags(e.diagnostics, source)

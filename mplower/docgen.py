@@ -4,8 +4,10 @@ The pass reference comes from the pass classes (docstring, option fields, `stati
 table from `mplower.ops.op_signature_table()` and `OPS`, the element-type table from
 `mplower.numerics.formats.FORMATS`, so the docs cannot drift from the code. Only built-in passes
 (modules under `mplower.`) are documented: the output must not depend on which third-party
-entry-point passes happen to be installed. `python -m mplower.docgen --write` regenerates the
-files; `--check` exits 1 naming any stale one (tests/test_docs.py runs the same comparison).
+entry-point passes happen to be installed. Every example command runs as written from the
+repository root (a pass whose defaults do nothing useful gives its own `examples`).
+`python -m mplower.docgen --write` regenerates the files; `--check` exits 1 naming any stale
+one (tests/test_docs.py runs the same comparison).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from mplower.numerics.formats import FORMATS
 from mplower.ops import OPS, op_signature_table
-from mplower.pass_manager import Pass, load_passes, pass_options
+from mplower.pass_manager import Pass, is_builtin, load_passes, pass_options
 
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
 REGENERATE = "python -m mplower.docgen --write"
@@ -30,8 +32,7 @@ REGENERATE = "python -m mplower.docgen --write"
 
 def builtin_passes() -> dict[str, type[Pass]]:
     """The registered passes that ship with mplower, by name, sorted."""
-    return {name: cls for name, cls in sorted(load_passes().items())
-            if cls.__module__.startswith("mplower.")}
+    return {name: cls for name, cls in sorted(load_passes().items()) if is_builtin(cls)}
 
 
 def passes_markdown() -> str:
@@ -93,12 +94,21 @@ def _statistics_section(cls: type[Pass]) -> list[str]:
     return lines
 
 
+# The model every example runs on, so that each line of docs/passes.md runs as written from the
+# repository root (tests/test_docs.py runs them all).
+EXAMPLE_MODEL = "ir_examples/mlp.ir"
+
+
 def _example(cls: type[Pass]) -> list[str]:
-    lines = ["```sh", f"mplower opt model.ir --pass={cls.name}"]
+    """The pass's own `examples`, else the pass with its defaults and with its first option."""
+    if cls.examples:
+        return ["```sh", *(f"mplower opt {args}" for args in cls.examples), "```"]
+    lines = ["```sh", f"mplower opt {EXAMPLE_MODEL} --pass={cls.name}"]
     rows = pass_options(cls)
     if rows:
         name, _, default, _ = rows[0]
-        lines.append(f"mplower opt model.ir --pass='{cls.name}{{{name}={_option_text(default)}}}'")
+        lines.append(f"mplower opt {EXAMPLE_MODEL} "
+                     f"--pass='{cls.name}{{{name}={_option_text(default)}}}'")
     lines.append("```")
     return lines
 

@@ -23,10 +23,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from mplower.ir.diagnostics import did_you_mean
-from mplower.ir.graph import Module
+
+if TYPE_CHECKING:  # the CLI imports this module before it knows whether it will parse IR
+    from mplower.ir.graph import Module
 
 
 class PipelineError(Exception):
@@ -51,6 +53,10 @@ class Pass:
     name: ClassVar[str] = ""
     # Statistic names and what they count, for --statistics and docs/passes.md.
     statistics: ClassVar[dict[str, str]] = {}
+    # The `mplower opt` arguments that docs/passes.md shows for this pass, for a pass that does
+    # nothing useful with its defaults alone; tests/test_docs.py runs them from the repository
+    # root. Empty: the page shows the pass on ir_examples/mlp.ir with its defaults.
+    examples: ClassVar[tuple[str, ...]] = ()
 
     def run(self, module: Module, ctx: PassContext) -> None:
         raise NotImplementedError
@@ -66,6 +72,28 @@ def option(default: Any, help: str) -> Any:
 PASSES: dict[str, type[Pass]] = {}
 
 
+class PassNameConflict(TypeError):
+    """A second, different class registered under a pass name that is taken."""
+
+    def __init__(self, name: str, existing: type[Pass]) -> None:
+        super().__init__(f"pass '{name}' is already registered by "
+                         f"{existing.__module__}.{existing.__qualname__}")
+        self.name, self.existing = name, existing
+
+
+class PluginError(Exception):
+    """An installed plugin that cannot be used as it is (it takes a pass name already in use)."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin entry point that was skipped; the CLI prints it as one `mplower: warning:` line."""
+
+
+def is_builtin(cls: type[Pass]) -> bool:
+    """Whether the pass ships with mplower (the package `mplower.passes`), not with a plugin."""
+    return cls.__module__.startswith("mplower.")
+
+
 def register_pass(cls: type[Pass]) -> type[Pass]:
     if not cls.name:
         raise TypeError(f"{cls.__name__} needs a name")
@@ -74,8 +102,7 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
     existing = PASSES.get(cls.name)
     if existing is not None and existing is not cls and (
             existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise TypeError(f"pass '{cls.name}' is already registered by "
-                        f"{existing.__module__}.{existing.__qualname__}")
+        raise PassNameConflict(cls.name, existing)
     PASSES[cls.name] = cls
     return cls
 
@@ -84,11 +111,16 @@ _loaded = False
 
 
 def load_passes() -> dict[str, type[Pass]]:
-    """Import the built-in pass modules and the entry points of other packages, once."""
+    """Import the built-in pass modules and the entry points of other packages, once.
+
+    A plugin whose pass takes a name already registered (a built-in's or an earlier plugin's)
+    raises PluginError: running the pipeline with either pass would not be what one of the two
+    authors meant, so the user must choose by renaming or uninstalling. A plugin that fails to
+    import or names something other than a Pass is skipped with one PluginWarning.
+    """
     global _loaded
     if _loaded:
         return PASSES
-    _loaded = True
     import mplower.passes as builtin
 
     for info in pkgutil.iter_modules(builtin.__path__):
@@ -96,14 +128,29 @@ def load_passes() -> dict[str, type[Pass]]:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="mplower.passes"):
+        plugin = f"plugin '{ep.name}' ({ep.value})"
         try:
             obj = ep.load()
-            if isinstance(obj, type) and issubclass(obj, Pass) and obj.name not in PASSES:
-                register_pass(obj)
+            if not (isinstance(obj, type) and issubclass(obj, Pass)):
+                raise TypeError(f"it names a {type(obj).__name__}, not a Pass subclass")
+            register_pass(obj)
+        except PassNameConflict as e:  # also raised by a class that registers itself on import
+            existing = e.existing
+            taken = ("a built-in pass" if is_builtin(existing) else
+                     f"already registered by {existing.__module__}.{existing.__qualname__}")
+            raise PluginError(f"{plugin} registers pass '{e.name}', which is {taken}; "
+                              f"rename the plugin's pass or uninstall its package") from None
         except Exception as e:  # noqa: BLE001 -- a broken plugin must not take the built-ins down
-            warnings.warn(f"mplower: skipping pass plugin '{ep.name}' ({ep.value}): {e}",
-                          stacklevel=2)
+            warnings.warn(f"{plugin} failed to load: {type(e).__name__}: {_short(str(e))}",
+                          PluginWarning, stacklevel=2)
+    _loaded = True
     return PASSES
+
+
+def _short(text: str) -> str:
+    """The first line of a message, so that a plugin problem stays one line."""
+    lines = text.strip().splitlines()
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
 
 
 # ---- pipeline syntax ---------------------------------------------------------------------

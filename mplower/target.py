@@ -49,16 +49,18 @@ NO_SPARSE_KERNEL = "no-sparse-kernel"
 REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_INT8_KERNEL,
                 NO_F16_ACCUM, NO_SPARSE_KERNEL)
 # Reason codes of lower-sparse's dense decisions (docs/sparse.md), in the order it checks them:
-# the target has no sparse kernel for the op at all; the weight fits none of the target's
-# sparse kernels (no 2:4 / 1:2 pattern, too few zeros for CSR); none that it fits exists in the
-# op's compute format; the weight is below the shape thresholds; the cost model says the
-# sparse kernel would not be faster.
+# the second operand is computed, not a constant weight (attention's q @ k^T), and a sparse
+# kernel needs the weight's zeros before the run; the target has no sparse kernel for the op at
+# all; the weight fits none of the target's sparse kernels (no 2:4 / 1:2 pattern, too few
+# zeros for CSR); none that it fits exists in the op's compute format; the weight is below the
+# shape thresholds; the cost model says the sparse kernel would not be faster.
+NO_CONSTANT_WEIGHT = "no-constant-weight"
 PATTERN_INVALID = "pattern-invalid"
 DTYPE_UNSUPPORTED = "dtype-unsupported"
 TOO_SMALL = "too-small"
 NOT_PROFITABLE = "not-profitable"
-SPARSE_REASON_CODES = (NO_SPARSE_KERNEL, PATTERN_INVALID, DTYPE_UNSUPPORTED, TOO_SMALL,
-                       NOT_PROFITABLE)
+SPARSE_REASON_CODES = (NO_CONSTANT_WEIGHT, NO_SPARSE_KERNEL, PATTERN_INVALID, DTYPE_UNSUPPORTED,
+                       TOO_SMALL, NOT_PROFITABLE)
 
 # One step of each fallback chain: format -> (next format, reason). fp8 and int8 fall to bf16,
 # which keeps f32's range, before f32. f16 falls straight to f32: bf16 would drop 3 mantissa

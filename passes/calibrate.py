@@ -132,6 +132,10 @@ class Calibrate(Pass):
         "tensors-calibrated": "values given a calibrated range",
         "ranges-clipped": "values whose calibrated range is narrower than the observed one",
     }
+    examples: ClassVar[tuple[str, ...]] = (
+        "ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz}'",
+        "ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz method=entropy}'",
+    )
     data: str = option("", "calibration .npz keyed by argument name (a batch or a stack)")
     method: str = option("minmax", "range estimator: minmax, percentile, entropy or mse")
     percentile: float = option(99.99, "percentile of |x| kept by method=percentile")

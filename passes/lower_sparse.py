@@ -1,6 +1,8 @@
 """`lower-sparse`: choose a dense, structured-sparse (2:4, 1:2) or CSR kernel for each weight op.
 
-For every matmul and conv2d whose weight is a constant, the target description says which
+Every matmul and conv2d gets a decision. One whose second operand is computed (attention's
+q @ k^T) is dense with reason `no-constant-weight`: a sparse kernel needs the weight's zeros
+before the run. For every one whose weight is a constant, the target description says which
 sparse kernels exist for the op in its compute format (`mp.precision`, else its operand type),
 the weight's values say which of them it fits (a 2:4 or 1:2 pattern along the reduction axis,
 or enough zeros for CSR), the shape thresholds rule out weights too small to pay for a sparse
@@ -19,7 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from mplower.ir.graph import Function, Module, Value
+from mplower.ir.graph import ARG, Function, Module, Value
 from mplower.ir.types import DenseAttr
 from mplower.ops import OPS, attr_type, check_attrs
 from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
@@ -38,6 +40,7 @@ from mplower.target import (
     DENSE,
     DTYPE_UNSUPPORTED,
     KERNELS,
+    NO_CONSTANT_WEIGHT,
     NO_SPARSE_KERNEL,
     NOT_PROFITABLE,
     PATTERN_INVALID,
@@ -120,6 +123,11 @@ def _kernel_names(kernels: set[str]) -> list[str]:
     return sorted(kernels, key=KERNELS.index)
 
 
+def _not_a_weight(f: Function, value: Value) -> str:
+    what = "an argument" if f.op(value[0]) == ARG else f"computed by {f.op(value[0])}"
+    return f"operand #{WEIGHT_OPERAND} {f.value_name(value)} is {what}, not a constant weight"
+
+
 def weight_values(f: Function, value: Value, store: WeightStore) -> np.ndarray | None:
     """The values of a weight operand that is a constant, possibly behind casts (rounding keeps
     zeros, so the constant's pattern is the cast's); None for anything computed."""
@@ -138,22 +146,24 @@ def weight_values(f: Function, value: Value, store: WeightStore) -> np.ndarray |
 @register_pass
 @dataclass
 class LowerSparse(Pass):
-    """Choose a dense, 2:4 / 1:2 structured-sparse or CSR kernel for each weight matmul and conv2d.
+    """Choose a dense, 2:4 / 1:2 structured-sparse or CSR kernel for each matmul and conv2d.
 
     For each op whose weight (second operand) is a constant: the target's kernels for the op in
     its compute format (`mp.precision`, else the operand type: run after assign-precision), the
     weight's pattern along its reduction axis (2:4 or 1:2; CSR needs `csr_min_sparsity` zeros),
-    the shape thresholds and the target's cost model decide. Sets `mp.kernel`; a dense choice
-    gets its reason code in `mp.sparse_reason` (no-sparse-kernel, pattern-invalid,
-    dtype-unsupported, too-small, not-profitable; docs/sparse.md) and every choice a note in
-    `mp.reason`. A sparse matmul reads its weight through `mp.sparse_encode` to a tensor type
-    with the encoding ("2:4", "1:2", "csr"). Ops whose weight is already encoded are left as
-    they are, so the pass is idempotent.
+    the shape thresholds and the target's cost model decide. An op whose second operand is
+    computed (attention's q @ k^T) is dense with reason no-constant-weight, so every op gets a
+    decision. Sets `mp.kernel`; a dense choice gets its reason code in `mp.sparse_reason`
+    (no-constant-weight, no-sparse-kernel, pattern-invalid, dtype-unsupported, too-small,
+    not-profitable; docs/sparse.md) and every choice a note in `mp.reason`. A sparse matmul
+    reads its weight through `mp.sparse_encode` to a tensor type with the encoding ("2:4",
+    "1:2", "csr"). Ops whose weight is already encoded are left as they are, and a re-run
+    repeats no note, so the pass is idempotent.
     """
 
     name: ClassVar[str] = "lower-sparse"
     statistics: ClassVar[dict[str, str]] = {
-        "ops-considered": "matmul/conv2d ops with a constant weight",
+        "ops-considered": "matmul/conv2d ops given a kernel decision",
         "ops-sparse": "ops given a sparse kernel (each kernel counted as kernel:NAME too)",
         "ops-dense": "ops kept dense (each reason code counted as dense:CODE too)",
         "encodes-inserted": "mp.sparse_encode ops created",
@@ -186,10 +196,14 @@ class LowerSparse(Pass):
                     continue
                 weight = f.operands(n)[WEIGHT_OPERAND]
                 w = weight_values(f, weight, store)
-                if w is None or w.ndim < 2:
-                    continue
                 considered += 1
-                choice = self._choose(f, n, w, target, limits)
+                if w is None:
+                    choice = Choice(DENSE, NO_CONSTANT_WEIGHT, _not_a_weight(f, weight))
+                elif w.ndim < 2:
+                    choice = Choice(DENSE, TOO_SMALL, f"weight is a vector of {w.size} values; "
+                                                      "sparse kernels take a matrix")
+                else:
+                    choice = self._choose(f, n, w, target, limits)
                 self._record(f, n, choice, ctx)
                 if choice.kernel != DENSE and f.op(n) == "mp.matmul":
                     f.set_operand(n, WEIGHT_OPERAND, self._encode(f, weight, choice.kernel,
@@ -216,7 +230,8 @@ class LowerSparse(Pass):
         note = (f"dense: {choice.reason} ({choice.detail})" if choice.reason
                 else f"{choice.kernel}: {choice.detail}")
         prior = attrs.get(REASON, "")
-        f.set_attr(n, REASON, f"{prior}; {note}" if prior else note)
+        if note != prior and not prior.endswith(f"; {note}"):  # a re-run repeats no note
+            f.set_attr(n, REASON, f"{prior}; {note}" if prior else note)
         if choice.reason:
             f.set_attr(n, SPARSE_REASON, choice.reason)
             ctx.stat("ops-dense")

@@ -402,6 +402,10 @@ class Quantize(Pass):
         "groups-not-dividing": "weight-only ops quantized per channel: group does not divide K",
         "skipped-no-weight": "weight-only: matmul/conv without a constant weight operand",
     }
+    examples: ClassVar[tuple[str, ...]] = (
+        "ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz}' --pass=quantize",
+        "ir_examples/mlp.ir --pass='quantize{scheme=w8a16}'",
+    )
     scheme: str = option("w8a8", "w8a8 (static int8), w8a16 or w4a16 (weight-only)")
     weights: str = option("per-channel", "weight scales: per-channel or per-tensor")
     activations: str = option("per-tensor", "activation scales: per-tensor (static)")

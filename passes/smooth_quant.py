@@ -90,6 +90,10 @@ class SmoothQuant(Pass):
         "matmuls-smoothed": "matmuls whose weights took the activation's scale",
         "activations-smoothed": "activations divided by per-channel factors",
     }
+    examples: ClassVar[tuple[str, ...]] = (
+        ("ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz}' "
+         "--pass='smooth-quant{alpha=0.8}'"),
+    )
     alpha: float = option(0.5, "migration strength in [0, 1]: 0 leaves X, 1 moves all into W")
     pow2: bool = option(True, "round each factor to a power of two (exact in fp32)")
 

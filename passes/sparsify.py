@@ -66,6 +66,11 @@ class Sparsify(Pass):
         "weights-skipped-small": "weights with fewer than min_size values, left as they are",
         "weights-skipped-shared": "weight constants with other uses, left as they are",
     }
+    # The pruned weights go to the .npz beside -o (mlp.sparse.npz), never over mlp.npz.
+    examples: ClassVar[tuple[str, ...]] = (
+        "ir_examples/mlp.ir --pass=sparsify -o mlp.sparse.ir",
+        "ir_examples/mlp.ir --pass='sparsify{pattern=1:2}' -o mlp.sparse.ir",
+    )
     pattern: str = option("2:4", "2:4 or 1:2 (along the reduction axis), or unstructured")
     sparsity: float = option(0.5, "fraction of values to zero with pattern=unstructured")
     ops: tuple[str, ...] = option(("mp.matmul", "mp.conv2d"), "ops whose weight operand is pruned")

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
 
 from mplower import docgen
+from mplower.calibration import range_of
 from mplower.cli import main as cli_main
 from mplower.ir import expected
 from mplower.ir.diagnostics import DiagnosticError
@@ -19,7 +22,8 @@ from mplower.ir.verifier import verify
 from mplower.ops import OPS
 from mplower.pass_manager import PASSES, Pass, load_passes
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 STALE = f"is stale; run `{docgen.REGENERATE}` and commit the result"
 
 
@@ -56,7 +60,7 @@ def test_passes_markdown_documents_options_statistics_and_an_example() -> None:
     section = text.split("\n## canonicalize\n", 1)[1].split("\n## ", 1)[0]
     assert "| `max_fold_elements` | `int` | `1024` |" in section
     assert "| `ops-folded` | elementwise ops folded into constants |" in section
-    assert "mplower opt model.ir --pass=canonicalize\n" in section
+    assert "mplower opt ir_examples/mlp.ir --pass=canonicalize\n" in section
 
 
 def test_passes_markdown_leaves_out_third_party_passes(monkeypatch) -> None:
@@ -132,3 +136,43 @@ def test_ir_examples_in_the_docs_parse_and_verify(block: str) -> None:
         emitted = e.diagnostics
     problems = expected.check(expectations, emitted)
     assert not problems, "\n".join(d.render(block) for d in problems)
+
+
+def _passes_md_commands() -> list:
+    """Every `mplower ...` line of the ```sh blocks of docs/passes.md, as argument lists."""
+    text = (DOCS / "passes.md").read_text(encoding="utf-8")
+    return [pytest.param(shlex.split(line)[1:], id=line.split("--pass=", 1)[-1][:60])
+            for block in re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
+            for line in block.splitlines() if line.startswith("mplower ")]
+
+
+@pytest.fixture
+def repository_copy(tmp_path, monkeypatch) -> Path:
+    """A copy of the example models as the working folder, so that `-o` lands in tmp_path."""
+    shutil.copytree(ROOT / "ir_examples", tmp_path / "ir_examples",
+                    ignore=shutil.ignore_patterns("*.py", "transformer*", "cnn*"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv", _passes_md_commands())
+def test_every_example_in_passes_md_runs_as_written(argv, repository_copy, cli) -> None:
+    r = cli(*argv)
+    assert (r.rc, r.err) == (0, ""), f"`mplower {shlex.join(argv)}` failed:\n{r.err}"
+
+
+def test_calibrate_example_in_passes_md_records_the_ranges_numpy_computes(repository_copy,
+                                                                          cli) -> None:
+    # Before: the page showed `--pass=calibrate` and `calibrate{data=""}`, both an error.
+    argv = next(p.values[0] for p in _passes_md_commands() if "calibrate{" in p.values[0][2])
+    assert argv == ["opt", "ir_examples/mlp.ir",
+                    "--pass=calibrate{data=ir_examples/mlp_inputs.npz}"]
+    r = cli(*argv)
+    assert r.rc == 0, r.err
+    f = parse(r.out).function()
+    x = np.load(ROOT / "ir_examples" / "mlp_inputs.npz")["x"]
+    w1 = np.load(ROOT / "ir_examples" / "mlp.npz")["fc1.weight"]
+    assert range_of(f, (f.args[0], 0)) == (float(x.min()), float(x.max()))
+    first_matmul = next(f.walk("mp.matmul"))
+    y = x.astype(np.float64) @ w1.astype(np.float64)
+    np.testing.assert_allclose(range_of(f, (first_matmul, 0)), (y.min(), y.max()), rtol=1e-6)

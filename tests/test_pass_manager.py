@@ -218,15 +218,19 @@ class FakeCse(Pass):
 
 
 class _EntryPoint:
-    def __init__(self, obj):
-        self.obj = obj
+    """What importlib.metadata.entry_points yields: a name, a `module:attr` value, load()."""
+
+    def __init__(self, name, value, obj):
+        self.name, self.value, self.obj = name, value, obj
 
     def load(self):
+        if isinstance(self.obj, BaseException):
+            raise self.obj
         return self.obj
 
 
-@pytest.fixture
-def entry_point_passes(monkeypatch):
+def _install_entry_points(monkeypatch, *eps):
+    """Make load_passes see `eps` as the installed plugins, on a fresh copy of the registry."""
     import importlib.metadata
 
     load_passes()
@@ -234,21 +238,100 @@ def entry_point_passes(monkeypatch):
 
     def entry_points(*, group):
         groups.append(group)
-        return [_EntryPoint(ThirdParty), _EntryPoint(FakeCse), _EntryPoint(len),
-                _EntryPoint("not a pass")]
+        return list(eps)
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     monkeypatch.setattr(pm, "PASSES", dict(pm.PASSES))
     monkeypatch.setattr(pm, "_loaded", False)
-    yield groups
+    return groups
+
+
+@pytest.fixture
+def entry_point_passes(monkeypatch):
+    return _install_entry_points(
+        monkeypatch, _EntryPoint("vendor-tag", "vendor.passes:ThirdParty", ThirdParty))
 
 
 def test_entry_point_passes_are_registered_once(entry_point_passes):
     registry = load_passes()
     assert entry_point_passes == ["mplower.passes"]
     assert registry["vendor-tag"] is ThirdParty
-    assert registry["cse"].__module__ == "mplower.passes.cse"  # not replaced
     assert load_passes() is registry and entry_point_passes == ["mplower.passes"]  # once
+
+
+def test_plugin_that_takes_a_builtin_pass_name_is_an_error_naming_both(monkeypatch, cli,
+                                                                       tmp_path):
+    # Pinned the other way before: the plugin's pass was dropped without a word.
+    _install_entry_points(monkeypatch, _EntryPoint("fake-cse", "fake_pkg:FakeCse", FakeCse))
+    message = ("plugin 'fake-cse' (fake_pkg:FakeCse) registers pass 'cse', which is a built-in "
+               "pass; rename the plugin's pass or uninstall its package")
+    with pytest.raises(pm.PluginError) as e:
+        load_passes()
+    assert str(e.value) == message
+    assert pm.PASSES["cse"].__module__ == "mplower.passes.cse"  # the built-in stays
+    src = tmp_path / "in.ir"
+    src.write_text(SMALL)
+    r = cli("opt", src, "--pass=cse")
+    assert (r.rc, r.out, r.err) == (1, "", f"mplower: error: {message}\n")
+    assert cli("passes").err == f"mplower: error: {message}\n"
+
+
+def test_plugin_that_registers_itself_under_a_builtin_name_is_the_same_error(monkeypatch):
+    def import_module_that_registers_cse():
+        register_pass(FakeCse)
+
+    class _Registering(_EntryPoint):
+        def load(self):
+            import_module_that_registers_cse()
+            return FakeCse
+
+    _install_entry_points(monkeypatch, _Registering("fake", "fake_pkg", None))
+    with pytest.raises(pm.PluginError, match=r"^plugin 'fake' \(fake_pkg\) registers pass "
+                                             r"'cse', which is a built-in pass;"):
+        load_passes()
+
+
+def test_two_plugins_with_one_pass_name_are_an_error_naming_the_first(monkeypatch):
+    @dataclasses.dataclass
+    class OtherTag(Pass):
+        name: ClassVar[str] = "vendor-tag"
+
+    _install_entry_points(monkeypatch, _EntryPoint("a", "vendor.passes:ThirdParty", ThirdParty),
+                          _EntryPoint("b", "other.passes:OtherTag", OtherTag))
+    with pytest.raises(pm.PluginError) as e:
+        load_passes()
+    assert str(e.value) == (
+        "plugin 'b' (other.passes:OtherTag) registers pass 'vendor-tag', which is already "
+        f"registered by {__name__}.ThirdParty; rename the plugin's pass or uninstall its package")
+
+
+def test_broken_plugin_is_one_warning_line_and_the_rest_still_load(monkeypatch, cli, tmp_path):
+    # Before: a raw `UserWarning` with the file and line of warnings.warn, on every command.
+    _install_entry_points(
+        monkeypatch,
+        _EntryPoint("broken", "broken_pkg.passes:Pass",
+                    ImportError("No module named 'broken_pkg'\nsecond line")),
+        _EntryPoint("not-a-pass", "builtins:len", len),
+        _EntryPoint("vendor-tag", "vendor.passes:ThirdParty", ThirdParty))
+    src = tmp_path / "in.ir"
+    src.write_text(SMALL)
+    r = cli("opt", src, "--pass=vendor-tag", "--pass=cse")
+    assert r.rc == 0
+    assert r.err == ("mplower: warning: plugin 'broken' (broken_pkg.passes:Pass) failed to load: "
+                     "ImportError: No module named 'broken_pkg' ...\n"
+                     "mplower: warning: plugin 'not-a-pass' (builtins:len) failed to load: "
+                     "TypeError: it names a builtin_function_or_method, not a Pass subclass\n")
+    assert 'vendor.tag = "v"' in r.out
+    again = cli("opt", src, "--pass=cse")  # loaded once per process: no second warning
+    assert again.rc == 0 and again.err == ""
+
+
+def test_broken_plugin_is_a_plugin_warning_for_library_users(monkeypatch):
+    _install_entry_points(monkeypatch, _EntryPoint("broken", "x:y", RuntimeError("boom")))
+    with pytest.warns(pm.PluginWarning, match=r"^plugin 'broken' \(x:y\) failed to load: "
+                                              r"RuntimeError: boom$"):
+        registry = load_passes()
+    assert "cse" in registry
 
 
 def test_entry_point_pass_runs_from_the_cli(entry_point_passes, cli, tmp_path):

@@ -41,6 +41,7 @@ from mplower.target import (
     CSR,
     DENSE,
     DTYPE_UNSUPPORTED,
+    NO_CONSTANT_WEIGHT,
     NO_SPARSE_KERNEL,
     NOT_PROFITABLE,
     PATTERN_INVALID,
@@ -260,8 +261,13 @@ def test_transformer_takes_the_2_4_path_in_bf16(transformer):
     f = module.function()
     encodes = [n for n in f.ops() if f.op(n) == "mp.sparse_encode"]
     assert len(encodes) == 6 and all(f.types(n)[0].encoding == "2:4" for n in encodes)
-    # The attention matmuls multiply activations: no weight, no decision.
-    assert "mp.kernel" not in ops["%scores"]["attrs"]
+    # The attention matmuls multiply activations: dense, with the reason (before: no decision).
+    for name, operand in (("%scores", "%k_t"), ("%ctx_heads", "%v_heads")):
+        attrs = ops[name]["attrs"]
+        assert (attrs["mp.kernel"], attrs["mp.sparse_reason"]) == (DENSE, NO_CONSTANT_WEIGHT)
+        assert attrs["mp.reason"] == (f"allow-list; dense: no-constant-weight (operand #1 "
+                                      f"{operand} is computed by mp.transpose, not a constant "
+                                      f"weight)")
     assert module.attrs["mp.target"] == "h100"
 
 
@@ -412,15 +418,18 @@ def test_report_has_a_sparse_section(transformer, cli):
     assert r.rc == 0, r.err
     sheet = json.loads(r.out)
     sparse = sheet["sparse"]
-    assert (sparse["considered"], sparse["sparse_ops"], sparse["dense_fallbacks"]) == (6, 6, 0)
-    assert sparse["kernels"] == {SPARSE_2_4: 6} and sparse["fallback_rate"] == 0.0
+    # The two attention matmuls count as dense too (before: 6 considered, 0 dense).
+    assert (sparse["considered"], sparse["sparse_ops"], sparse["dense_fallbacks"]) == (8, 6, 2)
+    assert sparse["kernels"] == {SPARSE_2_4: 6} and sparse["fallback_rate"] == 0.25
+    assert sparse["reasons"] == {NO_CONSTANT_WEIGHT: 2}
     q = next(e for e in sparse["ops"] if e["name"] == "%q_proj")
     assert q["metadata_bytes"] == 512 and q["nominal_sparsity"] == 0.5
     assert q["measured_speedup"] > 0 and q["modeled_speedup"] > 1
     row = next(r for r in sheet["ops"] if r["name"] == "%q_proj")
     assert row["modeled_time_s"] == q["modeled_sparse_s"]
     table = cli("report", out).out
-    assert "sparse: 6 weight ops, 6 on sparse kernels (sparse_2_4: 6), 0 dense (0.0%)" in table
+    assert ("sparse: 8 matmul/conv ops, 6 on sparse kernels (sparse_2_4: 6), 2 dense (25.0%) - "
+            "no-constant-weight: 2") in table
     assert "%ff2_proj  sparse_2_4  50.0%     2048 B (12.5% of values)" in table
 
 
@@ -428,10 +437,10 @@ def test_report_counts_dense_fallbacks_by_reason(transformer, cli):
     out = lowered(transformer,
                   "sparsify,assign-precision{policy=fp32},lower-sparse{target=h100}")
     sparse = json.loads(cli("report", out, "--format", "json").out)["sparse"]
-    assert sparse["dense_fallbacks"] == 6 and sparse["fallback_rate"] == 1.0
-    assert sparse["reasons"] == {DTYPE_UNSUPPORTED: 6}
+    assert sparse["dense_fallbacks"] == 8 and sparse["fallback_rate"] == 1.0
+    assert sparse["reasons"] == {NO_CONSTANT_WEIGHT: 2, DTYPE_UNSUPPORTED: 6}
     md = cli("report", out, "--format", "markdown").out
-    assert "6 dense (100.0%) - dtype-unsupported: 6" in md
+    assert "8 dense (100.0%) - dtype-unsupported: 6, no-constant-weight: 2" in md
 
 
 def test_report_without_sparse_decisions_has_no_sparse_section(cli):

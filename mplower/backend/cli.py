@@ -14,11 +14,16 @@ import argparse
 import math
 import sys
 import time
+import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
+
+if TYPE_CHECKING:
+    from mplower.ir.graph import Function
 
 
 def _input_flags(p: argparse.ArgumentParser) -> None:
@@ -40,7 +45,10 @@ def register(sub) -> None:
                        description="Run the lowered function and its fp32 reference side by "
                                    "side; report per-op fallbacks, overflow and drift.")
     _input_flags(p)
-    p.add_argument("--save-outputs", metavar="OUT.npz", help="write output_0, output_1, ...")
+    p.add_argument("--save-outputs", metavar="OUT.npz", help="write the function's results")
+    p.add_argument("--output-names", choices=("index", "onnx"), default="index",
+                   help="keys of --save-outputs: output_0, output_1, ... (index, the default) "
+                        "or the ONNX graph output names that `mplower import` recorded (onnx)")
     p.add_argument("--report", metavar="R.json", help="write the JSON report here")
     p.add_argument("--format", choices=("table", "json", "markdown"), default="table",
                    help="format of the report printed on stdout")
@@ -159,6 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
     module, program, arrays = _load(args)
+    keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
     if args.bisect and not limits:
         raise UsageError("--bisect needs guardrails: the policy sheet's or --guardrail KEY=VALUE")
@@ -174,8 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         report["bisect"] = bisect(pristine, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
     if args.save_outputs:
-        outputs = {f"output_{i}": y for i, y in enumerate(result.outputs)}
-        _write_atomic(args.save_outputs, lambda fh: np.savez(fh, **outputs))
+        _write_atomic(args.save_outputs, lambda fh: _savez(fh, dict(zip(keys, result.outputs))))
     if args.report:
         text = render(report, "json").encode()
         _write_atomic(args.report, lambda fh: fh.write(text))
@@ -183,6 +191,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.check and report["summary"]["verdict"] != "pass":
         return EXIT_GUARDRAIL
     return EXIT_OK
+
+
+def output_keys(f: Function, names: str) -> list[str]:
+    """The --save-outputs keys: `output_N`, or the function's `mp.output_names` (from ONNX)."""
+    n = len(f.result_types)
+    if names == "index":
+        return [f"output_{i}" for i in range(n)]
+    recorded = f.attrs.get("mp.output_names")
+    if recorded is None:
+        raise DiagnosticError.at(f.loc, f"--output-names onnx: @{f.name} has no mp.output_names "
+                                        "(only `mplower import` records them); use "
+                                        "--output-names index")
+    if not (isinstance(recorded, tuple) and len(recorded) == n
+            and all(isinstance(k, str) and k for k in recorded)
+            and len(set(recorded)) == n):
+        from mplower.ir.types import attr_to_str
+
+        raise DiagnosticError.at(f.loc, f"mp.output_names of @{f.name} must hold one distinct, "
+                                        f"non-empty string per result ({n}), got "
+                                        f"{attr_to_str(recorded)}")
+    return list(recorded)
+
+
+def _savez(fh, arrays: dict[str, np.ndarray]) -> None:
+    """np.savez, but any key works: np.savez(fh, **arrays) takes `file` and `allow_pickle`
+    for its own parameters, and ONNX output names can be anything."""
+    with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for key, a in arrays.items():
+            with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
 
 
 def _finite(x: float) -> float | None:

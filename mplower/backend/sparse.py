@@ -460,7 +460,7 @@ def sparse_lines(sparse: dict[str, Any], fmt: str) -> list[str]:
     "markdown"): a summary with the dense fallbacks by reason code, then one row per sparse op."""
     kernels = ", ".join(f"{k}: {v}" for k, v in sparse["kernels"].items()) or "none"
     reasons = ", ".join(f"{k}: {v}" for k, v in sparse["reasons"].items())
-    out = ["", (f"sparse: {sparse['considered']} weight ops, {sparse['sparse_ops']} on sparse "
+    out = ["", (f"sparse: {sparse['considered']} matmul/conv ops, {sparse['sparse_ops']} on sparse "
                 f"kernels ({kernels}), {sparse['dense_fallbacks']} dense "
                 f"({sparse['fallback_rate']:.1%})" + (f" - {reasons}" if reasons else ""))]
     rows = [_sparse_cells(e) for e in sparse["ops"] if e["kernel"] != DENSE]

@@ -286,6 +286,8 @@ class _Importer:
             types.append(r.type)
             onnx_types.append(r.onnx_type)
         self.f.result_types = types
+        # What the model calls its results, for `mplower run --output-names onnx`.
+        self.f.attrs["mp.output_names"] = tuple(self.out_names)
         self.f.append_op(RETURN, values, {}, [], loc=self.loc)
         module = Module(name=_ssa_name(g.name) if g.name else None, path=self.file,
                         loc=self.loc)
