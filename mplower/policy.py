@@ -26,7 +26,8 @@ from mplower.tomlsheet import builtin_names as _builtin_names
 COMPUTE_HEAVY = frozenset({"mp.matmul", "mp.conv2d"})
 # Ops whose Decision carries an accumulator; every other op gets accum None.
 ACCUMULATING = frozenset({"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"})
-GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "min_top1_agreement")
+GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "max_overflow_rate",
+              "min_top1_agreement")
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
 
 # Reason strings of Decision (docs/policy.md); follow and override reasons carry a detail.
@@ -71,12 +72,21 @@ class Override:
     accum: str | None
 
     def matches(self, op: str, result_name: str) -> bool:
+        """`result_name` with or without its `%`; the glob likewise (`%fc*` and `fc*` are the
+        same rule), since the graph stores names bare and the IR prints them with `%`."""
         return ((self.op is None or self.op == op)
-                and (self.name is None or fnmatchcase(result_name, self.name)))
+                and (self.name is None
+                     or fnmatchcase(result_name.removeprefix("%"), self.name.removeprefix("%"))))
 
     @property
     def reason(self) -> str:
         return "override " + " ".join(p for p in (self.op, self.name) if p is not None)
+
+
+def keep_f32_overrides(names: Collection[str]) -> str:
+    """`[[override]]` tables that keep these result names in f32, to paste into a sheet
+    (what `mplower run --bisect` suggests)."""
+    return "".join(f'[[override]]\nname = "{n}"\ncompute = "f32"\n\n' for n in names)
 
 
 @dataclass(frozen=True)

@@ -159,8 +159,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
     module, program, arrays = _load(args)
     limits = {**_policy_guardrails(module), **flags}
-    if args.bisect and not limits:
-        raise UsageError("--bisect needs guardrails: the policy sheet's or --guardrail KEY=VALUE")
+    for flag in ("check", "bisect"):  # neither means anything without a limit to meet
+        if getattr(args, flag) and not limits:
+            raise UsageError(f"--{flag} needs guardrails: the policy sheet's or "
+                             f"--guardrail KEY=VALUE")
     pristine = copy.deepcopy(module) if args.bisect else None
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get("mp.policy"),
