@@ -99,16 +99,16 @@ def _load(args: argparse.Namespace):
 
 
 def _guardrail_flags(flags: list[str]) -> dict[str, float]:
-    from mplower.backend.report import GUARDRAIL_KEYS
     from mplower.cli import UsageError
+    from mplower.policy import GUARDRAILS
 
     limits: dict[str, float] = {}
     for flag in flags:
         key, sep, value = flag.partition("=")
         key = key.strip()
-        if not sep or key not in GUARDRAIL_KEYS:
+        if not sep or key not in GUARDRAILS:
             raise UsageError(f"--guardrail takes KEY=VALUE with KEY one of "
-                             f"{', '.join(GUARDRAIL_KEYS)}; got '{flag}'")
+                             f"{', '.join(GUARDRAILS)}; got '{flag}'")
         try:
             limits[key] = float(value)
         except ValueError:

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
-from mplower.policy import GUARDRAILS as GUARDRAIL_KEYS
 from mplower.policy import keep_f32_overrides
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
