@@ -316,6 +316,7 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
                           f"{d['name']}_bias")
         f.replace_all_uses((n, 0), result)
         f.erase(n)
+        f.rename(kernel, d["name"])  # the name a sheet's override or bisect refers to
     else:
         f.replace_all_uses((n, 0), result, exclude={dq})
     # The calibrated range describes the float result, which the kernel no longer produces.
