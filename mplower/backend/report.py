@@ -123,7 +123,8 @@ def op_entry(r: OpResult) -> dict[str, Any]:
 
 def build_report(result: RunResult, guardrails: dict[str, float],
                  policy: str | None = None, function: str | None = None) -> dict[str, Any]:
-    """The report of one run (docs/report.md); `guardrails` maps GUARDRAIL_KEYS to limits."""
+    """The report of one run (docs/report.md); `guardrails` maps keys of
+    mplower.policy.GUARDRAILS to limits."""
     ops = [op_entry(r) for r in result.ops]
     counted = [o for o in ops if o["op"] != "mp.constant"]
     fallbacks = sum(1 for o in counted if o["fallback"])
@@ -206,7 +207,7 @@ def _figure(x: float | None, limit: float | None = None) -> str:
     would print a value that differs from its limit as the limit."""
     if x is None:
         return "-"
-    if isinstance(x, int) or float(x).is_integer() and abs(x) < 1e15:
+    if isinstance(x, int) or (float(x).is_integer() and abs(x) < 1e15):
         return str(int(x))
     for digits in range(3, 18):
         text = format(x, f".{digits}g")
