@@ -105,6 +105,24 @@ def test_int8_sheet_limits_the_rate_of_clamped_values_not_their_count() -> None:
         "max_overflow_rate"]["ok"] is False
 
 
+def test_int8_sheet_fails_inputs_far_outside_the_calibrated_ranges(cli, tmp_path) -> None:
+    low = tmp_path / "cnn_int8.ir"
+    pipeline = (f"assign-precision{{policy=int8}},calibrate{{data={EXAMPLES}/cnn_inputs.npz}},"
+                f"quantize,insert-casts")
+    assert cli("opt", EXAMPLES / "cnn.ir", f"--pass-pipeline={pipeline}", "-o", low).rc == 0
+    with np.load(EXAMPLES / "cnn_inputs.npz") as data:
+        np.savez(tmp_path / "x.npz", **{k: v * 4 for k, v in data.items()})
+    rc, report = run_json(cli, low, "--weights", EXAMPLES / "cnn.npz", "--inputs",
+                          tmp_path / "x.npz", "--check")
+    s = report["summary"]
+    written = sum(int(np.prod([int(d) for d in re.findall(r"(\d+)x", o["type"])]))
+                  for o in report["ops"])
+    assert s["overflow"] > 0 and s["overflow_rate"] == s["overflow"] / written
+    assert s["guardrails"]["max_overflow_rate"] == {
+        "limit": 0.001, "value": s["overflow_rate"], "ok": s["overflow_rate"] <= 0.001}
+    assert s["overflow_rate"] > 0.001 and s["verdict"] == "fail" and rc == 3
+
+
 # ---- top-1 agreement ----------------------------------------------------------------------
 
 
