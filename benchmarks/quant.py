@@ -237,6 +237,7 @@ def metrics(y: np.ndarray, ref: np.ndarray, labels: np.ndarray) -> dict[str, flo
 
 MPLOWER_CONFIGS = {  # label -> pipeline; CALIB is replaced by the calibration file
     "minmax": "calibrate{data=CALIB},quantize{scheme=w8a8 symmetric=false}",
+    "minmax symmetric": "calibrate{data=CALIB},quantize{scheme=w8a8 symmetric=true}",
     "mse": "calibrate{data=CALIB method=mse symmetric=false},quantize{scheme=w8a8 symmetric=false}",
     "smooth+mse": ("calibrate{data=CALIB},smooth-quant{alpha=0.5},"
                    "calibrate{data=CALIB method=mse symmetric=false},"
@@ -309,7 +310,7 @@ def evaluate(model: Model, configs: list[str]) -> list[dict]:
         icalib = folder / "train_scaled.npz"
         np.savez(icalib, X=batches(scaled(model, model.x_train), batch))
         iref = run_program(parse_file(imported), x_test, batch)
-        for i, label in enumerate(("minmax", "mse")):
+        for i, label in enumerate(("minmax", "minmax symmetric", "mse")):
             q = mplower_quantized(imported, icalib, MPLOWER_CONFIGS[label])
             note = (f"`{how}`; its fp32 output differs from the IR above by at most "
                     f"{float(np.abs(iref - ref).max()):.1e}") if i == 0 else "the same import"

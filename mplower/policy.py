@@ -27,7 +27,8 @@ from mplower.tomlsheet import builtin_names as _builtin_names
 COMPUTE_HEAVY = frozenset({"mp.matmul", "mp.conv2d"})
 # Ops whose Decision carries an accumulator; every other op gets accum None.
 ACCUMULATING = frozenset({"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"})
-GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "min_top1_agreement")
+GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "max_overflow_rate",
+              "min_top1_agreement")
 # What a guardrail limit may be (docs/policy.md): a relative error beyond 1000 or an SQNR beyond
 # 1000 dB means nothing (f64 itself reaches ~320 dB), a count of overflowed values must be
 # exact in a float (2^53), an agreement is a fraction.
@@ -35,6 +36,7 @@ GUARDRAIL_BOUNDS = {
     "max_rel_l2": Bounds(0, 1e3),
     "min_sqnr_db": Bounds(0, 1e3, " dB"),
     "max_overflow": Bounds(0, 2 ** 53, " values"),
+    "max_overflow_rate": Bounds(0, 1),
     "min_top1_agreement": Bounds(0, 1),
 }
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
@@ -81,12 +83,21 @@ class Override:
     accum: str | None
 
     def matches(self, op: str, result_name: str) -> bool:
+        """`result_name` with or without its `%`; the glob likewise (`%fc*` and `fc*` are the
+        same rule), since the graph stores names bare and the IR prints them with `%`."""
         return ((self.op is None or self.op == op)
-                and (self.name is None or fnmatchcase(result_name, self.name)))
+                and (self.name is None
+                     or fnmatchcase(result_name.removeprefix("%"), self.name.removeprefix("%"))))
 
     @property
     def reason(self) -> str:
         return "override " + " ".join(p for p in (self.op, self.name) if p is not None)
+
+
+def keep_f32_overrides(names: Collection[str]) -> str:
+    """`[[override]]` tables that keep these result names in f32, to paste into a sheet
+    (what `mplower run --bisect` suggests)."""
+    return "".join(f'[[override]]\nname = "{n}"\ncompute = "f32"\n\n' for n in names)
 
 
 @dataclass(frozen=True)

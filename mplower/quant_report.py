@@ -119,6 +119,8 @@ def converted_ops(f: Function) -> list[int]:
         d = f.data(n)
         if d["op"] in ("return", "mp.constant") or is_conversion(f, n) or d["op"] in MOVEMENT:
             continue
+        if d["attrs"].get(QUANT_MARK) == ZERO_POINT:  # part of the quantized op it follows
+            continue
         narrow = any(FORMATS[t.elem].is_float and FORMATS[t.elem].bits < 32 for t in d["types"])
         through = "mp.weight_quant" in d["attrs"]
         if narrow or any(float_origin(f, v, through) != v for v in f.operands(n)):

@@ -137,9 +137,13 @@ class AssignPrecision(Pass):
         policy = load_policy(self.policy, known_ops=OPS)
         plans = {name: plan_function(f, policy, self.overflow_guard)
                  for name, f in module.functions.items()}
-        if not any(d.compute != "f32" or d.reason.startswith("overflow-guard")
-                   for plan in plans.values() for d in plan.values()):
-            return  # the sheet lowers nothing here: leave the module exactly as it was
+        # An f32 sheet that lowers nothing here leaves the module exactly as it was. A narrow
+        # sheet that lowers nothing (keep-first-last on two matmuls) still records its plan,
+        # so that quantize quantizes nothing and `run` applies the sheet's guardrails.
+        if policy.compute == "f32" and not any(
+                d.compute != "f32" or d.reason.startswith("overflow-guard")
+                for plan in plans.values() for d in plan.values()):
+            return
         types = {name: TypeAttr(name) for name in FORMATS}
         for name, f in module.functions.items():
             lowered = 0

@@ -6,9 +6,10 @@ with W (in, out): axis 1; W @ x: the rows; conv OIHW: axis 0) or per tensor, sym
 127 steps a side. When every activation zero point is 0 the op becomes the quantized kernel the
 executor runs exactly: i8 x i8 (or ui8 x i8) -> i32, then one `mp.dequantize` of the i32
 result with scale s_act * s_weight per output channel (the requantization to float), and a
-conv's bias added after it. Symmetric activations (the default) always take this path, and so
-do asymmetric ones whose range is one-sided (relu outputs, pixels): [0, hi] in ui8 with zero
-point 0 is the same grid as ORT's int8 with zero point -128. An asymmetric range that
+conv's bias added after it. Symmetric activations always take this path, and so do
+asymmetric ones (the default, chosen by measurement: docs/quantization.md) whose range is
+one-sided (relu outputs, pixels): [0, hi] in ui8 with zero point 0 is the same grid as ORT's
+int8 with zero point -128. An asymmetric range that
 straddles 0 needs a zero point z, which the integer kernel has no operand for. For `x @ W` the
 pass shifts instead: x - c with c = -z * scale (an `mp.sub`) is quantized with zero point 0,
 which is the same grid (ORT's: 256 levels over [lo, hi], 0 exact), and
@@ -58,9 +59,11 @@ from mplower.ops import attr_type
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
+REQUESTED, FALLBACK = "mp.requested", "mp.fallback"  # as legalize records a fallback
+QDQ_ZERO_POINT = "qdq-zero-point"  # the fallback code of a w8a8 op written in QDQ form
 WEIGHT_QUANT = "mp.weight_quant"
 QUANT_MARK = "mp.quant"
-ZERO_POINT = "zero-point"  # QUANT_MARK of the add that undoes an activation shift
+ZERO_POINT = "zero-point"  # QUANT_MARK of the ops that undo an activation shift
 SCHEMES = {"w8a8": "i8", "w8a16": "i8", "w4a16": "i4"}  # scheme -> weight format
 QUANTIZED_OPS = ("mp.matmul", "mp.conv2d")
 
@@ -198,14 +201,16 @@ class _Rewriter:
         wt = f.type_of(w_dq)
         sums = wt.shape[:-2] + (1, wt.shape[-1])
         # After y, the dequantized kernel result, which comes after both W_q and c.
+        # All three marked: they belong to the quantized op, which mplower.bisect returns to
+        # f32 as a whole (dropping them), and are no candidates of their own.
+        mark = {QUANT_MARK: ZERO_POINT}
         colsum = self.after("mp.reduce_sum", [w_dq], tensor(sums, "f32"),
-                            {"axes": (wt.rank - 2,), "keepdims": True}, y[0], f"{hint}_zp")
-        corr = self.after("mp.mul", [colsum, c], tensor(sums, "f32"), {}, colsum[0],
+                            {"axes": (wt.rank - 2,), "keepdims": True, **mark}, y[0],
+                            f"{hint}_zp")
+        corr = self.after("mp.mul", [colsum, c], tensor(sums, "f32"), dict(mark), colsum[0],
                           f"{hint}_zp")
         t = f.type_of(y)
-        # Marked, so that mplower.bisect can drop it when it returns the op to f32.
-        return self.after("mp.add", [y, corr], t, {QUANT_MARK: ZERO_POINT}, corr[0],
-                          f"{hint}_zp")
+        return self.after("mp.add", [y, corr], t, dict(mark), corr[0], f"{hint}_zp")
 
     def after(self, op: str, operands: list[Value], t: TensorType, attrs: dict, anchor: int,
               hint: str) -> Value:
@@ -274,6 +279,9 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
                                               f"{_name(f, ins[i])}_dq"))
         f.set_attr(n, PRECISION, TypeAttr("f32"))
         f.set_attr(n, ACCUM, TypeAttr("f32"))
+        # The report shows what was asked (i8) beside what runs (f32 on the grid), and why.
+        f.set_attr(n, REQUESTED, "i8/i32")
+        f.set_attr(n, FALLBACK, QDQ_ZERO_POINT)
         f.set_attr(n, REASON, "quantize w8a8: QDQ form (an activation zero point is not 0; "
                               "the integer kernel takes none)")
         rw.ctx.stat("ops-qdq")
@@ -308,6 +316,7 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
                           f"{d['name']}_bias")
         f.replace_all_uses((n, 0), result)
         f.erase(n)
+        f.rename(kernel, d["name"])  # the name a sheet's override or bisect refers to
     else:
         f.replace_all_uses((n, 0), result, exclude={dq})
     # The calibrated range describes the float result, which the kernel no longer produces.
@@ -409,8 +418,8 @@ class Quantize(Pass):
     scheme: str = option("w8a8", "w8a8 (static int8), w8a16 or w4a16 (weight-only)")
     weights: str = option("per-channel", "weight scales: per-channel or per-tensor")
     activations: str = option("per-tensor", "activation scales: per-tensor (static)")
-    symmetric: bool = option(True, "activations: symmetric i8; false: asymmetric on ORT's "
-                                   "grid (ui8 for one-sided ranges, else a zero point)")
+    symmetric: bool = option(False, "activations: false (default, ORT's grid): ui8 for "
+                                    "one-sided ranges, else a zero point; true: symmetric i8")
     group: int = option(128, "weight-only: group size along the reduction axis (0: per channel)")
 
     def run(self, module: Module, ctx: PassContext) -> None:

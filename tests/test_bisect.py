@@ -96,8 +96,8 @@ def test_keep_f32_of_a_quantized_conv_with_bias_is_exact(tmp_path):
 
 
 def test_operand_sqnr_separates_weights_from_activations_worst_first(tmp_path):
-    module = lowered(three_layers(tmp_path), "calibrate{data=CALIB},quantize{weights=per-tensor}",
-                     X)
+    module = lowered(three_layers(tmp_path),
+                     "calibrate{data=CALIB},quantize{weights=per-tensor symmetric=true}", X)
     rows = operand_sqnr(Program(copy.deepcopy(module)), [X])
     assert rows[0]["name"] == "%m1"  # one huge column: the shared scale wipes out the rest
     by_name = {r["name"]: r for r in rows}

@@ -85,7 +85,7 @@ def test_report_json_validates_against_the_schema(cli, tmp_path, passes) -> None
     s = report["summary"]
     assert s["ops"] == sum(1 for o in report["ops"] if o["op"] != "mp.constant")
     assert s["fallback_ops"] == sum(1 for o in report["ops"] if o["fallback"])
-    assert s["verdict"] == "pass"
+    assert s["verdict"] == ("pass" if passes else "unchecked")  # no sheet: nothing claimed
 
 
 def test_counts_reach_the_report_and_the_schema_accepts_nulls(cli, tmp_path) -> None:

@@ -107,17 +107,16 @@ def _load(args: argparse.Namespace):
 
 
 def _guardrail_flags(flags: list[str]) -> dict[str, float]:
-    from mplower.backend.report import GUARDRAIL_KEYS
     from mplower.cli import UsageError
-    from mplower.policy import GUARDRAIL_BOUNDS
+    from mplower.policy import GUARDRAIL_BOUNDS, GUARDRAILS
 
     limits: dict[str, float] = {}
     for flag in flags:
         key, sep, value = flag.partition("=")
         key = key.strip()
-        if not sep or key not in GUARDRAIL_KEYS:
+        if not sep or key not in GUARDRAILS:
             raise UsageError(f"--guardrail takes KEY=VALUE with KEY one of "
-                             f"{', '.join(GUARDRAIL_KEYS)}; got '{flag}'")
+                             f"{', '.join(GUARDRAILS)}; got '{flag}'")
         try:
             limits[key] = float(value)
         except ValueError:
@@ -169,8 +168,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     module, program, arrays = _load(args)
     keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
-    if args.bisect and not limits:
-        raise UsageError("--bisect needs guardrails: the policy sheet's or --guardrail KEY=VALUE")
+    for flag in ("check", "bisect"):  # neither means anything without a limit to meet
+        if getattr(args, flag) and not limits:
+            raise UsageError(f"--{flag} needs guardrails: the policy sheet's or "
+                             f"--guardrail KEY=VALUE")
     pristine = copy.deepcopy(module) if args.bisect else None
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get("mp.policy"),

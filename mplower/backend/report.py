@@ -20,10 +20,10 @@ import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
 from mplower.backend.executor import drift as result_drift
+from mplower.policy import keep_f32_overrides
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
-GUARDRAIL_KEYS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "min_top1_agreement")
 
 
 def _finite(x: float | None) -> float | None:
@@ -47,10 +47,7 @@ def output_drift(result: RunResult) -> dict[str, float | None]:
         return none
     d = result_drift(np.concatenate([a.astype(np.float64).ravel() for a, _ in pairs]),
                      np.concatenate([b.astype(np.float64).ravel() for _, b in pairs]))
-    out0, ref0 = pairs[0]
-    top1 = None
-    if out0.ndim >= 1 and out0.shape[-1] > 1 and out0.dtype.kind == "f":
-        top1 = float(np.mean(np.argmax(out0, axis=-1) == np.argmax(ref0, axis=-1)))
+    top1 = top1_agreement(*pairs[0])
     return {"output_rel_l2": d.rel_l2, "output_max_abs": d.max_abs, "sqnr_db": d.sqnr_db,
             "nonfinite_mismatch": d.nonfinite_mismatch, "top1_agreement": top1}
 
@@ -69,9 +66,37 @@ def nonfinite_weights(result: RunResult) -> list[dict[str, Any]]:
     return out
 
 
+def class_axis(rank: int) -> int:
+    """The class axis of a classifier output: 0 for one sample (C,), else 1, for (N, C) and
+    (N, C, d1, ...) alike, as ONNX SoftmaxCrossEntropyLoss and torch.nn.CrossEntropyLoss
+    lay out their input."""
+    return 0 if rank == 1 else 1
+
+
+def top1_agreement(y: np.ndarray, ref: np.ndarray) -> float | None:
+    """Fraction of samples whose argmax over `class_axis` is a maximum of the reference's.
+
+    A sample is one position of every other axis. The lowered argmax is numpy's (the first
+    of its maxima); it agrees when the reference holds its row's maximum there, so ties in
+    the reference agree with any of the tied classes. A NaN in a sample, on either side,
+    never agrees. None where there are no classes to pick from: a scalar, a non-float output,
+    a class axis of one entry.
+    """
+    if y.ndim == 0 or y.dtype.kind != "f" or y.shape[class_axis(y.ndim)] < 2:
+        return None
+    axis = class_axis(y.ndim)
+    rows = np.moveaxis(y.astype(np.float64), axis, -1).reshape(-1, y.shape[axis])
+    refs = np.moveaxis(ref.astype(np.float64), axis, -1).reshape(-1, y.shape[axis])
+    picked = refs[np.arange(len(rows)), np.argmax(rows, axis=1)]
+    with np.errstate(invalid="ignore"):
+        agree = (picked == refs.max(axis=1)) & ~np.isnan(rows).any(axis=1)
+    return float(np.mean(agree))
+
+
 def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
     value_of = {"max_rel_l2": summary["output_rel_l2"], "min_sqnr_db": summary["sqnr_db"],
                 "max_overflow": summary["overflow"],
+                "max_overflow_rate": summary["overflow_rate"],
                 "min_top1_agreement": summary["top1_agreement"]}
     out = {}
     for key, limit in limits.items():
@@ -84,6 +109,13 @@ def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> di
             ok = v >= limit
         out[key] = {"limit": limit, "value": _finite(v) if isinstance(v, float) else v, "ok": ok}
     return out
+
+
+def verdict(guardrails: dict[str, Any]) -> str:
+    """`pass` or `fail`; `unchecked` without guardrails, which is no claim of quality."""
+    if not guardrails:
+        return "unchecked"
+    return "pass" if all(g["ok"] for g in guardrails.values()) else "fail"
 
 
 def op_entry(r: OpResult) -> dict[str, Any]:
@@ -101,7 +133,8 @@ def op_entry(r: OpResult) -> dict[str, Any]:
 
 def build_report(result: RunResult, guardrails: dict[str, float],
                  policy: str | None = None, function: str | None = None) -> dict[str, Any]:
-    """The report of one run (docs/report.md); `guardrails` maps GUARDRAIL_KEYS to limits."""
+    """The report of one run (docs/report.md); `guardrails` maps keys of
+    mplower.policy.GUARDRAILS to limits."""
     ops = [op_entry(r) for r in result.ops]
     counted = [o for o in ops if o["op"] != "mp.constant"]
     fallbacks = sum(1 for o in counted if o["fallback"])
@@ -115,8 +148,11 @@ def build_report(result: RunResult, guardrails: dict[str, float],
         "nonfinite_weights": nonfinite_weights(result),
         **drift,
     }
+    # Over every value the ops wrote (constants too, as `overflow` counts their rounding).
+    written = sum(math.prod(r.step.out_type.shape) for r in result.ops)
+    summary["overflow_rate"] = summary["overflow"] / written if written else 0.0
     summary["guardrails"] = evaluate_guardrails(guardrails, summary)
-    summary["verdict"] = "pass" if all(g["ok"] for g in summary["guardrails"].values()) else "fail"
+    summary["verdict"] = verdict(summary["guardrails"])
     for key in ("output_rel_l2", "output_max_abs", "sqnr_db"):
         summary[key] = _finite(summary[key])
     return {"function": function, "policy": policy, "summary": summary, "ops": ops}
@@ -148,7 +184,8 @@ def render(report: dict[str, Any], fmt: str) -> str:
     rows = [[o["name"], o["op"], fmt_plan(o["requested"]), fmt_plan(o["executed"]),
              o["reason"] or "-", str(o["overflow"]), str(o["underflow"]), str(o["nan"]),
              num(o["rel_l2"], ".3g"), num(o["sqnr_db"], ".1f")] for o in worst]
-    g = ", ".join(f"{k} {v['value']!s} {'<=' if k.startswith('max') else '>='} {v['limit']} "
+    g = ", ".join(f"{k} {_figure(v['value'], v['limit'])} "
+                  f"{'<=' if k.startswith('max') else '>='} {_figure(v['limit'])} "
                   f"{'ok' if v['ok'] else 'FAILED'}" for k, v in s["guardrails"].items())
     lines = [f"verdict: {s['verdict']}" + (f" ({g})" if g else " (no guardrails)"),
              f"outputs: rel_l2 {num(s['output_rel_l2'], '.4g')}, max_abs "
@@ -172,6 +209,9 @@ def render(report: dict[str, Any], fmt: str) -> str:
         kept = ", ".join(b["ops"]) or "nothing"
         met = "met" if b["met"] else "not met"
         lines += ["", f"bisect: keep in f32: {kept} ({b['runs']} runs; guardrails {met})"]
+        if b["ops"]:
+            lines += ["to keep them in f32 when lowering, add to the policy sheet:", "",
+                      *keep_f32_overrides(b["ops"]).rstrip("\n").splitlines()]
     return "\n".join(lines) + "\n"
 
 
@@ -180,6 +220,20 @@ def _nonfinite_line(s: dict[str, Any]) -> str:
                         for w in s["nonfinite_weights"]) or "none"
     return (f"non-finite: {s['nonfinite_mismatch'] or 0} output values where the reference "
             f"differs; weights holding NaN/inf: {weights}")
+
+
+def _figure(x: float | None, limit: float | None = None) -> str:
+    """`x` to 3 significant digits for a reader (the JSON keeps every digit), more where 3
+    would print a value that differs from its limit as the limit."""
+    if x is None:
+        return "-"
+    if isinstance(x, int) or (float(x).is_integer() and abs(x) < 1e15):
+        return str(int(x))
+    for digits in range(3, 18):
+        text = format(x, f".{digits}g")
+        if limit is None or x == limit or text != format(limit, f".{digits}g"):
+            return text
+    return repr(x)
 
 
 def _table(header: list[str], rows: list[list[str]], fmt: str) -> list[str]:

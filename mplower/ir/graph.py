@@ -207,6 +207,14 @@ class Function:
         self.graph.remove_node(node)
         self._dirty = True
 
+    def rename(self, node: int, hint: str) -> None:
+        """Name `node` afresh from `hint`: a pass that replaced an op by a new one gives the
+        new one the old name once the old op is erased (sheets and reports refer to it)."""
+        old = self.graph.nodes[node]["name"]
+        self._names.discard(old)
+        self.graph.nodes[node]["name"] = name = self.fresh_name(hint)
+        self._names.add(name)
+
     def set_attr(self, node: int, key: str, value: Any) -> None:
         self.graph.nodes[node]["attrs"][key] = value
 
