@@ -384,6 +384,7 @@ def test_bf16_plan_drift_starts_at_the_first_rounding_and_stays_small() -> None:
     assert drifting[0].step.out_type.elem == "bf16"  # a value rounded to bf16 starts it
 
 
+@pytest.mark.determinism
 def test_run_and_run_lowered_agree() -> None:
     prog = example("transformer", ("assign-precision", {"policy": "fp8"}))
     x = example_inputs("transformer")
@@ -411,6 +412,7 @@ def _all_bits(prog: Program, inputs: list[np.ndarray]) -> list[bytes]:
     return [bits(y) for y in result.outputs] + [bits(r) for r in result.reference]
 
 
+@pytest.mark.determinism
 def test_results_are_bit_identical_across_runs_and_thread_counts() -> None:
     threadpoolctl = pytest.importorskip("threadpoolctl")
     rng = np.random.default_rng(3)
@@ -432,6 +434,7 @@ def test_results_are_bit_identical_across_runs_and_thread_counts() -> None:
         numba.set_num_threads(threads)
 
 
+@pytest.mark.determinism
 def test_results_are_bit_identical_in_processes_with_one_and_two_threads(tmp_path) -> None:
     ir = tmp_path / "m.ir"
     ir.write_text(DETERMINISM_IR)
