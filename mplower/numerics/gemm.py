@@ -8,12 +8,14 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
     c[i, j] = 0;  for k = 0, 1, ..., K-1:  c[i, j] = fl(c[i, j] + fl(a[i, k] * b[k, j]))
 
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
-and a rounded sum per step, never a fused multiply-add (the kernel is compiled without
-fastmath, so LLVM may neither contract nor reassociate). Tiling keeps that order: the work is
-cut into tiles of output rows and columns, each tile owned by one thread and swept over K in
-ascending blocks, and SIMD lanes hold different output columns. So every output element is the
-same function of its own row of `a` and column of `b` whatever the thread count, the BLAS
-library, the tile a row lands in or the batch around it.
+and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
+the BLIS manner: b is packed into column panels, and each tile of _ROWS rows by one panel keeps
+its accumulators in vector registers over the whole of K (`_micro`, LLVM vector IR without
+fast-math flags, so LLVM may neither contract nor reorder). A tile belongs to one thread, its
+lanes are different output columns, and K is never split, so every output element is the same
+function of its own row of `a` and column of `b` whatever the thread count, the BLAS library,
+the CPU's vector width, the tile a row lands in or the batch around it. tests/test_gemm.py
+checks it bit for bit against that loop written in numpy.
 
 Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exactly.
 """
@@ -21,68 +23,143 @@ Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exac
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-# A tile is _ROWS output rows x _COLS columns, swept over K in blocks of _DEPTH: its output rows
-# (16 KiB) stay in L1 while the (_DEPTH, _COLS) block of b (256 KiB) stays in L2. The sizes
-# change speed only, never a result.
-_ROWS, _COLS, _DEPTH = 16, 256, 256
+# The register tile: _ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8 float64
+# columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
+# speed only, never a result.
+_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 # Below this many multiply-adds one thread does the whole product: entering a parallel region
 # costs more than the product itself (and 10-15 ms when other processes hold the cores).
 SERIAL_BELOW = 1 << 21
 
 
-@njit(cache=True)
-def _tile(a, b, c, t, ia, ib):
-    """Tile t of c (batch, row block, column block, in that order of significance)."""
-    m, kk = a.shape[1], a.shape[2]
-    n = b.shape[2]
-    tiles_i = (m + _ROWS - 1) // _ROWS
-    tiles_j = (n + _COLS - 1) // _COLS
-    batch = t // (tiles_i * tiles_j)
-    rest = t % (tiles_i * tiles_j)
-    i0 = (rest // tiles_j) * _ROWS
-    j0 = (rest % tiles_j) * _COLS
-    i1 = min(i0 + _ROWS, m)
-    j1 = min(j0 + _COLS, n)
-    x = a[ia[batch]]
-    w = b[ib[batch]]
-    y = c[batch]
-    for k0 in range(0, kk, _DEPTH):
-        k1 = min(k0 + _DEPTH, kk)
-        i = i0
-        while i + 1 < i1:  # two rows share each load of b
-            y0 = y[i, j0:j1]
-            y1 = y[i + 1, j0:j1]
-            for k in range(k0, k1):
-                a0 = x[i, k]
-                a1 = x[i + 1, k]
-                row = w[k, j0:j1]
-                for j in range(j1 - j0):
-                    y0[j] += a0 * row[j]
-                    y1[j] += a1 * row[j]
-            i += 2
-        if i < i1:
-            y0 = y[i, j0:j1]
-            for k in range(k0, k1):
-                a0 = x[i, k]
-                row = w[k, j0:j1]
-                for j in range(j1 - j0):
-                    y0[j] += a0 * row[j]
+@intrinsic
+def _micro(typingctx, a, a_offset, lda, panel, panel_offset, tile, depth):
+    """tile[r, :] += a[a_offset + r * lda + k] * panel[panel_offset + k * cols + :] for
+    k = 0 .. depth-1 in that order, r < _ROWS, over a (_ROWS, cols) tile held in registers.
+
+    Written as LLVM vector IR because numba's loops cannot keep an accumulator tile in
+    registers: each lane is one output column, and each step is an `fmul` then an `fadd`
+    without fast-math flags, so LLVM may neither fuse (FMA) nor reorder them."""
+    sig = types.void(a, a_offset, lda, panel, panel_offset, tile, depth)
+    fty = ir.DoubleType() if a.dtype == types.float64 else ir.FloatType()
+    lanes = _VECTOR_BYTES // (8 if a.dtype == types.float64 else 4)
+    cols = lanes * _VECTORS
+    vty = ir.VectorType(fty, lanes)
+    i64 = ir.IntType(64)
+
+    def codegen(context, builder, signature, args):
+        av, a_off, lda_v, pv, p_off, tv, kk = args
+        a_ptr = builder.gep(context.make_array(signature.args[0])(context, builder, av).data,
+                            [a_off])
+        p_ptr = builder.gep(context.make_array(signature.args[3])(context, builder, pv).data,
+                            [p_off])
+        t_ptr = context.make_array(signature.args[5])(context, builder, tv).data
+
+        def vector_at(base, offset):
+            return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
+
+        def const(v):
+            return ir.Constant(i64, v)
+
+        slots = [(r, v) for r in range(_ROWS) for v in range(_VECTORS)]
+        init = {rv: builder.load(vector_at(t_ptr, const(rv[0] * cols + rv[1] * lanes)), align=4)
+                for rv in slots}
+        entry = builder.block
+        loop = builder.append_basic_block("gemm_k")
+        done = builder.append_basic_block("gemm_done")
+        builder.cbranch(builder.icmp_signed(">", kk, const(0)), loop, done)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        acc = {rv: builder.phi(vty) for rv in slots}
+        row = builder.mul(k, const(cols))
+        b = [builder.load(vector_at(p_ptr, builder.add(row, const(v * lanes))), align=4)
+             for v in range(_VECTORS)]
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+        new = {}
+        for r in range(_ROWS):
+            x = builder.load(builder.gep(a_ptr, [builder.add(builder.mul(const(r), lda_v), k)]))
+            x = builder.insert_element(ir.Constant(vty, ir.Undefined), x,
+                                       ir.Constant(ir.IntType(32), 0))
+            x = builder.shuffle_vector(x, ir.Constant(vty, ir.Undefined), zeros)
+            for v in range(_VECTORS):
+                new[r, v] = builder.fadd(acc[r, v], builder.fmul(x, b[v]))
+        k_next = builder.add(k, const(1))
+        k.add_incoming(const(0), entry)
+        k.add_incoming(k_next, loop)
+        for rv in slots:
+            acc[rv].add_incoming(init[rv], entry)
+            acc[rv].add_incoming(new[rv], loop)
+        builder.cbranch(builder.icmp_signed("<", k_next, kk), loop, done)
+        builder.position_at_end(done)
+        final = {}
+        for rv in slots:
+            final[rv] = builder.phi(vty)
+            final[rv].add_incoming(init[rv], entry)
+            final[rv].add_incoming(new[rv], loop)
+        for (r, v), value in final.items():
+            builder.store(value, vector_at(t_ptr, const(r * cols + v * lanes)), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
 
 
 @njit(cache=True)
-def _gemm_serial(a, b, c, ia, ib):
-    tiles = c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS) * ((c.shape[2] + _COLS - 1) // _COLS)
-    for t in range(tiles):
-        _tile(a, b, c, t, ia, ib)
+def _pack(b, panels, q, cols):
+    """Column panel q of the stack b (B, K, N) into panels: (K, cols) contiguous per panel,
+    batch-major, zero past N."""
+    kk, n = b.shape[1], b.shape[2]
+    per = (n + cols - 1) // cols
+    batch, j0 = q // per, (q % per) * cols
+    base = q * kk * cols
+    for k in range(kk):
+        for j in range(cols):
+            panels[base + k * cols + j] = b[batch, k, j0 + j] if j0 + j < n else 0
+
+
+@njit(cache=True)
+def _tile(a, panels, c, ia, ib, t, cols):
+    """Output tile t of c (B, M, N): batch, then column panel, then row block (consecutive
+    tiles share a panel), accumulated over all of K in _micro's order and stored."""
+    m, kk, n = a.shape[1], a.shape[2], c.shape[2]
+    rows_t = (m + _ROWS - 1) // _ROWS
+    per = (n + cols - 1) // cols
+    batch, rest = t // (rows_t * per), t % (rows_t * per)
+    p, i0 = rest // rows_t, (rest % rows_t) * _ROWS
+    j0 = p * cols
+    tile = np.zeros(_ROWS * cols, c.dtype)
+    offset = (ib[batch] * per + p) * kk * cols
+    if i0 + _ROWS <= m:
+        _micro(a.reshape(-1), (ia[batch] * m + i0) * kk, kk, panels, offset, tile, kk)
+    else:  # the last rows, padded with zero rows
+        x = np.zeros((_ROWS, kk), a.dtype)
+        x[:m - i0] = a[ia[batch], i0:m]
+        _micro(x.reshape(-1), 0, kk, panels, offset, tile, kk)
+    for r in range(min(_ROWS, m - i0)):
+        for j in range(min(cols, n - j0)):
+            c[batch, i0 + r, j0 + j] = tile[r * cols + j]
+
+
+@njit(cache=True)
+def _gemm_serial(a, b, c, ia, ib, cols):
+    per = (c.shape[2] + cols - 1) // cols
+    panels = np.empty(b.shape[0] * per * b.shape[1] * cols, b.dtype)
+    for q in range(b.shape[0] * per):
+        _pack(b, panels, q, cols)
+    for t in range(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS) * per):
+        _tile(a, panels, c, ia, ib, t, cols)
 
 
 @njit(cache=True, parallel=True)
-def _gemm_parallel(a, b, c, ia, ib):
-    tiles = c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS) * ((c.shape[2] + _COLS - 1) // _COLS)
-    for t in prange(tiles):
-        _tile(a, b, c, t, ia, ib)
+def _gemm_parallel(a, b, c, ia, ib, cols):
+    per = (c.shape[2] + cols - 1) // cols
+    panels = np.empty(b.shape[0] * per * b.shape[1] * cols, b.dtype)
+    for q in prange(b.shape[0] * per):
+        _pack(b, panels, q, cols)
+    for t in prange(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS) * per):
+        _tile(a, panels, c, ia, ib, t, cols)
 
 
 def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
@@ -113,10 +190,10 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     (m, k), n = a2.shape[-2:], b2.shape[-1]
     sa, ia = _batches(a2, batch, dtype)
     sb, ib = _batches(b2, batch, dtype)
-    c = np.zeros((ia.size, m, n), dtype)
+    c = np.empty((ia.size, m, n), dtype) if k else np.zeros((ia.size, m, n), dtype)
     if c.size and k:
         run = _gemm_serial if c.size * k < SERIAL_BELOW else _gemm_parallel
-        run(sa, sb, c, ia, ib)
+        run(sa, sb, c, ia, ib, _VECTORS * _VECTOR_BYTES // dtype.itemsize)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
