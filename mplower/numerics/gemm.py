@@ -9,7 +9,7 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
-the BLIS manner: b is packed into column panels, and each tile of _ROWS rows by one panel keeps
+the BLIS manner: b is packed into column panels, and each tile of _ROWS rows (the last rows one at a time) by one panel keeps
 its accumulators in vector registers over the whole of K (`_micro`, LLVM vector IR without
 fast-math flags, so LLVM may neither contract nor reorder). A tile belongs to one thread, its
 lanes are different output columns, and K is never split, so every output element is the same
@@ -36,19 +36,27 @@ _ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 SERIAL_BELOW = 1 << 21
 
 
-@intrinsic
-def _micro(typingctx, a, a_offset, lda, panel, panel_offset, tile, depth):
-    """tile[r, :] += a[a_offset + r * lda + k] * panel[panel_offset + k * cols + :] for
-    k = 0 .. depth-1 in that order, r < _ROWS, over a (_ROWS, cols) tile held in registers.
+def _micro_kernel(rows: int):
+    """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, tile, depth)` for `rows`
+    output rows: tile[r, :] += a[a_offset + r * lda + k] * panel[panel_offset + k * cols + :]
+    for k = 0 .. depth-1 in that order, over a (rows, cols) tile held in registers.
 
     Written as LLVM vector IR because numba's loops cannot keep an accumulator tile in
     registers: each lane is one output column, and each step is an `fmul` then an `fadd`
     without fast-math flags, so LLVM may neither fuse (FMA) nor reorder them."""
-    sig = types.void(a, a_offset, lda, panel, panel_offset, tile, depth)
-    fty = ir.DoubleType() if a.dtype == types.float64 else ir.FloatType()
-    lanes = _VECTOR_BYTES // (8 if a.dtype == types.float64 else 4)
+
+    @intrinsic
+    def micro(typingctx, a, a_offset, lda, panel, panel_offset, tile, depth):
+        sig = types.void(a, a_offset, lda, panel, panel_offset, tile, depth)
+        width = 8 if a.dtype == types.float64 else 4
+        fty = ir.DoubleType() if width == 8 else ir.FloatType()
+        lanes = _VECTOR_BYTES // width
+        return sig, _codegen(rows, lanes, ir.VectorType(fty, lanes))
+    return micro
+
+
+def _codegen(rows: int, lanes: int, vty: ir.VectorType):
     cols = lanes * _VECTORS
-    vty = ir.VectorType(fty, lanes)
     i64 = ir.IntType(64)
 
     def codegen(context, builder, signature, args):
@@ -65,7 +73,7 @@ def _micro(typingctx, a, a_offset, lda, panel, panel_offset, tile, depth):
         def const(v):
             return ir.Constant(i64, v)
 
-        slots = [(r, v) for r in range(_ROWS) for v in range(_VECTORS)]
+        slots = [(r, v) for r in range(rows) for v in range(_VECTORS)]
         init = {rv: builder.load(vector_at(t_ptr, const(rv[0] * cols + rv[1] * lanes)), align=4)
                 for rv in slots}
         entry = builder.block
@@ -80,7 +88,7 @@ def _micro(typingctx, a, a_offset, lda, panel, panel_offset, tile, depth):
              for v in range(_VECTORS)]
         zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
         new = {}
-        for r in range(_ROWS):
+        for r in range(rows):
             x = builder.load(builder.gep(a_ptr, [builder.add(builder.mul(const(r), lda_v), k)]))
             x = builder.insert_element(ir.Constant(vty, ir.Undefined), x,
                                        ir.Constant(ir.IntType(32), 0))
@@ -103,7 +111,11 @@ def _micro(typingctx, a, a_offset, lda, panel, panel_offset, tile, depth):
         for (r, v), value in final.items():
             builder.store(value, vector_at(t_ptr, const(r * cols + v * lanes)), align=4)
         return context.get_dummy_value()
-    return sig, codegen
+    return codegen
+
+
+_micro = _micro_kernel(_ROWS)
+_micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 
 @njit(cache=True)
@@ -133,10 +145,10 @@ def _tile(a, panels, c, ia, ib, t, cols):
     offset = (ib[batch] * per + p) * kk * cols
     if i0 + _ROWS <= m:
         _micro(a.reshape(-1), (ia[batch] * m + i0) * kk, kk, panels, offset, tile, kk)
-    else:  # the last rows, padded with zero rows
-        x = np.zeros((_ROWS, kk), a.dtype)
-        x[:m - i0] = a[ia[batch], i0:m]
-        _micro(x.reshape(-1), 0, kk, panels, offset, tile, kk)
+    else:
+        for r in range(m - i0):
+            _micro_row(a.reshape(-1), (ia[batch] * m + i0 + r) * kk, kk, panels, offset,
+                       tile[r * cols:], kk)
     for r in range(min(_ROWS, m - i0)):
         for j in range(min(cols, n - j0)):
             c[batch, i0 + r, j0 + j] = tile[r * cols + j]
