@@ -28,10 +28,10 @@ def bits(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).tobytes()
 
 
-# Tile edges (rows not a multiple of 16 or 2, columns not of 256, K over one 256-deep block),
-# batch-1 rows, an empty contraction, and products on both sides of SERIAL_BELOW.
+# Tile edges (rows not a multiple of 8, columns not of 32), batch-1 rows, an empty contraction,
+# and both the serial and the parallel path with and without packed panels (over 16 rows or not).
 SHAPES = [(1, 1, 1), (3, 5, 7), (37, 300, 71), (1, 513, 700), (33, 17, 257), (5, 0, 3),
-          (70, 600, 530)]
+          (150, 700, 400), (9, 2100, 1800)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -46,9 +46,9 @@ def test_gemm_equals_the_sequential_numpy_sum_bit_for_bit(shape, dtype) -> None:
     assert bits(got) == bits(sequential_matmul(a, b))
 
 
-def test_gemm_sizes_cover_the_serial_and_the_parallel_path() -> None:
-    work = [m * k * n for m, k, n in SHAPES]
-    assert min(work) < SERIAL_BELOW <= max(work)
+def test_gemm_shapes_cover_the_serial_and_the_parallel_path_packed_or_not() -> None:
+    paths = {(m * k * n >= SERIAL_BELOW, m > 16) for m, k, n in SHAPES}
+    assert paths == {(False, False), (False, True), (True, False), (True, True)}
 
 
 def test_gemm_rounds_each_product_before_adding_it() -> None:

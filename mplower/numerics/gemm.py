@@ -31,23 +31,24 @@ from numba.extending import intrinsic
 # columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
 # speed only, never a result.
 _ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
-# Below this many multiply-adds one thread does the whole product: entering a parallel region
-# costs more than the product itself (and 10-15 ms when other processes hold the cores).
-SERIAL_BELOW = 1 << 21
+# Below this many multiply-adds (about 1 ms on one core) one thread does the whole product:
+# entering a parallel region costs tens of microseconds on an idle machine, and a scheduler
+# time slice (~12 ms) when other processes hold the cores, as on a shared 2-core VM.
+SERIAL_BELOW = 1 << 25
 
 
 def _micro_kernel(rows: int):
-    """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, tile, depth)` for `rows`
-    output rows: tile[r, :] += a[a_offset + r * lda + k] * panel[panel_offset + k * cols + :]
-    for k = 0 .. depth-1 in that order, over a (rows, cols) tile held in registers.
+    """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, ldp, tile, depth)` for
+    `rows` output rows: tile[r, :] += a[a_offset + r * lda + k] * panel[panel_offset + k * ldp
+    + :] for k = 0 .. depth-1 in that order, over a (rows, cols) tile held in registers.
 
     Written as LLVM vector IR because numba's loops cannot keep an accumulator tile in
     registers: each lane is one output column, and each step is an `fmul` then an `fadd`
     without fast-math flags, so LLVM may neither fuse (FMA) nor reorder them."""
 
     @intrinsic
-    def micro(typingctx, a, a_offset, lda, panel, panel_offset, tile, depth):
-        sig = types.void(a, a_offset, lda, panel, panel_offset, tile, depth)
+    def micro(typingctx, a, a_offset, lda, panel, panel_offset, ldp, tile, depth):
+        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, tile, depth)
         width = 8 if a.dtype == types.float64 else 4
         fty = ir.DoubleType() if width == 8 else ir.FloatType()
         lanes = _VECTOR_BYTES // width
@@ -60,12 +61,12 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
     i64 = ir.IntType(64)
 
     def codegen(context, builder, signature, args):
-        av, a_off, lda_v, pv, p_off, tv, kk = args
+        av, a_off, lda_v, pv, p_off, ldp, tv, kk = args
         a_ptr = builder.gep(context.make_array(signature.args[0])(context, builder, av).data,
                             [a_off])
         p_ptr = builder.gep(context.make_array(signature.args[3])(context, builder, pv).data,
                             [p_off])
-        t_ptr = context.make_array(signature.args[5])(context, builder, tv).data
+        t_ptr = context.make_array(signature.args[6])(context, builder, tv).data
 
         def vector_at(base, offset):
             return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
@@ -83,7 +84,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
         builder.position_at_end(loop)
         k = builder.phi(i64)
         acc = {rv: builder.phi(vty) for rv in slots}
-        row = builder.mul(k, const(cols))
+        row = builder.mul(k, ldp)
         b = [builder.load(vector_at(p_ptr, builder.add(row, const(v * lanes))), align=4)
              for v in range(_VECTORS)]
         zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
@@ -119,35 +120,41 @@ _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 
 @njit(cache=True)
-def _pack(b, panels, q, cols):
-    """Column panel q of the stack b (B, K, N) into panels: (K, cols) contiguous per panel,
-    batch-major, zero past N."""
+def _pack(b, panels, q, cols, base):
+    """Column panel q of the stack b (B, K, N), counted batch-major, into panels[base:] as
+    (K, cols) contiguous, zero past N."""
     kk, n = b.shape[1], b.shape[2]
     per = (n + cols - 1) // cols
     batch, j0 = q // per, (q % per) * cols
-    base = q * kk * cols
     for k in range(kk):
         for j in range(cols):
             panels[base + k * cols + j] = b[batch, k, j0 + j] if j0 + j < n else 0
 
 
 @njit(cache=True)
-def _tile(a, panels, c, ia, ib, t, cols):
+def _tile(a, b, panels, c, ia, ib, t, cols):
     """Output tile t of c (B, M, N): batch, then column panel, then row block (consecutive
-    tiles share a panel), accumulated over all of K in _micro's order and stored."""
+    tiles share a panel), accumulated over all of K in _micro's order and stored. Without
+    `panels` (empty: too few rows to repay packing) full panels are read from b in place."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
     rows_t = (m + _ROWS - 1) // _ROWS
     per = (n + cols - 1) // cols
     batch, rest = t // (rows_t * per), t % (rows_t * per)
     p, i0 = rest // rows_t, (rest % rows_t) * _ROWS
     j0 = p * cols
+    if panels.size:
+        source, offset, ldp = panels, (ib[batch] * per + p) * kk * cols, cols
+    elif j0 + cols <= n:
+        source, offset, ldp = b.reshape(-1), ib[batch] * kk * n + j0, n
+    else:  # the last, partial panel
+        source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
+        _pack(b, source, ib[batch] * per + p, cols, 0)
     tile = np.zeros(_ROWS * cols, c.dtype)
-    offset = (ib[batch] * per + p) * kk * cols
     if i0 + _ROWS <= m:
-        _micro(a.reshape(-1), (ia[batch] * m + i0) * kk, kk, panels, offset, tile, kk)
+        _micro(a.reshape(-1), (ia[batch] * m + i0) * kk, kk, source, offset, ldp, tile, kk)
     else:
         for r in range(m - i0):
-            _micro_row(a.reshape(-1), (ia[batch] * m + i0 + r) * kk, kk, panels, offset,
+            _micro_row(a.reshape(-1), (ia[batch] * m + i0 + r) * kk, kk, source, offset, ldp,
                        tile[r * cols:], kk)
     for r in range(min(_ROWS, m - i0)):
         for j in range(min(cols, n - j0)):
@@ -155,23 +162,32 @@ def _tile(a, panels, c, ia, ib, t, cols):
 
 
 @njit(cache=True)
-def _gemm_serial(a, b, c, ia, ib, cols):
+def _panels(b, c, cols):
+    """Room for b packed into column panels, or an empty array when c has too few rows for
+    packing to pay (each panel would be read by one or two row blocks)."""
     per = (c.shape[2] + cols - 1) // cols
-    panels = np.empty(b.shape[0] * per * b.shape[1] * cols, b.dtype)
-    for q in range(b.shape[0] * per):
-        _pack(b, panels, q, cols)
-    for t in range(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS) * per):
-        _tile(a, panels, c, ia, ib, t, cols)
+    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * _ROWS else 0
+    return np.empty(size, b.dtype), b.shape[0] * per if size else 0
+
+
+@njit(cache=True)
+def _gemm_serial(a, b, c, ia, ib, cols):
+    panels, count = _panels(b, c, cols)
+    for q in range(count):
+        _pack(b, panels, q, cols, q * b.shape[1] * cols)
+    for t in range(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
+                   * ((c.shape[2] + cols - 1) // cols)):
+        _tile(a, b, panels, c, ia, ib, t, cols)
 
 
 @njit(cache=True, parallel=True)
 def _gemm_parallel(a, b, c, ia, ib, cols):
-    per = (c.shape[2] + cols - 1) // cols
-    panels = np.empty(b.shape[0] * per * b.shape[1] * cols, b.dtype)
-    for q in prange(b.shape[0] * per):
-        _pack(b, panels, q, cols)
-    for t in prange(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS) * per):
-        _tile(a, panels, c, ia, ib, t, cols)
+    panels, count = _panels(b, c, cols)
+    for q in prange(count):
+        _pack(b, panels, q, cols, q * b.shape[1] * cols)
+    for t in prange(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
+                    * ((c.shape[2] + cols - 1) // cols)):
+        _tile(a, b, panels, c, ia, ib, t, cols)
 
 
 def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
