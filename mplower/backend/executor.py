@@ -10,7 +10,7 @@ quantize/dequantize follow ONNX (mplower.numerics.quant). Matmul and conv honour
 accumulator: mplower's fixed-order f32 product (mplower.numerics.gemm, never the BLAS
 library's order, so results are the same on every machine, thread count and batch grouping) for
 an f32 accumulator, the step-by-step fp16 accumulator of `matmul_f16_accum`, and exact integer
-sums for i8 x i8 -> i32 (on BLAS: exact in any order).
+sums for i8 x i8 -> i32.
 
 The fp32 reference is the same schedule with every cast and quantize/dequantize removed and
 nothing rounded; `run` executes both side by side and keeps per-op statistics, `run_lowered`
@@ -440,14 +440,15 @@ def _matmul_kernel(plan: _Plan, in_types: list[TensorType], out_t: TensorType) -
     elem = out_t.elem
     a_t, b_t = in_types
     if FORMATS[a_t.elem].is_int and FORMATS[b_t.elem].is_int:
-        # Exact: every partial sum of integer products is an integer below the bound, which
-        # float BLAS represents exactly whatever its summation order.
+        # Exact: every partial sum of integer products is an integer below the bound, which a
+        # float sum represents exactly in any order. It runs on mplower's GEMM all the same:
+        # no BLAS anywhere means no BLAS thread pool spinning against numba's on the same cores.
         bound = _magnitude(a_t.elem) * _magnitude(b_t.elem) * a_t.shape[-1]
         work = np.float32 if bound <= _F32_EXACT else np.float64
         fmt = FORMATS[elem]  # i32 (storage int32: half of int64's bytes), or an 8-bit result
 
         def run_int(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-            y = np.matmul(xs[0].astype(work), xs[1].astype(work))
+            y = matmul(xs[0].astype(work), xs[1].astype(work))
             if elem == "i32":
                 return y.astype(fmt.storage), NO_COUNTS
             # A narrower result saturates, as the clamp of a requantization would.
