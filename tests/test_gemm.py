@@ -28,10 +28,11 @@ def bits(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).tobytes()
 
 
-# Tile edges (rows not a multiple of 8, columns not of 32), batch-1 rows, an empty contraction,
-# and both the serial and the parallel path with and without packed panels (over 16 rows or not).
+# Tile edges (rows not a multiple of 8, columns not of 32 or 512), an empty contraction, and
+# each path both serial and parallel: fewer than 8 rows (row by row), 8 to 16 (panels read in
+# place), more (packed panels).
 SHAPES = [(1, 1, 1), (3, 5, 7), (37, 300, 71), (1, 513, 700), (33, 17, 257), (5, 0, 3),
-          (150, 700, 400), (9, 2100, 1800)]
+          (12, 40, 50), (150, 700, 400), (9, 2100, 1800), (4, 3000, 3000)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -46,9 +47,9 @@ def test_gemm_equals_the_sequential_numpy_sum_bit_for_bit(shape, dtype) -> None:
     assert bits(got) == bits(sequential_matmul(a, b))
 
 
-def test_gemm_shapes_cover_the_serial_and_the_parallel_path_packed_or_not() -> None:
-    paths = {(m * k * n >= SERIAL_BELOW, m > 16) for m, k, n in SHAPES}
-    assert paths == {(False, False), (False, True), (True, False), (True, True)}
+def test_gemm_shapes_cover_every_path_serial_and_parallel() -> None:
+    paths = {(m * k * n >= SERIAL_BELOW, (m >= 8) + (m > 16)) for m, k, n in SHAPES if k}
+    assert paths == {(parallel, path) for parallel in (False, True) for path in (0, 1, 2)}
 
 
 def test_gemm_rounds_each_product_before_adding_it() -> None:

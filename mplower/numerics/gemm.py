@@ -9,13 +9,15 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
-the BLIS manner: b is packed into column panels, and each tile of _ROWS rows (the last rows one at a time) by one panel keeps
-its accumulators in vector registers over the whole of K (`_micro`, LLVM vector IR without
-fast-math flags, so LLVM may neither contract nor reorder). A tile belongs to one thread, its
-lanes are different output columns, and K is never split, so every output element is the same
+the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer), and each
+tile of _ROWS rows by one panel keeps its accumulators in vector registers over the whole of K
+(`_micro`, LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder);
+rows past the last full tile run one at a time, and a product of fewer than _ROWS rows streams
+b row by row instead (`_rows`, batch-1 inference). A tile belongs to one thread, SIMD lanes
+are different output columns, and K is never split, so every output element is the same
 function of its own row of `a` and column of `b` whatever the thread count, the BLAS library,
 the CPU's vector width, the tile a row lands in or the batch around it. tests/test_gemm.py
-checks it bit for bit against that loop written in numpy.
+checks every path bit for bit against that loop written in numpy.
 
 Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exactly.
 """
@@ -190,6 +192,43 @@ def _gemm_parallel(a, b, c, ia, ib, cols):
         _tile(a, b, panels, c, ia, ib, t, cols)
 
 
+# Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
+# of _CHUNK columns (in L1) accumulated in memory. Same order: k outer, one product and one sum
+# per step, lanes along the columns.
+_CHUNK = 512
+
+
+@njit(cache=True)
+def _rows(a, b, c, ia, ib, t):
+    """Chunk t of c (B, M, N) (batch, then row, then column chunk), swept over k."""
+    m, kk, n = a.shape[1], a.shape[2], c.shape[2]
+    chunks = (n + _CHUNK - 1) // _CHUNK
+    batch, rest = t // (m * chunks), t % (m * chunks)
+    i, j0 = rest // chunks, (rest % chunks) * _CHUNK
+    j1 = min(j0 + _CHUNK, n)
+    x = a[ia[batch], i]
+    w = b[ib[batch]]
+    y = c[batch, i, j0:j1]
+    y[:] = 0
+    for k in range(kk):
+        xk = x[k]
+        row = w[k, j0:j1]
+        for j in range(j1 - j0):
+            y[j] += xk * row[j]
+
+
+@njit(cache=True)
+def _rows_serial(a, b, c, ia, ib):
+    for t in range(c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK)):
+        _rows(a, b, c, ia, ib, t)
+
+
+@njit(cache=True, parallel=True)
+def _rows_parallel(a, b, c, ia, ib):
+    for t in prange(c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK)):
+        _rows(a, b, c, ia, ib, t)
+
+
 def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
                                                                               np.ndarray]:
     """x as a contiguous (B, rows, cols) stack of its own matrices, and for each of the
@@ -220,8 +259,12 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     sb, ib = _batches(b2, batch, dtype)
     c = np.empty((ia.size, m, n), dtype) if k else np.zeros((ia.size, m, n), dtype)
     if c.size and k:
-        run = _gemm_serial if c.size * k < SERIAL_BELOW else _gemm_parallel
-        run(sa, sb, c, ia, ib, _VECTORS * _VECTOR_BYTES // dtype.itemsize)
+        serial = c.size * k < SERIAL_BELOW
+        if m < _ROWS:
+            (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib)
+        else:
+            (_gemm_serial if serial else _gemm_parallel)(
+                sa, sb, c, ia, ib, _VECTORS * _VECTOR_BYTES // dtype.itemsize)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
