@@ -13,6 +13,10 @@
    what `mplower run` executes for the lowered side (and `mplower bench` times).
 4. Start-up: wall time of a fresh `mplower run ir_examples/mlp.ir` process, after one run that
    warms the numba cache (median of 3).
+5. The cost of determinism: mplower's fixed-order GEMM (mplower.numerics.gemm, what every f32
+   matmul and conv of the executor and the fp32 reference runs) on f32 operands against
+   numpy's BLAS `a @ b` at n^3 and batch 1 (1 x n @ n x n), and the conv2d reference semantics
+   (im2col + that GEMM) against the same im2col followed by numpy's BLAS matmul.
 
 Timings that are compared run interleaved (A B A B ...) so that load from other processes on
 a shared machine hits both sides alike; each figure is the median of --repeat runs after a
@@ -40,7 +44,9 @@ import numpy as np
 
 from mplower.backend.executor import Program
 from mplower.ir.parser import parse
+from mplower.numerics.gemm import matmul
 from mplower.numerics.rounding import encode, round_to
+from mplower.ops import OPS, _pad_hw, _windows, check_attrs
 from mplower.pass_manager import PassContext, load_passes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +119,35 @@ def matmuls(n: int, repeat: int) -> list[tuple[str, float, float, str, float]]:
         rows.append(("  ... including the input casts (f32 -> format)", ms[label + " +casts"],
                      ms["numpy"], "(info)", ms[label + " +casts"] / ms["numpy"]))
     return rows
+
+
+def determinism(n: int, repeat: int) -> list[tuple[str, float, float, str, float]]:
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((n, n)).astype(np.float32)
+    b = rng.standard_normal((n, n)).astype(np.float32)
+    row = a[:1].copy()
+    x = rng.standard_normal((8, 64, 56, 56)).astype(np.float32)
+    w = rng.standard_normal((64, 64, 3, 3)).astype(np.float32)
+    conv = OPS["mp.conv2d"]
+    attrs = check_attrs(conv, {"padding": [1, 1, 1, 1]})
+
+    def conv_blas() -> np.ndarray:  # the same im2col, summed by BLAS
+        win = _windows(_pad_hw(x, (1, 1, 1, 1)), (3, 3), (1, 1))
+        cols = win.transpose(0, 2, 3, 1, 4, 5).reshape(8, 56 * 56, 64 * 9)
+        return np.matmul(cols, w.reshape(64, -1).T).transpose(0, 2, 1).reshape(8, 64, 56, 56)
+
+    ms = interleaved_ms({"gemm": lambda: matmul(a, b), "blas": lambda: a @ b,
+                         "gemv": lambda: matmul(row, b), "blas_v": lambda: row @ b,
+                         "conv": lambda: conv.reference([x, w], attrs, None),
+                         "conv_blas": conv_blas}, repeat)
+    return [
+        (f"fixed-order f32 GEMM {n}^3 (`numerics.gemm.matmul`, f32 products) vs numpy `a @ b`",
+         ms["gemm"], ms["blas"], "<= 1.3x", ms["gemm"] / ms["blas"]),
+        (f"  ... batch 1: 1x{n} @ {n}x{n}", ms["gemv"], ms["blas_v"], "(info)",
+         ms["gemv"] / ms["blas_v"]),
+        ("conv2d reference 8x64x56x56 * 64x64x3x3: im2col + fixed-order GEMM vs im2col + BLAS",
+         ms["conv"], ms["conv_blas"], "<= 1.3x", ms["conv"] / ms["conv_blas"]),
+    ]
 
 
 def rounding(size: int, repeat: int) -> list[tuple[str, float, float, str, float]]:
@@ -207,8 +242,8 @@ def main() -> None:
     lines = ["## Backend (issue 4 acceptance)", "", *machine(), "",
              "| figure | mplower ms | baseline ms | goal | ratio | verdict |",
              "|---|---:|---:|---|---:|---|"]
-    rows = (matmuls(args.n, args.repeat) + rounding(args.size, args.repeat)
-            + transformer(args.repeat, args.inner) + startup())
+    rows = (matmuls(args.n, args.repeat) + determinism(args.n, args.repeat)
+            + rounding(args.size, args.repeat) + transformer(args.repeat, args.inner) + startup())
     for what, ours, base, goal, ratio in rows:
         if goal.startswith(">="):
             ok = ratio >= float(goal.split()[1].rstrip("x"))

@@ -551,7 +551,11 @@ def _matmul_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
 
 
 def _matmul_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
-    return [np.matmul(_num(xs[0]), _num(xs[1]))]
+    # mplower's own summation order, not BLAS's (mplower.numerics.gemm); imported here so
+    # that parsing and verifying, which need this table but no numbers, do not load numba.
+    from mplower.numerics.gemm import matmul
+
+    return [matmul(_num(xs[0]), _num(xs[1]))]
 
 
 def _matmul_flops(ins: Sequence[TensorType], a: dict) -> int:
@@ -628,11 +632,15 @@ def _conv_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     g = a["groups"]
     win = _windows(_pad_hw(x, a["padding"]), (kh, kw), a["strides"], a["dilations"])
     ho, wo = win.shape[2:4]
-    # im2col: one row per output pixel and group, then one batched BLAS product per group.
+    # im2col: one row per output pixel and group, then one batched product per group, in
+    # the fixed order of mplower.numerics.gemm (see _matmul_reference): a pixel's result does
+    # not depend on its image, its neighbours or the machine's BLAS.
+    from mplower.numerics.gemm import matmul
+
     cols = (win.reshape(n, g, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
             .reshape(n, g, ho * wo, cg * kh * kw))
     wmat = w.reshape(g, o // g, cg * kh * kw).transpose(0, 2, 1)
-    y = np.matmul(cols, wmat).transpose(0, 1, 3, 2).reshape(n, o, ho, wo)
+    y = matmul(cols, wmat).transpose(0, 1, 3, 2).reshape(n, o, ho, wo)
     if len(xs) == 3:
         y = y + _num(xs[2]).reshape(1, o, 1, 1)
     return [y]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mplower.ir.parser as parser_module
@@ -77,3 +78,13 @@ def general_path() -> Iterator[None]:
 def parse_general(text: str, file: str = "<stdin>") -> Module:
     with general_path():
         return parse(text, file)
+
+
+def sequential_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a (M, K) @ b (K, N) summed as mplower promises (mplower.numerics.gemm), written with
+    numpy alone: c = 0, then c = c + a[:, k] * b[k, :] for k ascending, each product and each
+    sum rounded to the operands' precision (elementwise numpy ops, so no BLAS and no FMA)."""
+    c = np.zeros((a.shape[0], b.shape[1]), np.result_type(a, b))
+    for k in range(a.shape[1]):
+        c = c + a[:, k:k + 1] * b[k:k + 1, :]
+    return c

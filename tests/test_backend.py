@@ -16,6 +16,7 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
+from conftest import sequential_matmul
 
 from mplower.backend.executor import Program
 from mplower.ir.parser import parse
@@ -340,7 +341,7 @@ def test_fallbacks_run_the_wider_path_and_say_why() -> None:
     # An f16 accumulator cannot take f32 products exactly: f32 accumulation.
     assert (ops["%h"]["executed"]["accum"], ops["%h"]["reason"]) == ("f32", "no-f16-accum")
     assert (ops["%0"]["fallback"], ops["%0"]["reason"]) == (False, None)
-    expected = a @ b
+    expected = sequential_matmul(a, b)  # mplower's summation order, not BLAS's
     for name in ("%s", "%i", "%h"):
         assert np.array_equal(result.ops[[r.step.name for r in result.ops].index(name)]
                               .step.run([a, b])[0], expected)
@@ -383,6 +384,7 @@ def test_bf16_plan_drift_starts_at_the_first_rounding_and_stays_small() -> None:
     assert drifting[0].step.out_type.elem == "bf16"  # a value rounded to bf16 starts it
 
 
+@pytest.mark.determinism
 def test_run_and_run_lowered_agree() -> None:
     prog = example("transformer", ("assign-precision", {"policy": "fp8"}))
     x = example_inputs("transformer")
@@ -410,6 +412,7 @@ def _all_bits(prog: Program, inputs: list[np.ndarray]) -> list[bytes]:
     return [bits(y) for y in result.outputs] + [bits(r) for r in result.reference]
 
 
+@pytest.mark.determinism
 def test_results_are_bit_identical_across_runs_and_thread_counts() -> None:
     threadpoolctl = pytest.importorskip("threadpoolctl")
     rng = np.random.default_rng(3)
@@ -431,6 +434,7 @@ def test_results_are_bit_identical_across_runs_and_thread_counts() -> None:
         numba.set_num_threads(threads)
 
 
+@pytest.mark.determinism
 def test_results_are_bit_identical_in_processes_with_one_and_two_threads(tmp_path) -> None:
     ir = tmp_path / "m.ir"
     ir.write_text(DETERMINISM_IR)
@@ -446,3 +450,34 @@ def test_results_are_bit_identical_in_processes_with_one_and_two_threads(tmp_pat
         with np.load(out) as data:
             outs.append([bits(data[k]) for k in sorted(data.files)])
     assert outs[0] == outs[1]
+
+
+def batched(name: str, batch: int, size: int, policy: str) -> Program:
+    """An example with its batch dimension (`batch` in the file) set to `size`, under `policy`."""
+    path = EXAMPLES / f"{name}.ir"
+    module = parse(path.read_text().replace(f"tensor<{batch}x", f"tensor<{size}x"), str(path))
+    module.path = str(path)
+    load_passes()["assign-precision"](policy=policy).run(module, PassContext())
+    return Program(module)
+
+
+@pytest.mark.determinism
+@pytest.mark.parametrize("name, batch, shape", [("mlp", 32, (64,)), ("cnn", 1, (1, 8, 8))])
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
+def test_a_sample_gives_the_same_bits_alone_and_anywhere_in_a_batch(name, batch, shape,
+                                                                    policy) -> None:
+    # Lowered outputs, every intermediate value and the fp32 reference: the products of matmul
+    # and conv are summed in mplower's order, so a sample's neighbours cannot change its bits.
+    x = np.random.default_rng(8).uniform(0, 4, (6,) + shape).astype(np.float32)
+    whole = batched(name, batch, 6, policy).run([x])
+    alone = batched(name, batch, 1, policy)
+    for i in (0, 3, 5):
+        one = alone.run([x[i:i + 1]])
+        pairs = [(got, full) for got, full in zip(one.values + one.refs, whole.values + whole.refs)
+                 if isinstance(got, np.ndarray) and got.ndim and full.shape[0] == 6]
+        assert len(pairs) >= 10  # every activation, lowered and reference
+        for got, full in pairs:
+            assert bits(got) == bits(full[i:i + 1])
+    reordered = batched(name, batch, 6, policy).run([x[::-1]])
+    assert bits(reordered.outputs[0]) == bits(whole.outputs[0][::-1])
+    assert bits(reordered.reference[0]) == bits(whole.reference[0][::-1])

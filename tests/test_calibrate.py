@@ -249,3 +249,34 @@ def test_estimate_range_of_a_one_sided_tensor_stays_one_sided():
     for method in ("minmax", "percentile", "entropy", "mse"):
         lo, hi = estimate_range(s, method)
         assert lo >= 0.0 and 0 < hi <= s.max and math.isfinite(hi), method
+
+
+MLP = Path(__file__).resolve().parent.parent / "ir_examples" / "mlp.ir"
+
+
+def calibrated_mlp(tmp_path: Path, samples: np.ndarray, batch: int) -> tuple[str, dict]:
+    """The digits MLP (its batch size set to `batch`) after calibrate, smooth-quant and
+    quantize on `samples` in batches of `batch`: the printed IR and each value's attributes."""
+    path = tmp_path / f"mlp_{batch}_{abs(hash(samples.tobytes()))}.npz"
+    np.savez(path, x=samples.reshape(-1, batch, samples.shape[-1]))
+    module = parse(MLP.read_text().replace("tensor<32x", f"tensor<{batch}x"), str(MLP))
+    module.path = str(MLP)
+    PassManager(parse_pipeline(f"calibrate{{data={path}}},smooth-quant,quantize")).run(
+        module, PassContext())
+    f = module.function()
+    values = [(a, 0) for a in f.args] + [(n, 0) for n in f.ops() if f.data(n)["types"]]
+    return print_module(module), {f.value_name(v): dict(value_attrs(f, v)) for v in values}
+
+
+@pytest.mark.determinism
+def test_calibrated_mlp_is_byte_identical_for_any_grouping_and_order_of_192_samples(tmp_path):
+    # The fp32 reference that calibration observes sums each matmul in mplower's fixed order,
+    # so a sample's values do not depend on the batch it is in or where it sits there.
+    rng = np.random.default_rng(6)
+    x = rng.uniform(0, 16, (192, 64)).astype(np.float32)
+    text, attrs = calibrated_mlp(tmp_path, x, 32)
+    assert "mp.channel_absmax" in text
+    for order in (rng.permutation(192), np.arange(192)[::-1]):
+        assert calibrated_mlp(tmp_path, x[order], 32)[0] == text
+    for batch in (1, 64, 192):
+        assert calibrated_mlp(tmp_path, x[rng.permutation(192)], batch)[1] == attrs, batch

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import sequential_matmul
 
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.weights_io import NpzArchive
@@ -104,7 +105,7 @@ def test_members_the_model_does_not_name_are_never_opened(cli, model, tmp_path, 
     assert res.rc == 0, res.err
     assert "unused.npy" not in opened and "junk.npy" not in opened
     assert set(opened) == {"w.npy", "x.npy"}
-    np.testing.assert_array_equal(saved_outputs(out), X @ W)
+    np.testing.assert_array_equal(saved_outputs(out), sequential_matmul(X, W))
 
 
 def test_weight_header_claiming_2_to_the_40_elements_is_refused_at_the_constant(

@@ -2,13 +2,15 @@
 
 A function is compiled once into a schedule (one step per op, in program order, with its
 operand slots, checked attributes and the kernel it runs). Tensors are numpy arrays of values:
-float formats narrower than f32 are held as the float32 values they represent (so fp32 BLAS
+float formats narrower than f32 are held as the float32 values they represent (so an f32 matmul
 can consume them: the product of two such values is exact in f32), integer formats as integers.
 Each step computes in f32 and rounds its result to the result's element type, counting
 overflow, underflow and NaN in the same pass (mplower.numerics.rounding); casts round;
 quantize/dequantize follow ONNX (mplower.numerics.quant). Matmul and conv honour the
-accumulator: f32 BLAS on exactly representable inputs for an f32 accumulator, the step-by-step
-fp16 accumulator of `matmul_f16_accum`, and exact integer sums for i8 x i8 -> i32.
+accumulator: mplower's fixed-order f32 product (mplower.numerics.gemm, never the BLAS
+library's order, so results are the same on every machine, thread count and batch grouping) for
+an f32 accumulator, the step-by-step fp16 accumulator of `matmul_f16_accum`, and exact integer
+sums for i8 x i8 -> i32.
 
 The fp32 reference is the same schedule with every cast and quantize/dequantize removed and
 nothing rounded; `run` executes both side by side and keeps per-op statistics, `run_lowered`
@@ -35,6 +37,7 @@ from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.numerics.formats import FORMATS
+from mplower.numerics.gemm import matmul
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
 from mplower.ops import OPS, OpError, _pad_hw, _windows, attr_array, attr_type, check_attrs
@@ -455,14 +458,15 @@ def _matmul_kernel(plan: _Plan, in_types: list[TensorType], out_t: TensorType) -
     elem = out_t.elem
     a_t, b_t = in_types
     if FORMATS[a_t.elem].is_int and FORMATS[b_t.elem].is_int:
-        # Exact: every partial sum of integer products is an integer below the bound, which
-        # float BLAS represents exactly whatever its summation order.
+        # Exact: every partial sum of integer products is an integer below the bound, which a
+        # float sum represents exactly in any order. It runs on mplower's GEMM all the same:
+        # no BLAS anywhere means no BLAS thread pool spinning against numba's on the same cores.
         bound = _magnitude(a_t.elem) * _magnitude(b_t.elem) * a_t.shape[-1]
         work = np.float32 if bound <= _F32_EXACT else np.float64
         fmt = FORMATS[elem]  # i32 (storage int32: half of int64's bytes), or an 8-bit result
 
         def run_int(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-            y = np.matmul(xs[0].astype(work), xs[1].astype(work))
+            y = matmul(xs[0].astype(work), xs[1].astype(work))
             if elem == "i32":
                 return y.astype(fmt.storage), NO_COUNTS
             # A narrower result saturates, as the clamp of a requantization would.
@@ -483,7 +487,7 @@ def _matmul_kernel(plan: _Plan, in_types: list[TensorType], out_t: TensorType) -
         return run_sparse
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        return _finish(np.matmul(_f32(xs[0]), _f32(xs[1])), elem)
+        return _finish(matmul(_f32(xs[0]), _f32(xs[1])), elem)
     return run
 
 
