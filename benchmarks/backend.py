@@ -43,10 +43,10 @@ import numba
 import numpy as np
 
 from mplower.backend.executor import Program
+from mplower.dialect.mp import OPS, _pad_hw, _windows, check_attrs
 from mplower.ir.parser import parse
 from mplower.numerics.gemm import matmul
 from mplower.numerics.rounding import encode, round_to
-from mplower.ops import OPS, _pad_hw, _windows, check_attrs
 from mplower.pass_manager import PassContext, load_passes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from mplower.dialect.mp import OPS
 from mplower.ir.graph import RETURN, Function, Module
-from mplower.ops import OPS
 from mplower.pass_manager import Pass, PassContext, register_pass
 
 

@@ -37,7 +37,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mplower.calibration import (
+from mplower.dialect.mp import OPS, OpError, check_attrs
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.ir.types import TensorType
+from mplower.lowering.calibration import (
     TINY,
     ConstantValues,
     observed_of,
@@ -45,11 +49,7 @@ from mplower.calibration import (
     set_value_attrs,
     value_attrs,
 )
-from mplower.ir.diagnostics import DiagnosticError
-from mplower.ir.graph import RETURN, Function, Module, Value
-from mplower.ir.types import TensorType
 from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS, OpError, check_attrs
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 OVERFLOW, UNDERFLOW, BOUND = "mp.overflow", "mp.underflow", "mp.bound"

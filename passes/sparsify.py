@@ -2,7 +2,7 @@
 
 The weights are the constants that feed the second operand of the selected ops. 2:4 and 1:2
 pruning keep the largest magnitudes of each group of consecutive values along the weight's
-reduction axis (mplower.sparsity: K of a matmul's (K, N) weight, the input channel of a conv's
+reduction axis (mplower.lowering.sparsity: K of a matmul's (K, N) weight, the input channel of a conv's
 OIHW weight), as NVIDIA's ASP does for sparse tensor cores; unstructured pruning zeros the
 smallest magnitudes of the whole tensor. A constant that is also used for anything else is left
 alone, so that pruning never changes a value the user did not hand over as a weight. Inline
@@ -17,18 +17,18 @@ from typing import ClassVar
 
 import numpy as np
 
+from mplower.io.npz import WeightStore, beside, write_npz
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import Function, Module
 from mplower.ir.types import DenseAttr
-from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
-from mplower.sparsity import (
+from mplower.lowering.sparsity import (
     PATTERNS,
     WEIGHT_OPERAND,
     prune_magnitude,
     prune_structured,
     reduction_axis,
 )
-from mplower.weights_io import WeightStore, beside, write_npz
+from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
 
 UNSTRUCTURED = "unstructured"
 

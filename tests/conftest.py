@@ -1,6 +1,6 @@
 """Shared helpers for the core tests: the CLI run in-process, IR built from a body, both parse paths.
 
-`cli` runs `mplower.cli.main` in this process and returns exit code, stdout and stderr (argparse's
+`cli` runs `mplower.cli.main.main` in this process and returns exit code, stdout and stderr (argparse's
 own usage errors exit through SystemExit; their code is returned the same way). `func_ir` wraps
 an op body in a function so that a test shows only the lines it is about. `general_path` parses
 with the lexer's SIMPLE_OP fast path switched off, so that a test can compare the two paths.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mplower.ir.parser as parser_module
-from mplower.cli import main
+from mplower.cli.main import main
 from mplower.ir.graph import Module
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module

@@ -1,6 +1,6 @@
 """`mplower opt` and `mplower passes`: exit codes, pipelines, instrumentation, files and stdin.
 
-Most runs are in-process through `mplower.cli.main`; stdin, `python -m mplower` and the console
+Most runs are in-process through `mplower.cli.main.main`; stdin, `python -m mplower` and the console
 script run as subprocesses.
 """
 

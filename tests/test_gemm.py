@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from conftest import sequential_matmul
 
+from mplower.dialect.mp import OPS, check_attrs
 from mplower.numerics.gemm import SERIAL_BELOW, matmul
-from mplower.ops import OPS, check_attrs
 
 ROOT = Path(__file__).resolve().parent.parent
 

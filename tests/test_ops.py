@@ -13,8 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from mplower.ir.types import DenseAttr, TensorType, TypeAttr, TypedFloat, TypedInt, tensor
-from mplower.ops import (
+from mplower.dialect.mp import (
     OPS,
     OpError,
     attr_array,
@@ -26,6 +25,7 @@ from mplower.ops import (
     check_attrs,
     op_signature_table,
 )
+from mplower.ir.types import DenseAttr, TensorType, TypeAttr, TypedFloat, TypedInt, tensor
 
 ALL_OPS = [
     "constant", "matmul", "conv2d", "add", "sub", "mul", "div", "maximum", "minimum", "neg",

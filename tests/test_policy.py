@@ -9,7 +9,7 @@ import pytest
 
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
-from mplower.policy import (
+from mplower.lowering.policy import (
     ACCUMULATING,
     ALLOW_LIST,
     COMPUTE_HEAVY,

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from mplower.dialect.mp import OPS
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.types import ENCODINGS
-from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS
-from mplower.target import (
+from mplower.lowering.target import (
     COMPUTE_FORMATS,
     CSR,
     DENSE,
@@ -32,6 +31,7 @@ from mplower.target import (
     load_target,
     modeled_inferences_per_s,
 )
+from mplower.numerics.formats import FORMATS
 
 
 def write_sheet(tmp_path: Path, text: str, name: str = "target.toml") -> Path:

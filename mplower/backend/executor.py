@@ -32,16 +32,16 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.sparse import sparse_runner
-from mplower.backend.weights import Weights
+from mplower.dialect.mp import OPS, OpError, _pad_hw, _windows, attr_array, attr_type, check_attrs
+from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
+from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import matmul
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
-from mplower.ops import OPS, OpError, _pad_hw, _windows, attr_array, attr_type, check_attrs
-from mplower.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 
 NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()

@@ -39,13 +39,12 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from mplower.dialect.mp import OPS, attr_type, check_attrs
+from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
 from mplower.ir.types import DenseAttr, TensorType
-from mplower.numerics.formats import FORMATS
-from mplower.numerics.rounding import ROUNDING_FORMATS
-from mplower.ops import OPS, attr_type, check_attrs
-from mplower.sparsity import (
+from mplower.lowering.sparsity import (
     WEIGHT_OPERAND,
     contraction_time,
     has_pattern,
@@ -54,8 +53,9 @@ from mplower.sparsity import (
     sparsity,
     storage,
 )
-from mplower.target import CSR, DENSE, NO_SPARSE_KERNEL, SPARSE_1_2, SPARSE_2_4, Target
-from mplower.weights_io import WeightStore
+from mplower.lowering.target import CSR, DENSE, NO_SPARSE_KERNEL, SPARSE_1_2, SPARSE_2_4, Target
+from mplower.numerics.formats import FORMATS
+from mplower.numerics.rounding import ROUNDING_FORMATS
 
 SPARSE_KERNELS = (SPARSE_2_4, SPARSE_1_2, CSR)
 # Below this many multiply-adds a kernel runs on one thread (about 0.1 ms of work).

@@ -9,9 +9,9 @@ failures are collected, each located at its op, and raised together.
 
 from __future__ import annotations
 
+from mplower.dialect.mp import OPS, OpError, check_attrs
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, did_you_mean
 from mplower.ir.graph import ARG, RETURN, Function, Module
-from mplower.ops import OPS, OpError, check_attrs
 
 
 def verify(module: Module) -> None:

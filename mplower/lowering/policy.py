@@ -6,7 +6,7 @@ lists in the manner of TVM's ToMixedPrecision and PyTorch autocast (`allow`: alw
 result-name glob, keep-first-and-last, keep-io-types and quality guardrails. `Policy.decide`
 is the one function `assign-precision` and the report call to turn that sheet into a
 (compute, accumulator, reason) for an op; it knows nothing of targets, which `legalize`
-applies afterwards (mplower.target).
+applies afterwards (mplower.lowering.target).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mplower.ir.graph import Module
+from mplower.lowering.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
+from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, locate
+from mplower.lowering.tomlsheet import builtin_names as _builtin_names
 from mplower.numerics.formats import FORMATS, width_rank
-from mplower.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
-from mplower.tomlsheet import Bounds, KeyPath, Sheet, locate
-from mplower.tomlsheet import builtin_names as _builtin_names
 
 # The ops keep_first_last counts: the first and last of these in a function stay f32.
 COMPUTE_HEAVY = frozenset({"mp.matmul", "mp.conv2d"})
@@ -167,7 +167,7 @@ def _accumulator(op: str, compute: str, accum: str) -> str | None:
     return accum if width_rank(accum) >= width_rank(compute) else "f32"
 
 
-_BUILTIN_DIR = Path(__file__).with_name("policies")
+_BUILTIN_DIR = Path(__file__).parent.parent / "policies"  # package data of mplower
 
 
 def builtin_policies() -> list[str]:

@@ -34,13 +34,12 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import Program
-from mplower.backend.report import build_report
 from mplower.ir.graph import Function, Module, Value
 from mplower.ir.types import TypeAttr
+from mplower.lowering.policy import ACCUMULATING
 from mplower.numerics.formats import FORMATS
 from mplower.passes.dce import eliminate_dead_ops
-from mplower.policy import ACCUMULATING
-from mplower.quant_report import (
+from mplower.report.quant import (
     converted_ops,
     float_origin,
     local_severity,
@@ -48,6 +47,7 @@ from mplower.quant_report import (
     result_float,
     trace,
 )
+from mplower.report.run import build_report
 
 _PLAN_KEYS = ("mp.precision", "mp.accum", "mp.reason", "mp.requested", "mp.fallback",
               "mp.kernel", "mp.weight_quant", "mp.quant")

@@ -1,7 +1,7 @@
 """The precision policy sheet of a (lowered) module: per op what it computes in, why, and its cost.
 
 One row per operation: result name, op, compute format, accumulator, kernel, reason, FLOPs and
-the roofline time the target's cost model gives it (mplower.target.Target.op_time); the
+the roofline time the target's cost model gives it (mplower.lowering.target.Target.op_time); the
 summary adds the total and the speedup against the same module run entirely in f32. The
 compute format of an op is its `mp.precision`, or the element type it already has. A module
 with sparse kernel decisions gets the sparse reality check too (mplower.backend.sparse).
@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mplower.backend.sparse import sparse_lines, sparse_report
+from mplower.dialect.mp import OPS, attr_type, check_attrs
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.types import TensorType
+from mplower.lowering.target import DENSE, Target
 from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS, attr_type, check_attrs
-from mplower.target import DENSE, Target
 
 COLUMNS = ("name", "op", "compute", "accum", "kernel", "reason", "flops", "modeled_time_s")
 

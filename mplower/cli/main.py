@@ -147,19 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Commands that live beside their layer (backend, frontends, report) register here."""
-    import importlib
+    """The other command groups, one module each in this package (docs/architecture.md)."""
+    from mplower.cli import onnx, report, run
 
-    out = []
-    for mod in ("mplower.report_cli", "mplower.backend.cli", "mplower.frontends.cli"):
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        out.append(m.register)
-    return out
+    return [report.register, run.register, onnx.register]
 
 
 def read_input(path: str) -> tuple[str, str]:
@@ -177,7 +168,7 @@ def read_input(path: str) -> tuple[str, str]:
 
 
 def write_output(path: str, text: str) -> None:
-    from mplower.fileio import write_text_atomic
+    from mplower.io.atomic import write_text_atomic
 
     if path == "-":
         sys.stdout.write(text)

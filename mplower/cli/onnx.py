@@ -45,11 +45,11 @@ def register(sub) -> None:
 def cmd_import(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from mplower.cli import EXIT_OK, UsageError
-    from mplower.fileio import atomic_output
-    from mplower.frontends.onnx_import import import_model, load_model, parse_input_shape
+    from mplower.cli.main import EXIT_OK, UsageError
+    from mplower.io.atomic import atomic_output
     from mplower.ir.diagnostics import DiagnosticError, Location
     from mplower.ir.printer import print_module
+    from mplower.onnx.importer import import_model, load_model, parse_input_shape
 
     shapes = {}
     for text in args.input_shape:
@@ -85,12 +85,12 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mplower.cli import EXIT_OK, read_input
-    from mplower.exporters.onnx_export import check_and_serialize, export_module
-    from mplower.fileio import atomic_output
+    from mplower.cli.main import EXIT_OK, read_input
+    from mplower.io.atomic import atomic_output
     from mplower.ir.diagnostics import DiagnosticError, Location
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
+    from mplower.onnx.exporter import check_and_serialize, export_module
 
     text, name = read_input(args.input)
     args._source = text

@@ -18,9 +18,9 @@ from typing import Any
 
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
+from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, format_problem, locate
+from mplower.lowering.tomlsheet import builtin_names as _builtin_names
 from mplower.numerics.formats import FORMATS
-from mplower.tomlsheet import Bounds, KeyPath, Sheet, format_problem, locate
-from mplower.tomlsheet import builtin_names as _builtin_names
 
 # Kernel kinds, as written in `mp.kernel`. The structured kinds name the pattern their data
 # must have: NVIDIA sparse tensor cores take 2:4 for 16- and 8-bit inputs but 1:2 for tf32
@@ -75,7 +75,7 @@ FALLBACK: dict[str, tuple[str, str]] = {
 }
 ACCUM_FALLBACK: dict[str, tuple[str, str]] = {"f16": ("f32", NO_F16_ACCUM)}
 
-_BUILTIN_DIR = Path(__file__).with_name("targets")
+_BUILTIN_DIR = Path(__file__).parent.parent / "targets"  # package data of mplower
 
 
 def base_accum(fmt: str) -> str:

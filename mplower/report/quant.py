@@ -17,7 +17,7 @@ and `local_sqnr_db`, what the op itself loses: its float result (for an integer 
 dequantized one) against the same op computed in f32 on the very values its operands were
 converted from, taken per output channel and reported for the worst channel (a tensor-wide
 figure hides channels that a shared scale wiped out under one large one). Error inherited from
-upstream does not enter it; the rows are sorted by it, worst first, and `mplower.bisect`
+upstream does not enter it; the rows are sorted by it, worst first, and `mplower.report.bisect`
 ranks ops by it. A weight is an operand computed from constants only. Values are in dB; inf
 where nothing was lost.
 """
@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import Program
-from mplower.calibration import CALIB, constant_nodes
+from mplower.dialect.mp import attr_array
 from mplower.ir.graph import Function, Value
+from mplower.lowering.calibration import CALIB, constant_nodes
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.quant import dequantize
-from mplower.ops import attr_array
 from mplower.passes.quantize import QUANT_MARK, ZERO_POINT
 
 CONVERSIONS = frozenset({"mp.quantize", "mp.dequantize", "mp.cast", "mp.fake_quant"})

@@ -86,8 +86,8 @@ def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.n
 def _load(args: argparse.Namespace):
     """(module, program, input arrays) for the run and bench commands."""
     from mplower.backend.executor import Program
-    from mplower.backend.weights import load_inputs
-    from mplower.cli import read_input
+    from mplower.cli.main import read_input
+    from mplower.io.weights import load_inputs
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
 
@@ -107,8 +107,8 @@ def _load(args: argparse.Namespace):
 
 
 def _guardrail_flags(flags: list[str]) -> dict[str, float]:
-    from mplower.cli import UsageError
-    from mplower.policy import GUARDRAIL_BOUNDS, GUARDRAILS
+    from mplower.cli.main import UsageError
+    from mplower.lowering.policy import GUARDRAIL_BOUNDS, GUARDRAILS
 
     limits: dict[str, float] = {}
     for flag in flags:
@@ -128,7 +128,7 @@ def _guardrail_flags(flags: list[str]) -> dict[str, float]:
 
 def _policy_guardrails(module) -> dict[str, float]:
     """The guardrails of the sheet assign-precision recorded on the module (`mp.policy`)."""
-    from mplower.policy import load_policy
+    from mplower.lowering.policy import load_policy
 
     policy = module.attrs.get("mp.policy")
     if not isinstance(policy, str):
@@ -147,7 +147,7 @@ def _policy_guardrails(module) -> dict[str, float]:
 
 
 def _write_atomic(path: str, write) -> None:
-    from mplower.fileio import atomic_output
+    from mplower.io.atomic import atomic_output
 
     try:
         with atomic_output(path, "wb") as fh:
@@ -160,9 +160,9 @@ def _write_atomic(path: str, write) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     import copy
 
-    from mplower.backend.report import build_report, render
-    from mplower.cli import EXIT_GUARDRAIL, EXIT_OK, UsageError
-    from mplower.quant_report import converted_ops, json_safe, operand_sqnr
+    from mplower.cli.main import EXIT_GUARDRAIL, EXIT_OK, UsageError
+    from mplower.report.quant import converted_ops, json_safe, operand_sqnr
+    from mplower.report.run import build_report, render
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
     module, program, arrays = _load(args)
@@ -179,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
         report["quantization"] = json_safe(operand_sqnr(program, arrays))
     if args.bisect:
-        from mplower.bisect import bisect
+        from mplower.report.bisect import bisect
 
         report["bisect"] = bisect(pristine, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
@@ -231,10 +231,10 @@ def _finite(x: float) -> float | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from mplower.cli import EXIT_OK, UsageError
-    from mplower.ops import OPS
-    from mplower.report import precision_sheet
-    from mplower.target import module_target
+    from mplower.cli.main import EXIT_OK, UsageError
+    from mplower.dialect.mp import OPS
+    from mplower.lowering.target import module_target
+    from mplower.report.sheet import precision_sheet
 
     if args.iterations < 1 or args.warmup < 0:
         raise UsageError("--iterations must be at least 1 and --warmup at least 0")

@@ -25,12 +25,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from mplower.dialect.mp import OPS, attr_array, attr_type, check_attrs
+from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import DenseAttr, TensorType
 from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS, attr_array, attr_type, check_attrs
-from mplower.weights_io import WeightStore
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
 IR_VERSION = 10  # the IR version of opset 21; onnxruntime 1.18+ reads it

@@ -32,12 +32,12 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
+from mplower.dialect.mp import OPS, OpError
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.ir.verifier import verify
 from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS, OpError
 
 MIN_OPSET = 9
 MAX_OPSET = onnx.defs.onnx_opset_version()

@@ -1,4 +1,4 @@
-"""`mplower report`: print the precision policy sheet of a module (see mplower/report.py)."""
+"""`mplower report`: print the precision policy sheet of a module (see mplower/report/sheet.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ def register(sub) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mplower.cli import read_input, write_output
+    from mplower.cli.main import read_input, write_output
+    from mplower.dialect.mp import OPS
     from mplower.ir.diagnostics import Diagnostic, DiagnosticError
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
-    from mplower.ops import OPS
-    from mplower.report import precision_sheet, render
-    from mplower.target import module_target
+    from mplower.lowering.target import module_target
+    from mplower.report.sheet import precision_sheet, render
 
     text, name = read_input(args.input)
     args._source = text

@@ -20,7 +20,7 @@ import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
 from mplower.backend.executor import drift as result_drift
-from mplower.policy import keep_f32_overrides
+from mplower.lowering.policy import keep_f32_overrides
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -134,7 +134,7 @@ def op_entry(r: OpResult) -> dict[str, Any]:
 def build_report(result: RunResult, guardrails: dict[str, float],
                  policy: str | None = None, function: str | None = None) -> dict[str, Any]:
     """The report of one run (docs/report.md); `guardrails` maps keys of
-    mplower.policy.GUARDRAILS to limits."""
+    mplower.lowering.policy.GUARDRAILS to limits."""
     ops = [op_entry(r) for r in result.ops]
     counted = [o for o in ops if o["op"] != "mp.constant"]
     fallbacks = sum(1 for o in counted if o["fallback"])
