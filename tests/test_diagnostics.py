@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import func_ir
 
-from mplower.ir.diagnostics import Diagnostic, Location, SourceText
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, SourceText
+from mplower.ir.graph import Function, Module
+from mplower.ir.types import tensor
+from mplower.ir.verifier import verify
 
 T = "tensor<2x3xf32>"
 OP = f"({T}) -> {T}"
@@ -411,3 +414,17 @@ def test_nul_byte_in_mp_weights_is_a_located_error(command, cli, tmp_path):
     assert r.rc == 1
     assert r.err.startswith(f"{src}:1:1: error: mp.weights 'w\\x00.npz' contains a NUL byte, "
                             "which no file path can\n")
+
+
+def test_verifier_refuses_a_tensor_type_built_too_large_through_the_api():
+    f = Function("f", Location("m.ir", 1, 1))
+    x = f.add_arg("x", tensor((2 ** 40, 2 ** 30), "f32"), Location("m.ir", 1, 14))
+    f.append_op("return", [(x, 0)], {}, [], loc=Location("m.ir", 2, 3))
+    f.result_types = [tensor((2 ** 40, 2 ** 30), "f32")]
+    with pytest.raises(DiagnosticError) as e:
+        verify(Module(functions={"f": f}))
+    [d] = e.value.diagnostics
+    assert str(d.loc) == "m.ir:1:14"
+    assert d.message == ("tensor<1099511627776x1073741824xf32> has more than 1152921504606846975 "
+                         "(2^60 - 1) elements, the most whose values (8 bytes each) a 64-bit "
+                         "machine can address")
