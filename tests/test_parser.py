@@ -9,6 +9,7 @@ lines below are parsed both ways and compared, and the fast path is checked to b
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -17,6 +18,7 @@ from conftest import EXAMPLES, func_ir, general_path, parse_general, roundtrip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mplower.ir.parser as parser_module
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import ARG, RETURN
 from mplower.ir.parser import _IRLexer, parse, split_source
@@ -165,6 +167,7 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+T2 = "(tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>"
 VALUE_COL = len("  %0 = mp.relu %x {x.v = ") + 1  # where _attr_line's value starts
 
 
@@ -781,6 +784,30 @@ def test_long_string_attribute_parses_on_both_paths():
     for m in (parse(text), parse_general(text)):
         f = m.function()
         assert f.attrs_of(f.ops()[0])["x.v"] == 'ab"' * 500_000
+
+
+def test_fast_path_patterns_never_give_whitespace_back():
+    # A `\s*` that can give back spaces to another `\s*` after it makes a failed match of a
+    # line with n spaces cost O(n^2): 128k spaces before an attribute dictionary took 19 s.
+    # (No timing here: benchmarks/frontend.py --error-paths measures it.)
+    for name in ("_SIMPLE_OP", "_TYPES", "_VALS", "_FUNCTYPE", "_SIMPLE_ATTRS"):
+        pattern = getattr(parser_module, name)
+        assert re.findall(r"\\s[*+](?!\+)", pattern) == [], name
+    assert re.findall(r"\\s[*+](?!\+)", parser_module._ENTRY_RE.pattern) == []
+
+
+@pytest.mark.parametrize("where", ["before-attributes", "between-operands", "in-attributes",
+                                   "before-type"])
+def test_long_runs_of_spaces_parse_the_same_on_both_paths(where):
+    sp = " " * 128_000
+    line = {"before-attributes": f"%0 = mp.add %x, %x{sp}{{x.a = [1]}} : {T2}",
+            "between-operands": f"%0 = mp.add %x,{sp}%x {{x.a = 1}} : {T2}",
+            "in-attributes": f"%0 = mp.add %x, %x {{x.a = 1{sp}, x.b = [2]}} : {T2}",
+            "before-type": f"%0 = mp.add %x, %x {{x.a = 1}}{sp}: {T2}"}[where]
+    text = func_ir(f"{line}\nreturn %0 : tensor<2x3xf32>")
+    printed = print_module(parse(text))
+    assert printed == print_module(parse_general(text))
+    assert "%0 = mp.add %x, %x {x.a = " in printed
 
 
 def test_split_source_keeps_line_offsets():
