@@ -289,12 +289,12 @@ class _Builder:
 
     # ---- attributes ----------------------------------------------------------------------
     def int_attr(self, tok: Token) -> int:
-        return _HexInt(tok.value, 0) if "x" in tok.value else self.decimal(tok)
+        return _HexInt(tok.value, 0) if "x" in tok.value else self._decimal(tok)
 
-    def decimal(self, tok: Token, text: str | None = None) -> int:
+    def _decimal(self, tok: Token) -> int:
         """The decimal integer literal `tok`; Python converts at most sys.int_max_str_digits
         digits (4300 by default: the conversion is quadratic), hexadecimal has no limit."""
-        text = tok.value if text is None else text
+        text = tok.value
         limit = sys.get_int_max_str_digits()
         digits = len(text) - (text[0] in "+-")
         if limit and digits > limit:
@@ -457,8 +457,7 @@ class _Builder:
         keeping a token per element would cost every literal for the sake of a bad one.
         """
         src, pos, n = self.source, dense.start_pos, -1
-        while True:
-            m = _MASTER.match(src, pos)
+        while (m := _MASTER.match(src, pos)) is not None:
             kind = m.lastgroup
             if kind in ("INT", "FLOAT") or (kind == "BARE_ID" and m.group(kind) in ("true",
                                                                                   "false")):
@@ -469,6 +468,7 @@ class _Builder:
                     col = start - src.rfind("\n", 0, start)
                     return Token(kind, m.group(kind), start, line, col)
             pos = m.end()
+        return dense  # the literal lexed before, so not reached; the literal is the fallback
 
     def _float_bits(self, tok: Token, elem: str, bits: int | None = None) -> float:
         if bits is None:
@@ -568,7 +568,7 @@ class _Builder:
                 try:
                     v = int(value, 0) if "x" in value else int(value)
                 except ValueError:  # past Python's limit on decimal digits
-                    self.decimal(_sub(tok, value, at + m.start("value"), "INT"))  # raises
+                    self._decimal(_sub(tok, value, at + m.start("value"), "INT"))  # raises
             elif value in ATTRIBUTE_SCALAR_TYPES:
                 v = TypeAttr(value)
             else:
