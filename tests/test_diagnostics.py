@@ -185,6 +185,26 @@ CASES = [
          2, "tensor<2x3xf32>", "unexpected 'tensor<2x3xf32>'; expected '('"),
     Case("non-tensor-argument", func_ir("return", args="%x: f32", result=""), 1, "%x",
          "expected a tensor type, got 'f32'"),
+    Case("dense-i8-element-out-of-range",
+         func_ir("%0 = mp.constant {value = dense<[1, 300]> : tensor<2xi8>} : () -> "
+                 f"tensor<2xi8>\nreturn %x : {T}"),
+         2, "300", "integer value 300 is out of range for i8 (range [-128, 127])"),
+    Case("dense-element-past-int64",
+         func_ir("%0 = mp.constant {value = dense<[1, 99999999999999999999]> : tensor<2xi32>} : "
+                 f"() -> tensor<2xi32>\nreturn %x : {T}"),
+         2, "999", "integer value 99999999999999999999 is out of range for i32"),
+    Case("f32-literal-out-of-range", func_ir(f"%0 = mp.relu %x {{x.f = 3.5e38 : f32}} : {OP}\n{RET}"),
+         2, "3.5e38", "3.5e38 is out of range for f32 (largest finite value 3.4028235e+38); an "
+                      "infinity is written 0x7F800000 : f32"),
+    Case("integer-longer-than-4300-digits",
+         func_ir(f"%0 = mp.relu %x {{x.i = {'9' * 5000}}} : {OP}\n{RET}"),
+         2, "9", "integer literal has 5000 digits; at most 4300 are supported"),
+    Case("result-count-longer-than-4300-digits",
+         func_ir(f'%0:{"9" * 5000} = "x.op"(%x) : {OP}\n{RET}'),
+         2, "%0", "result count 9999999999999999999999999999999999999... is too large"),
+    Case("tensor-of-65-dimensions",
+         func_ir(f"return %x : {T}", args=f"%y: tensor<{'1x' * 65}f32>, %x: {T}"),
+         1, "tensor<", "has 65 dimensions; at most 64 are supported"),
 ]
 
 
@@ -428,3 +448,16 @@ def test_verifier_refuses_a_tensor_type_built_too_large_through_the_api():
     assert d.message == ("tensor<1099511627776x1073741824xf32> has more than 1152921504606846975 "
                          "(2^60 - 1) elements, the most whose values (8 bytes each) a 64-bit "
                          "machine can address")
+
+
+def test_run_refuses_an_i8_constant_it_would_have_computed_as_int64(cli, tmp_path):
+    # Before, `run` returned an "i8" result [90 335] of dtype int64 for this module.
+    src = tmp_path / "i8.ir"
+    src.write_text(func_ir("%c = mp.constant {value = dense<[1, 300]> : tensor<2xi8>} : () -> "
+                           "tensor<2xi8>\n%0 = mp.add %x, %c : (tensor<2xi8>, tensor<2xi8>) -> "
+                           "tensor<2xi8>\nreturn %0 : tensor<2xi8>",
+                           args="%x: tensor<2xi8>", result="tensor<2xi8>"))
+    r = cli("run", src, "--random-inputs")
+    assert r.rc == 1
+    assert r.err.startswith(f"{src}:2:39: error: integer value 300 is out of range for i8 "
+                            "(range [-128, 127])\n")
