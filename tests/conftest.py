@@ -29,6 +29,7 @@ from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
 
 ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "ir_examples").glob("*.ir"))
 
 DEEP_EXAMPLES = 5000
 settings.register_profile("deep", max_examples=DEEP_EXAMPLES, deadline=None)
@@ -39,7 +40,6 @@ settings.load_profile(PROFILE)
 def examples(n: int) -> int:
     """A property test's example count: `n`, or the deep profile's."""
     return DEEP_EXAMPLES if PROFILE == "deep" else n
-EXAMPLES = sorted((ROOT / "ir_examples").glob("*.ir"))
 
 
 @dataclass
