@@ -20,7 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
+from mplower.ir.diagnostics import (
+    DEFAULT_ERROR_LIMIT,
+    Diagnostic,
+    DiagnosticError,
+    DiagnosticRenderer,
+    Location,
+    did_you_mean,
+)
 from mplower.pass_manager import PluginError, PluginWarning
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_GUARDRAIL = 0, 1, 2, 3
@@ -63,6 +70,8 @@ def _opt_parser(sub) -> None:
     p.add_argument("--verify-diagnostics", action="store_true",
                    help="check emitted diagnostics against // expected-error comments")
     p.add_argument("--weights", help="weights .npz to use instead of the module's mp.weights")
+    p.add_argument("--error-limit", type=int, default=DEFAULT_ERROR_LIMIT, metavar="N",
+                   help=f"stop showing errors after N (default {DEFAULT_ERROR_LIMIT}; 0: all)")
     p.set_defaults(handler=cmd_opt)
 
 
@@ -207,6 +216,9 @@ def cmd_opt(args: argparse.Namespace) -> int:
         for name in names:  # a misspelt name would silently print nothing
             if name not in known:
                 raise UsageError(f"{flag}: unknown pass '{name}'{did_you_mean(name, known)}")
+    if args.error_limit < 0:
+        raise UsageError("--error-limit must be a count of errors, or 0 for no limit")
+    renderer = DiagnosticRenderer(args.error_limit)
     timings: list[tuple[str, float]] = []
     t0 = time.perf_counter()
     text, name = read_input(args.input)
@@ -245,10 +257,11 @@ def cmd_opt(args: argparse.Namespace) -> int:
             problems = expected.check(expected.collect(chunk, name, offset), emitted)
             if problems:
                 failed = True
-                _print_diags(problems, text)
+                _print_diags(renderer, problems, text)
         elif emitted:
             failed = True
-            _print_diags(emitted, text)
+            _print_diags(renderer, emitted, text)
+    _print_summary(renderer, args)
     if args.timing:
         sys.stderr.write(format_timing(timings))
     if args.statistics:
@@ -280,9 +293,16 @@ def cmd_passes(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_diags(diags: Sequence[Diagnostic], source: str | None) -> None:
-    for d in diags:
-        sys.stderr.write(d.render(source) + "\n")
+def _print_diags(renderer: DiagnosticRenderer, diags: Sequence[Diagnostic],
+                 source: str | None) -> None:
+    sys.stderr.write(renderer.render(diags, source))
+
+
+def _print_summary(renderer: DiagnosticRenderer, args: argparse.Namespace) -> None:
+    summary = renderer.summary()
+    if summary is not None:  # only `opt` has the flag; other commands show the default
+        hint = "; --error-limit=0 shows all" if hasattr(args, "error_limit") else ""
+        sys.stderr.write(f"mplower: {summary}{hint}\n")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -315,7 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INPUT
     except DiagnosticError as e:
         source = e.source if e.source is not None else getattr(args, "_source", None)
-        _print_diags(e.diagnostics, source)
+        renderer = DiagnosticRenderer(getattr(args, "error_limit", DEFAULT_ERROR_LIMIT))
+        _print_diags(renderer, e.diagnostics, source)
+        _print_summary(renderer, args)
         return EXIT_INPUT
     except KeyboardInterrupt:
         sys.stderr.write("mplower: interrupted\n")

@@ -2,7 +2,9 @@
 
 Structure: each value is defined once and before its uses in program order, each op's operand
 edges number 0..n-1, every edge names an existing result, the function ends with a return whose
-types match the signature. Ops: known to the registry, operand count, attributes
+types match the signature, and every value's type is one a tensor can have (`shape_problem`:
+the parser refuses such types in text; modules built through the API, by the ONNX importer for
+one, are checked here). Ops: known to the registry, operand count, attributes
 (`check_attrs`), and declared result types equal to the types the op's rule infers. All
 failures are collected, each located at its op, and raised together.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 from mplower.dialect.mp import OPS, OpError, check_attrs
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, did_you_mean
 from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ir.types import shape_problem
 
 
 def verify(module: Module) -> None:
@@ -39,7 +42,14 @@ def verify_function(f: Function) -> list[Diagnostic]:
         diags.append(Diagnostic(f.loc, f"function @{f.name} does not end with a return"))
         return diags
     seen_names: dict[str, int] = {}
+    checked: set[int] = set()  # ids of the types seen: types are interned, few and shared
     for n in f.args + order:
+        for t in nodes[n]["types"]:
+            if id(t) not in checked:
+                checked.add(id(t))
+                problem = shape_problem(t.shape)
+                if problem is not None:
+                    diags.append(Diagnostic(nodes[n]["loc"], f"{t} {problem}"))
         name = nodes[n]["name"]
         if name:
             if name in seen_names:
