@@ -21,6 +21,7 @@ import numpy as np
 from mplower.backend.executor import OpResult, RunResult
 from mplower.lowering.policy import keep_f32_overrides
 from mplower.numerics.metrics import drift as result_drift
+from mplower.report.table import table
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -198,13 +199,13 @@ def render(report: dict[str, Any], fmt: str) -> str:
               f"underflow {s['underflow']}, nan {s['nan']}"), ""]
     if s["nonfinite_mismatch"] or s["nonfinite_weights"]:
         lines.insert(-1, _nonfinite_line(s))
-    lines += _table(header, rows, fmt)
+    lines += table(header, rows, fmt)
     quant = report.get("quantization")
     if quant:
         qheader = ["name", "op", "weight_sqnr_db", "activation_sqnr_db",
                    "activation_local_sqnr_db", "local_sqnr_db"]
         qrows = [[q["name"], q["op"], *(num(q[k], ".1f") for k in qheader[2:])] for q in quant]
-        lines += ["", "quantization error (worst first):", *_table(qheader, qrows, fmt)]
+        lines += ["", "quantization error (worst first):", *table(qheader, qrows, fmt)]
     b = report.get("bisect")
     if b is not None:
         kept = ", ".join(b["ops"]) or "nothing"
@@ -236,12 +237,3 @@ def _figure(x: float | None, limit: float | None = None) -> str:
             return text
     return repr(x)
 
-
-def _table(header: list[str], rows: list[list[str]], fmt: str) -> list[str]:
-    if fmt == "markdown":
-        return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                *("| " + " | ".join(r) + " |" for r in rows)]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    return ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
-            *("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
