@@ -24,7 +24,6 @@ operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import matmul
+from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
 
@@ -532,41 +532,6 @@ def _conv_f16_kernel(attrs: dict, out_t: TensorType) -> Kernel:
         y, counts = _finish(y, elem)
         return y, Counts(overflow) + (counts or _nan_counts(y))
     return run
-
-
-@dataclass(frozen=True)
-class Drift:
-    """How far a result is from its fp32 reference (see `drift`)."""
-
-    rel_l2: float
-    sqnr_db: float
-    max_abs: float
-    nonfinite_mismatch: int
-
-
-def drift(y: np.ndarray, ref: np.ndarray) -> Drift:
-    """rel_l2 = ||y - ref|| / ||ref||, SQNR and max |y - ref| in float64, over the positions
-    where both are finite; a position where the two are the same non-finite value (the -inf
-    of an attention mask in both) takes no part. Any other position with a non-finite value
-    (finite in one and not the other, -inf against NaN, ...) is a non-finite mismatch: it is
-    counted, and the drift is infinite (rel_l2 = max_abs = inf, SQNR = -inf)."""
-    r = ref.astype(np.float64)
-    with np.errstate(invalid="ignore"):  # inf - inf: a NaN that is looked at below
-        diff = y.astype(np.float64) - r
-    mismatch = 0
-    if not np.all(np.isfinite(diff)):  # one pass for the common all-finite case
-        y64 = y.astype(np.float64)
-        same = (y64 == r) | (np.isnan(y64) & np.isnan(r))
-        mismatch = int(np.count_nonzero(~np.isfinite(diff) & ~same))
-        if mismatch:
-            return Drift(math.inf, -math.inf, math.inf, mismatch)
-        keep = np.isfinite(diff)
-        r, diff = r[keep], diff[keep]
-    signal = float(np.sum(r * r))
-    noise = float(np.sum(diff * diff))
-    rel = float(np.sqrt(noise / signal)) if signal > 0 else (0.0 if noise == 0 else math.inf)
-    sqnr = float(10 * np.log10(signal / noise)) if noise > 0 else math.inf
-    return Drift(rel, sqnr, float(np.max(np.abs(diff))) if diff.size else 0.0, mismatch)
 
 
 def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:

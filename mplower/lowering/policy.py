@@ -27,8 +27,6 @@ from mplower.numerics.formats import FORMATS, width_rank
 COMPUTE_HEAVY = frozenset({"mp.matmul", "mp.conv2d"})
 # Ops whose Decision carries an accumulator; every other op gets accum None.
 ACCUMULATING = frozenset({"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"})
-GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "max_overflow_rate",
-              "min_top1_agreement")
 # What a guardrail limit may be (docs/policy.md): a relative error beyond 1000 or an SQNR beyond
 # 1000 dB means nothing (f64 itself reaches ~320 dB), a count of overflowed values must be
 # exact in a float (2^53), an agreement is a fraction.
@@ -39,6 +37,7 @@ GUARDRAIL_BOUNDS = {
     "max_overflow_rate": Bounds(0, 1),
     "min_top1_agreement": Bounds(0, 1),
 }
+GUARDRAILS = tuple(GUARDRAIL_BOUNDS)  # the keys, in the order docs and messages list them
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
 
 # Reason strings of Decision (docs/policy.md); follow and override reasons carry a detail.
