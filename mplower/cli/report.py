@@ -19,9 +19,10 @@ def register(sub) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    import mplower.dialect  # noqa: F401  (registers the mp ops)
     from mplower.cli.main import read_input, write_output
-    from mplower.dialect.mp import OPS
     from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+    from mplower.ir.opdef import OPS
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
     from mplower.lowering.target import module_target

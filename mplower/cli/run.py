@@ -231,8 +231,9 @@ def _finite(x: float) -> float | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
+    import mplower.dialect  # noqa: F401  (registers the mp ops)
     from mplower.cli.main import EXIT_OK, UsageError
-    from mplower.dialect.mp import OPS
+    from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
     from mplower.report.sheet import precision_sheet
 
