@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mplower.dialect  # noqa: F401  (registers the mp ops: the IR layer alone knows none)
 import mplower.ir.parser as parser_module
 from mplower.cli.main import main
 from mplower.ir.graph import Module

@@ -69,7 +69,7 @@ def test_no_module_spells_out_an_op_category() -> None:
 def test_category_and_format_names_are_assigned_only_in_their_home() -> None:
     formats_py = ROOT / "mplower" / "numerics" / "formats.py"
     home = {name: HOME for name in CATEGORIES} | {
-        "QUANTIZED_OPS": HOME, "COMPUTE_FORMATS": formats_py, "NARROW_FLOATS": formats_py,
+        "QUANTIZED_OPS": HOME, "WEIGHT_OPERAND": HOME, "COMPUTE_FORMATS": formats_py, "NARROW_FLOATS": formats_py,
         "QUANT_INTS": formats_py, "QUANT_STORAGE": formats_py, "_NARROW": None,
         "_QUANT_TYPES": HOME, "QUANT_FORMATS": ROOT / "mplower" / "numerics" / "quant.py",
         "DEQUANT_FORMATS": ROOT / "mplower" / "numerics" / "quant.py"}
@@ -89,7 +89,7 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
     assert mp.COMPUTE_HEAVY == {"mp.matmul", "mp.conv2d"}
     assert mp.QUANTIZABLE == {"mp.matmul", "mp.conv2d"}
     assert mp.WEIGHTED == ("mp.matmul", "mp.conv2d")
-    assert {OPS[n].weight_operand for n in mp.WEIGHTED} == {1}
+    assert {OPS[n].weight_operand for n in mp.WEIGHTED} == {mp.WEIGHT_OPERAND} == {1}
     assert mp.ACCUMULATING == {"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"}
     assert mp.TYPE_CARRYING == {"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize",
                                 "mp.fake_quant", "mp.sparse_encode"}

@@ -182,6 +182,7 @@ def write_output(path: str, text: str) -> None:
 
 
 def cmd_opt(args: argparse.Namespace) -> int:
+    import mplower.dialect  # noqa: F401  (registers the ops the verifier checks against)
     from mplower.ir import expected
     from mplower.ir.parser import parse, split_source
     from mplower.ir.printer import print_module

@@ -1205,3 +1205,6 @@ TYPE_CARRYING = ops_with(Trait.TYPE_CARRYING)
 VALUE_PRESERVING = ops_with(Trait.VALUE_PRESERVING)
 # The ops with a weight operand, in declaration order (pass options print them).
 WEIGHTED: tuple[str, ...] = tuple(n for n, op in OPS.items() if op.weight_operand is not None)
+# Their weight operand: one index for all of them (sparsify and lower-sparse index operands with
+# it), which this unpacking checks when the dialect is imported.
+(WEIGHT_OPERAND,) = {OPS[n].weight_operand for n in WEIGHTED}

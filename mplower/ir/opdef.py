@@ -13,6 +13,7 @@ import difflib
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -111,11 +112,12 @@ class OpDef:
     # Operand names for docs and diagnostics; "bias?" is optional, "inputs..." variadic.
     operand_names: tuple[str, ...] = ()
 
-    @property
+    # Cached: DCE, CSE and canonicalize ask these once per op of every function they run on.
+    @cached_property
     def pure(self) -> bool:
         return Trait.PURE in self.traits
 
-    @property
+    @cached_property
     def elementwise(self) -> bool:
         return Trait.ELEMENTWISE in self.traits
 
