@@ -3,8 +3,11 @@
 An `OpDef` is the single place that knows an op: how many operands it takes, which attributes
 (with kinds and defaults), how its result types follow from its operands (`infer`), what it
 computes (`reference`, numpy, ONNX semantics where ONNX has the op), how many FLOPs it costs,
-and which compute precisions it may be lowered to. The verifier, the passes, the cost model and
-the backend all read these declarations; none of them re-derives an op's rules.
+which compute precisions it may be lowered to, and its traits (a contraction, a conversion, ...).
+The verifier, the passes, the cost model and the backend all read these declarations; none of
+them re-derives an op's rules, and the op categories they test for are computed from the traits
+at the end of this module. The machinery (`OpDef`, the registry, attribute checking) is the IR
+layer's (mplower.ir.opdef); importing this module registers the mp ops there.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ ONNX_TYPE = {
     "i32": TensorProto.INT32, "i8": TensorProto.INT8, "ui8": TensorProto.UINT8,
     "i4": TensorProto.INT4, "i1": TensorProto.BOOL,
 }
-# Floats that are computed by upcasting to FLOAT (the executor's f32-compute-then-round).
-# Ops that move or convert values without arithmetic: emitted in the operand type.
+# Narrow floats (NARROW_FLOATS) compute by upcasting to FLOAT, as the executor computes in f32
+# and rounds; data movement and conversions are emitted in the operand type.
 # onnxruntime's CPU provider moves these only after a Cast (to FLOAT, or INT8 for INT4).
 _NO_NATIVE_MOVES = frozenset({"f8E4M3FN", "f8E5M2", "i4"})
 
