@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.dialect.mp import attr_type
+from mplower.dialect.mp import TYPE_CARRYING
 from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.ir.opdef import attr_type
 from mplower.ir.types import TypeAttr
-from mplower.lowering.policy import TYPE_CARRYING, result_format
+from mplower.lowering.policy import result_format
 from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.pass_manager import Pass, PassContext, register_pass
 

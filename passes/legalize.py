@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.dialect.mp import OPS, attr_type
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
+from mplower.ir.opdef import OPS, attr_type
 from mplower.ir.types import TypeAttr
 from mplower.lowering.target import DENSE, load_target
 from mplower.pass_manager import Pass, PassContext, option, register_pass

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
+import mplower.dialect  # noqa: F401  (registers the mp ops: the IR layer alone knows none)
 import mplower.ir.parser as parser_module
 from mplower.cli.main import main
 from mplower.ir.graph import Module

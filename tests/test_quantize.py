@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mplower.backend.executor import Program
-from mplower.dialect.mp import attr_array
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.opdef import attr_array
 from mplower.ir.parser import parse_file
 from mplower.ir.printer import print_module
 from mplower.lowering.calibration import dense_f32

@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.sparse import sparse_runner
-from mplower.dialect.mp import OPS, OpError, _pad_hw, _windows, attr_array, attr_type, check_attrs
+from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ir.opdef import OPS, OpError, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.formats import FORMATS
@@ -42,17 +43,10 @@ from mplower.numerics.gemm import matmul
 from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
+from mplower.numerics.windows import conv_windows, pad_hw
 
 NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()
-CONTRACTIONS = ("mp.matmul", "mp.conv2d")
-CONVERSIONS = ("mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant")
-# Ops whose results are operand values (or their negations): on operands of the result's format
-# there is nothing to round, so the backend skips the rounding pass. (Not max_pool2d: a window
-# of padding alone yields -inf, which f8E4M3FN cannot hold.)
-VALUE_PRESERVING = frozenset({
-    "mp.reshape", "mp.transpose", "mp.slice", "mp.concat", "mp.flatten", "mp.maximum",
-    "mp.minimum", "mp.relu", "mp.neg", "mp.reduce_max"})
 # An integer sum stays exact in a float accumulator while every partial sum is below 2^(p+1)
 # for a p-bit mantissa: f32 BLAS takes i8 x i8 up to K = 2^24 / 2^14 = 1024, f64 up to 2^39.
 _F32_EXACT = 2.0 ** 24
@@ -517,8 +511,8 @@ def _conv_f16_kernel(attrs: dict, out_t: TensorType) -> Kernel:
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         x, w = _f32(xs[0]), _f32(xs[1])
         n, (o, cg, kh, kw), g = x.shape[0], w.shape, attrs["groups"]
-        win = _windows(_pad_hw(x, attrs["padding"]), (kh, kw), attrs["strides"],
-                       attrs["dilations"])
+        win = conv_windows(pad_hw(x, attrs["padding"]), (kh, kw), attrs["strides"],
+                           attrs["dilations"])
         ho, wo = win.shape[2:4]
         cols = (win.reshape(n, g, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
                 .reshape(n, g, ho * wo, cg * kh * kw))

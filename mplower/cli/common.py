@@ -60,6 +60,7 @@ def parse_module(text: str, name: str, line_offset: int = 0,
     """The verified module of `text` read from `name`. Files it names (`mp.weights`,
     `mp.policy`, `mp.target`) are relative to its file's folder, for stdin the current one.
     `timings` gets the parser's and the verifier's wall time (`opt --timing`)."""
+    import mplower.dialect  # noqa: F401  (registers the mp ops the verifier checks against)
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
 

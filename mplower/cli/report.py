@@ -21,8 +21,9 @@ def add_report(sub, name: str) -> argparse.ArgumentParser:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mplower.dialect.mp import OPS
+    import mplower.dialect  # noqa: F401  (registers the mp ops)
     from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+    from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
     from mplower.report.sheet import precision_sheet, render
 

@@ -229,7 +229,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from mplower.dialect.mp import OPS
+    import mplower.dialect  # noqa: F401  (registers the mp ops)
+    from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
     from mplower.report.sheet import precision_sheet
 

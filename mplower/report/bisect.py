@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import Program
+from mplower.dialect.mp import ACCUMULATING
 from mplower.ir.graph import Function, Module, Value
 from mplower.ir.types import TypeAttr
-from mplower.lowering.policy import ACCUMULATING
 from mplower.numerics.formats import FORMATS
 from mplower.passes.dce import eliminate_dead_ops
 from mplower.report.quant import (

@@ -31,15 +31,15 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import Program
-from mplower.dialect.mp import attr_array
+from mplower.dialect.mp import CONVERSIONS
 from mplower.ir.graph import Function, Value
+from mplower.ir.opdef import attr_array
 from mplower.lowering.calibration import CALIB, constant_nodes
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.metrics import channel_sqnr_db, sqnr_db
 from mplower.numerics.quant import dequantize
 from mplower.passes.quantize import QUANT_MARK, ZERO_POINT
 
-CONVERSIONS = frozenset({"mp.quantize", "mp.dequantize", "mp.cast", "mp.fake_quant"})
 MOVEMENT = frozenset({"mp.reshape", "mp.transpose"})
 
 

@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mplower.dialect.mp import OPS, attr_type, check_attrs
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ir.opdef import OPS, attr_type, check_attrs
 from mplower.ir.types import TensorType
 from mplower.lowering.target import DENSE, Target
 from mplower.numerics.formats import FORMATS

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.sparse import compress, multiply
-from mplower.dialect.mp import OPS, attr_type, check_attrs
+from mplower.dialect.mp import WEIGHTED
 from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
+from mplower.ir.opdef import OPS, attr_type, check_attrs
 from mplower.ir.types import DenseAttr
 from mplower.lowering.sparsity import (
     WEIGHT_OPERAND,
@@ -120,7 +121,7 @@ def sparse_report(module: Module, target: Target, func: str | None = None,
     for n in f.ops():
         d = f.data(n)
         attrs = d["attrs"]
-        if d["op"] not in ("mp.matmul", "mp.conv2d"):
+        if d["op"] not in WEIGHTED:
             continue
         kernel = attrs.get("mp.kernel", DENSE)
         reason = attrs.get("mp.sparse_reason")
