@@ -194,11 +194,25 @@ def resnet50(rng: np.random.Generator) -> tuple[str, dict[str, np.ndarray]]:
     kept_inits = [i for i in g.initializer if i.name in used]
     del g.initializer[:]
     g.initializer.extend([*kept_inits, *made])
-    made_names = {i.name for i in made}
-    inputs = [i for i in g.input if i.name not in made_names and i.name not in inits]
+    # This IR version lists initializers as graph inputs too: keep those still used.
+    inputs = [i for i in g.input if i.name not in inits or i.name in used]
+    inputs += [onnx.helper.make_tensor_value_info(i.name, onnx.TensorProto.FLOAT, i.dims)
+               for i in made]
     del g.input[:]
     g.input.extend(inputs)
-    imported = import_model(model, str(path), input_shapes={inputs[0].name: (BATCH, 3, 224, 224)})
+    # The model fixes batch 1: set 8 on the input and on the Reshape before the classifier.
+    g.input[0].type.tensor_type.shape.dim[0].dim_value = BATCH
+    for out in g.output:
+        out.type.tensor_type.shape.dim[0].dim_value = BATCH
+    del g.value_info[:]
+    for node in keep:
+        if node.op_type == "Reshape" and node.input[1] in inits:
+            dims = inits[node.input[1]].copy()
+            dims[0] = BATCH
+            for i in g.initializer:
+                if i.name == node.input[1]:
+                    i.CopyFrom(numpy_helper.from_array(dims, i.name))
+    imported = import_model(model, str(path))
     module = imported.module
     module.attrs["mp.weights"] = "resnet50.npz"
     text = ("// light_resnet50 from the onnx wheel with seeded He-normal weights, batch 8.\n"
