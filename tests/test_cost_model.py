@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mplower.cli.main import main
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.parser import parse, parse_file
 from mplower.lowering.cost import LAUNCH, fused_groups, plan_cost
 from mplower.lowering.target import load_target
@@ -170,3 +171,54 @@ def test_report_shows_fused_groups_and_their_bound(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "fused kernels: 15" in table
     assert "0      %q_proj     bf16     launch" in table
+
+
+def test_int8_plans_baseline_is_the_fp32_plan_priced_the_same_way():
+    # Issue 13: the in-plan baseline priced quantize, dequantize and the detached bias add at
+    # f32 as kernels of their own, so int8 read faster than a real fp32 plan it was slower than.
+    fp32 = _lowered_cost(ROOT / "ir_examples/cnn.ir", "fp32", "cpu-avx512")
+    module = parse_file(ROOT / "ir_examples/cnn.ir")
+    calib = ROOT / "ir_examples/cnn_inputs.npz"
+    PassManager(parse_pipeline(f"assign-precision{{policy=int8}},calibrate{{data={calib}}},"
+                               "quantize,legalize{target=cpu-avx512},insert-casts,canonicalize")
+                ).run(module, PassContext())
+    int8 = plan_cost(module.function(), load_target("cpu-avx512"))
+    assert int8.fp32_time_s == pytest.approx(fp32.time_s, rel=1e-12)
+    assert int8.time_s < fp32.time_s
+    assert [g.compute for g in int8.groups if g.op == "mp.conv2d"] == ["f32", "i8"]
+
+
+SHEET = """
+[target]
+bandwidth = 1e9
+{extra}
+
+[formats.f32]
+dense = 1e9
+
+[default]
+dense = ["f32"]
+"""
+
+
+@pytest.mark.parametrize(("extra", "message", "col"), [
+    ('fuse = ["cast", "epilog"]', "unknown fusion 'epilog'; did you mean 'epilogue'?", 17),
+    ("tile_m = 128\ntile_n = 128", "'tile_m', 'tile_n' and 'sm_count' go together", 1),
+    ("tile_m = 127.5\ntile_n = 128\nsm_count = 4", "'target.tile_m' must be an integer", 1),
+    ("tile_m = 0\ntile_n = 128\nsm_count = 4",
+     "'target.tile_m' must be between 1 and 1e+06, not 0", 1),
+])
+def test_bad_fusion_and_tiling_keys_are_located_errors(tmp_path, extra, message, col):
+    path = tmp_path / "t.toml"
+    path.write_text(SHEET.format(extra=extra).lstrip("\n"))
+    with pytest.raises(DiagnosticError) as info:
+        load_target(str(path))
+    diag = info.value.diagnostics[0]
+    assert (diag.message, diag.loc.line, diag.loc.col) == (message, 3, col)
+
+
+def test_builtin_gpu_sheets_declare_fusions_tiles_and_sm_counts():
+    for name, sms in (("h100", 132), ("h200", 132), ("a100", 108)):
+        t = load_target(name)
+        assert (t.tile_m, t.tile_n, t.sm_count) == (128, 128, sms)
+        assert t.fuse == {"cast", "qdq", "elementwise", "epilogue"}
