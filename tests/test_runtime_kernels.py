@@ -1,0 +1,108 @@
+"""The runtime-speed kernels of issue 12 against independent references (numpy, math.erf)."""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+from mplower.numerics.gemm import integer_matmul
+from mplower.numerics.special import SERIAL_BELOW, erf
+from mplower.ops import OPS, check_attrs
+
+
+def conv(*ins: np.ndarray, **attrs) -> np.ndarray:
+    opdef = OPS["mp.conv2d"]
+    return opdef.reference(list(ins), check_attrs(opdef, attrs), None)[0]
+
+
+def conv_int64(x: np.ndarray, w: np.ndarray, stride: int, pad: int, dil: int,
+               groups: int) -> np.ndarray:
+    """Direct convolution in int64 with numpy's einsum, one group at a time."""
+    x = np.pad(x.astype(np.int64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    w = w.astype(np.int64)
+    o, cg, kh, kw = w.shape
+    ho = (x.shape[2] - dil * (kh - 1) - 1) // stride + 1
+    wo = (x.shape[3] - dil * (kw - 1) - 1) // stride + 1
+    y = np.zeros((x.shape[0], o, ho, wo), np.int64)
+    og = o // groups
+    for g in range(groups):
+        for i in range(kh):
+            for j in range(kw):
+                patch = x[:, g * cg:(g + 1) * cg, i * dil:i * dil + stride * (ho - 1) + 1:stride,
+                          j * dil:j * dil + stride * (wo - 1) + 1:stride]
+                y[:, g * og:(g + 1) * og] += np.einsum("nchw,oc->nohw", patch,
+                                                       w[g * og:(g + 1) * og, :, i, j])
+    return y
+
+
+@pytest.mark.parametrize("adtype", [np.int8, np.uint8])
+def test_integer_matmul_splits_k_and_still_equals_numpys_int64_product(adtype) -> None:
+    rng = np.random.default_rng(0)
+    info = np.iinfo(adtype)
+    a = rng.integers(info.min, info.max + 1, (2, 9, 3000)).astype(adtype)
+    a[0, 0] = info.min if adtype == np.int8 else info.max  # the extreme row: -128 * -128 * K
+    b = rng.integers(-128, 128, (3000, 7)).astype(np.int8)
+    b[:, 0] = -128
+    got = integer_matmul(a, b)
+    assert got.dtype == np.int64
+    assert np.array_equal(got, np.matmul(a.astype(np.int64), b.astype(np.int64)))
+    assert got[0, 0, 0] == (-128 if adtype == np.int8 else 255) * -128 * 3000
+
+
+def test_integer_matmul_of_wide_integers_falls_back_to_numpy() -> None:
+    a = np.array([[1 << 20, 3]], np.int64)
+    b = np.array([[1 << 20], [5]], np.int64)
+    assert integer_matmul(a, b).tolist() == [[(1 << 40) + 15]]
+
+
+@pytest.mark.parametrize("stride,pad,dil,groups", [(1, 1, 1, 1), (2, 0, 1, 3), (1, 2, 2, 6)])
+def test_int8_conv_is_exact_and_never_multiplies_in_int64(monkeypatch, stride, pad, dil,
+                                                          groups) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.integers(-128, 128, (2, 6 * 200, 7, 7)).astype(np.int8)  # K = 200 * 9 > 1040
+    w = rng.integers(-128, 128, (12, 1200 // groups, 3, 3)).astype(np.int8)
+    x[:, :, 3, 3], w[:, :, 1, 1] = -128, -128
+    bias = rng.integers(-1000, 1000, 12).astype(np.int32)
+    expect = conv_int64(x, w, stride, pad, dil, groups) + bias.reshape(1, -1, 1, 1)
+    calls = []
+    matmul = np.matmul
+
+    def spy(a, b, *args, **kwargs):
+        calls.append((np.asarray(a).dtype, np.asarray(b).dtype))
+        return matmul(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(np, "matmul", spy)
+    got = conv(x, w, bias, strides=[stride] * 2, padding=[pad] * 4, dilations=[dil] * 2,
+               groups=groups)
+    assert got.dtype == np.int64 and np.array_equal(got, expect)
+    assert (np.dtype(np.int64), np.dtype(np.int64)) not in calls
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_erf_kernel_is_math_erf_rounded_once_bit_for_bit(dtype) -> None:
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.standard_normal(SERIAL_BELOW + 5) * 3,
+                        [0.0, -0.0, 1e-30, -1e-38, 0.5, 0.84375, 5.9, -6.0, 30, np.inf,
+                         -np.inf]]).astype(dtype)
+    got = erf(x.reshape(-1, 16))
+    expect = np.array([math.erf(float(v)) for v in x]).astype(dtype)
+    assert got.dtype == dtype and got.shape == (x.size // 16, 16)
+    assert got.reshape(-1).tobytes() == expect.tobytes()
+    assert np.isnan(erf(np.array([np.nan], dtype)))[0]
+
+
+@pytest.mark.determinism
+def test_erf_kernel_bits_do_not_depend_on_thread_count() -> None:
+    x = np.random.default_rng(3).standard_normal(4 * SERIAL_BELOW).astype(np.float32)
+    threads = numba.get_num_threads()
+    try:
+        results = set()
+        for n in range(1, min(2, numba.config.NUMBA_NUM_THREADS) + 1):
+            numba.set_num_threads(n)
+            results.add(erf(x).tobytes())
+        assert len(results) == 1
+    finally:
+        numba.set_num_threads(threads)
