@@ -106,3 +106,45 @@ def test_erf_kernel_bits_do_not_depend_on_thread_count() -> None:
         assert len(results) == 1
     finally:
         numba.set_num_threads(threads)
+
+
+@pytest.mark.determinism
+def test_parallel_gemm_completes_on_the_caller_when_no_helper_thread_ever_runs(
+        monkeypatch) -> None:
+    """A helper the OS does not schedule (another process holds the core) must not stall
+    the product: the caller claims every block, and the bits are those of one thread."""
+    from mplower.numerics import workers
+    from mplower.numerics.gemm import matmul
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((2, 200, 300)).astype(np.float32)
+    b = rng.standard_normal((300, 600)).astype(np.float32)
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = matmul(a, b).tobytes()
+    finally:
+        numba.set_num_threads(threads)
+    if threads < 2:
+        pytest.skip("needs two numba threads")
+    dropped: list = []
+
+    class Unscheduled:  # the helpers' queue, never read
+        put = dropped.append
+
+    monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
+    monkeypatch.setattr(workers, "_tasks", Unscheduled)
+    assert matmul(a, b).tobytes() == one
+    # Offered the packing and then the tiles, and never took either.
+    assert len(dropped) == 2 * (threads - 1)
+
+
+def test_a_failing_block_is_raised_in_the_caller() -> None:
+    from mplower.numerics.workers import run_blocks
+
+    def kernel(start: int, stop: int) -> None:
+        if start == 0:
+            raise ValueError("block 0")
+
+    with pytest.raises(ValueError, match="block 0"):
+        run_blocks(kernel, 100)

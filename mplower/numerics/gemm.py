@@ -13,8 +13,9 @@ the BLIS manner: b is packed into column panels (read in place for 16 rows or fe
 tile of _ROWS rows by one panel keeps its accumulators in vector registers over the whole of K
 (`_micro`, LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder);
 rows past the last full tile run one at a time, and a product of fewer than _ROWS rows streams
-b row by row instead (`_rows`, batch-1 inference). A tile belongs to one thread, SIMD lanes
-are different output columns, and K is never split, so every output element is the same
+b row by row instead (`_rows`, batch-1 inference). A tile belongs to one thread
+(mplower.numerics.workers hands out blocks of tiles), SIMD lanes are different output
+columns, and K is never split, so every output element is the same
 function of its own row of `a` and column of `b` whatever the thread count, the BLAS library,
 the CPU's vector width, the tile a row lands in or the batch around it. tests/test_gemm.py
 checks every path bit for bit against that loop written in numpy.
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
+
+from mplower.numerics.workers import run_blocks
 
 # The register tile: _ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8 float64
 # columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
@@ -184,14 +187,23 @@ def _gemm_serial(a, b, c, ia, ib, cols):
         _tile(a, b, panels, c, ia, ib, t, cols)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True)
+def _pack_blocks(b, panels, cols, q0, q1):
+    for q in range(q0, q1):
+        _pack(b, panels, q, cols, q * b.shape[1] * cols)
+
+
+@njit(cache=True, nogil=True)
+def _tile_blocks(a, b, panels, c, ia, ib, cols, t0, t1):
+    for t in range(t0, t1):
+        _tile(a, b, panels, c, ia, ib, t, cols)
+
+
 def _gemm_parallel(a, b, c, ia, ib, cols):
     panels, count = _panels(b, c, cols)
-    for q in prange(count):
-        _pack(b, panels, q, cols, q * b.shape[1] * cols)
-    for t in prange(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
-                    * ((c.shape[2] + cols - 1) // cols)):
-        _tile(a, b, panels, c, ia, ib, t, cols)
+    run_blocks(_pack_blocks, count, b, panels, cols)
+    run_blocks(_tile_blocks, c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
+               * ((c.shape[2] + cols - 1) // cols), a, b, panels, c, ia, ib, cols)
 
 
 # Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
@@ -225,10 +237,15 @@ def _rows_serial(a, b, c, ia, ib):
         _rows(a, b, c, ia, ib, t)
 
 
-@njit(cache=True, parallel=True)
-def _rows_parallel(a, b, c, ia, ib):
-    for t in prange(c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK)):
+@njit(cache=True, nogil=True)
+def _rows_blocks(a, b, c, ia, ib, t0, t1):
+    for t in range(t0, t1):
         _rows(a, b, c, ia, ib, t)
+
+
+def _rows_parallel(a, b, c, ia, ib):
+    run_blocks(_rows_blocks, c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK),
+               a, b, c, ia, ib)
 
 
 def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
