@@ -632,7 +632,7 @@ def _conv_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
     integer = xs[0].dtype.kind in "iub" and xs[1].dtype.kind in "iub"
     x, w = (xs[0], xs[1]) if integer else (_num(xs[0]), _num(xs[1]))
-    y = conv2d(_pad_hw(x, a["padding"]), w, a["strides"], a["dilations"], a["groups"])
+    y = conv2d(x, w, a["strides"], a["padding"], a["dilations"], a["groups"])
     if len(xs) == 3:
         y = y + _num(xs[2]).reshape(1, -1, 1, 1)
     return [y]

@@ -1,11 +1,17 @@
-"""2-D convolution (NCHW input, OIHW weight) as im2col on mplower's GEMM.
+"""2-D convolution (NCHW input, OIHW weight) as one GEMM per image and group, in NCHW.
 
-Every output is the GEMM's fixed-order sum over (input channel of its group, kernel row,
-kernel column) in that order (mplower.numerics.gemm), so a pixel's result depends neither on
-its image, its neighbours nor the machine. Integer operands are summed exactly: 8-bit values
-go through im2col as float32 (every such integer is one) and `integer_matmul` keeps each
-partial sum within float32's integers, so the result is np.matmul's int64 product at float32
-GEMM speed instead of an int64 im2col and numpy's BLAS-less integer matmul.
+Each image and group is the product  y (O/g, Ho*Wo) = w (O/g, Cg*KH*KW) @ cols (Cg*KH*KW,
+Ho*Wo), where row (c, ky, kx) of `cols` holds the input pixels that meet weight (c, ky, kx):
+the rows are contiguous strips of the input (the input itself for a 1x1, stride-1 conv), and
+the result is already NCHW. Every output is the GEMM's fixed-order sum over (input channel of
+its group, kernel row, kernel column) in that order (mplower.numerics.gemm), so a pixel's
+result depends neither on its image, its neighbours nor the machine. Grouped and depthwise
+convs are the same batched product (a depthwise conv is a one-row product per channel, which
+the GEMM streams): no loop over groups.
+
+Integer operands are summed exactly: values whose products stay within float32's integers
+(8-bit quantized values) go through im2col as float32, and `integer_matmul` splits K so that
+no partial sum leaves them; the result is np.matmul's int64 product at float32 GEMM speed.
 """
 
 from __future__ import annotations
@@ -15,26 +21,39 @@ import numpy as np
 from mplower.numerics.gemm import F32_EXACT, int_magnitude, integer_matmul, matmul
 
 
+def _padded(x: np.ndarray, padding: tuple[int, ...]) -> np.ndarray:
+    pt, pl, pb, pr = padding
+    if not any(padding):
+        return x
+    out = np.zeros(x.shape[:2] + (x.shape[2] + pt + pb, x.shape[3] + pl + pr), x.dtype)
+    out[:, :, pt:pt + x.shape[2], pl:pl + x.shape[3]] = x
+    return out
+
+
 def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
-           dilations: tuple[int, int], groups: int) -> np.ndarray:
-    """The convolution of an already padded x (N, C, H, W) with w (O, C / groups, KH, KW):
-    float32 (float64 if x is) for float operands, exact int64 for integer operands."""
+           padding: tuple[int, int, int, int], dilations: tuple[int, int],
+           groups: int) -> np.ndarray:
+    """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
+    (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
+    int64 for integer operands."""
     integer = x.dtype.kind in "iub"
-    if integer and int_magnitude(x) * int_magnitude(w) <= F32_EXACT:
-        # Exact in float32 through im2col; integer_matmul checks the sums' range itself.
+    bound = int_magnitude(x) * int_magnitude(w) if integer else 0
+    if integer and bound <= F32_EXACT:
         x, w = x.astype(np.float32), w.astype(np.float32)
     elif integer:
         x, w = x.astype(np.int64), w.astype(np.int64)
+    x = _padded(x, padding)
     n, g = x.shape[0], groups
     o, cg, kh, kw = w.shape
     (sh, sw), (dh, dw) = strides, dilations
-    view = np.lib.stride_tricks.sliding_window_view(
-        x, (dh * (kh - 1) + 1, dw * (kw - 1) + 1), axis=(2, 3))
-    win = view[:, :, ::sh, ::sw, ::dh, ::dw]
-    ho, wo = win.shape[2:4]
-    # im2col: one row per output pixel and group, one batched product for all groups.
-    cols = (win.reshape(n, g, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
-            .reshape(n, g, ho * wo, cg * kh * kw))
-    wmat = w.reshape(g, o // g, cg * kh * kw).transpose(0, 2, 1)
-    y = integer_matmul(cols, wmat) if integer else matmul(cols, wmat)
-    return y.transpose(0, 1, 3, 2).reshape(n, o, ho, wo)
+    ho = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    wo = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if kh == kw == 1 and sh == sw == 1:
+        cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
+    else:
+        view = np.lib.stride_tricks.sliding_window_view(
+            x, (dh * (kh - 1) + 1, dw * (kw - 1) + 1), axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
+        cols = view.transpose(0, 1, 4, 5, 2, 3).reshape(n, g, cg * kh * kw, ho * wo)
+    wmat = w.reshape(g, o // g, cg * kh * kw)
+    y = integer_matmul(wmat, cols, bound) if integer else matmul(wmat, cols)
+    return y.reshape(n, o, ho, wo)

@@ -302,9 +302,9 @@ def int_magnitude(x: np.ndarray) -> int:
     return max(abs(int(x.min())), abs(int(x.max()))) if x.size else 0
 
 
-def integer_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def integer_matmul(a: np.ndarray, b: np.ndarray, bound: int | None = None) -> np.ndarray:
     """np.matmul of integer-valued operands (integer arrays, or float32 arrays holding
-    integers), exactly, as int64.
+    integers), exactly, as int64. `bound` is max |a| * max |b| where the caller knows it.
 
     With |a| <= A and |b| <= B every partial sum of `chunk` = 2**24 // (A * B) products is an
     integer below 2**24, so the float32 GEMM computes each K chunk exactly, whatever its
@@ -312,16 +312,18 @@ def integer_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     float32 speed (i8 x i8: chunks of 1040). Larger operands fall back to np.matmul in int64."""
     a, b = np.asarray(a), np.asarray(b)
     k = a.shape[-1]
-    bound = int_magnitude(a) * int_magnitude(b)
+    if bound is None:
+        bound = int_magnitude(a) * int_magnitude(b)
     if bound > F32_EXACT or max(a.ndim, b.ndim) < 2:
         return np.matmul(a.astype(np.int64), b.astype(np.int64))
     chunk = F32_EXACT // bound if bound else k
     if chunk >= k:
         return matmul(a.astype(np.float32, copy=False),
                       b.astype(np.float32, copy=False)).astype(np.int64)
+    # The chunks' exact sums add up exactly in float64 too (far below 2**53).
     y = None
     for k0 in range(0, k, chunk):
-        part = matmul(a[..., k0:k0 + chunk].astype(np.float32),
-                      b[..., k0:k0 + chunk, :].astype(np.float32)).astype(np.int64)
-        y = part if y is None else np.add(y, part, out=y)
-    return y
+        part = matmul(a[..., k0:k0 + chunk].astype(np.float32, copy=False),
+                      b[..., k0:k0 + chunk, :].astype(np.float32, copy=False))
+        y = part.astype(np.float64) if y is None else np.add(y, part, out=y)
+    return y.astype(np.int64)
