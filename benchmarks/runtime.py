@@ -267,6 +267,9 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            # onnxruntime's pool spins for a while after a run: let it stop before the next
+            # configuration starts, so no one is timed against another's spinning threads.
+            time.sleep(0.05)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -9,7 +9,7 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
-the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer), and each
+the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer, or 8 panels or more), and each
 tile of _ROWS rows by one panel keeps its accumulators in vector registers over the whole of K
 (`_micro`, LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder);
 rows past the last full tile run one at a time, and a product of fewer than _ROWS rows streams
@@ -168,12 +168,17 @@ def _tile(a, b, panels, c, ia, ib, t, cols):
             c[batch, i0 + r, j0 + j] = tile[r * cols + j]
 
 
+_WIDE = 8
+
+
 @njit(cache=True)
 def _panels(b, c, cols):
-    """Room for b packed into column panels, or an empty array when c has too few rows for
-    packing to pay (each panel would be read by one or two row blocks)."""
+    """Room for b packed into column panels, or an empty array where packing does not pay:
+    c has too few rows (each panel would be read by one or two row blocks), or b is wide
+    (_WIDE panels or more, as the im2col of a conv: the packed copy leaves the cache, an extra
+    pass over memory, while its full panels read in place stream well)."""
     per = (c.shape[2] + cols - 1) // cols
-    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * _ROWS else 0
+    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * _ROWS and per < _WIDE else 0
     return np.empty(size, b.dtype), b.shape[0] * per if size else 0
 
 
