@@ -135,8 +135,8 @@ def test_parallel_gemm_completes_on_the_caller_when_no_helper_thread_ever_runs(
     monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
     monkeypatch.setattr(workers, "_tasks", Unscheduled)
     assert matmul(a, b).tobytes() == one
-    # Offered the packing and then the tiles, and never took either.
-    assert len(dropped) == 2 * (threads - 1)
+    # Offered the tiles (b, 19 panels wide, is read in place: no packing) and never took them.
+    assert len(dropped) == threads - 1
 
 
 def test_a_failing_block_is_raised_in_the_caller() -> None:
@@ -148,3 +148,26 @@ def test_a_failing_block_is_raised_in_the_caller() -> None:
 
     with pytest.raises(ValueError, match="block 0"):
         run_blocks(kernel, 100)
+
+
+@pytest.mark.determinism
+def test_parallel_rounding_without_a_running_helper_is_ml_dtypes_cast_with_exact_counts(
+        monkeypatch) -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from mplower.numerics import rounding, workers
+
+    x = (np.random.default_rng(5).standard_normal(3 * rounding.SERIAL_BELOW + 7) * 300
+         ).astype(np.float32)
+    x[:5] = [np.nan, 1e-9, -1e-9, 1e6, -1e6]
+
+    class Unscheduled:
+        put = staticmethod(lambda work: None)
+
+    monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
+    monkeypatch.setattr(workers, "_tasks", Unscheduled)
+    y, counts = rounding.round_to(x, "f8E4M3FN", saturate=True)
+    expect = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = ~np.isnan(x)
+    assert np.array_equal(y[finite].view(np.uint32), expect[finite].view(np.uint32))
+    assert counts.overflow == int(np.count_nonzero(np.abs(x[finite]) > 448))
+    assert counts.nan == 1
