@@ -170,3 +170,41 @@ def test_parallel_rounding_without_a_running_helper_is_numpys_f16_cast_with_exac
     assert np.array_equal(y, expect, equal_nan=True)
     assert counts.overflow == int(np.count_nonzero(np.isinf(expect))) > 1000
     assert counts.nan == 1
+
+
+def numpy_histograms(batches: list[np.ndarray], bins: int) -> tuple[np.ndarray, ...]:
+    """The calibration histograms written with numpy in float64 (the pre-issue-12 code)."""
+    x = np.concatenate([b.reshape(-1) for b in batches]).astype(np.float64)
+    exp = int(np.frexp(np.abs(x).max())[1])
+    index = np.floor(np.ldexp(np.abs(x), int(np.log2(bins)) - exp)).astype(np.int64)
+    pos = np.bincount(index[x >= 0], minlength=bins)
+    neg = np.bincount(index[x < 0], minlength=bins)
+    nz = np.abs(x[x != 0])
+    exps = np.bincount(np.frexp(nz)[1] + 160, minlength=300)
+    return pos, neg, exps
+
+
+def test_calibration_statistics_run_in_float32_with_numpys_float64_counts() -> None:
+    import tracemalloc
+
+    from mplower.calibration import TensorStats
+
+    rng = np.random.default_rng(6)
+    small = (rng.standard_normal(1000) * 1e-3).astype(np.float32)
+    small[:4] = [0.0, -0.0, 1e-45, -1e-44]  # zeros and float32 subnormals
+    big = (rng.standard_normal((64, 16384)) * 50).astype(np.float32)  # widens the range
+    stats = TensorStats(bins=256)
+    stats.add(small)
+    tracemalloc.start()
+    try:
+        stats.add(big, channel_axis=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    pos, neg, exps = numpy_histograms([small, big], 256)
+    assert np.array_equal(stats.pos, pos) and np.array_equal(stats.neg, neg)
+    assert np.array_equal(stats.exponents, exps)
+    assert stats.channel_absmax.dtype == np.float64
+    assert np.array_equal(stats.channel_absmax, np.abs(big).max(axis=1).astype(np.float64))
+    # No float64 copy (8 bytes an element): |x| for the channel maxima is the largest temporary.
+    assert peak < 4.5 * big.size
