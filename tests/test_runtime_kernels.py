@@ -208,3 +208,45 @@ def test_calibration_statistics_run_in_float32_with_numpys_float64_counts() -> N
     assert np.array_equal(stats.channel_absmax, np.abs(big).max(axis=1).astype(np.float64))
     # No float64 copy (8 bytes an element): |x| for the channel maxima is the largest temporary.
     assert peak < 4.5 * big.size
+
+
+def test_run_lowered_quantizes_a_constant_weight_once_with_the_same_bits(tmp_path,
+                                                                         monkeypatch) -> None:
+    from mplower.backend import executor
+    from mplower.ir.parser import parse
+
+    text = """func.func @main(%x: tensor<4x8xf32>) -> tensor<4x3xf32> {
+  %w = mp.constant {value = dense<[[0.5, -1.0, 0.25], [1.5, 0.75, -0.5], [0.1, 0.2, 0.3],
+    [-0.4, 0.5, -0.6], [0.7, -0.8, 0.9], [1.0, 1.1, -1.2], [0.3, 0.3, 0.3],
+    [-0.9, 0.8, -0.7]]> : tensor<8x3xf32>} : () -> tensor<8x3xf32>
+  %wq = mp.quantize %w {scale = 0.01} : (tensor<8x3xf32>) -> tensor<8x3xi8>
+  %xq = mp.quantize %x {scale = 0.05} : (tensor<4x8xf32>) -> tensor<4x8xi8>
+  %y = mp.matmul %xq, %wq : (tensor<4x8xi8>, tensor<8x3xi8>) -> tensor<4x3xi32>
+  %d = mp.dequantize %y {scale = 0.0005} : (tensor<4x3xi32>) -> tensor<4x3xf32>
+  return %d : tensor<4x3xf32>
+}
+"""
+    calls = []
+    quantize = executor.quantize
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape)
+        return quantize(x, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "quantize", counting)
+    program = executor.Program(parse(text, "m.ir"))
+    x = np.random.default_rng(7).standard_normal((4, 8)).astype(np.float32)
+    expect = program.run([x], reference=False).outputs[0]
+    calls.clear()
+    prepared = program.prepare_inputs([x])
+    first = program.run_lowered(prepared)[0]
+    second = program.run_lowered(prepared)[0]
+    assert calls == [(8, 3), (4, 8), (4, 8)]  # the weight once, the activation every run
+    xq = np.clip(np.round(x / np.float32(0.05)), -128, 127)
+    wq = np.clip(np.round(np.array(
+        [[0.5, -1.0, 0.25], [1.5, 0.75, -0.5], [0.1, 0.2, 0.3], [-0.4, 0.5, -0.6],
+         [0.7, -0.8, 0.9], [1.0, 1.1, -1.2], [0.3, 0.3, 0.3], [-0.9, 0.8, -0.7]],
+        np.float32) / np.float32(0.01)), -128, 127)
+    numpy_result = ((xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32)
+                    * np.float32(0.0005))
+    assert first.tobytes() == second.tobytes() == expect.tobytes() == numpy_result.tobytes()
