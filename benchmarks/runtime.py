@@ -18,8 +18,11 @@ benchmarks/out/runtime/ (ignored by git). Run from the repository root:
     python benchmarks/runtime.py [--models resnet50,bert] [--batches 1,8] [--rounds 5]
                                  [--quick] [--write docs/benchmarks.md]
 
-`--quick` is one round of ResNet-50 at batch 1 without fp16; `--write` replaces the section
-between the markers in the given markdown file. onnxruntime is needed here only.
+`--quick` is one round of ResNet-50 at batch 1 without fp16; `--calibration N` instead times
+static int8 calibration of ResNet-50 on N samples (minmax and percentile), mplower's
+calibrate + quantize passes against onnxruntime's whole quantize_static, each in a fresh
+process with its peak RSS; `--write` replaces the section between the markers in the given
+markdown file. onnxruntime is needed here only.
 """
 
 from __future__ import annotations
@@ -230,7 +233,7 @@ def ort_session(path: Path):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def ort_int8(path: Path, calib: list[np.ndarray]) -> Path:
+def ort_int8(path: Path, calib: list[np.ndarray], method=None, out: Path | None = None) -> Path:
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -238,8 +241,8 @@ def ort_int8(path: Path, calib: list[np.ndarray]) -> Path:
         quantize_static,
     )
 
-    q = path.with_name(path.stem + "_int8.onnx")
-    if not q.exists():
+    q = out or path.with_name(path.stem + "_int8.onnx")
+    if out is not None or not q.exists():
         name = onnx.load(str(path), load_external_data=False).graph.input[0].name
 
         class Reader(CalibrationDataReader):
@@ -249,9 +252,10 @@ def ort_int8(path: Path, calib: list[np.ndarray]) -> Path:
             def get_next(self):
                 return next(self.items, None)
 
+        extra = {} if method is None else {"calibrate_method": method}
         quantize_static(str(path), str(q), Reader(), quant_format=QuantFormat.QDQ,
                         per_channel=True, activation_type=QuantType.QInt8,
-                        weight_type=QuantType.QInt8)
+                        weight_type=QuantType.QInt8, **extra)
     return q
 
 
@@ -295,6 +299,62 @@ def measure(name: str, batch: int, rounds: int, sheets: tuple[str, ...],
     return interleaved(fns, rounds)
 
 
+CALIBRATE_CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, {bench!r})
+import runtime
+tool, method, onnx_path, ir, npz = {args!r}
+t0 = time.perf_counter()
+if tool == "mplower":
+    from mplower.ir.parser import parse_file
+    from mplower.pass_manager import PassContext, PassManager, parse_pipeline
+    module = parse_file(ir)
+    steps = "assign-precision{{policy=int8}},calibrate{{data=%s method=%s}},quantize" % (npz, method)
+    PassManager(parse_pipeline(steps)).run(module, PassContext())
+else:
+    import numpy as np
+    from onnxruntime.quantization import CalibrationMethod
+    with np.load(npz) as z:
+        calib = list(z[z.files[0]])
+    method = {{"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile}}
+    runtime.ort_int8(runtime.Path(onnx_path), calib, method[tool.split()[-1]],
+                     runtime.Path(npz).with_suffix(".ort_%s.onnx" % tool.split()[-1]))
+seconds = time.perf_counter() - t0
+print(json.dumps([seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))
+"""
+
+
+def calibration(count: int) -> list[str]:
+    """Static int8 of ResNet-50 (batch 1) calibrated on `count` seeded samples, each tool in a
+    fresh process: seconds for calibrate + quantize, and the process's peak RSS."""
+    import json
+    import subprocess
+
+    path = onnx_model("resnet50", 1)
+    model = onnx.load(str(path))
+    npz = OUT / f"resnet50_b1_calib{count}.npz"
+    if not npz.exists():
+        arg = import_model(model, str(path)).inputs[0]
+        np.savez(npz, **{_arg_key(arg): np.stack(samples(model, count, seed=3))})
+    ir = mplower_ir(path)
+    lines = [(f"Calibrating ResNet-50 (batch 1) on {count} samples, each tool in a fresh "
+              "process (seconds for calibrate + quantize; peak RSS of the process, MiB):"), "",
+             ("| method | mplower s | onnxruntime quantize_static s | mplower MiB | "
+              "onnxruntime MiB |"), "|---|---|---|---|---|"]
+    for method in ("minmax", "percentile"):
+        got = {}
+        for tool in ("mplower", f"ort {method}"):
+            code = CALIBRATE_CHILD.format(bench=str(Path(__file__).parent),
+                                          args=(tool, method, str(path), str(ir), str(npz)))
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True).stdout
+            got[tool.split()[0]] = json.loads(out.strip().splitlines()[-1])
+        (ms, mm), (os_, om) = got["mplower"], got["ort"]
+        lines.append(f"| {method} | {ms:.1f} | {os_:.1f} | {mm:.0f} | {om:.0f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def _arg_key(onnx_name: str) -> str:
     """The calibration .npz key of the imported argument (its SSA name without the %)."""
     from mplower.frontends.onnx_import import _ssa_name
@@ -315,11 +375,13 @@ def table(rows: list[tuple[str, int, dict[str, float]]], sheets: tuple[str, ...]
     return out
 
 
-def write_section(path: Path, lines: list[str]) -> None:
+def write_section(path: Path, lines: list[str], part: str = "table") -> None:
+    begin, end = BEGIN.replace("runtime.py", f"runtime.py {part}"), \
+        END.replace("runtime.py", f"runtime.py {part}")
     text = path.read_text()
-    block = "\n".join([BEGIN] + lines + [END])
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    block = "\n".join([begin] + lines + [end])
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
@@ -332,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calib", type=int, default=4, help="calibration samples (batches)")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--calibration", type=int, default=0, metavar="N",
+                   help="instead: time static int8 calibration of ResNet-50 on N samples")
     p.add_argument("--write", type=Path, help="markdown file whose runtime.py section to replace")
     args = p.parse_args(argv)
     models = tuple(args.models.split(","))
@@ -342,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         if m not in MODELS:
             p.error(f"unknown model {m!r} (known: {', '.join(MODELS)})")
+    if args.calibration:
+        lines = calibration(args.calibration)
+        if args.write:
+            write_section(args.write, lines, "calibration")
+        return 0
     rows = []
     for name in models:
         for batch in batches:
