@@ -1097,8 +1097,9 @@ def _pool_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
 def _max_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _num(xs[0])
     lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    win = _windows(_pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])
-    return [win.max(axis=(-2, -1))]
+    from mplower.numerics.pool import max_pool2d
+
+    return [max_pool2d(_pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])]
 
 
 def _avg_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:

@@ -250,3 +250,24 @@ def test_run_lowered_quantizes_a_constant_weight_once_with_the_same_bits(tmp_pat
     numpy_result = ((xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32)
                     * np.float32(0.0005))
     assert first.tobytes() == second.tobytes() == expect.tobytes() == numpy_result.tobytes()
+
+
+def test_max_pool_equals_numpys_window_max_including_signed_zeros_and_nan() -> None:
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    opdef = OPS["mp.max_pool2d"]
+    rng = np.random.default_rng(8)
+    values = np.array([0.0, -0.0, 1.0, -1.0, np.nan, np.inf, -np.inf, 0.5], np.float32)
+    for trial in range(60):
+        x = rng.choice(values, size=(2, 3, int(rng.integers(4, 10)), int(rng.integers(4, 10))))
+        k = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+        s = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        pad = [int(rng.integers(0, 2)) for _ in range(2)]
+        attrs = check_attrs(opdef, {"kernel": list(k), "strides": list(s),
+                                    "padding": pad + pad})
+        got = opdef.reference([x], attrs, None)[0]
+        padded = np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])),
+                        constant_values=-np.inf)
+        expect = sliding_window_view(padded, k, axis=(2, 3))[:, :, ::s[0], ::s[1]].max(
+            axis=(-2, -1))
+        assert got.tobytes() == expect.tobytes(), trial
