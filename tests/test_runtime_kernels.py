@@ -58,13 +58,15 @@ def test_integer_matmul_of_wide_integers_falls_back_to_numpy() -> None:
     assert integer_matmul(a, b).tolist() == [[(1 << 40) + 15]]
 
 
+@pytest.mark.parametrize("xdtype", [np.int8, np.uint8])
 @pytest.mark.parametrize("stride,pad,dil,groups", [(1, 1, 1, 1), (2, 0, 1, 3), (1, 2, 2, 6)])
 def test_int8_conv_is_exact_and_never_multiplies_in_int64(monkeypatch, stride, pad, dil,
-                                                          groups) -> None:
+                                                          groups, xdtype) -> None:
     rng = np.random.default_rng(1)
-    x = rng.integers(-128, 128, (2, 6 * 200, 7, 7)).astype(np.int8)  # K = 200 * 9 > 1040
+    info = np.iinfo(xdtype)
+    x = rng.integers(info.min, info.max + 1, (2, 6 * 200, 7, 7)).astype(xdtype)  # K > 1024
     w = rng.integers(-128, 128, (12, 1200 // groups, 3, 3)).astype(np.int8)
-    x[:, :, 3, 3], w[:, :, 1, 1] = -128, -128
+    x[:, :, 3, 3], w[:, :, 1, 1] = info.min if xdtype == np.int8 else info.max, -128
     bias = rng.integers(-1000, 1000, 12).astype(np.int32)
     expect = conv_int64(x, w, stride, pad, dil, groups) + bias.reshape(1, -1, 1, 1)
     calls = []

@@ -21,11 +21,11 @@ import numpy as np
 from mplower.numerics.gemm import F32_EXACT, int_magnitude, integer_matmul, matmul
 
 
-def _padded(x: np.ndarray, padding: tuple[int, ...]) -> np.ndarray:
+def _padded(x: np.ndarray, padding: tuple[int, ...], fill: float = 0) -> np.ndarray:
     pt, pl, pb, pr = padding
     if not any(padding):
         return x
-    out = np.zeros(x.shape[:2] + (x.shape[2] + pt + pb, x.shape[3] + pl + pr), x.dtype)
+    out = np.full(x.shape[:2] + (x.shape[2] + pt + pb, x.shape[3] + pl + pr), fill, x.dtype)
     out[:, :, pt:pt + x.shape[2], pl:pl + x.shape[3]] = x
     return out
 
@@ -37,12 +37,16 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
     int64 for integer operands."""
     integer = x.dtype.kind in "iub"
-    bound = int_magnitude(x) * int_magnitude(w) if integer else 0
+    # uint8 activations are centred (x - 128 in [-128, 127]) so that the exact K chunks are as
+    # long as for int8 (1024, not 514); sum w * x = sum w * (x - 128) + 128 * sum w, with
+    # padding at x = 0, i.e. -128.
+    centre = 128 if x.dtype == np.uint8 and w.dtype.kind in "iu" else 0
+    bound = (max(centre, int_magnitude(x) - centre) * int_magnitude(w)) if integer else 0
     if integer and bound <= F32_EXACT:
-        x, w = x.astype(np.float32), w.astype(np.float32)
+        x, w = x.astype(np.float32) - np.float32(centre), w.astype(np.float32)
     elif integer:
-        x, w = x.astype(np.int64), w.astype(np.int64)
-    x = _padded(x, padding)
+        x, w, centre = x.astype(np.int64), w.astype(np.int64), 0
+    x = _padded(x, padding, -centre)
     n, g = x.shape[0], groups
     o, cg, kh, kw = w.shape
     (sh, sw), (dh, dw) = strides, dilations
@@ -55,5 +59,9 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             x, (dh * (kh - 1) + 1, dw * (kw - 1) + 1), axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
         cols = view.transpose(0, 1, 4, 5, 2, 3).reshape(n, g, cg * kh * kw, ho * wo)
     wmat = w.reshape(g, o // g, cg * kh * kw)
-    y = integer_matmul(wmat, cols, bound) if integer else matmul(wmat, cols)
+    if not integer:
+        return matmul(wmat, cols).reshape(n, o, ho, wo)
+    y = integer_matmul(wmat, cols, bound)
+    if centre:
+        y += centre * wmat.astype(np.int64).sum(axis=-1)[..., None]
     return y.reshape(n, o, ho, wo)
