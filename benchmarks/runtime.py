@@ -230,6 +230,9 @@ def ort_session(path: Path):
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     options.inter_op_num_threads = 1
+    # Its pool would spin after each run and slow whatever runs next (measured: mplower's
+    # fp32 plan, next in turn, at twice its time alone); mplower's workers block too.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -266,14 +269,14 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
     for fn in fns.values():  # warm-up: compilation, caches, first touch
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each round rotated
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-            # onnxruntime's pool spins for a while after a run: let it stop before the next
-            # configuration starts, so no one is timed against another's spinning threads.
-            time.sleep(0.05)
+            time.sleep(0.05)  # let the helper threads settle
     return {k: statistics.median(v) for k, v in times.items()}
 
 
