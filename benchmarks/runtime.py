@@ -349,11 +349,12 @@ def calibration(count: int) -> list[str]:
         for tool in ("mplower", f"ort {method}"):
             code = CALIBRATE_CHILD.format(bench=str(Path(__file__).parent),
                                           args=(tool, method, str(path), str(ir), str(npz)))
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 check=True).stdout
-            got[tool.split()[0]] = json.loads(out.strip().splitlines()[-1])
-        (ms, mm), (os_, om) = got["mplower"], got["ort"]
-        lines.append(f"| {method} | {ms:.1f} | {os_:.1f} | {mm:.0f} | {om:.0f} |")
+            run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            got[tool.split()[0]] = (json.loads(run.stdout.strip().splitlines()[-1])
+                                    if run.returncode == 0 else None)
+        cells = [f"{v[0]:.1f}" if v else "failed" for v in (got["mplower"], got["ort"])]
+        cells += [f"{v[1]:.0f}" if v else "-" for v in (got["mplower"], got["ort"])]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     return lines
 
