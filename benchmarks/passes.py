@@ -62,7 +62,7 @@ def run(n_ops: int, repeat: int) -> dict[str, float]:
         verify(module)
         pm = PassManager(parse_pipeline(PIPELINE), Instrumentation(verify_each=False))
         gc.collect()
-        gc.disable()  # as `mplower opt` runs (mplower.cli.main): the IR holds no cycles
+        gc.disable()  # as `mplower opt` runs (mplower.cli.main.main): the IR holds no cycles
         t0 = time.perf_counter()
         pm.run(module)
         total = time.perf_counter() - t0

@@ -44,9 +44,9 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from mplower.backend.executor import Program
-from mplower.frontends.onnx_import import import_model
 from mplower.ir.parser import parse_file
 from mplower.ir.printer import print_module
+from mplower.onnx.importer import import_model
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -362,7 +362,7 @@ def calibration(count: int) -> list[str]:
 
 def _arg_key(onnx_name: str) -> str:
     """The calibration .npz key of the imported argument (its SSA name without the %)."""
-    from mplower.frontends.onnx_import import _ssa_name
+    from mplower.onnx.importer import _ssa_name
 
     return _ssa_name(onnx_name).lstrip("%")
 

@@ -31,7 +31,7 @@ import numpy as np
 import scipy.sparse
 
 from mplower.backend.sparse import compress_2_4, matmul_2_4, spmm_csr, spmm_csr_t, to_csr
-from mplower.sparsity import prune_magnitude, prune_structured
+from mplower.lowering.sparsity import prune_magnitude, prune_structured
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:

@@ -30,7 +30,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.neural_network import MLPClassifier
 
 from mplower.backend.executor import Program
-from mplower.cli import main as mplower_main
+from mplower.cli.main import main as mplower_main
 from mplower.ir.parser import parse
 from mplower.ir.verifier import verify
 

@@ -1,5 +1,5 @@
 import sys
 
-from mplower.cli import main
+from mplower.cli.main import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """Reference docs generated from the registries: docs/passes.md and the tables of docs/ir.md.
 
 The pass reference comes from the pass classes (docstring, option fields, `statistics`), the op
-table from `mplower.ops.op_signature_table()` and `OPS`, the element-type table from
+table from `mplower.dialect.mp.op_signature_table()` and `OPS`, the element-type table from
 `mplower.numerics.formats.FORMATS`, so the docs cannot drift from the code. Only built-in passes
 (modules under `mplower.`) are documented: the output must not depend on which third-party
 entry-point passes happen to be installed. Every example command runs as written from the
@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.opdef import OPS, op_signature_table
 from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS, op_signature_table
 from mplower.pass_manager import Pass, is_builtin, load_passes, pass_options
 
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
@@ -264,7 +265,7 @@ def stale_files(docs: Path) -> list[str]:
 
 def write_files(docs: Path) -> list[Path]:
     """Rewrite the generated files that changed; returns them."""
-    from mplower.fileio import write_text_atomic
+    from mplower.io.atomic import write_text_atomic
 
     written = []
     for path, text in expected_files(docs).items():

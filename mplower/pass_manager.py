@@ -403,7 +403,7 @@ def pass_options(cls: type[Pass]) -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-# Module attributes that name a file relative to the module's IR file (mplower.fileio), and the
+# Module attributes that name a file relative to the module's IR file (mplower.io.atomic), and the
 # suffix of the copy written beside `-o` when the file is outside the output's folder.
 FILE_ATTRS = {"mp.weights": ".npz", "mp.policy": ".policy.toml", "mp.target": ".target.toml"}
 
@@ -420,9 +420,9 @@ def place_module_files(module: Module, ctx: PassContext, named: dict[str, Any]) 
     that leaves its folder or names no file is left as written and never read: an IR file
     must not make mplower copy a file from outside the model's folder.
     """
-    from mplower.fileio import module_folder, module_relative, path_from
+    from mplower.io.atomic import module_folder, module_relative, path_from
     from mplower.ir.diagnostics import DiagnosticError
-    from mplower.tomlsheet import names_a_file
+    from mplower.lowering.tomlsheet import names_a_file
 
     out = Path(ctx.output_path).resolve() if ctx.output_path is not None else None
     folder = out.parent if out is not None else module_folder(module)
@@ -457,9 +457,9 @@ def _copy_file(source: Path, dest: Path, kind: str) -> None:
     import contextlib
     import shutil
 
-    from mplower.fileio import atomic_output
+    from mplower.io.atomic import atomic_output
     from mplower.ir.diagnostics import DiagnosticError, Location
-    from mplower.tomlsheet import Sheet
+    from mplower.lowering.tomlsheet import Sheet
 
     try:
         if kind == "weights":

@@ -1,6 +1,6 @@
 """`assign-precision`: annotate each op with the compute format, accumulator and reason from a policy.
 
-For every op in program order the policy sheet decides (mplower.policy.Policy.decide): allow-list
+For every op in program order the policy sheet decides (mplower.lowering.policy.Policy.decide): allow-list
 ops are lowered, follow ops are lowered when one of their float inputs already is, deny-list
 ops stay f32, overrides and keep-first-last adjust that. The pass records the decision as
 `mp.precision`, `mp.accum` (matmul, conv, reductions) and `mp.reason`, and the sheet on the
@@ -20,21 +20,19 @@ from typing import ClassVar
 import networkx as nx
 from mplower.passes.range_analysis import hazard
 
-from mplower.fileio import module_folder, path_from
+from mplower.dialect.mp import ACCUMULATING, COMPUTE_HEAVY, TYPE_CARRYING
+from mplower.io.atomic import module_folder, path_from
 from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.opdef import OPS
 from mplower.ir.types import TypeAttr
-from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
-from mplower.ops import OPS
-from mplower.pass_manager import Pass, PassContext, option, register_pass
-from mplower.policy import (
-    ACCUMULATING,
-    COMPUTE_HEAVY,
-    TYPE_CARRYING,
+from mplower.lowering.policy import (
     Decision,
     Policy,
     load_policy,
     result_format,
 )
+from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
+from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
 
@@ -114,7 +112,7 @@ def plan_function(f: Function, policy: Policy,
 class AssignPrecision(Pass):
     """Assign each op a compute format, accumulator and reason from a precision policy sheet.
 
-    The sheet is a built-in name (`mplower.policy.builtin_policies()`: fp32, tf32, bf16, fp16,
+    The sheet is a built-in name (`mplower.lowering.policy.builtin_policies()`: fp32, tf32, bf16, fp16,
     fp8, int8, w8a16, ...) or a path to a TOML sheet (docs/policy.md). Annotations:
     `mp.precision`, `mp.accum`, `mp.reason`; the module gets `mp.policy`. Types are not
     changed; run `insert-casts` (after `legalize`) to materialize the plan. With

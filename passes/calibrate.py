@@ -10,7 +10,7 @@ step of a pipeline that cannot be written in `--pass-pipeline`, which is worse f
 The data file is an .npz keyed by argument name; each array is one batch of the argument's shape
 or a stack of such batches (leading axis), and every argument has the same number of batches.
 Each batch runs through a copy of the module (the executor materializes any precision plan, and
-the module itself must stay as it was), statistics are gathered with mplower.calibration's
+the module itself must stay as it was), statistics are gathered with mplower.lowering.calibration's
 mergeable histograms and recorded per value: `mp.range = [lo, hi]` (what quantize uses),
 `mp.calib` (the method), `mp.observed` (the extremes, when the method clipped them), `mp.tiny`
 (a power of two at or below the 1% quantile of the non-zero magnitudes, for range-analysis) and,
@@ -27,12 +27,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from mplower.calibration import METHODS, Progress, TensorStats, constant_nodes, record
+from mplower.dialect.mp import WEIGHTED
+from mplower.io.npz import read_npz
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
+from mplower.lowering.calibration import METHODS, Progress, TensorStats, constant_nodes, record
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
-from mplower.weights_io import read_npz
 
 
 def channel_axes(f: Function, constants: set[int]) -> dict[Value, int]:
@@ -40,7 +41,7 @@ def channel_axes(f: Function, constants: set[int]) -> dict[Value, int]:
     out: dict[Value, int] = {}
     for n in f.ops():
         op = f.op(n)
-        if op not in ("mp.matmul", "mp.conv2d"):
+        if op not in WEIGHTED:
             continue
         ins = f.operands(n)
         if ins[0][0] in constants or ins[1][0] not in constants:

@@ -15,10 +15,11 @@ import numpy as np
 from mplower.passes.cse import eliminate_common_subexpressions
 from mplower.passes.dce import eliminate_dead_ops
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.graph import Function, Module
+from mplower.ir.opdef import OPS, OpError, attr_ints, check_attrs
 from mplower.ir.types import DenseAttr, value_dtype
 from mplower.numerics.formats import FORMATS, represents
-from mplower.ops import OPS, OpError, attr_ints, check_attrs
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 _FOLDABLE_ELEMS = {"f32", "f64", "i32", "i8", "ui8", "i1"}

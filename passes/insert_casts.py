@@ -1,7 +1,7 @@
 """`insert-casts`: materialize the precision plan as `mp.cast` ops and narrower result types.
 
 Every op annotated with a float `mp.precision` gets its float operands in that format and its
-float results in the format it writes (mplower.policy.result_format: the compute format, or
+float results in the format it writes (mplower.lowering.policy.result_format: the compute format, or
 the accumulator for tf32/fp8 matmuls). Wherever a value crosses into a different format one
 `mp.cast` is inserted right after its producer and shared by every consumer that needs that
 format (TVM's cast cache), so there is exactly one cast per (value, format). Ops without an
@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from mplower.dialect.mp import TYPE_CARRYING
 from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.ir.opdef import attr_type
 from mplower.ir.types import TypeAttr
+from mplower.lowering.policy import result_format
 from mplower.numerics.formats import FLOATS, FORMATS
-from mplower.ops import attr_type
 from mplower.pass_manager import Pass, PassContext, register_pass
-from mplower.policy import TYPE_CARRYING, result_format
 
 PRECISION, ACCUM = "mp.precision", "mp.accum"
 

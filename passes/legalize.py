@@ -1,7 +1,7 @@
 """`legalize`: make the precision plan runnable on a target, recording every fallback and why.
 
 Each annotated op's (compute, accumulator, kernel) goes through the target's fallback chains
-(mplower.target.Target.legalize: fp8 -> bf16 -> f32, i8 -> bf16 -> f32, f16 accumulation ->
+(mplower.lowering.target.Target.legalize: fp8 -> bf16 -> f32, i8 -> bf16 -> f32, f16 accumulation ->
 f32, sparse -> dense). A fallback rewrites `mp.precision`/`mp.accum`/`mp.kernel`, keeps what
 was asked in `mp.requested` and appends the reason code to `mp.reason`; `strict=true` makes it
 an error instead, as TensorRT's "obey" precision constraints do.
@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
+from mplower.ir.opdef import OPS, attr_type
 from mplower.ir.types import TypeAttr
-from mplower.ops import OPS, attr_type
+from mplower.lowering.target import DENSE, load_target
 from mplower.pass_manager import Pass, PassContext, option, register_pass
-from mplower.target import DENSE, load_target
 
 PRECISION, ACCUM, KERNEL, REASON = "mp.precision", "mp.accum", "mp.kernel", "mp.reason"
 REQUESTED, FALLBACK = "mp.requested", "mp.fallback"

@@ -6,9 +6,9 @@ before the run. For every one whose weight is a constant, the target description
 sparse kernels exist for the op in its compute format (`mp.precision`, else its operand type),
 the weight's values say which of them it fits (a 2:4 or 1:2 pattern along the reduction axis,
 or enough zeros for CSR), the shape thresholds rule out weights too small to pay for a sparse
-launch, and the target's roofline cost model (mplower.sparsity.contraction_time) compares the
+launch, and the target's roofline cost model (mplower.lowering.sparsity.contraction_time) compares the
 fastest fitting kernel with the dense one. The pass records the choice as `mp.kernel`, a dense
-choice's reason code as `mp.sparse_reason` (the codes of mplower.target.SPARSE_REASON_CODES)
+choice's reason code as `mp.sparse_reason` (the codes of mplower.lowering.target.SPARSE_REASON_CODES)
 and both in `mp.reason`. A matmul given a sparse kernel reads its weight through an
 `mp.sparse_encode` whose result type carries the encoding; a conv2d's 4-D weight has no
 encoded type in the IR, so a sparse conv carries the decision in `mp.kernel` alone.
@@ -21,11 +21,12 @@ from typing import ClassVar
 
 import numpy as np
 
+from mplower.dialect.mp import WEIGHTED
+from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
+from mplower.ir.opdef import OPS, attr_type, check_attrs
 from mplower.ir.types import DenseAttr
-from mplower.ops import OPS, attr_type, check_attrs
-from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
-from mplower.sparsity import (
+from mplower.lowering.sparsity import (
     ENCODING_OF_KERNEL,
     KERNEL_PATTERN,
     WEIGHT_OPERAND,
@@ -35,7 +36,7 @@ from mplower.sparsity import (
     reduction_axis,
     sparsity,
 )
-from mplower.target import (
+from mplower.lowering.target import (
     CSR,
     DENSE,
     DTYPE_UNSUPPORTED,
@@ -48,7 +49,7 @@ from mplower.target import (
     Target,
     load_target,
 )
-from mplower.weights_io import WeightStore
+from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
 
 PRECISION, ACCUM, KERNEL, REASON = "mp.precision", "mp.accum", "mp.kernel", "mp.reason"
 SPARSE_REASON = "mp.sparse_reason"
@@ -169,7 +170,7 @@ class LowerSparse(Pass):
         "encodes-inserted": "mp.sparse_encode ops created",
     }
     target: str = option("generic", "built-in target name or path to a .toml description")
-    ops: tuple[str, ...] = option(("mp.matmul", "mp.conv2d"), "ops to choose a kernel for")
+    ops: tuple[str, ...] = option(WEIGHTED, "ops to choose a kernel for")
     min_size: int = option(1024, "weights with fewer values stay dense (too-small)")
     min_dim: int = option(16, "weights with fewer rows or columns stay dense (too-small)")
     min_speedup: float = option(1.0, "modeled speedup over dense a sparse kernel must exceed")
@@ -177,9 +178,9 @@ class LowerSparse(Pass):
 
     def __post_init__(self) -> None:
         for op in self.ops:
-            if op not in ("mp.matmul", "mp.conv2d"):
+            if op not in WEIGHTED:
                 raise PipelineError(f"lower-sparse: '{op}' has no weight operand "
-                                    f"(ops: mp.matmul, mp.conv2d)")
+                                    f"(ops: {', '.join(WEIGHTED)})")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         target = load_target(self.target, known_ops=OPS)

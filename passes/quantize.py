@@ -31,7 +31,7 @@ channel.
 Which ops: where the module carries a precision plan (assign-precision), exactly the matmuls
 and convs the plan puts in i8 (w8a8) or in any format narrower than f32 (weight-only); without
 a plan, every matmul and conv that has a weight or a calibrated activation. Weights are read
-with mplower.calibration.ConstantValues. The fp32 reference of the executor drops quantize and
+with mplower.lowering.calibration.ConstantValues. The fp32 reference of the executor drops quantize and
 dequantize, so `mplower run` measures exactly what quantization costs.
 """
 
@@ -42,7 +42,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mplower.calibration import (
+from mplower.dialect.mp import QUANTIZABLE
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+from mplower.ir.graph import Function, Module, Value
+from mplower.ir.opdef import attr_type
+from mplower.ir.types import TensorType, TypeAttr, tensor
+from mplower.lowering.calibration import (
     CALIB,
     CALIB_KEYS,
     RANGE,
@@ -51,11 +56,7 @@ from mplower.calibration import (
     range_of,
     set_value_attrs,
 )
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError
-from mplower.ir.graph import Function, Module, Value
-from mplower.ir.types import TensorType, TypeAttr, tensor
 from mplower.numerics.formats import FORMATS
-from mplower.ops import attr_type
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
@@ -65,7 +66,6 @@ WEIGHT_QUANT = "mp.weight_quant"
 QUANT_MARK = "mp.quant"
 ZERO_POINT = "zero-point"  # QUANT_MARK of the ops that undo an activation shift
 SCHEMES = {"w8a8": "i8", "w8a16": "i8", "w4a16": "i4"}  # scheme -> weight format
-QUANTIZED_OPS = ("mp.matmul", "mp.conv2d")
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def quantized_targets(f: Function, scheme: str) -> list[int]:
     planned = any(PRECISION in f.attrs_of(n) for n in f.ops())
     out = []
     for n in f.ops():
-        if f.op(n) not in QUANTIZED_OPS:
+        if f.op(n) not in QUANTIZABLE:
             continue
         if any(FORMATS[t.elem].is_int for t in f.operand_types(n)):
             continue  # already quantized
@@ -201,7 +201,7 @@ class _Rewriter:
         wt = f.type_of(w_dq)
         sums = wt.shape[:-2] + (1, wt.shape[-1])
         # After y, the dequantized kernel result, which comes after both W_q and c.
-        # All three marked: they belong to the quantized op, which mplower.bisect returns to
+        # All three marked: they belong to the quantized op, which mplower.report.bisect returns to
         # f32 as a whole (dropping them), and are no candidates of their own.
         mark = {QUANT_MARK: ZERO_POINT}
         colsum = self.after("mp.reduce_sum", [w_dq], tensor(sums, "f32"),

@@ -37,7 +37,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mplower.calibration import (
+from mplower.dialect.mp import CONTRACTIONS
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.ir.opdef import OPS, OpError, check_attrs
+from mplower.ir.types import TensorType
+from mplower.lowering.calibration import (
     TINY,
     ConstantValues,
     observed_of,
@@ -45,11 +50,7 @@ from mplower.calibration import (
     set_value_attrs,
     value_attrs,
 )
-from mplower.ir.diagnostics import DiagnosticError
-from mplower.ir.graph import RETURN, Function, Module, Value
-from mplower.ir.types import TensorType
 from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS, OpError, check_attrs
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 OVERFLOW, UNDERFLOW, BOUND = "mp.overflow", "mp.underflow", "mp.bound"
@@ -181,7 +182,7 @@ def propagate(op: str, ins: list[Interval], attrs: dict, in_types: list[TensorTy
         if d.lo <= 0 <= d.hi:
             return UNBOUNDED
         return _mul(ins[0], _from(1 / d.hi, 1 / d.lo))
-    if op in ("mp.matmul", "mp.conv2d"):
+    if op in CONTRACTIONS:
         return _contraction(op, ins, weights, in_types, attrs)
     if op == "mp.reduce_sum":
         n = max(in_types[0].size // max(out_type.size, 1), 1)

@@ -31,7 +31,10 @@ from typing import ClassVar
 import numpy as np
 from mplower.passes.quantize import quantized_targets
 
-from mplower.calibration import (
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+from mplower.ir.graph import Function, Module, Value
+from mplower.ir.types import tensor
+from mplower.lowering.calibration import (
     CALIB,
     CHANNEL_ABSMAX,
     RANGE,
@@ -41,9 +44,6 @@ from mplower.calibration import (
     observed_of,
     set_value_attrs,
 )
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError
-from mplower.ir.graph import Function, Module, Value
-from mplower.ir.types import tensor
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 

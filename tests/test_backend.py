@@ -120,7 +120,7 @@ def test_overflow_underflow_nan_counts_are_exact_per_op() -> None:
 
 
 def test_report_summary_sums_the_exact_counts() -> None:
-    from mplower.backend.report import build_report
+    from mplower.report.run import build_report
 
     report = build_report(program(COUNTS_IR).run([COUNTS_X]), {"max_overflow": 10})
     s = report["summary"]
@@ -267,7 +267,7 @@ func.func @main(%x: tensor<4x2048xf32>, %w: tensor<2048x8xf32>) -> tensor<4x8xi8
 
 
 def test_integer_operand_without_a_float_origin_has_no_reference_drift() -> None:
-    from mplower.backend.report import build_report
+    from mplower.report.run import build_report
 
     text = """
 func.func @main(%x: tensor<2x4xf32>, %w: tensor<4x3xi8>) -> tensor<2x3xf32> {
@@ -323,7 +323,7 @@ func.func @main(%a: tensor<4x8xf32>, %b: tensor<8x3xf32>) -> tensor<4x3xf32> {
 
 
 def test_fallbacks_run_the_wider_path_and_say_why() -> None:
-    from mplower.backend.report import build_report
+    from mplower.report.run import build_report
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((4, 8)).astype(np.float32)

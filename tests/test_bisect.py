@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from mplower.backend.executor import Program
-from mplower.bisect import bisect, evaluate, keep_f32, rank
 from mplower.ir.parser import parse_file
 from mplower.ir.verifier import verify
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
-from mplower.quant_report import converted_ops, operand_sqnr
+from mplower.report.bisect import bisect, evaluate, keep_f32, rank
+from mplower.report.quant import converted_ops, operand_sqnr
 
 F32 = np.float32
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mplower.calibration import (
+from mplower.ir.parser import parse
+from mplower.ir.printer import print_module
+from mplower.lowering.calibration import (
     RANGE,
     Progress,
     TensorStats,
@@ -27,8 +29,6 @@ from mplower.calibration import (
     range_of,
     value_attrs,
 )
-from mplower.ir.parser import parse
-from mplower.ir.printer import print_module
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 

@@ -12,14 +12,15 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower import docgen
-from mplower.calibration import range_of
-from mplower.cli import main as cli_main
+from mplower.cli.main import main as cli_main
 from mplower.ir import expected
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.opdef import OPS
 from mplower.ir.parser import parse
 from mplower.ir.verifier import verify
-from mplower.ops import OPS
+from mplower.lowering.calibration import range_of
 from mplower.pass_manager import PASSES, Pass, load_passes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from conftest import sequential_matmul
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.numerics.gemm import SERIAL_BELOW, matmul
-from mplower.ops import OPS, check_attrs
 
 ROOT = Path(__file__).resolve().parent.parent
 

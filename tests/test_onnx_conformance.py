@@ -5,7 +5,7 @@ The node tests are regenerated offline from the installed onnx package
 `onnx.backend.test.cmd_tools.generate_data`) into a cache folder, once per onnx version, and
 read back from disk as any runtime's test runner reads them. Every test whose op types the
 importer claims and whose tensor types the IR has (INT64 included: the importer folds it) runs
-through `mplower.onnx_backend` in fp32 and is compared with ONNX's own `assert_similar_outputs`
+through `mplower.onnx.backend` in fp32 and is compared with ONNX's own `assert_similar_outputs`
 at the test's tolerances. The nine `light_*` models shipped in the onnx wheel run through
 `onnx.backend.test.BackendTest`, exactly as for other runtimes (inputs from its dummy-data
 generator, expected outputs from the wheel).
@@ -39,9 +39,9 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from mplower.frontends.onnx_import import ELEM_OF_ONNX, HANDLERS, op_key
 from mplower.ir.diagnostics import DiagnosticError
-from mplower.onnx_backend import MplowerBackend
+from mplower.onnx.backend import MplowerBackend
+from mplower.onnx.importer import ELEM_OF_ONNX, HANDLERS, op_key
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "conformance.md"
 BEGIN, END = "<!-- BEGIN GENERATED: conformance -->", "<!-- END GENERATED: conformance -->"

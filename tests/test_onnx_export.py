@@ -17,11 +17,11 @@ import onnx
 import pytest
 
 from mplower.backend.executor import Program
-from mplower.exporters.onnx_export import check_and_serialize, export_module
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.parser import parse
 from mplower.ir.verifier import verify
 from mplower.numerics.formats import FORMATS
+from mplower.onnx.exporter import check_and_serialize, export_module
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 ort = pytest.importorskip("onnxruntime")

@@ -17,16 +17,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from mplower.backend.executor import Program
-from mplower.frontends.onnx_import import (
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.parser import parse
+from mplower.ir.verifier import verify
+from mplower.onnx.backend import MplowerBackend
+from mplower.onnx.importer import (
     StaticInputsNeeded,
     import_model,
     load_model,
     parse_input_shape,
 )
-from mplower.ir.diagnostics import DiagnosticError
-from mplower.ir.parser import parse
-from mplower.ir.verifier import verify
-from mplower.onnx_backend import MplowerBackend
 
 ort = pytest.importorskip("onnxruntime")
 F = TensorProto.FLOAT

@@ -13,8 +13,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from mplower.ir.types import DenseAttr, TensorType, TypeAttr, TypedFloat, TypedInt, tensor
-from mplower.ops import (
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.opdef import (
     OPS,
     OpError,
     attr_array,
@@ -26,6 +26,7 @@ from mplower.ops import (
     check_attrs,
     op_signature_table,
 )
+from mplower.ir.types import DenseAttr, TensorType, TypeAttr, TypedFloat, TypedInt, tensor
 
 ALL_OPS = [
     "constant", "matmul", "conv2d", "add", "sub", "mul", "div", "maximum", "minimum", "neg",

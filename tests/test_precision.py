@@ -8,12 +8,12 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mplower.cli import main
+from mplower.cli.main import main
 from mplower.ir.graph import Module
+from mplower.ir.opdef import attr_type
 from mplower.ir.parser import parse, parse_file
 from mplower.ir.printer import print_module
 from mplower.numerics.formats import represents
-from mplower.ops import attr_type
 from mplower.pass_manager import PassManager, parse_pipeline
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "ir_examples"

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from mplower.backend.executor import Program
-from mplower.calibration import dense_f32
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.opdef import attr_array
 from mplower.ir.parser import parse_file
 from mplower.ir.printer import print_module
-from mplower.ops import attr_array
+from mplower.lowering.calibration import dense_f32
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 F32 = np.float32

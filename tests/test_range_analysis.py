@@ -11,9 +11,9 @@ import math
 import pytest
 from mplower.passes.range_analysis import Interval, flags, propagate
 
-from mplower.calibration import value_attrs
 from mplower.ir.parser import parse
 from mplower.ir.types import tensor
+from mplower.lowering.calibration import value_attrs
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mplower.backend.report import evaluate_guardrails, render
+from mplower.report.run import evaluate_guardrails, render
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "ir_examples"
 F32 = np.float32
@@ -127,7 +127,7 @@ def test_int8_sheet_fails_inputs_far_outside_the_calibrated_ranges(cli, tmp_path
 
 
 def top1_agreement(y: np.ndarray, ref: np.ndarray) -> float | None:
-    from mplower.backend.report import top1_agreement as top1  # new in issue 10
+    from mplower.report.run import top1_agreement as top1  # new in issue 10
 
     return top1(y, ref)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mplower.backend.report import SCHEMA_PATH
+from mplower.report.run import SCHEMA_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "ir_examples"
@@ -342,7 +342,7 @@ def test_bisect_names_the_ops_to_keep_in_f32_and_the_report_validates(cli, lower
                                                                         tmp_path) -> None:
     import jsonschema
 
-    schema = json.loads((Path(__file__).parent.parent / "mplower" / "backend"
+    schema = json.loads((Path(__file__).parent.parent / "mplower" / "report"
                          / "report.schema.json").read_text())
     args = ("run", lowered, "--inputs", EXAMPLES / "transformer_inputs.npz",
             "--guardrail", "max_rel_l2=0.002", "--bisect", "--report", tmp_path / "r.json")

@@ -8,9 +8,10 @@ import numba
 import numpy as np
 import pytest
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.numerics.gemm import integer_matmul
 from mplower.numerics.special import SERIAL_BELOW, erf
-from mplower.ops import OPS, check_attrs
 
 
 def conv(*ins: np.ndarray, **attrs) -> np.ndarray:
@@ -189,7 +190,7 @@ def numpy_histograms(batches: list[np.ndarray], bins: int) -> tuple[np.ndarray, 
 def test_calibration_statistics_run_in_float32_with_numpys_float64_counts() -> None:
     import tracemalloc
 
-    from mplower.calibration import TensorStats
+    from mplower.lowering.calibration import TensorStats
 
     rng = np.random.default_rng(6)
     small = (rng.standard_normal(1000) * 1e-3).astype(np.float32)

@@ -18,7 +18,6 @@ from mplower.backend.executor import Program
 from mplower.backend.sparse import (
     compress_2_4,
     matmul_2_4,
-    reality_check,
     sparse_runner,
     spmm_csr,
     spmm_csr_t,
@@ -28,8 +27,7 @@ from mplower.ir.parser import parse, parse_file
 from mplower.ir.printer import print_module
 from mplower.ir.types import DenseAttr, dense_to_str, tensor
 from mplower.ir.verifier import verify
-from mplower.pass_manager import PassContext, PassManager, PipelineError, parse_pipeline
-from mplower.sparsity import (
+from mplower.lowering.sparsity import (
     has_pattern,
     other_bytes,
     patterns_of,
@@ -37,7 +35,7 @@ from mplower.sparsity import (
     prune_structured,
     storage,
 )
-from mplower.target import (
+from mplower.lowering.target import (
     CSR,
     DENSE,
     DTYPE_UNSUPPORTED,
@@ -50,6 +48,8 @@ from mplower.target import (
     TOO_SMALL,
     load_target,
 )
+from mplower.pass_manager import PassContext, PassManager, PipelineError, parse_pipeline
+from mplower.report.sparse import reality_check
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "ir_examples"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.opdef import OPS
 from mplower.ir.types import ENCODINGS
-from mplower.numerics.formats import FORMATS
-from mplower.ops import OPS
-from mplower.target import (
+from mplower.lowering.target import (
     COMPUTE_FORMATS,
     CSR,
     DENSE,
@@ -32,6 +32,7 @@ from mplower.target import (
     load_target,
     modeled_inferences_per_s,
 )
+from mplower.numerics.formats import FORMATS
 
 
 def write_sheet(tmp_path: Path, text: str, name: str = "target.toml") -> Path:

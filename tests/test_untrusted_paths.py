@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from mplower.ir.diagnostics import DiagnosticError
-from mplower.policy import load_policy
-from mplower.target import load_target
+from mplower.lowering.policy import load_policy
+from mplower.lowering.target import load_target
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "ir_examples"

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from conftest import sequential_matmul
 
+from mplower.io.npz import NpzArchive
 from mplower.ir.diagnostics import DiagnosticError, Location
-from mplower.weights_io import NpzArchive
 
 MATMUL_IR = """module @m attributes {mp.weights = "w.npz"} {
   func.func @main(%x: tensor<4x8xf32>) -> tensor<4x3xf32> {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from mplower.numerics.gemm import F32_EXACT, int_magnitude, integer_matmul, matmul
+from mplower.numerics.windows import conv_windows
 
 
 def _padded(x: np.ndarray, padding: tuple[int, ...], fill: float = 0) -> np.ndarray:
@@ -55,8 +56,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     if kh == kw == 1 and sh == sw == 1:
         cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
     else:
-        view = np.lib.stride_tricks.sliding_window_view(
-            x, (dh * (kh - 1) + 1, dw * (kw - 1) + 1), axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
+        view = conv_windows(x, (kh, kw), strides, dilations)
         cols = view.transpose(0, 1, 4, 5, 2, 3).reshape(n, g, cg * kh * kw, ho * wo)
     wmat = w.reshape(g, o // g, cg * kh * kw)
     if not integer:

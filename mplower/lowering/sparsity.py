@@ -6,7 +6,7 @@ N:M and magnitude pruning choose what to keep (largest magnitudes, the lower ind
 whether a tensor has a pattern, how many bytes a weight takes in each kernel's storage format
 (values plus metadata: 2-bit indices for 2:4 and 1:2, int32 column indices and row pointers for
 CSR), and the roofline time of a contraction whose weight is stored that way
-(mplower.target.Target.op_time). Pure numpy; the numba kernels live in mplower.backend.sparse.
+(mplower.lowering.target.Target.op_time). Pure numpy; the numba kernels live in mplower.backend.sparse.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mplower.dialect.mp import WEIGHT_OPERAND
 from mplower.ir.types import TensorType
+from mplower.lowering.policy import result_format
+from mplower.lowering.target import CSR, DENSE, SPARSE_1_2, SPARSE_2_4, Target
 from mplower.numerics.formats import FORMATS
-from mplower.policy import result_format
-from mplower.target import CSR, DENSE, SPARSE_1_2, SPARSE_2_4, Target
 
-WEIGHT_OPERAND = 1  # the weight of mp.matmul (b) and mp.conv2d (w)
 # Structured patterns as (kept, group size): NVIDIA's sparse tensor cores keep 2 of every 4
 # consecutive values along the reduction axis for 8/16-bit inputs and 1 of every 2 for tf32.
 PATTERNS: dict[str, tuple[int, int]] = {"2:4": (2, 4), "1:2": (1, 2)}

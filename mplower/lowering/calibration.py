@@ -23,7 +23,7 @@ Ranges live on the module as attributes of the op that produces the value (`mp.r
 (an array of one dictionary per argument, as MLIR's func.func spells argument attributes).
 `value_attrs` / `set_value_attrs` hide that difference. Weights are read through
 `ConstantValues`, which evaluates the constant-only part of a function with each op's reference
-semantics on the arrays of mplower.weights_io.
+semantics on the arrays of mplower.io.npz.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.types import DenseAttr, tensor
-from mplower.ops import OPS, check_attrs
-from mplower.weights_io import WeightStore
 
 METHODS = ("minmax", "percentile", "entropy", "mse")
 # Attributes a calibration writes (and a new calibration replaces).

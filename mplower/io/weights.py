@@ -1,7 +1,7 @@
 """The executor's view of weights and inputs: loaded safely, checked against the IR's types.
 
 Finding and reading the weights file (path confinement, `allow_pickle=False`) is
-mplower.weights_io's; this adds what execution needs on top: values an element type can hold
+mplower.io.npz's; this adds what execution needs on top: values an element type can hold
 (in-range integers) and inputs keyed by argument name; a finite input that its argument's type
 cannot hold is refused after the cast (executor.Program.prepare_inputs). Every problem is a
 located diagnostic.
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mplower.io.npz import NpzArchive, WeightStore
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.types import TensorType
 from mplower.numerics.formats import FORMATS
-from mplower.weights_io import NpzArchive, WeightStore
 
 
 def _error(loc: Location, message: str) -> DiagnosticError:
@@ -24,7 +24,7 @@ def _error(loc: Location, message: str) -> DiagnosticError:
 
 
 class Weights(WeightStore):
-    """Named constants of a module (mplower.weights_io), also checked against the element type."""
+    """Named constants of a module (mplower.io.npz), also checked against the element type."""
 
     def get(self, name: str, t: TensorType, loc: Location) -> np.ndarray:  # type: ignore[override]
         """The array named `name`, checked against the constant's declared type `t`."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mplower.fileio import module_relative
+from mplower.io.atomic import module_relative
 from mplower.ir.diagnostics import DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import Module
 from mplower.numerics.formats import FORMATS
@@ -311,7 +311,7 @@ def locate(spec: str, kind: str, builtin_dir: Path, module: Module | None = None
 
     A file named on the command line (`module` None) may be anywhere, relative to the current
     folder. One named by the module attribute `mp.KIND` of `module` is relative to the IR
-    file's folder and must stay inside it (mplower.fileio.module_relative; `deliberately`
+    file's folder and must stay inside it (mplower.io.atomic.module_relative; `deliberately`
     says how to name such a file on the command line instead).
     """
     if names_a_file(spec):

@@ -22,13 +22,13 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.backend.base import Backend, BackendRep
 
-from mplower.frontends.onnx_import import (
+from mplower.ir.diagnostics import DiagnosticError, Location
+from mplower.onnx.importer import (
     StaticInputsNeeded,
     import_model,
     op_key,
     unsupported_ops,
 )
-from mplower.ir.diagnostics import DiagnosticError, Location
 
 _MAX_SPECIALIZATIONS = 16
 

@@ -4,7 +4,7 @@ The `.npz` named by the module attribute `mp.weights` resolves relative to the I
 refused if the path leaves that file's folder; `--weights` (PassContext.weights_path) names
 another file explicitly. Arrays are read with `allow_pickle=False`, so an npz can never run
 code. A pass that changes weights writes all of them to `<stem>.npz` beside `-o` in one atomic
-rename (mplower.fileio) and points `mp.weights` at it. Every problem is a located diagnostic.
+rename (mplower.io.atomic) and points `mp.weights` at it. Every problem is a located diagnostic.
 
 An archive is read one member at a time (`NpzArchive`): a model pays only for the arrays it
 names, and each member's npy header is checked (against the IR's type by the caller, against the
@@ -24,7 +24,7 @@ from typing import Self
 
 import numpy as np
 
-from mplower.fileio import atomic_output, module_relative
+from mplower.io.atomic import atomic_output, module_relative
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Module
 
