@@ -365,23 +365,15 @@ def _conv_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
 
 
 def _conv_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
-    x, w = _num(xs[0]), _num(xs[1])
-    n = x.shape[0]
-    o, cg, kh, kw = w.shape
-    g = a["groups"]
-    win = conv_windows(pad_hw(x, a["padding"]), (kh, kw), a["strides"], a["dilations"])
-    ho, wo = win.shape[2:4]
-    # im2col: one row per output pixel and group, then one batched product per group, in
-    # the fixed order of mplower.numerics.gemm (see _matmul_reference): a pixel's result does
-    # not depend on its image, its neighbours or the machine's BLAS.
-    from mplower.numerics.gemm import matmul
+    # im2col on mplower's fixed-order GEMM (see _matmul_reference); integers exactly, without
+    # widening them to int64 first (mplower.numerics.conv).
+    from mplower.numerics.conv import conv2d
 
-    cols = (win.reshape(n, g, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
-            .reshape(n, g, ho * wo, cg * kh * kw))
-    wmat = w.reshape(g, o // g, cg * kh * kw).transpose(0, 2, 1)
-    y = matmul(cols, wmat).transpose(0, 1, 3, 2).reshape(n, o, ho, wo)
+    integer = xs[0].dtype.kind in "iub" and xs[1].dtype.kind in "iub"
+    x, w = (xs[0], xs[1]) if integer else (_num(xs[0]), _num(xs[1]))
+    y = conv2d(x, w, a["strides"], a["padding"], a["dilations"], a["groups"])
     if len(xs) == 3:
-        y = y + _num(xs[2]).reshape(1, o, 1, 1)
+        y = y + _num(xs[2]).reshape(1, -1, 1, 1)
     return [y]
 
 
@@ -534,14 +526,12 @@ _def("gelu",
      traits=_ELEMENTWISE)
 
 
-_erf_scalar = np.frompyfunc(math.erf, 1, 1)
-
-
 def _erf_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
-    # math.erf is correctly rounded in float64; an erfc-based fit would lose relative precision
-    # near 0, where erf(x) ~ 1.13 x.
-    x = _fl(xs[0])
-    return [_erf_scalar(x.astype(np.float64)).astype(x.dtype)]
+    # math.erf (correctly rounded in float64) per element in a compiled loop; an erfc-based fit
+    # would lose relative precision near 0, where erf(x) ~ 1.13 x.
+    from mplower.numerics.special import erf
+
+    return [erf(_fl(xs[0]))]
 
 
 _def("erf",
@@ -954,8 +944,9 @@ def _pool_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
 def _max_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _num(xs[0])
     lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    win = conv_windows(pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])
-    return [win.max(axis=(-2, -1))]
+    from mplower.numerics.pool import max_pool2d
+
+    return [max_pool2d(pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])]
 
 
 def _avg_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:

@@ -80,33 +80,30 @@ class TensorStats:
 
     def add(self, x: np.ndarray, channel_axis: int | None = None) -> None:
         """Account for one batch of values; `channel_axis` also tracks max |x| per channel."""
-        x = np.asarray(x, dtype=np.float64)  # exact for every float32 value
+        x = np.asarray(x)
+        if x.dtype.kind != "f" or x.dtype.itemsize < 4:
+            x = x.astype(np.float64)  # exact for every integer and narrow float value
         if not np.all(np.isfinite(x)):
             raise ValueError(f"{int(np.count_nonzero(~np.isfinite(x)))} values are NaN or "
                              f"infinite")
         if x.size == 0:
             return
-        mag = np.abs(x)
         if channel_axis is not None:
             axes = tuple(i for i in range(x.ndim) if i != channel_axis % x.ndim)
-            ch = mag.max(axis=axes)
+            ch = np.abs(x).max(axis=axes).astype(np.float64)
             self.channel_absmax = ch if self.channel_absmax is None else \
                 np.maximum(self.channel_absmax, ch)
         self.count += x.size
-        self.min = min(self.min, float(x.min()))
-        self.max = max(self.max, float(x.max()))
-        top = float(mag.max())
+        lo, hi = float(x.min()), float(x.max())
+        self.min, self.max = min(self.min, lo), max(self.max, hi)
+        top = max(-lo, hi)
         if top > 0:
             self._widen(int(np.frexp(top)[1]))  # top < 2**exp, strictly
-        shift = int(np.log2(self.bins)) - (self.exp or 0)
-        index = np.floor(np.ldexp(mag, shift)).astype(np.int64)
-        neg = x < 0
-        self.pos += np.bincount(index[~neg], minlength=self.bins)
-        self.neg += np.bincount(index[neg], minlength=self.bins)
-        nz = mag[mag > 0]
-        if nz.size:
-            e = np.frexp(nz)[1] - _EXP_LO
-            self.exponents += np.bincount(e, minlength=self.exponents.size)
+        # One compiled pass in x's own dtype (the counts of an ldexp/bincount over float64).
+        from mplower.numerics.histogram import magnitude_counts
+
+        magnitude_counts(x, int(np.log2(self.bins)) - (self.exp or 0), self.pos, self.neg,
+                         self.exponents, _EXP_LO)
 
     def merge(self, other: TensorStats) -> None:
         """Fold another tensor's statistics into this one (same `bins`)."""

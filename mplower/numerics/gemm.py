@@ -9,25 +9,30 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
-the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer), and each
-tile of _ROWS rows by one panel keeps its accumulators in vector registers over the whole of K
-(`_micro`, LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder);
-rows past the last full tile run one at a time, and a product of fewer than _ROWS rows streams
-b row by row instead (`_rows`, batch-1 inference). A tile belongs to one thread, SIMD lanes
-are different output columns, and K is never split, so every output element is the same
+the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer, or 8
+panels or more), and each tile of _ROWS rows by one panel keeps its accumulators in vector
+registers over the whole of K (`_micro`, LLVM vector IR without fast-math flags, so LLVM may
+neither contract nor reorder); rows past the last full tile run one at a time, and a product
+of fewer than _ROWS rows streams b row by row instead (`_rows`, batch-1 inference). A tile belongs to one thread
+(mplower.numerics.workers hands out blocks of tiles), SIMD lanes are different output
+columns, and K is never split, so every output element is the same
 function of its own row of `a` and column of `b` whatever the thread count, the BLAS library,
 the CPU's vector width, the tile a row lands in or the batch around it. tests/test_gemm.py
 checks every path bit for bit against that loop written in numpy.
 
 Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exactly.
+`integer_matmul` gives the same exact products at float32 GEMM speed where the operands are
+small (8-bit quantized values), by splitting K so that no partial sum leaves float32's integers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
+
+from mplower.numerics.workers import run_blocks
 
 # The register tile: _ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8 float64
 # columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
@@ -163,12 +168,17 @@ def _tile(a, b, panels, c, ia, ib, t, cols):
             c[batch, i0 + r, j0 + j] = tile[r * cols + j]
 
 
+_WIDE = 8
+
+
 @njit(cache=True)
 def _panels(b, c, cols):
-    """Room for b packed into column panels, or an empty array when c has too few rows for
-    packing to pay (each panel would be read by one or two row blocks)."""
+    """Room for b packed into column panels, or an empty array where packing does not pay:
+    c has too few rows (each panel would be read by one or two row blocks), or b is wide
+    (_WIDE panels or more, as the im2col of a conv: the packed copy leaves the cache, an extra
+    pass over memory, while its full panels read in place stream well)."""
     per = (c.shape[2] + cols - 1) // cols
-    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * _ROWS else 0
+    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * _ROWS and per < _WIDE else 0
     return np.empty(size, b.dtype), b.shape[0] * per if size else 0
 
 
@@ -182,14 +192,23 @@ def _gemm_serial(a, b, c, ia, ib, cols):
         _tile(a, b, panels, c, ia, ib, t, cols)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True)
+def _pack_blocks(b, panels, cols, q0, q1):
+    for q in range(q0, q1):
+        _pack(b, panels, q, cols, q * b.shape[1] * cols)
+
+
+@njit(cache=True, nogil=True)
+def _tile_blocks(a, b, panels, c, ia, ib, cols, t0, t1):
+    for t in range(t0, t1):
+        _tile(a, b, panels, c, ia, ib, t, cols)
+
+
 def _gemm_parallel(a, b, c, ia, ib, cols):
     panels, count = _panels(b, c, cols)
-    for q in prange(count):
-        _pack(b, panels, q, cols, q * b.shape[1] * cols)
-    for t in prange(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
-                    * ((c.shape[2] + cols - 1) // cols)):
-        _tile(a, b, panels, c, ia, ib, t, cols)
+    run_blocks(_pack_blocks, count, b, panels, cols)
+    run_blocks(_tile_blocks, c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
+               * ((c.shape[2] + cols - 1) // cols), a, b, panels, c, ia, ib, cols)
 
 
 # Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
@@ -223,10 +242,15 @@ def _rows_serial(a, b, c, ia, ib):
         _rows(a, b, c, ia, ib, t)
 
 
-@njit(cache=True, parallel=True)
-def _rows_parallel(a, b, c, ia, ib):
-    for t in prange(c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK)):
+@njit(cache=True, nogil=True)
+def _rows_blocks(a, b, c, ia, ib, t0, t1):
+    for t in range(t0, t1):
         _rows(a, b, c, ia, ib, t)
+
+
+def _rows_parallel(a, b, c, ia, ib):
+    run_blocks(_rows_blocks, c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK),
+               a, b, c, ia, ib)
 
 
 def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
@@ -271,3 +295,45 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if b.ndim == 1:
         y = y[..., 0]
     return y
+
+
+# Every integer of magnitude up to 2**24 is a float32, so is every sum and product of such
+# integers that stays within it: in that range float32 arithmetic is integer arithmetic.
+F32_EXACT = 1 << 24
+
+
+def int_magnitude(x: np.ndarray) -> int:
+    """A bound on |x| for an integer-valued array, as a Python int: its type's for 8-bit
+    integers (128 for i8: no pass over the data, and the K chunks it gives are within 2% of
+    the data's), else max |x| (no int8 wrap-around)."""
+    if x.dtype.kind in "iu" and x.dtype.itemsize == 1:
+        info = np.iinfo(x.dtype)
+        return max(-int(info.min), int(info.max))
+    return max(abs(int(x.min())), abs(int(x.max()))) if x.size else 0
+
+
+def integer_matmul(a: np.ndarray, b: np.ndarray, bound: int | None = None) -> np.ndarray:
+    """np.matmul of integer-valued operands (integer arrays, or float32 arrays holding
+    integers), exactly, as int64. `bound` bounds |a| * |b| where the caller knows it.
+
+    With |a| <= A and |b| <= B every partial sum of `chunk` = 2**24 // (A * B) products is an
+    integer below 2**24, so the float32 GEMM computes each K chunk exactly, whatever its
+    summation order; the chunks are summed in int64. That is np.matmul's result bit for bit, at
+    float32 speed (i8 x i8: chunks of 1024). Larger operands fall back to np.matmul in int64."""
+    a, b = np.asarray(a), np.asarray(b)
+    k = a.shape[-1]
+    if bound is None:
+        bound = int_magnitude(a) * int_magnitude(b)
+    if bound > F32_EXACT or max(a.ndim, b.ndim) < 2:
+        return np.matmul(a.astype(np.int64), b.astype(np.int64))
+    chunk = F32_EXACT // bound if bound else k
+    if chunk >= k:
+        return matmul(a.astype(np.float32, copy=False),
+                      b.astype(np.float32, copy=False)).astype(np.int64)
+    # The chunks' exact sums add up exactly in float64 too (far below 2**53).
+    y = None
+    for k0 in range(0, k, chunk):
+        part = matmul(a[..., k0:k0 + chunk].astype(np.float32, copy=False),
+                      b[..., k0:k0 + chunk, :].astype(np.float32, copy=False))
+        y = part.astype(np.float64) if y is None else np.add(y, part, out=y)
+    return y.astype(np.int64)

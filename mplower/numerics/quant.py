@@ -21,10 +21,11 @@ for quotients beyond ±2^31 it wraps where the ONNX spec (and this module) satur
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from mplower.numerics.formats import FORMATS, FP8_FORMATS, QUANT_INTS, QUANT_STORAGE
 from mplower.numerics.rounding import SERIAL_BELOW, Counts, decode, encode_counted
+from mplower.numerics.workers import run_blocks
 
 # The numerics quantize to fp8 too (the ONNX frontend's float8 QDQ); mp.quantize itself holds
 # integers only (QUANT_STORAGE).
@@ -112,9 +113,9 @@ def _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, coun
     counts[c, 2] = nan
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def _quantize_kernel(x, scale, zero_point, period, per_element, lo, hi, out, counts):
-    for c in prange(counts.shape[0]):
+@njit(cache=True, nogil=True, error_model="numpy")
+def _quantize_blocks(x, scale, zero_point, period, per_element, lo, hi, out, counts, c0, c1):
+    for c in range(c0, c1):
         _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, c)
 
 
@@ -134,9 +135,9 @@ def _dequantize_chunk(q, scale, zero_point, period, per_element, out, c):
         i = end
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def _dequantize_kernel(q, scale, zero_point, period, per_element, out):
-    for c in prange((q.size + _CHUNK - 1) // _CHUNK):
+@njit(cache=True, nogil=True, error_model="numpy")
+def _dequantize_blocks(q, scale, zero_point, period, per_element, out, c0, c1):
+    for c in range(c0, c1):
         _dequantize_chunk(q, scale, zero_point, period, per_element, out, c)
 
 
@@ -219,9 +220,12 @@ def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | 
     counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
     s, zp, period, per_element = _scale_table(s, zp.astype(np.float32), post)
     # Small tensors on one thread, as in rounding.py (SERIAL_BELOW says why).
-    kernel = _quantize_serial if x.size < SERIAL_BELOW else _quantize_kernel
-    kernel(x.reshape(-1), s, zp, period, per_element, np.float32(f.min_value),
-                     np.float32(f.max_finite), out.reshape(-1), counts)
+    args = (x.reshape(-1), s, zp, period, per_element, np.float32(f.min_value),
+            np.float32(f.max_finite), out.reshape(-1), counts)
+    if x.size < SERIAL_BELOW:
+        _quantize_serial(*args)
+    else:
+        run_blocks(_quantize_blocks, counts.shape[0], *args)
     total = counts.sum(axis=0)
     return out, Counts(int(total[0]), int(total[1]), int(total[2]))
 
@@ -255,6 +259,9 @@ def dequantize(q: np.ndarray, scale: np.ndarray | float,
         raise ValueError(f"dequantize: zero_point outside the {q.dtype} range")
     out = np.empty(q.shape, dtype=np.float32)
     s, zp, period, per_element = _scale_table(s, zp.astype(np.int32), post)
-    kernel = _dequantize_serial if q.size < SERIAL_BELOW else _dequantize_kernel
-    kernel(q.reshape(-1), s, zp, period, per_element, out.reshape(-1))
+    args = (q.reshape(-1), s, zp, period, per_element, out.reshape(-1))
+    if q.size < SERIAL_BELOW:
+        _dequantize_serial(*args)
+    else:
+        run_blocks(_dequantize_blocks, (q.size + _CHUNK - 1) // _CHUNK, *args)
     return out

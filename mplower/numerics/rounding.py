@@ -37,6 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from mplower.numerics.formats import FORMATS
+from mplower.numerics.workers import run_blocks
 
 # Formats round_to handles; f32 is accepted as the identity so callers need no special case.
 ROUNDING_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2")
@@ -44,11 +45,11 @@ ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2")
 
 # Elements per parallel chunk: big enough to amortise scheduling, small enough to balance.
 _CHUNK = 1 << 16
-# Arrays smaller than this are rounded by one thread: it streams 4M values in about 2 ms, while
-# entering a parallel region costs tens of microseconds on an idle machine and 10-15 ms when
-# other processes hold the cores (measured on a shared 2-core VM, benchmarks/backend.py) --
-# the executor's per-op cost on small tensors, and on every tensor of a busy machine.
-SERIAL_BELOW = 1 << 22
+# Arrays smaller than this are rounded by one thread (it streams 256K values in about 0.15 ms).
+# Larger ones go to mplower.numerics.workers, whose blocks never wait for a descheduled thread
+# (a prange region waited 10-15 ms for one when other processes held the cores of a shared
+# 2-core VM, benchmarks/backend.py).
+SERIAL_BELOW = 1 << 18
 
 _F32_INF = 0x7F800000
 _F32_QNAN = 0x00400000  # quiet bit of the f32 mantissa
@@ -164,18 +165,18 @@ def _round_span(s, d, p, codes):
     return over, under, nan
 
 
-@njit(cache=True, parallel=True)
-def _round_kernel(src, dst, p, codes, counts):
-    """Round src (f32 bits) into dst: the f32 results, or with `codes` the encodings."""
-    for c in prange(counts.shape[0]):
+@njit(cache=True, nogil=True)
+def _round_blocks(src, dst, pa, codes, counts, c0, c1):
+    """Chunks c0..c1-1 of src (f32 bits) rounded into dst, each chunk's counts in its row."""
+    for c in range(c0, c1):
         # Per-chunk slices: indices from 0 let numba drop its negative-index wraparound, which
         # would otherwise turn the vector loads into gathers.
         lo = c * _CHUNK
-        counts[c, 0], counts[c, 1], counts[c, 2] = _round_span(
-            src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], p, codes)
+        counts[c, 0], counts[c, 1], counts[c, 2] = _round_serial(
+            src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], pa, codes)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _round_serial(src, dst, pa, codes):
     """`_round_span` over a whole array in this thread, with the parameters passed as an array
     (cheaper for numba's dispatcher to type than a tuple) and turned back into a tuple."""
@@ -197,7 +198,8 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
         over, under, nan = _round_serial(src, dst, _param_array(fmt, saturate), codes)
         return Counts(int(over), int(under), int(nan))
     counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
-    _round_kernel(src, dst, _params(fmt, saturate), codes, counts)
+    run_blocks(_round_blocks, counts.shape[0], src, dst, _param_array(fmt, saturate), codes,
+               counts)
     total = counts.sum(axis=0)
     return Counts(int(total[0]), int(total[1]), int(total[2]))
 

@@ -1,0 +1,67 @@
+"""2-D convolution (NCHW input, OIHW weight) as one GEMM per image and group, in NCHW.
+
+Each image and group is the product  y (O/g, Ho*Wo) = w (O/g, Cg*KH*KW) @ cols (Cg*KH*KW,
+Ho*Wo), where row (c, ky, kx) of `cols` holds the input pixels that meet weight (c, ky, kx):
+the rows are contiguous strips of the input (the input itself for a 1x1, stride-1 conv), and
+the result is already NCHW. Every output is the GEMM's fixed-order sum over (input channel of
+its group, kernel row, kernel column) in that order (mplower.numerics.gemm), so a pixel's
+result depends neither on its image, its neighbours nor the machine. Grouped and depthwise
+convs are the same batched product (a depthwise conv is a one-row product per channel, which
+the GEMM streams): no loop over groups.
+
+Integer operands are summed exactly: values whose products stay within float32's integers
+(8-bit quantized values) go through im2col as float32, and `integer_matmul` splits K so that
+no partial sum leaves them; the result is np.matmul's int64 product at float32 GEMM speed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mplower.numerics.gemm import F32_EXACT, int_magnitude, integer_matmul, matmul
+from mplower.numerics.windows import conv_windows
+
+
+def _padded(x: np.ndarray, padding: tuple[int, ...], fill: float = 0) -> np.ndarray:
+    pt, pl, pb, pr = padding
+    if not any(padding):
+        return x
+    out = np.full(x.shape[:2] + (x.shape[2] + pt + pb, x.shape[3] + pl + pr), fill, x.dtype)
+    out[:, :, pt:pt + x.shape[2], pl:pl + x.shape[3]] = x
+    return out
+
+
+def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
+           padding: tuple[int, int, int, int], dilations: tuple[int, int],
+           groups: int) -> np.ndarray:
+    """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
+    (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
+    int64 for integer operands."""
+    integer = x.dtype.kind in "iub"
+    # uint8 activations are centred (x - 128 in [-128, 127]) so that the exact K chunks are as
+    # long as for int8 (1024, not 514); sum w * x = sum w * (x - 128) + 128 * sum w, with
+    # padding at x = 0, i.e. -128.
+    centre = 128 if x.dtype == np.uint8 and w.dtype.kind in "iu" else 0
+    bound = (max(centre, int_magnitude(x) - centre) * int_magnitude(w)) if integer else 0
+    if integer and bound <= F32_EXACT:
+        x, w = x.astype(np.float32) - np.float32(centre), w.astype(np.float32)
+    elif integer:
+        x, w, centre = x.astype(np.int64), w.astype(np.int64), 0
+    x = _padded(x, padding, -centre)
+    n, g = x.shape[0], groups
+    o, cg, kh, kw = w.shape
+    (sh, sw), (dh, dw) = strides, dilations
+    ho = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    wo = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if kh == kw == 1 and sh == sw == 1:
+        cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
+    else:
+        view = conv_windows(x, (kh, kw), strides, dilations)
+        cols = view.transpose(0, 1, 4, 5, 2, 3).reshape(n, g, cg * kh * kw, ho * wo)
+    wmat = w.reshape(g, o // g, cg * kh * kw)
+    if not integer:
+        return matmul(wmat, cols).reshape(n, o, ho, wo)
+    y = integer_matmul(wmat, cols, bound)
+    if centre:
+        y += centre * wmat.astype(np.int64).sum(axis=-1)[..., None]
+    return y.reshape(n, o, ho, wo)
