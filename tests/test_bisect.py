@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mplower.backend.executor import Program
+from mplower.backend.executor import Program, reference_runner
 from mplower.ir.parser import parse_file
 from mplower.ir.verifier import verify
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
@@ -46,7 +46,7 @@ def lowered(path: Path, pipeline: str, x: np.ndarray):
     np.savez(path.parent / "calib.npz", x=x)
     module = parse_file(path)
     PassManager(parse_pipeline(pipeline.replace("CALIB", str(path.parent / "calib.npz")))).run(
-        module, PassContext())
+        module, PassContext(runner=reference_runner))
     return module
 
 

@@ -181,6 +181,13 @@ def write_output(path: str, text: str) -> None:
                                              f"cannot write output: {e.strerror}")) from None
 
 
+def _reference_runner(module, func, weights):
+    """The backend's fp32 reference for calibrate, imported only when a pass runs the model."""
+    from mplower.backend.executor import reference_runner
+
+    return reference_runner(module, func, weights)
+
+
 def cmd_opt(args: argparse.Namespace) -> int:
     from mplower.ir import expected
     from mplower.ir.parser import parse, split_source
@@ -231,7 +238,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
             verify(module)
             timings.append(("(verify)", time.perf_counter() - t0))
             ctx = PassContext(output_path=None if args.output == "-" else args.output,
-                              weights_path=args.weights)
+                              weights_path=args.weights, runner=_reference_runner)
             pm.run(module, ctx)
             timings.extend(pm.timings)
             for k, v in pm.statistics.items():

@@ -91,6 +91,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
     from mplower.onnx.exporter import check_and_serialize, export_module
+    from mplower.passes.insert_casts import materialize
 
     text, name = read_input(args.input)
     args._source = text
@@ -104,6 +105,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         have = ", ".join(sorted(module.functions)) or "none"
         raise DiagnosticError.at(module.loc, f"no function '{args.func}' to export (the module "
                                              f"has: {have})") from None
+    materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
     exported = export_module(module, args.func, args.weights, args.narrow_io)
     data = check_and_serialize(exported.model, Location(name, 0, 0))
     try:

@@ -90,12 +90,14 @@ def _load(args: argparse.Namespace):
     from mplower.io.weights import load_inputs
     from mplower.ir.parser import parse
     from mplower.ir.verifier import verify
+    from mplower.passes.insert_casts import materialize
 
     text, name = read_input(args.input)
     args._source = text
     module = parse(text, name)
     module.path = str(Path.cwd() / "<stdin>") if name == "<stdin>" else name
     verify(module)
+    materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
     program = Program(module, args.func, args.weights)
     if args.inputs:
         arrays = load_inputs(args.inputs, program.arg_names, program.arg_types,
@@ -158,8 +160,6 @@ def _write_atomic(path: str, write) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import copy
-
     from mplower.cli.main import EXIT_GUARDRAIL, EXIT_OK, UsageError
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
@@ -172,7 +172,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         if getattr(args, flag) and not limits:
             raise UsageError(f"--{flag} needs guardrails: the policy sheet's or "
                              f"--guardrail KEY=VALUE")
-    pristine = copy.deepcopy(module) if args.bisect else None
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get("mp.policy"),
                           program.function.name)
@@ -181,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.bisect:
         from mplower.report.bisect import bisect
 
-        report["bisect"] = bisect(pristine, arrays, limits, args.func, args.weights).to_json()
+        report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
     if args.save_outputs:
         _write_atomic(args.save_outputs, lambda fh: _savez(fh, dict(zip(keys, result.outputs))))

@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mplower.backend.sparse import sparse_lines, sparse_report
-from mplower.dialect.mp import OPS, attr_type, check_attrs
+from mplower.dialect.mp import OPS, check_attrs
+from mplower.dialect.plan import Plan
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.types import TensorType
-from mplower.lowering.target import DENSE, Target
+from mplower.lowering.target import Target
 from mplower.numerics.formats import FORMATS
 
 COLUMNS = ("name", "op", "compute", "accum", "kernel", "reason", "flops", "modeled_time_s")
@@ -52,10 +53,9 @@ def op_row(f: Function, n: int, target: Target) -> Row | None:
     attrs = d["attrs"]
     ins, outs = f.operand_types(n), d["types"]
     flops = int(opdef.flops(ins, outs, check_attrs(opdef, attrs)))
-    compute = attr_type(attrs["mp.precision"]) if "mp.precision" in attrs else (
-        ins[0].elem if ins else outs[0].elem)
-    accum = attr_type(attrs["mp.accum"]) if "mp.accum" in attrs else None
-    kernel = attrs.get("mp.kernel", DENSE)
+    plan = Plan.of(attrs)
+    compute = plan.precision or (ins[0].elem if ins else outs[0].elem)
+    accum, kernel = plan.accum, plan.kernel_or_dense
     try:
         time = target.op_time(flops, opdef.bytes_moved(ins, outs), compute, kernel)
     except ValueError:  # a format the target has no rate for (e.g. i1): price it as f32
@@ -64,7 +64,7 @@ def op_row(f: Function, n: int, target: Target) -> Row | None:
     fp32 = 0.0 if op == "mp.cast" else target.op_time(
         flops, opdef.bytes_moved([_wide(t) for t in ins], [_wide(t) for t in outs]), "f32")
     name = f.value_name((n, 0)) if outs else op
-    return Row(name, op, compute, accum, kernel, attrs.get("mp.reason", ""), flops, time, fp32)
+    return Row(name, op, compute, accum, kernel, plan.reason or "", flops, time, fp32)
 
 
 def precision_sheet(module: Module, target: Target, func: str | None = None,
