@@ -17,7 +17,7 @@ from typing import Any
 
 from mplower.dialect.mp import OpError, attr_type
 from mplower.ir.graph import Function
-from mplower.ir.types import TypeAttr
+from mplower.ir.types import TypeAttr, attr_to_str
 
 PRECISION = "mp.precision"  # the compute format
 ACCUM = "mp.accum"  # the accumulator of a matmul, conv or reduction
@@ -44,10 +44,11 @@ class Requested:
         if not isinstance(value, dict) or "precision" not in value \
                 or set(value) - {"precision", "accum", "kernel"}:
             raise OpError(f"{REQUESTED} must be a dictionary {{precision = T, accum = T, "
-                          f"kernel = \"K\"}} (accum and kernel optional), got {value!r}")
+                          f"kernel = \"K\"}} (accum and kernel optional), "
+                          f"got {attr_to_str(value)}")
         kernel = value.get("kernel", DENSE)
         if not isinstance(kernel, str):
-            raise OpError(f"{REQUESTED}: kernel must be a string, got {kernel!r}")
+            raise OpError(f"{REQUESTED}: kernel must be a string, got {attr_to_str(kernel)}")
         accum = value.get("accum")
         return cls(attr_type(value["precision"]), None if accum is None else attr_type(accum),
                    kernel)
