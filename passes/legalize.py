@@ -3,8 +3,9 @@
 Each annotated op's (compute, accumulator, kernel) goes through the target's fallback chains
 (mplower.lowering.target.Target.legalize: fp8 -> bf16 -> f32, i8 -> bf16 -> f32, f16 accumulation ->
 f32, sparse -> dense). A fallback rewrites `mp.precision`/`mp.accum`/`mp.kernel`, keeps what
-was asked in `mp.requested` (a dictionary: mplower.dialect.plan.Requested) and appends the reason code to `mp.reason`; `strict=true` makes it
-an error instead, as TensorRT's "obey" precision constraints do.
+was asked in `mp.requested` (a dictionary attribute, mplower.dialect.plan.Requested) and appends
+the reason code to `mp.reason`; `strict=true` makes it an error instead, as TensorRT's "obey"
+precision constraints do.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Legalize(Pass):
 
     Reads `mp.precision`, `mp.accum` and `mp.kernel` (as written by assign-precision and
     lower-sparse) and rewrites them to what the target runs. A fallback sets `mp.fallback` to
-    the reason code(s) (docs/targets.md), `mp.requested` to the original request, and appends
+    the reason code(s) (docs/targets.md), `mp.requested` to the original request (a dictionary
+    `{precision = T, accum = T, kernel = "K"}`), and appends
     `fallback <code>: <from> -> <to>` to `mp.reason`. With `strict=true` a fallback is an error.
     """
 

@@ -28,7 +28,8 @@ def register(sub) -> None:
     e = sub.add_parser("export", help="export a (lowered) module as an ONNX model",
                        description="Write an ONNX model that computes what mplower's executor "
                                    "computes: narrow formats as Cast nodes, int8 as "
-                                   "QuantizeLinear/DequantizeLinear, weights as initializers.")
+                                   "QuantizeLinear/DequantizeLinear, weights as initializers. "
+                                   "A plan that is only annotations gets insert-casts first.")
     e.add_argument("input", help="IR file, or - for stdin")
     e.add_argument("--format", choices=("onnx",), default="onnx")
     e.add_argument("-o", dest="output", required=True, help="the .onnx file to write")

@@ -43,7 +43,8 @@ def _input_flags(p: argparse.ArgumentParser) -> None:
 def register(sub) -> None:
     p = sub.add_parser("run", help="execute a lowered module beside its fp32 reference",
                        description="Run the lowered function and its fp32 reference side by "
-                                   "side; report per-op fallbacks, overflow and drift.")
+                                   "side; report per-op fallbacks, overflow and drift. A plan "
+                                   "that is only annotations gets insert-casts first.")
     _input_flags(p)
     p.add_argument("--save-outputs", metavar="OUT.npz", help="write the function's results")
     p.add_argument("--output-names", choices=("index", "onnx"), default="index",
@@ -61,7 +62,8 @@ def register(sub) -> None:
 
     b = sub.add_parser("bench", help="latency percentiles and inferences/s, measured and modeled",
                        description="Time the lowered plan on this CPU (emulated formats) and "
-                                   "add the cost model's figures for a target.")
+                                   "add the cost model's figures for a target. A plan that is "
+                                   "only annotations gets insert-casts first.")
     _input_flags(b)
     b.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
     b.add_argument("--iterations", "-n", type=int, default=20, help="timed runs (default 20)")
