@@ -13,7 +13,7 @@ nowhere (the fp32 sheet) is left untouched, so that pipeline is the identity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -143,8 +143,7 @@ class AssignPrecision(Pass):
         for name, f in module.functions.items():
             lowered = 0
             for n, d in plans[name].items():
-                replace(Plan.at(f, n), precision=d.compute, accum=d.accum,
-                        reason=d.reason).write(f, n)
+                Plan.at(f, n).decided(d.compute, d.accum, d.reason).write(f, n)
                 lowered += d.compute != "f32"
             ctx.stat("ops-lowered", lowered)
             ctx.stat("ops-kept-wide", len(plans[name]) - lowered)

@@ -10,11 +10,11 @@ precision constraints do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from mplower.dialect.mp import OPS
-from mplower.dialect.plan import DENSE, Plan, Requested
+from mplower.dialect.plan import DENSE, PRECISION, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
 from mplower.lowering.target import load_target
@@ -47,9 +47,10 @@ class Legalize(Pass):
         checked = 0
         for f in module.functions.values():
             for n in f.ops():
-                plan = Plan.at(f, n)
-                if plan.precision is None:
+                attrs = f.attrs_of(n)
+                if PRECISION not in attrs:
                     continue
+                plan = Plan.of(attrs)
                 op = f.op(n)
                 compute, accum, kernel = plan.precision, plan.accum, plan.kernel_or_dense
                 ctx.stat("ops-checked")
@@ -68,11 +69,12 @@ class Legalize(Pass):
                         f"'{op}' has no {asked} kernel on target '{target.name}' "
                         f"({legal.reason}); without strict=true it would run as {got}")))
                     continue
-                replace(plan, precision=legal.compute, accum=legal.accum or plan.accum,
-                        kernel=legal.kernel if plan.kernel or legal.kernel != DENSE else None,
-                        requested=asked, fallback=legal.reasons,
-                        reason=(f"{plan.reason}; " if plan.reason else "")
-                        + f"fallback {legal.reason}: {asked} -> {got}").write(f, n)
+                plan._replace(precision=legal.compute, accum=legal.accum or plan.accum,
+                              kernel=legal.kernel if plan.kernel or legal.kernel != DENSE
+                              else None,
+                              requested=asked, fallback=legal.reasons,
+                              reason=(f"{plan.reason}; " if plan.reason else "")
+                              + f"fallback {legal.reason}: {asked} -> {got}").write(f, n)
                 ctx.stat("fallbacks")
                 for code in legal.reasons:
                     ctx.stat(f"fallback:{code}")

@@ -16,7 +16,7 @@ encoded type in the IR, so a sparse conv carries the decision in `mp.kernel` alo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -230,8 +230,8 @@ class LowerSparse(Pass):
         reason = plan.reason
         if note != prior and not prior.endswith(f"; {note}"):  # a re-run repeats no note
             reason = f"{prior}; {note}" if prior else note
-        replace(plan, kernel=choice.kernel, reason=reason,
-                sparse_reason=choice.reason or None).write(f, n)
+        plan._replace(kernel=choice.kernel, reason=reason,
+                      sparse_reason=choice.reason or None).write(f, n)
         if choice.reason:
             ctx.stat("ops-dense")
             ctx.stat(f"dense:{choice.reason}")

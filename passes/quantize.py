@@ -37,7 +37,7 @@ dequantize, so `mplower run` measures exactly what quantization costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -276,10 +276,11 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
                                               f"{_name(f, ins[i])}_dq"))
         # The report shows what was asked (i8) beside what runs (f32 on the grid), and why,
         # as legalize records a fallback.
-        replace(Plan.at(f, n), precision="f32", accum="f32", requested=Requested("i8", "i32"),
-                fallback=(QDQ_ZERO_POINT,),
-                reason="quantize w8a8: QDQ form (an activation zero point is not 0; "
-                       "the integer kernel takes none)").write(f, n)
+        Plan.at(f, n)._replace(
+            precision="f32", accum="f32", requested=Requested("i8", "i32"),
+            fallback=(QDQ_ZERO_POINT,),
+            reason="quantize w8a8: QDQ form (an activation zero point is not 0; "
+                   "the integer kernel takes none)").write(f, n)
         rw.ctx.stat("ops-qdq")
         return
     # The quantized kernel: integer operands, i32 result, one dequantize with the product scale
@@ -321,8 +322,8 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
     for k in moved:
         f.del_attr(kernel, k)
     plan = Plan.at(f, kernel)
-    replace(plan, precision="i8", accum="i32",
-            reason="quantize w8a8" if plan.reason is None else plan.reason).write(f, kernel)
+    plan._replace(precision="i8", accum="i32",
+                  reason="quantize w8a8" if plan.reason is None else plan.reason).write(f, kernel)
     rw.ctx.stat("ops-quantized")
 
 

@@ -4,7 +4,6 @@ as one value, with the requested plan stored as structure."""
 from __future__ import annotations
 
 import ast
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -75,7 +74,7 @@ def test_writing_a_plan_changes_only_the_annotations_that_differ() -> None:
         'other = 1} :'))
     f = module.function()
     n = _op(module, "%1")
-    replace(Plan.at(f, n), accum="f32", sparse_reason=None).write(f, n)
+    Plan.at(f, n)._replace(accum="f32", sparse_reason=None).write(f, n)
     # The string spelling of an unchanged precision stays; new annotations follow in order.
     assert list(f.attrs_of(n).items()) == [
         ("mp.precision", "bf16"), ("mp.reason", "r"), ("other", 1),

@@ -13,11 +13,12 @@ legalize (or quantize) fell back from is stored as structure, a dictionary attri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mplower.dialect.mp import OpError, attr_type
 from mplower.ir.graph import Function
 from mplower.ir.types import TypeAttr, attr_to_str
+from mplower.numerics.formats import FORMATS
 
 PRECISION = "mp.precision"  # the compute format
 ACCUM = "mp.accum"  # the accumulator of a matmul, conv or reduction
@@ -70,12 +71,15 @@ class Requested:
         return text if self.kernel == DENSE else f"{text} {self.kernel}"
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """An op's plan annotations; a field that is None (or an empty `fallback`) is absent.
 
+    A named tuple rather than a frozen dataclass because the passes make one per op: it is
+    built several times faster. Change fields with `_replace` (or `decided`).
+
     `kernel` is None when the op has no `mp.kernel` (it runs dense: `kernel_or_dense`); a pass
-    that chose the dense kernel writes it explicitly.
+    that chose the dense kernel writes it explicitly. String annotations (`kernel`, `reason`,
+    `sparse_reason`) are kept as written: the verifier leaves discardable attributes alone.
     """
 
     precision: str | None = None
@@ -89,23 +93,24 @@ class Plan:
     @classmethod
     def of(cls, attrs: dict[str, Any]) -> Plan:
         """The plan in an op's attributes; OpError for a malformed one (`mp.precision = "x"`)."""
-        if not any(name in attrs for name in PLAN_ATTRS):
+        if _NAMES.isdisjoint(attrs):
             return _EMPTY  # most ops of an unplanned module: no work
         get = attrs.get
-        precision, accum, requested, fallback = (get(PRECISION), get(ACCUM), get(REQUESTED),
-                                                 get(FALLBACK))
-        return cls(
-            precision=None if precision is None else attr_type(precision),
-            accum=None if accum is None else attr_type(accum),
-            kernel=_text(attrs, KERNEL),
-            reason=_text(attrs, REASON),
-            requested=None if requested is None else Requested.of(requested),
-            fallback=tuple(str(fallback).split(",")) if fallback is not None else (),
-            sparse_reason=_text(attrs, SPARSE_REASON))
+        p, a, req, fb = get(PRECISION), get(ACCUM), get(REQUESTED), get(FALLBACK)
+        return _new(cls, (None if p is None else _type(p), None if a is None else _type(a),
+                          get(KERNEL), get(REASON), None if req is None else Requested.of(req),
+                          () if fb is None else tuple(str(fb).split(",")), get(SPARSE_REASON)))
 
     @classmethod
     def at(cls, f: Function, node: int) -> Plan:
         return cls.of(f.attrs_of(node))
+
+    def decided(self, precision: str, accum: str | None, reason: str) -> Plan:
+        """This plan with a new compute format, accumulator and reason (what assign-precision
+        decides per op; the rest kept), without `_replace`'s keyword handling: it runs once
+        per op of the module."""
+        return _new(Plan, (precision, accum, self.kernel, reason, self.requested, self.fallback,
+                           self.sparse_reason))
 
     @property
     def kernel_or_dense(self) -> str:
@@ -113,40 +118,66 @@ class Plan:
 
     def attrs(self) -> dict[str, Any]:
         """The annotations of this plan, as attribute values, in `PLAN_ATTRS` order."""
-        return {name: value for name, value in self._values().items() if value is not None}
+        return dict(self._present())
+
+    def _present(self) -> dict[str, Any]:
+        """`attrs`, shared between equal plans (do not change it): a module has few distinct
+        plans and assign-precision writes one per op. A plan with a `requested` dictionary is
+        not shared, so no two ops hold the same mutable attribute value."""
+        out = _PRESENT.get(self)
+        if out is None:
+            out = {name: v for name, v in zip(PLAN_ATTRS, self._values()) if v is not None}
+            if self.requested is None and len(_PRESENT) < 4096:
+                _PRESENT[self] = out
+        return out
 
     def write(self, f: Function, node: int) -> None:
         """Make the op's annotations say this plan (rewriter API; other attributes untouched).
 
         Only the annotations that change are written, so one a pass leaves alone keeps its
-        place and spelling, and new ones follow in `PLAN_ATTRS` order.
+        place and spelling (`mp.precision = "bf16"` stays a string), and new ones follow in
+        `PLAN_ATTRS` order.
         """
-        old = Plan.at(f, node)._values()
-        for name, value in self._values().items():
+        attrs = f.attrs_of(node)
+        if _NAMES.isdisjoint(attrs):  # an op without a plan yet (most, in assign-precision)
+            for name, value in self._present().items():
+                f.set_attr(node, name, value)
+            return
+        for name, value in zip(PLAN_ATTRS, self._values()):
             if value is None:
-                f.del_attr(node, name)
-            elif value != old[name]:
+                if name in attrs:
+                    f.del_attr(node, name)
+                continue
+            old = attrs.get(name, _ABSENT)
+            if old is _ABSENT or (old != value and not (
+                    type(value) is TypeAttr and old == value.type)):
                 f.set_attr(node, name, value)
 
-    def _values(self) -> dict[str, Any]:
+    def _values(self) -> tuple[Any, ...]:
         """Each annotation's attribute value, in `PLAN_ATTRS` order (None: absent)."""
-        p, a, req = self.precision, self.accum, self.requested
-        return {PRECISION: None if p is None else TypeAttr(p),
-                ACCUM: None if a is None else TypeAttr(a),
-                KERNEL: self.kernel,
-                REQUESTED: None if req is None else req.attr(),
-                FALLBACK: ",".join(self.fallback) if self.fallback else None,
-                REASON: self.reason,
-                SPARSE_REASON: self.sparse_reason}
+        p, a, req, fb = self.precision, self.accum, self.requested, self.fallback
+        return (None if p is None else _TYPE_ATTRS.get(p) or TypeAttr(p),
+                None if a is None else _TYPE_ATTRS.get(a) or TypeAttr(a),
+                self.kernel,
+                None if req is None else req.attr(),
+                ",".join(fb) if fb else None,
+                self.reason,
+                self.sparse_reason)
 
 
 _EMPTY = Plan()
+_NAMES = frozenset(PLAN_ATTRS)
+_ABSENT = object()
+_new = tuple.__new__  # Plan's fields in order, without the keyword handling of Plan(...)
+_PRESENT: dict[Plan, dict[str, Any]] = {}
+_TYPE_ATTRS = {name: TypeAttr(name) for name in FORMATS}  # TypeAttr is immutable: share them
 
 
-def _text(attrs: dict[str, Any], name: str) -> Any:
-    """A string annotation as written; the verifier leaves discardable attributes alone, so
-    another value passes through unchanged (and prints back as it was)."""
-    return attrs.get(name)
+def _type(v: Any) -> str:
+    """attr_type, with the common case (a TypeAttr of a known format) first: once per op."""
+    if v.__class__ is TypeAttr and v.type in FORMATS:
+        return v.type
+    return attr_type(v)
 
 
 __all__ = ["ACCUM", "DENSE", "FALLBACK", "KERNEL", "PLAN_ATTRS", "PRECISION", "REASON",
