@@ -43,11 +43,13 @@ import numba
 import numpy as np
 from mplower.passes.insert_casts import materialize
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.backend.executor import Program
-from mplower.dialect.mp import OPS, _pad_hw, _windows, check_attrs
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.parser import parse
 from mplower.numerics.gemm import matmul
 from mplower.numerics.rounding import encode, round_to
+from mplower.numerics.windows import conv_windows, pad_hw
 from mplower.pass_manager import PassContext, load_passes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +135,7 @@ def determinism(n: int, repeat: int) -> list[tuple[str, float, float, str, float
     attrs = check_attrs(conv, {"padding": [1, 1, 1, 1]})
 
     def conv_blas() -> np.ndarray:  # the same im2col, summed by BLAS
-        win = _windows(_pad_hw(x, (1, 1, 1, 1)), (3, 3), (1, 1))
+        win = conv_windows(pad_hw(x, (1, 1, 1, 1)), (3, 3), (1, 1))
         cols = win.transpose(0, 2, 3, 1, 4, 5).reshape(8, 56 * 56, 64 * 9)
         return np.matmul(cols, w.reshape(64, -1).T).transpose(0, 2, 1).reshape(8, 64, 56, 56)
 

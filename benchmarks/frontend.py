@@ -9,6 +9,10 @@ With --mplower-phases it also times mplower's parse, verify and print in-process
 interpreter per run. Tools that are not installed, and mplower stages that do not work yet, are
 skipped with a note in the report. The per-1k-op columns show linearity: start-up dominates at
 1k ops, the marginal cost between sizes does not include it.
+
+With --error-paths it times mplower's error paths instead (issue 10): `mplower opt` on a file
+whose every op is a verifier error (the default 20-error limit, and --error-limit=0 for all),
+and on a file whose one op line holds a long run of spaces before its attribute dictionary.
 """
 
 from __future__ import annotations
@@ -53,6 +57,75 @@ def write_chain(path: Path, n_ops: int) -> None:
                 f" : ({TYPE}, {TYPE}) -> {TYPE}\n"
             )
         f.write(f"    func.return %{n_ops - 1} : {TYPE}\n  }}\n}}\n")
+
+
+def write_errors(path: Path, n_errors: int) -> None:
+    """A function whose n ops each declare a wrong result type: n verifier errors."""
+    with path.open("w") as f:
+        f.write(f"func.func @main(%x: {TYPE}) -> {TYPE} {{\n")
+        for i in range(n_errors):
+            f.write(f"  %{i} = mp.relu %x : ({TYPE}) -> tensor<8x4xf32>\n")
+        f.write(f"  return %x : {TYPE}\n}}\n")
+
+
+def write_spaces(path: Path, n_spaces: int) -> None:
+    """One op whose line holds n spaces before an attribute dictionary the fast path refuses."""
+    path.write_text(f"func.func @main(%x: {TYPE}) -> {TYPE} {{\n"
+                    f"  %0 = mp.add %x, %x{' ' * n_spaces}{{mp.a = [1]}} : ({TYPE}, {TYPE}) -> "
+                    f"{TYPE}\n  return %0 : {TYPE}\n}}\n")
+
+
+def error_paths(args) -> int:
+    """Median wall time of `mplower opt` on the error-path inputs, as a markdown report."""
+    exe = console_script("mplower")
+    if exe is None:
+        progress("mplower: not installed")
+        return 1
+    cases = [(f"{n} verifier errors", write_errors, n, []) for n in args.errors] + [
+        (f"{n} verifier errors, --error-limit=0", write_errors, n, ["--error-limit=0"])
+        for n in args.errors] + [
+        (f"{n} spaces in one op line", write_spaces, n, []) for n in args.spaces]
+    rows, notes = [], []
+    for label, write, n, extra in cases:
+        path = args.workdir / f"{write.__name__}_{n}.ir"
+        write(path, n)
+        argv = [exe, "opt", str(path), "-o", os.devnull, *extra]
+        times = []
+        for _ in range(args.repeat):
+            run = run_once(argv, args.timeout, None)
+            if run.returncode < 0:
+                notes.append(f"{label}: killed after {args.timeout:.0f} s")
+                break
+            expect = 1 if "errors" in label else 0
+            if run.returncode != expect:
+                notes.append(f"{label}: exit status {run.returncode}, expected {expect}")
+                break
+            times.append(run.seconds)
+            progress(f"  {label:45s} {run.seconds:8.3f} s")
+        if len(times) == args.repeat:
+            rows.append(f"| {label} | {statistics.median(times):.3f} |")
+    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines = [
+        "# mplower error-path benchmark",
+        "",
+        f"- command: `python {shlex.join(sys.argv)}`",
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- machine: {platform.platform()}, {cpu_model()}, nproc {nproc}",
+        f"- Python {platform.python_version()}; mplower: `{exe} opt FILE -o /dev/null`",
+        f"- median of {args.repeat} runs, wall time including start-up and printing the errors",
+        "",
+        "| input | median s |",
+        "|---|---:|",
+        *rows,
+    ]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
 
 
 def console_script(name: str) -> str | None:
@@ -345,9 +418,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--phase-worker", metavar="FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--error-paths", action="store_true",
+                        help="time mplower's error paths instead of the round trip")
+    parser.add_argument("--errors", default="20000,100000",
+                        type=lambda s: [int(n) for n in s.split(",")],
+                        help="--error-paths: verifier error counts, comma-separated")
+    parser.add_argument("--spaces", default="128000,1024000",
+                        type=lambda s: [int(n) for n in s.split(",")],
+                        help="--error-paths: lengths of the run of spaces, comma-separated")
     args = parser.parse_args(argv)
     if args.phase_worker:
         return phase_worker(args.phase_worker)
+    if args.error_paths:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        return error_paths(args)
 
     sizes = [int(s) for s in args.sizes.split(",")]
     names = [t for t in args.tools.split(",") if t]

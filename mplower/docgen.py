@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mplower.dialect.mp import OPS, op_signature_table
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.opdef import OPS, op_signature_table
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, is_builtin, load_passes, pass_options
 

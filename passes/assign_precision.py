@@ -20,14 +20,12 @@ from typing import ClassVar
 import networkx as nx
 from mplower.passes.range_analysis import hazard
 
-from mplower.dialect.mp import OPS
+from mplower.dialect.mp import ACCUMULATING, COMPUTE_HEAVY, TYPE_CARRYING
 from mplower.dialect.plan import Plan
 from mplower.io.atomic import module_folder, path_from
 from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.opdef import OPS
 from mplower.lowering.policy import (
-    ACCUMULATING,
-    COMPUTE_HEAVY,
-    TYPE_CARRYING,
     Decision,
     Policy,
     load_policy,

@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from mplower.dialect.mp import WEIGHTED
 from mplower.io.npz import read_npz
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
@@ -38,7 +39,7 @@ def channel_axes(f: Function, constants: set[int]) -> dict[Value, int]:
     out: dict[Value, int] = {}
     for n in f.ops():
         op = f.op(n)
-        if op not in ("mp.matmul", "mp.conv2d"):
+        if op not in WEIGHTED:
             continue
         ins = f.operands(n)
         if ins[0][0] in constants or ins[1][0] not in constants:

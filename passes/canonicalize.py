@@ -15,8 +15,9 @@ import numpy as np
 from mplower.passes.cse import eliminate_common_subexpressions
 from mplower.passes.dce import eliminate_dead_ops
 
-from mplower.dialect.mp import OPS, OpError, attr_ints, check_attrs
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.graph import Function, Module
+from mplower.ir.opdef import OPS, OpError, attr_ints, check_attrs
 from mplower.ir.types import DenseAttr, value_dtype
 from mplower.numerics.formats import FORMATS, represents
 from mplower.pass_manager import Pass, PassContext, option, register_pass

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.dialect.mp import OPS
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.opdef import OPS
 from mplower.pass_manager import Pass, PassContext, register_pass
 
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.dialect.mp import OpError, attr_type
+from mplower.dialect.mp import TYPE_CARRYING
 from mplower.dialect.plan import ACCUM, PRECISION
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.ir.opdef import OpError, attr_type
 from mplower.ir.types import TypeAttr
-from mplower.lowering.policy import TYPE_CARRYING, result_format
+from mplower.lowering.policy import result_format
 from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.pass_manager import Pass, PassContext, PassManager, register_pass
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.dialect.mp import OPS
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.plan import DENSE, PRECISION, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
+from mplower.ir.opdef import OPS
 from mplower.lowering.target import load_target
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 

@@ -21,10 +21,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from mplower.dialect.mp import OPS, check_attrs
+from mplower.dialect.mp import WEIGHTED
 from mplower.dialect.plan import Plan
 from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.types import DenseAttr
 from mplower.lowering.sparsity import (
     ENCODING_OF_KERNEL,
@@ -167,7 +168,7 @@ class LowerSparse(Pass):
         "encodes-inserted": "mp.sparse_encode ops created",
     }
     target: str = option("generic", "built-in target name or path to a .toml description")
-    ops: tuple[str, ...] = option(("mp.matmul", "mp.conv2d"), "ops to choose a kernel for")
+    ops: tuple[str, ...] = option(WEIGHTED, "ops to choose a kernel for")
     min_size: int = option(1024, "weights with fewer values stay dense (too-small)")
     min_dim: int = option(16, "weights with fewer rows or columns stay dense (too-small)")
     min_speedup: float = option(1.0, "modeled speedup over dense a sparse kernel must exceed")
@@ -175,9 +176,9 @@ class LowerSparse(Pass):
 
     def __post_init__(self) -> None:
         for op in self.ops:
-            if op not in ("mp.matmul", "mp.conv2d"):
+            if op not in WEIGHTED:
                 raise PipelineError(f"lower-sparse: '{op}' has no weight operand "
-                                    f"(ops: mp.matmul, mp.conv2d)")
+                                    f"(ops: {', '.join(WEIGHTED)})")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         target = load_target(self.target, known_ops=OPS)

@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mplower.dialect.mp import QUANTIZABLE
 from mplower.dialect.plan import PRECISION, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Function, Module, Value
@@ -63,7 +64,6 @@ WEIGHT_QUANT = "mp.weight_quant"
 QUANT_MARK = "mp.quant"
 ZERO_POINT = "zero-point"  # QUANT_MARK of the ops that undo an activation shift
 SCHEMES = {"w8a8": "i8", "w8a16": "i8", "w4a16": "i4"}  # scheme -> weight format
-QUANTIZED_OPS = ("mp.matmul", "mp.conv2d")
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def quantized_targets(f: Function, scheme: str) -> list[int]:
     planned = any(PRECISION in f.attrs_of(n) for n in f.ops())
     out = []
     for n in f.ops():
-        if f.op(n) not in QUANTIZED_OPS:
+        if f.op(n) not in QUANTIZABLE:
             continue
         if any(FORMATS[t.elem].is_int for t in f.operand_types(n)):
             continue  # already quantized

@@ -37,9 +37,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mplower.dialect.mp import OPS, OpError, check_attrs
+from mplower.dialect.mp import CONTRACTIONS
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
+from mplower.ir.opdef import OPS, OpError, check_attrs
 from mplower.ir.types import TensorType
 from mplower.lowering.calibration import (
     TINY,
@@ -181,7 +182,7 @@ def propagate(op: str, ins: list[Interval], attrs: dict, in_types: list[TensorTy
         if d.lo <= 0 <= d.hi:
             return UNBOUNDED
         return _mul(ins[0], _from(1 / d.hi, 1 / d.lo))
-    if op in ("mp.matmul", "mp.conv2d"):
+    if op in CONTRACTIONS:
         return _contraction(op, ins, weights, in_types, attrs)
     if op == "mp.reduce_sum":
         n = max(in_types[0].size // max(out_type.size, 1), 1)

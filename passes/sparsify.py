@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from mplower.dialect.mp import WEIGHTED
 from mplower.io.npz import WeightStore, beside, write_npz
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import Function, Module
@@ -73,7 +74,7 @@ class Sparsify(Pass):
     )
     pattern: str = option("2:4", "2:4 or 1:2 (along the reduction axis), or unstructured")
     sparsity: float = option(0.5, "fraction of values to zero with pattern=unstructured")
-    ops: tuple[str, ...] = option(("mp.matmul", "mp.conv2d"), "ops whose weight operand is pruned")
+    ops: tuple[str, ...] = option(WEIGHTED, "ops whose weight operand is pruned")
     min_size: int = option(1024, "weights with fewer values are left as they are")
 
     def __post_init__(self) -> None:
@@ -84,9 +85,9 @@ class Sparsify(Pass):
         if not 0.0 <= self.sparsity <= 1.0:
             raise PipelineError(f"sparsify: sparsity must be in [0, 1], got {self.sparsity}")
         for op in self.ops:
-            if op not in ("mp.matmul", "mp.conv2d"):
+            if op not in WEIGHTED:
                 raise PipelineError(f"sparsify: '{op}' has no weight operand to prune "
-                                    f"(ops: mp.matmul, mp.conv2d)")
+                                    f"(ops: {', '.join(WEIGHTED)})")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         store = WeightStore(module, ctx.weights_path)

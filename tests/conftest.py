@@ -4,11 +4,15 @@
 own usage errors exit through SystemExit; their code is returned the same way). `func_ir` wraps
 an op body in a function so that a test shows only the lines it is about. `general_path` parses
 with the lexer's SIMPLE_OP fast path switched off, so that a test can compare the two paths.
+
+Hypothesis profiles: `HYPOTHESIS_PROFILE=deep` runs the property tests that ask for
+`examples(n)` at 5,000 examples each instead of n (minutes, not part of the normal suite).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
+import mplower.dialect  # noqa: F401  (registers the mp ops: the IR layer alone knows none)
 import mplower.ir.parser as parser_module
 from mplower.cli.main import main
 from mplower.ir.graph import Module
@@ -25,6 +31,16 @@ from mplower.ir.printer import print_module
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "ir_examples").glob("*.ir"))
+
+DEEP_EXAMPLES = 5000
+settings.register_profile("deep", max_examples=DEEP_EXAMPLES, deadline=None)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "default")
+settings.load_profile(PROFILE)
+
+
+def examples(n: int) -> int:
+    """A property test's example count: `n`, or the deep profile's."""
+    return DEEP_EXAMPLES if PROFILE == "deep" else n
 
 
 @dataclass

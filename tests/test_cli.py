@@ -1,4 +1,5 @@
-"""`mplower opt` and `mplower passes`: exit codes, pipelines, instrumentation, files and stdin.
+"""`mplower opt` and `mplower passes`: exit codes, pipelines, instrumentation, files and stdin;
+the command table and the start every module command shares (mplower.cli.common).
 
 Most runs are in-process through `mplower.cli.main.main`; stdin, `python -m mplower` and the console
 script run as subprocesses.
@@ -417,3 +418,92 @@ def test_opt_help_lists_the_instrumentation_flags(cli):
                  "--statistics", "--split-input-file", "--verify-diagnostics",
                  "--print-op-generic"):
         assert flag in r.out
+
+
+# ---- every command: one start (mplower.cli.common) and one command table ------------------------
+
+STDIN_COMMANDS = {  # a command that reads a module, and the flags it needs besides the input
+    "opt": ("-p", "canonicalize"),
+    "report": ("--format", "json"),
+    "run": ("--format", "json"),
+    "bench": ("-n", "1", "--warmup", "0", "--format", "json"),
+    "export": ("-o", "{out}"),
+}
+
+
+def _with_stdin(monkeypatch, text: str) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+
+
+@pytest.mark.parametrize("command", sorted(STDIN_COMMANDS))
+def test_every_module_command_reads_dash_as_stdin_like_the_file(cli, crafted, tmp_path,
+                                                                 monkeypatch, command):
+    import json
+
+    def run(source: object, out: Path) -> tuple[int, object, bytes]:
+        res = cli(command, source, *(a.format(out=out) for a in STDIN_COMMANDS[command]))
+        assert res.err == "", res.err
+        shown: object = res.out
+        if command == "bench":  # measured times differ from run to run; the rest may not
+            shown = {k: v for k, v in json.loads(res.out).items() if k != "latency_ms"
+                     and k != "inferences_per_s"}
+        return res.rc, shown, out.read_bytes() if out.exists() else b""
+
+    monkeypatch.chdir(tmp_path)
+    from_file = run(crafted, tmp_path / "file.onnx")
+    _with_stdin(monkeypatch, CRAFTED)
+    from_stdin = run("-", tmp_path / "stdin.onnx")
+    assert from_file[0] == 0
+    assert from_stdin == from_file
+    if command == "export":
+        assert len(from_stdin[2]) > 0
+
+
+@pytest.mark.parametrize("command", sorted(STDIN_COMMANDS))
+def test_every_module_command_locates_stdin_diagnostics_in_stdin(cli, tmp_path, monkeypatch,
+                                                                  command):
+    monkeypatch.chdir(tmp_path)
+    _with_stdin(monkeypatch, "func.func @f() {\n  $\n}\n")
+    res = cli(command, "-", *(a.format(out=tmp_path / "o.onnx") for a in STDIN_COMMANDS[command]))
+    assert (res.rc, res.out) == (1, "")
+    assert res.err == "<stdin>:2:3: error: unexpected character '$'\n  $\n  ^\n"
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_command_table_is_the_list_of_subcommands(cli):
+    import argparse
+
+    from mplower.cli.main import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS) == [
+        "opt", "passes", "report", "run", "bench", "import", "export"]
+    for name, (_, handler) in COMMANDS.items():
+        assert sub.choices[name].get_default("handler") is handler
+        assert sub.choices[name].prog == f"mplower {name}"
+
+
+def test_command_modules_never_import_the_cli_entry_point():
+    """Shared things come from mplower.cli.common; importing mplower.cli.main back from a
+    command module would be a cycle (main imports every command module)."""
+    import ast
+
+    cli_dir = Path(__file__).resolve().parent.parent / "mplower" / "cli"
+    back = []
+    for path in sorted(cli_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "mplower.cli.main" for n in names) and path.name != "main.py":
+                back.append(f"{path.name}:{node.lineno}")
+    assert back == []
+
+
+def test_importing_the_cli_loads_no_numeric_or_parsing_library():
+    code = ("import sys, mplower.cli.main; print(sorted({m.split('.')[0] for m in sys.modules}"
+            " & {'numpy', 'numba', 'networkx', 'onnx', 'lark'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert proc.stdout == "[]\n"

@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import func_ir
 
-from mplower.ir.diagnostics import Diagnostic, Location
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, SourceText
+from mplower.ir.graph import Function, Module
+from mplower.ir.types import tensor
+from mplower.ir.verifier import verify
 
 T = "tensor<2x3xf32>"
 OP = f"({T}) -> {T}"
@@ -182,6 +185,26 @@ CASES = [
          2, "tensor<2x3xf32>", "unexpected 'tensor<2x3xf32>'; expected '('"),
     Case("non-tensor-argument", func_ir("return", args="%x: f32", result=""), 1, "%x",
          "expected a tensor type, got 'f32'"),
+    Case("dense-i8-element-out-of-range",
+         func_ir("%0 = mp.constant {value = dense<[1, 300]> : tensor<2xi8>} : () -> "
+                 f"tensor<2xi8>\nreturn %x : {T}"),
+         2, "300", "integer value 300 is out of range for i8 (range [-128, 127])"),
+    Case("dense-element-past-int64",
+         func_ir("%0 = mp.constant {value = dense<[1, 99999999999999999999]> : tensor<2xi32>} : "
+                 f"() -> tensor<2xi32>\nreturn %x : {T}"),
+         2, "999", "integer value 99999999999999999999 is out of range for i32"),
+    Case("f32-literal-out-of-range", func_ir(f"%0 = mp.relu %x {{x.f = 3.5e38 : f32}} : {OP}\n{RET}"),
+         2, "3.5e38", "3.5e38 is out of range for f32 (largest finite value 3.4028235e+38); an "
+                      "infinity is written 0x7F800000 : f32"),
+    Case("integer-longer-than-4300-digits",
+         func_ir(f"%0 = mp.relu %x {{x.i = {'9' * 5000}}} : {OP}\n{RET}"),
+         2, "9", "integer literal has 5000 digits; at most 4300 are supported"),
+    Case("result-count-longer-than-4300-digits",
+         func_ir(f'%0:{"9" * 5000} = "x.op"(%x) : {OP}\n{RET}'),
+         2, "%0", "result count 9999999999999999999999999999999999999... is too large"),
+    Case("tensor-of-65-dimensions",
+         func_ir(f"return %x : {T}", args=f"%y: tensor<{'1x' * 65}f32>, %x: {T}"),
+         1, "tensor<", "has 65 dimensions; at most 64 are supported"),
 ]
 
 
@@ -282,3 +305,159 @@ def test_render_notes_follow_their_diagnostic():
     d = Diagnostic(Location("f.ir", 1, 3), "bad",
                    notes=[Diagnostic(Location("f.ir", 2, 1), "here", "note")])
     assert d.render("abcd\nxy") == "f.ir:1:3: error: bad\nabcd\n  ^\nf.ir:2:1: note: here\nxy\n^"
+
+
+# ---- many errors ------------------------------------------------------------------------------
+
+def _errors_file(tmp_path: Path, n: int) -> Path:
+    """A function whose n ops each have a wrong result type: n verifier errors, in order."""
+    src = tmp_path / "many.ir"
+    src.write_text(func_ir("".join(f"%{i} = mp.relu %x : ({T}) -> tensor<3x2xf32>\n"
+                                   for i in range(n)) + f"return %x : {T}"))
+    return src
+
+
+def _heads(err: str) -> list[str]:
+    return [line.split(": error: ")[0] for line in err.split("\n") if ": error: " in line]
+
+
+def test_opt_shows_the_first_20_errors_and_counts_the_rest(cli, tmp_path):
+    src = _errors_file(tmp_path, 25)
+    r = cli("opt", src)
+    assert r.rc == 1
+    assert _heads(r.err) == [f"{src}:{i + 2}:3" for i in range(20)]
+    assert r.err.endswith("\nmplower: 5 more errors not shown; --error-limit=0 shows all\n")
+
+
+def test_error_limit_zero_shows_every_error_and_n_shows_n(cli, tmp_path):
+    src = _errors_file(tmp_path, 25)
+    r = cli("opt", src, "--error-limit=0")
+    assert _heads(r.err) == [f"{src}:{i + 2}:3" for i in range(25)]
+    assert "not shown" not in r.err
+    r = cli("opt", src, "--error-limit", "1")
+    assert _heads(r.err) == [f"{src}:2:3"]
+    assert r.err.endswith("\nmplower: 24 more errors not shown; --error-limit=0 shows all\n")
+
+
+def test_error_limit_counts_across_split_input_chunks(cli, tmp_path):
+    src = tmp_path / "split.ir"
+    chunk = func_ir(f"%0 = mp.relu %y : {OP}\n{RET}")
+    src.write_text("// -----\n".join([chunk] * 30))
+    r = cli("opt", src, "--split-input-file")
+    assert r.rc == 1
+    assert _heads(r.err) == [f"{src}:{2 + 5 * i}:16" for i in range(20)]
+    assert r.err.endswith("\nmplower: 10 more errors not shown; --error-limit=0 shows all\n")
+
+
+def test_negative_error_limit_is_a_usage_error(cli, tmp_path):
+    r = cli("opt", _errors_file(tmp_path, 1), "--error-limit=-1")
+    assert r.rc == 2
+    assert "--error-limit must be a count of errors, or 0 for no limit" in r.err
+
+
+def test_other_commands_show_the_default_number_of_errors(cli, tmp_path):
+    src = _errors_file(tmp_path, 25)
+    for args in (["run", src, "--random-inputs"], ["report", src]):
+        r = cli(*args)
+        assert r.rc == 1, args
+        assert _heads(r.err) == [f"{src}:{i + 2}:3" for i in range(20)], args
+        assert r.err.endswith("\nmplower: 5 more errors not shown\n"), args
+
+
+def test_the_last_of_many_errors_shows_its_own_source_line(cli, tmp_path):
+    src = _errors_file(tmp_path, 3000)
+    r = cli("opt", src, "--error-limit=0")
+    lines = r.err.split("\n")
+    assert lines[-4] == f"{src}:3001:3: error: 'mp.relu' result type tensor<3x2xf32> does not " \
+                        "match the inferred type tensor<2x3xf32>"
+    assert lines[-3] == f"  %2999 = mp.relu %x : ({T}) -> tensor<3x2xf32>"
+    assert lines[-2] == "  ^"
+
+
+def test_source_text_lines_end_at_lf_crlf_and_cr():
+    text = SourceText("a\r\nb\rc\nd")
+    assert [text.line(i) for i in range(6)] == [None, "a", "b", "c", "d", None]
+    assert SourceText("").line(1) == ""
+
+
+def test_cr_only_file_reports_the_line_an_editor_shows(cli, tmp_path):
+    src = tmp_path / "mac.ir"
+    src.write_bytes(("// old Mac line endings\n" + func_ir(f"%0 = mp.relu %y : {OP}\n{RET}"))
+                    .replace("\n", "\r").encode())
+    r = cli("opt", src)
+    assert r.rc == 1
+    assert r.err == (f"{src}:3:16: error: use of undefined value '%y'\n"
+                     f"  %0 = mp.relu %y : {OP}\n" + " " * 15 + "^\n")
+
+
+def test_missing_colon_at_the_end_of_a_line_points_past_the_previous_token(cli, tmp_path):
+    src = tmp_path / "colon.ir"
+    src.write_text(func_ir(f'%0 = "mp.relu"(%x)\n{RET}'))
+    r = cli("opt", src)
+    assert r.rc == 1
+    assert r.err == (f"{src}:2:21: error: expected ':', '{{'; found 'return' on line 3\n"
+                     f'  %0 = "mp.relu"(%x)\n' + " " * 20 + "^\n")
+
+
+# ---- the same refusal from every command ------------------------------------------------------
+
+HUGE = "tensor<1180591620717411303424xf32>"
+
+
+@pytest.mark.parametrize("command", [["opt"], ["report"], ["run", "--random-inputs"],
+                                     ["export", "--format", "onnx", "-o", "OUT"]])
+def test_tensor_with_too_many_elements_is_refused_at_its_type_by_every_command(
+        command, cli, tmp_path):
+    src = tmp_path / "huge.ir"
+    src.write_text(f"func.func @f(%x: {HUGE}) -> {HUGE} {{\n  return %x : {HUGE}\n}}\n")
+    out = tmp_path / "out.onnx"
+    args = [str(out) if a == "OUT" else a for a in command]
+    r = cli(args[0], src, *args[1:])
+    assert r.rc == 1
+    assert r.err.startswith(f"{src}:1:18: error: {HUGE} has more than 1152921504606846975 "
+                            "(2^60 - 1) elements")
+    assert "internal error" not in r.err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["run", "--random-inputs"],
+                                     ["export", "--format", "onnx", "-o", "OUT"]])
+def test_nul_byte_in_mp_weights_is_a_located_error(command, cli, tmp_path):
+    src = tmp_path / "nul.ir"
+    src.write_text('module attributes {mp.weights = "w\\00.npz"} {\n'
+                   '  func.func @f() -> tensor<2xf32> {\n'
+                   '    %0 = mp.constant {name = "w"} : () -> tensor<2xf32>\n'
+                   '    return %0 : tensor<2xf32>\n  }\n}\n')
+    out = tmp_path / "out.onnx"
+    args = [str(out) if a == "OUT" else a for a in command]
+    r = cli(args[0], src, *args[1:])
+    assert r.rc == 1
+    assert r.err.startswith(f"{src}:1:1: error: mp.weights 'w\\x00.npz' contains a NUL byte, "
+                            "which no file path can\n")
+
+
+def test_verifier_refuses_a_tensor_type_built_too_large_through_the_api():
+    f = Function("f", Location("m.ir", 1, 1))
+    x = f.add_arg("x", tensor((2 ** 40, 2 ** 30), "f32"), Location("m.ir", 1, 14))
+    f.append_op("return", [(x, 0)], {}, [], loc=Location("m.ir", 2, 3))
+    f.result_types = [tensor((2 ** 40, 2 ** 30), "f32")]
+    with pytest.raises(DiagnosticError) as e:
+        verify(Module(functions={"f": f}))
+    [d] = e.value.diagnostics
+    assert str(d.loc) == "m.ir:1:14"
+    assert d.message == ("tensor<1099511627776x1073741824xf32> has more than 1152921504606846975 "
+                         "(2^60 - 1) elements, the most whose values (8 bytes each) a 64-bit "
+                         "machine can address")
+
+
+def test_run_refuses_an_i8_constant_it_would_have_computed_as_int64(cli, tmp_path):
+    # Before, `run` returned an "i8" result [90 335] of dtype int64 for this module.
+    src = tmp_path / "i8.ir"
+    src.write_text(func_ir("%c = mp.constant {value = dense<[1, 300]> : tensor<2xi8>} : () -> "
+                           "tensor<2xi8>\n%0 = mp.add %x, %c : (tensor<2xi8>, tensor<2xi8>) -> "
+                           "tensor<2xi8>\nreturn %0 : tensor<2xi8>",
+                           args="%x: tensor<2xi8>", result="tensor<2xi8>"))
+    r = cli("run", src, "--random-inputs")
+    assert r.rc == 1
+    assert r.err.startswith(f"{src}:2:39: error: integer value 300 is out of range for i8 "
+                            "(range [-128, 127])\n")

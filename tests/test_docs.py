@@ -12,11 +12,12 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower import docgen
 from mplower.cli.main import main as cli_main
-from mplower.dialect.mp import OPS
 from mplower.ir import expected
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.opdef import OPS
 from mplower.ir.parser import parse
 from mplower.ir.verifier import verify
 from mplower.lowering.calibration import range_of

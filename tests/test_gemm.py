@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from conftest import sequential_matmul
 
-from mplower.dialect.mp import OPS, check_attrs
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.numerics.gemm import SERIAL_BELOW, matmul
 
 ROOT = Path(__file__).resolve().parent.parent

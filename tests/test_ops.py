@@ -13,7 +13,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from mplower.dialect.mp import (
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.opdef import (
     OPS,
     OpError,
     attr_array,

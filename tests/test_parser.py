@@ -9,13 +9,16 @@ lines below are parsed both ways and compared, and the fast path is checked to b
 from __future__ import annotations
 
 import math
+import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import EXAMPLES, func_ir, general_path, parse_general, roundtrip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mplower.ir.parser as parser_module
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import ARG, RETURN
 from mplower.ir.parser import _IRLexer, parse, split_source
@@ -164,6 +167,7 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+T2 = "(tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>"
 VALUE_COL = len("  %0 = mp.relu %x {x.v = ") + 1  # where _attr_line's value starts
 
 
@@ -285,12 +289,140 @@ def test_dense_hex_elements_are_bit_patterns_inside_a_list():
     ("dense<> : tensor<2xf32>", "empty dense literal for tensor<2xf32> with 2 elements"),
     ('dense<["a"]> : tensor<1xf32>', "bad element in dense literal of tensor<1xf32>"),
     ("dense<1.0> : f32", "dense attribute needs a tensor type"),
-    ("dense<[0x7FC00000]> : tensor<1xf16>", "hexadecimal float constant out of range for f16"),
 ])
 def test_bad_dense_literal_is_located_at_dense(text, message):
     line, col, msg = _error(func_ir(_attr_line(text)))
     assert (line, col) == (2, VALUE_COL)
     assert message in msg
+
+
+# (dense literal, the bad element's text, message): each is refused at the element itself.
+BAD_DENSE_ELEMENTS = [
+    ("dense<[1, 300]> : tensor<2xi8>", "300",
+     "integer value 300 is out of range for i8 (range [-128, 127])"),
+    ("dense<[[0, 1], [-129, 0]]> : tensor<2x2xi8>", "-129",
+     "integer value -129 is out of range for i8 (range [-128, 127])"),
+    ("dense<[255, 256]> : tensor<2xui8>", "256",
+     "integer value 256 is out of range for ui8 (range [0, 255])"),
+    ("dense<[7, 8]> : tensor<2xi4>", "8", "integer value 8 is out of range for i4 (range [-8, 7])"),
+    ("dense<[1, 2]> : tensor<2xi1>", "2", "integer value 2 is out of range for i1 (range [0, 1])"),
+    ("dense<[1, 99999999999999999999999]> : tensor<2xi32>", "99999999999999999999999",
+     "integer value 99999999999999999999999 is out of range for i32"),
+    ("dense<-9223372036854775809> : tensor<2xi32>", "-9223372036854775809",
+     "integer value -9223372036854775809 is out of range for i32"),
+    ("dense<[1, 2.5]> : tensor<2xi32>", "2.5", ("expected an integer element for tensor<2xi32>, "
+                                              "got 2.5")),
+    ("dense<[1, 1e400]> : tensor<2xi32>", "1e400", "1e400 is out of range for f64"),
+    ("dense<[1.0, 3.5e38]> : tensor<2xf32>", "3.5e38",
+     ("3.5e38 is out of range for f32 (largest finite value 3.4028235e+38); an infinity is "
+     "written 0x7F800000 : f32")),
+    ("dense<[1.0, 65520.0]> : tensor<2xf16>", "65520.0", "65520.0 is out of range for f16"),
+    ("dense<[1.0, 500.0]> : tensor<2xf8E4M3FN>", "500.0",
+     "500.0 is out of range for f8E4M3FN (largest finite value 448)"),
+    ("dense<[1, 100000]> : tensor<2xf16>", "100000", "100000 is out of range for f16"),
+    ("dense<[0x7FC00000]> : tensor<1xf16>", "0x7FC00000",
+     "hexadecimal float constant out of range for f16"),
+]
+
+
+@pytest.mark.parametrize("text, bad, message", BAD_DENSE_ELEMENTS,
+                         ids=[t for t, _, _ in BAD_DENSE_ELEMENTS])
+def test_dense_element_out_of_range_is_a_located_error_at_the_element(text, bad, message):
+    col = VALUE_COL + text.index(bad, len("dense<"))
+    for general in (False, True):
+        line, c, msg = _error(func_ir(_attr_line(text)), general)
+        assert (line, c) == (2, col)
+        assert msg.startswith(message), msg
+
+
+def test_dense_element_on_a_later_line_is_located_on_its_line():
+    text = func_ir("%0 = mp.relu %x {x.v = dense<[1,\n   2, 300]> : tensor<3xi8>} : "
+                   "(tensor<2x3xf32>) -> tensor<2x3xf32>\nreturn %0 : tensor<2x3xf32>")
+    assert _error(text) == (3, 9, "integer value 300 is out of range for i8 (range [-128, 127])")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("3.5e38 : f32", ("3.5e38 is out of range for f32 (largest finite value 3.4028235e+38); an "
+                     "infinity is written 0x7F800000 : f32")),
+    ("-70000.0 : f16", ("-70000.0 is out of range for f16 (largest finite value 65504); an "
+                       "infinity is written 0x7C00 : f16")),
+    ("3.3962e38 : bf16", "3.3962e38 is out of range for bf16"),
+    ("464.5 : f8E4M3FN", "464.5 is out of range for f8E4M3FN (largest finite value 448)"),
+    ("1e400", ("1e400 is out of range for f64 (largest finite value 1.7976931e+308); an "
+              "infinity is written 0x7FF0000000000000 : f64")),
+    ("-1.0e309 : f64", "-1.0e309 is out of range for f64"),
+])
+def test_float_attribute_out_of_range_is_a_located_error(value, message):
+    for general in (False, True):  # the scalar alone takes the fast path; in a list, the grammar
+        text = value if not general else f"[{value}]"
+        line, col, msg = _error(func_ir(_attr_line(text)))
+        assert (line, col) == (2, VALUE_COL + general)
+        assert msg.startswith(message), msg
+
+
+def test_float_attribute_at_the_edge_of_its_range_keeps_its_value():
+    # Up to half a step past the largest value rounds back to it (ties to even: f16's 65520
+    # goes to inf, f8E4M3FN's 464 to 448); numpy and ml_dtypes agree.
+    for value, elem in [("65519.99", "f16"), ("464.0", "f8E4M3FN"), ("3.4028235e38", "f32")]:
+        f, node = _single_op(func_ir(_attr_line(f"{value} : {elem}")))
+        assert f.attrs_of(node)["x.v"] == TypedFloat(float(value), elem)
+        dtype = {"f16": np.float16, "f32": np.float32,
+                 "f8E4M3FN": ml_dtypes.float8_e4m3fn}[elem]
+        assert np.isfinite(float(np.float32(value).astype(dtype)))
+
+
+@pytest.mark.parametrize("where", ["attr", "list", "typed"])
+def test_integer_longer_than_4300_digits_is_a_located_error(where):
+    digits = "7" * 4400
+    value = {"attr": digits, "list": f"[{digits}]", "typed": f"{digits} : i64"}[where]
+    line, col, msg = _error(func_ir(_attr_line(value)))
+    assert (line, col) == (2, VALUE_COL + (where == "list"))
+    assert msg == ("integer literal has 4400 digits; at most 4300 are supported (write larger "
+                   "values in hexadecimal)")
+
+
+def test_integer_past_the_decimal_limit_round_trips_in_hexadecimal():
+    big = 7 ** 6000  # 5071 decimal digits
+    f, node = _single_op(func_ir(_attr_line(hex(big))))
+    assert f.attrs_of(node)["x.v"] == big
+    printed = roundtrip(func_ir(_attr_line(hex(big))))
+    assert f"x.v = {hex(big)}" in printed
+    assert roundtrip(printed) == printed
+
+
+@pytest.mark.parametrize("count, message", [
+    ("9" * 4400, ("result count 9999999999999999999999999999999999999... is too large "
+                 "(at most 4294967295)")),
+    ("4294967296", "result count 4294967296 is too large (at most 4294967295)"),
+])
+def test_huge_result_count_is_a_located_error(count, message):
+    for op in ('"x.split"(%x)', "x.split %x"):  # fast and general path
+        text = func_ir(f"%r:{count} = {op} : (tensor<2x3xf32>) -> tensor<2x3xf32>\n"
+                       "return %x : tensor<2x3xf32>")
+        assert _error(text) == (2, 3, message)
+        assert _error(text, general=True) == (2, 3, message)
+
+
+@pytest.mark.parametrize("t, message", [
+    ("tensor<" + "1x" * 65 + "f32>", "has 65 dimensions; at most 64 are supported"),
+    ("tensor<1180591620717411303424xf32>",
+     "has more than 1152921504606846975 (2^60 - 1) elements"),
+    ("tensor<" + "9" * 5000 + "xf32>", "has more than 1152921504606846975 (2^60 - 1) elements"),
+    ("tensor<1073741824x1073741824xi8>", "has more than 1152921504606846975 (2^60 - 1) elements"),
+    ("tensor<0x1180591620717411303424xf32>",
+     "has more than 1152921504606846975 (2^60 - 1) elements"),
+])
+def test_tensor_type_too_large_is_a_located_error(t, message):
+    text = func_ir("return %x : tensor<2x3xf32>", args=f"%y: {t}, %x: tensor<2x3xf32>")
+    line, col, msg = _error(text)
+    assert (line, col) == (1, len("func.func @f(%y: ") + 1)
+    assert message in msg
+
+
+def test_largest_tensor_type_parses():
+    t = "tensor<1152921504606846975xi8>"
+    m = parse(func_ir("return %x : tensor<2x3xf32>", args=f"%y: {t}, %x: tensor<2x3xf32>"))
+    assert m.function().graph.nodes[m.function().args[0]]["types"][0].size == 2 ** 60 - 1
 
 
 def test_attribute_nesting_deeper_than_the_limit_is_a_located_error():
@@ -580,6 +712,30 @@ def test_two_modules_in_one_file_is_an_error_at_the_second():
         3, 1, "a file holds either one module or bare functions")
 
 
+def test_cr_only_line_endings_are_line_breaks():
+    text = ("// a model saved with old Mac line endings\n" + func_ir(
+        "%0 = mp.relu %x : (tensor<2x3xf32>) -> tensor<2x3xf32>\nreturn %0 : tensor<2x3xf32>"))
+    assert roundtrip(text.replace("\n", "\r")) == roundtrip(text)
+    assert len(parse(text.replace("\n", "\r")).function().ops()) == 2
+    bad = text.replace("relu %x", "relu %y").replace("\n", "\r")
+    assert _error(bad) == (3, 16, "use of undefined value '%y'")
+
+
+def test_missing_token_at_the_end_of_a_line_is_reported_after_the_previous_token():
+    text = func_ir('%0 = "mp.relu"(%x)  // a comment: "here"\n\nreturn %0 : tensor<2x3xf32>')
+    assert _error(text) == (2, 21, "expected ':', '{'; found 'return' on line 4")
+    # On the same line the unexpected token itself is the place.
+    text = func_ir('%0 = "mp.relu"(%x) return\nreturn %0 : tensor<2x3xf32>')
+    assert _error(text) == (2, 22, "unexpected 'return'; expected ':', '{'")
+
+
+def test_end_of_file_is_reported_after_the_last_token_not_a_trailing_comment():
+    text = 'func.func @f(%x: tensor<2x3xf32>) -> tensor<2x3xf32> {\n  return %x\n// end\n'
+    line, col, msg = _error(text)
+    assert (line, col) == (2, 12)
+    assert msg.startswith("unexpected end of file")
+
+
 def test_crlf_line_endings_parse_like_lf():
     text = func_ir("%0 = mp.relu %x {x.a = 1} : (tensor<2x3xf32>) -> tensor<2x3xf32>\n"
                    "return %0 : tensor<2x3xf32>")
@@ -628,6 +784,30 @@ def test_long_string_attribute_parses_on_both_paths():
     for m in (parse(text), parse_general(text)):
         f = m.function()
         assert f.attrs_of(f.ops()[0])["x.v"] == 'ab"' * 500_000
+
+
+def test_fast_path_patterns_never_give_whitespace_back():
+    # A `\s*` that can give back spaces to another `\s*` after it makes a failed match of a
+    # line with n spaces cost O(n^2): 128k spaces before an attribute dictionary took 19 s.
+    # (No timing here: benchmarks/frontend.py --error-paths measures it.)
+    for name in ("_SIMPLE_OP", "_TYPES", "_VALS", "_FUNCTYPE", "_SIMPLE_ATTRS"):
+        pattern = getattr(parser_module, name)
+        assert re.findall(r"\\s[*+](?!\+)", pattern) == [], name
+    assert re.findall(r"\\s[*+](?!\+)", parser_module._ENTRY_RE.pattern) == []
+
+
+@pytest.mark.parametrize("where", ["before-attributes", "between-operands", "in-attributes",
+                                   "before-type"])
+def test_long_runs_of_spaces_parse_the_same_on_both_paths(where):
+    sp = " " * 128_000
+    line = {"before-attributes": f"%0 = mp.add %x, %x{sp}{{x.a = [1]}} : {T2}",
+            "between-operands": f"%0 = mp.add %x,{sp}%x {{x.a = 1}} : {T2}",
+            "in-attributes": f"%0 = mp.add %x, %x {{x.a = 1{sp}, x.b = [2]}} : {T2}",
+            "before-type": f"%0 = mp.add %x, %x {{x.a = 1}}{sp}: {T2}"}[where]
+    text = func_ir(f"{line}\nreturn %0 : tensor<2x3xf32>")
+    printed = print_module(parse(text))
+    assert printed == print_module(parse_general(text))
+    assert "%0 = mp.add %x, %x {x.a = " in printed
 
 
 def test_split_source_keeps_line_offsets():

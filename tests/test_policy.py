@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from mplower.dialect.mp import ACCUMULATING, COMPUTE_HEAVY
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
 from mplower.lowering.policy import (
-    ACCUMULATING,
     ALLOW_LIST,
-    COMPUTE_HEAVY,
     DENY_LIST,
     KEEP_FIRST_LAST,
     NOT_LISTED,

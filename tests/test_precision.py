@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mplower.cli.main import main
-from mplower.dialect.mp import attr_type
 from mplower.ir.graph import Module
+from mplower.ir.opdef import attr_type
 from mplower.ir.parser import parse, parse_file
 from mplower.ir.printer import print_module
 from mplower.numerics.formats import represents

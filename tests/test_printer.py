@@ -119,6 +119,29 @@ def test_dense_spelling_nested_splat_and_non_finite(array, t, text):
     assert f.attrs_of(f.ops()[0])["x.d"] == attr
 
 
+@pytest.mark.parametrize("value, text", [
+    (TypedFloat(1e300, "f32"), "0x7F800000 : f32"),
+    (TypedFloat(-70000.0, "f16"), "0xFC00 : f16"),
+    (TypedFloat(500.0, "f8E4M3FN"), "0x7F : f8E4M3FN"),  # no infinity: NaN, as a cast gives
+    (TypedFloat(65519.0, "f16"), "65519.0 : f16"),  # rounds back to 65504: in range
+    (DenseAttr(np.array([1.0, 3.4e38], np.float32), tensor((2,), "bf16")),
+     "dense<[1.0, 0x7F80]> : tensor<2xbf16>"),
+])
+def test_api_built_float_past_its_type_prints_as_what_the_type_holds(value, text):
+    # The parser refuses such a decimal; the type holds an infinity, and that is what prints.
+    assert attr_to_str(value) == text
+    f = parse(func_ir(f"%0 = mp.relu %x {{x.v = {text}}} : (tensor<2x3xf32>) -> tensor<2x3xf32>\n"
+                      "return %0 : tensor<2x3xf32>")).function()
+    assert attr_to_str(f.attrs_of(f.ops()[0])["x.v"]) == text
+
+
+def test_integer_past_the_decimal_limit_prints_in_hexadecimal():
+    big = 3 ** 10000  # 4772 decimal digits: str() refuses it
+    assert attr_to_str(big) == hex(big)
+    assert attr_to_str(-big) == "-" + hex(big)
+    assert attr_to_str((1, 10 ** 4299)) == f"[1, {10 ** 4299}]"
+
+
 @pytest.mark.parametrize("name, text", [
     ("a", "a"), ("mp.precision", "mp.precision"), ("_x$1", "_x$1"),
     ("a b", '"a b"'), ("1st", '"1st"'), ("", '""'), ("q\"", '"q\\""'),

@@ -14,8 +14,8 @@ import pytest
 from mplower.passes.insert_casts import materialize
 
 from mplower.backend.executor import Program, reference_runner
-from mplower.dialect.mp import attr_array
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.opdef import attr_array
 from mplower.ir.parser import parse_file
 from mplower.ir.printer import print_module
 from mplower.lowering.calibration import dense_f32

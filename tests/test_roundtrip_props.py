@@ -6,6 +6,9 @@ and random discardable attributes of every kind. Result shapes are computed here
 with the op definitions, so that verification checks the ops' shape rules too. Each program is
 written as text (custom or generic form per op) and built through the Function API; attribute
 texts are spelled here, independently of the printer, next to the value they must parse to.
+Literals a type cannot hold (integers longer than Python converts, floats past a type's range,
+dense elements outside their element type) must be refused where they are written, on both
+parse paths. `HYPOTHESIS_PROFILE=deep` runs every property at 5,000 examples (conftest.py).
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
-from conftest import parse_general
+import pytest
+from conftest import examples, func_ir, parse_general
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
@@ -35,7 +41,7 @@ from mplower.ir.types import (
 from mplower.ir.verifier import verify
 from mplower.pass_manager import PassManager, parse_pipeline
 
-SETTINGS = settings(max_examples=120, deadline=None,
+SETTINGS = settings(max_examples=examples(120), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -97,16 +103,28 @@ NON_FINITE = [  # (bits text, type, value), spelled at the type's width as MLIR 
     ("0x7F", "f8E4M3FN", math.nan), ("0x7C", "f8E5M2", math.inf),
 ]
 FLOAT_TYPES = ("f64", "f32", "tf32", "f16", "bf16", "f8E4M3FN", "f8E5M2")
+# Each float type's numpy (ml_dtypes) dtype, the reference for what it can hold; TF32 has none:
+# it is f32's exponent with 10 fraction bits, so its largest value is (2 - 2^-10) * 2^127.
+FLOAT_DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16,
+                "bf16": ml_dtypes.bfloat16, "f8E4M3FN": ml_dtypes.float8_e4m3fn,
+                "f8E5M2": ml_dtypes.float8_e5m2}
+FLOAT_MAX = {t: float(ml_dtypes.finfo(d).max) for t, d in FLOAT_DTYPES.items()} | {
+    "tf32": (2 - 2 ** -10) * 2.0 ** 127}
 finite = st.floats(allow_nan=False, allow_infinity=False)
+INT_DIGITS = 4300  # Python's default limit on decimal int conversions (sys.int_max_str_digits)
 
 scalar_attrs = st.one_of(
     st.integers(-2 ** 40, 2 ** 40).map(lambda i: (str(i), i)),
+    st.integers(-2 ** 200, 2 ** 200).map(lambda i: (str(i), i)),  # past 2^64: no fixed width
     st.integers(0, 2 ** 31).map(lambda i: (hex(i), i)),
+    # Past the decimal limit an integer is written (and printed) in hexadecimal.
+    st.tuples(st.integers(10 ** INT_DIGITS, 2 ** 14400), st.booleans()).map(
+        lambda p: (hex(-p[0]) if p[1] else hex(p[0]), -p[0] if p[1] else p[0])),
     st.tuples(st.integers(-128, 127), st.sampled_from(("i8", "i32", "i64", "index"))).map(
         lambda p: (f"{p[0]} : {p[1]}", TypedInt(*p))),
     finite.map(lambda x: (_float_text(x), x)),
-    st.tuples(finite, st.sampled_from(FLOAT_TYPES)).map(
-        lambda p: (f"{_float_text(p[0])} : {p[1]}", TypedFloat(*p))),
+    st.sampled_from(FLOAT_TYPES).flatmap(lambda t: st.floats(-FLOAT_MAX[t], FLOAT_MAX[t]).map(
+        lambda x: (f"{_float_text(x)} : {t}", TypedFloat(x, t)))),
     st.sampled_from(NON_FINITE).map(lambda p: (f"{p[0]} : {p[1]}", TypedFloat(p[2], p[1]))),
     strings(),
     st.sampled_from([("true", True), ("false", False)]),
@@ -406,7 +424,7 @@ def test_generic_form_reparses_to_the_same_custom_print(p):
     assert print_module(parse(generic), generic=True) == generic
 
 
-@settings(SETTINGS, max_examples=80)
+@settings(SETTINGS, max_examples=examples(80))
 @given(programs())
 def test_canonicalize_output_verifies_and_is_idempotent(p):
     m = parse(to_text(p))
@@ -418,7 +436,7 @@ def test_canonicalize_output_verifies_and_is_idempotent(p):
     assert _run(again, "canonicalize") == once
 
 
-@settings(SETTINGS, max_examples=80)
+@settings(SETTINGS, max_examples=examples(80))
 @given(programs(), st.sampled_from(["dce", "cse", "cse,dce"]))
 def test_dce_and_cse_are_idempotent(p, pipeline):
     m = parse(to_text(p))
@@ -429,3 +447,75 @@ def test_dce_and_cse_are_idempotent(p, pipeline):
     if "dce" in pipeline:  # every op left is used by something
         f = m.function()
         assert all(f.has_uses(n) for n in f.ops()[:-1]), dead_free
+
+
+# ---- literals a type cannot hold -------------------------------------------------------------
+
+INT_TYPES = {"i8": np.int8, "ui8": np.uint8, "i32": np.int32, "i4": ml_dtypes.int4}
+
+
+def _int_range(elem: str) -> tuple[int, int]:
+    if elem == "i1":
+        return 0, 1
+    info = (ml_dtypes.iinfo if elem == "i4" else np.iinfo)(INT_TYPES[elem])
+    return int(info.min), int(info.max)
+
+
+def _too_big(t: str):
+    """Finite values the float type `t` cannot hold: past its largest value by more than the
+    rounding margin (half a step at the top is at most 1/14 of the largest value, f8E5M2's)."""
+    return st.floats(1.25 * FLOAT_MAX[t], FLOAT_MAX["f64"]).flatmap(
+        lambda x: st.sampled_from([x, -x]))
+
+
+@st.composite
+def bad_literals(draw) -> tuple[str, int, str]:
+    """(attribute text, offset of the bad literal in it, start of the expected message)."""
+    kind = draw(st.sampled_from(("long-int", "typed-float", "dense-int", "dense-float")))
+    if kind == "long-int":
+        digits = draw(st.integers(INT_DIGITS + 1, INT_DIGITS + 200))
+        sign = draw(st.sampled_from(["", "-"]))
+        text = sign + "1" + "0" * (digits - 1)
+        before = draw(st.sampled_from(["", "[", "[1, "]))  # an array goes the general path
+        return (before + text + ("]" if before else ""), len(before),
+                f"integer literal has {digits} digits; at most {INT_DIGITS} are supported")
+    if kind == "typed-float":
+        t = draw(st.sampled_from(FLOAT_TYPES[1:]))  # any finite double is an f64
+        x = draw(_too_big(t))
+        if t in FLOAT_DTYPES:  # the reference agrees that the type cannot hold it
+            with np.errstate(over="ignore"):
+                assert not np.isfinite(float(np.array(x).astype(np.float32).astype(
+                    FLOAT_DTYPES[t])))
+        return f"{_float_text(x)} : {t}", 0, f"{_float_text(x)} is out of range for {t}"
+    n = draw(st.integers(1, 6))
+    at = draw(st.integers(0, n - 1))
+    if kind == "dense-int":
+        elem = draw(st.sampled_from(["i8", "ui8", "i32", "i4", "i1"]))
+        lo, hi = _int_range(elem)
+        vals = [str(v) for v in draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))]
+        bad = draw(st.one_of(st.integers(hi + 1, 2 ** 70), st.integers(-2 ** 70, lo - 1)))
+        vals[at] = str(bad)
+        msg = f"integer value {bad} is out of range for {elem} (range [{lo}, {hi}])"
+    else:
+        elem = draw(st.sampled_from(["f32", "f16", "bf16", "f8E4M3FN", "f8E5M2"]))
+        vals = [_float_text(v) for v in draw(st.lists(
+            st.floats(-FLOAT_MAX[elem], FLOAT_MAX[elem]), min_size=n, max_size=n))]
+        vals[at] = _float_text(draw(_too_big(elem)))
+        msg = f"{vals[at]} is out of range for {elem}"
+    head = "dense<["
+    offset = len(head) + sum(len(v) + 2 for v in vals[:at])
+    return f"{head}{', '.join(vals)}]> : tensor<{n}x{elem}>", offset, msg
+
+
+@settings(SETTINGS, max_examples=examples(120))
+@given(bad_literals(), st.booleans())
+def test_a_literal_its_type_cannot_hold_is_refused_where_it_is_written(bad, general):
+    text, offset, message = bad
+    prefix = "%0 = mp.relu %x {x.v = "
+    src = func_ir(f"{prefix}{text}}} : (tensor<2x3xf32>) -> tensor<2x3xf32>\n"
+                  "return %0 : tensor<2x3xf32>")
+    with pytest.raises(DiagnosticError) as e:
+        parse_general(src) if general else parse(src)
+    d = e.value.diagnostics[0]
+    assert (d.loc.line, d.loc.col) == (2, len("  " + prefix) + offset + 1)
+    assert d.message.startswith(message), d.message

@@ -19,7 +19,6 @@ from mplower.backend.executor import Program
 from mplower.backend.sparse import (
     compress_2_4,
     matmul_2_4,
-    reality_check,
     sparse_runner,
     spmm_csr,
     spmm_csr_t,
@@ -51,6 +50,7 @@ from mplower.lowering.target import (
     load_target,
 )
 from mplower.pass_manager import PassContext, PassManager, PipelineError, parse_pipeline
+from mplower.report.sparse import reality_check
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "ir_examples"

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mplower.dialect.mp import OPS
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.opdef import OPS
 from mplower.ir.types import ENCODINGS
 from mplower.lowering.target import (
     COMPUTE_FORMATS,

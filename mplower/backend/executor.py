@@ -24,7 +24,6 @@ operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,29 +31,24 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.sparse import sparse_runner
-from mplower.dialect.mp import OPS, OpError, _pad_hw, _windows, attr_array, attr_type, check_attrs
+from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
 from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
+from mplower.ir.opdef import OPS, OpError, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import matmul
+from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
+from mplower.numerics.windows import conv_windows, pad_hw
 from mplower.passes.insert_casts import check_materialized
 
 NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()
-CONTRACTIONS = ("mp.matmul", "mp.conv2d")
-CONVERSIONS = ("mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant")
-# Ops whose results are operand values (or their negations): on operands of the result's format
-# there is nothing to round, so the backend skips the rounding pass. (Not max_pool2d: a window
-# of padding alone yields -inf, which f8E4M3FN cannot hold.)
-VALUE_PRESERVING = frozenset({
-    "mp.reshape", "mp.transpose", "mp.slice", "mp.concat", "mp.flatten", "mp.maximum",
-    "mp.minimum", "mp.relu", "mp.neg", "mp.reduce_max"})
 # An integer sum stays exact in a float accumulator while every partial sum is below 2^(p+1)
 # for a p-bit mantissa: f32 BLAS takes i8 x i8 up to K = 2^24 / 2^14 = 1024, f64 up to 2^39.
 _F32_EXACT = 2.0 ** 24
@@ -530,8 +524,8 @@ def _conv_f16_kernel(attrs: dict, out_t: TensorType) -> Kernel:
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         x, w = _f32(xs[0]), _f32(xs[1])
         n, (o, cg, kh, kw), g = x.shape[0], w.shape, attrs["groups"]
-        win = _windows(_pad_hw(x, attrs["padding"]), (kh, kw), attrs["strides"],
-                       attrs["dilations"])
+        win = conv_windows(pad_hw(x, attrs["padding"]), (kh, kw), attrs["strides"],
+                           attrs["dilations"])
         ho, wo = win.shape[2:4]
         cols = (win.reshape(n, g, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
                 .reshape(n, g, ho * wo, cg * kh * kw))
@@ -545,41 +539,6 @@ def _conv_f16_kernel(attrs: dict, out_t: TensorType) -> Kernel:
         y, counts = _finish(y, elem)
         return y, Counts(overflow) + (counts or _nan_counts(y))
     return run
-
-
-@dataclass(frozen=True)
-class Drift:
-    """How far a result is from its fp32 reference (see `drift`)."""
-
-    rel_l2: float
-    sqnr_db: float
-    max_abs: float
-    nonfinite_mismatch: int
-
-
-def drift(y: np.ndarray, ref: np.ndarray) -> Drift:
-    """rel_l2 = ||y - ref|| / ||ref||, SQNR and max |y - ref| in float64, over the positions
-    where both are finite; a position where the two are the same non-finite value (the -inf
-    of an attention mask in both) takes no part. Any other position with a non-finite value
-    (finite in one and not the other, -inf against NaN, ...) is a non-finite mismatch: it is
-    counted, and the drift is infinite (rel_l2 = max_abs = inf, SQNR = -inf)."""
-    r = ref.astype(np.float64)
-    with np.errstate(invalid="ignore"):  # inf - inf: a NaN that is looked at below
-        diff = y.astype(np.float64) - r
-    mismatch = 0
-    if not np.all(np.isfinite(diff)):  # one pass for the common all-finite case
-        y64 = y.astype(np.float64)
-        same = (y64 == r) | (np.isnan(y64) & np.isnan(r))
-        mismatch = int(np.count_nonzero(~np.isfinite(diff) & ~same))
-        if mismatch:
-            return Drift(math.inf, -math.inf, math.inf, mismatch)
-        keep = np.isfinite(diff)
-        r, diff = r[keep], diff[keep]
-    signal = float(np.sum(r * r))
-    noise = float(np.sum(diff * diff))
-    rel = float(np.sqrt(noise / signal)) if signal > 0 else (0.0 if noise == 0 else math.inf)
-    sqnr = float(10 * np.log10(signal / noise)) if noise > 0 else math.inf
-    return Drift(rel, sqnr, float(np.max(np.abs(diff))) if diff.size else 0.0, mismatch)
 
 
 def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:

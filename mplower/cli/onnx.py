@@ -10,9 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from mplower.cli.common import EXIT_OK, UsageError, input_name, read_module, write_atomic
 
-def register(sub) -> None:
-    p = sub.add_parser("import", help="import an ONNX model as IR (weights to an .npz beside it)",
+
+def add_import(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="import an ONNX model as IR (weights to an .npz beside it)",
                        description="Convert an ONNX model (opset 9 and up) to an mplower module "
                                    "with static shapes; large constants go to OUT.npz beside "
                                    "the IR.")
@@ -23,9 +25,11 @@ def register(sub) -> None:
                         "default: a dynamic batch dimension becomes 1)")
     p.add_argument("--outputs", metavar="NAME,...",
                    help="keep only these graph outputs, and only the nodes that feed them")
-    p.set_defaults(handler=cmd_import)
+    return p
 
-    e = sub.add_parser("export", help="export a (lowered) module as an ONNX model",
+
+def add_export(sub, name: str) -> argparse.ArgumentParser:
+    e = sub.add_parser(name, help="export a (lowered) module as an ONNX model",
                        description="Write an ONNX model that computes what mplower's executor "
                                    "computes: narrow formats as Cast nodes, int8 as "
                                    "QuantizeLinear/DequantizeLinear, weights as initializers. "
@@ -40,13 +44,12 @@ def register(sub) -> None:
                    help="keep bf16/fp8/i4 graph inputs and outputs in their own types (by "
                         "default they are exchanged as FLOAT/INT8, which onnxruntime's Python "
                         "API can feed and fetch)")
-    e.set_defaults(handler=cmd_export)
+    return e
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from mplower.cli.main import EXIT_OK, UsageError
     from mplower.io.atomic import atomic_output
     from mplower.ir.diagnostics import DiagnosticError, Location
     from mplower.ir.printer import print_module
@@ -86,20 +89,11 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mplower.cli.main import EXIT_OK, read_input
-    from mplower.io.atomic import atomic_output
     from mplower.ir.diagnostics import DiagnosticError, Location
-    from mplower.ir.parser import parse
-    from mplower.ir.verifier import verify
     from mplower.onnx.exporter import check_and_serialize, export_module
     from mplower.passes.insert_casts import materialize
 
-    text, name = read_input(args.input)
-    args._source = text
-    module = parse(text, name)
-    if name == "<stdin>":
-        module.path = str(Path.cwd() / "<stdin>")
-    verify(module)
+    module = read_module(args)
     try:
         module.function(args.func)
     except KeyError:
@@ -108,13 +102,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                                              f"has: {have})") from None
     materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
     exported = export_module(module, args.func, args.weights, args.narrow_io)
+    name = input_name(args.input)
     data = check_and_serialize(exported.model, Location(name, 0, 0))
-    try:
-        with atomic_output(args.output, "wb") as fh:
-            fh.write(data)
-    except OSError as e:
-        raise DiagnosticError.at(Location(args.output, 0, 0),
-                                 f"cannot write output: {e.strerror or e}") from None
+    write_atomic(args.output, lambda fh: fh.write(data))
     for note in exported.notes:
         sys.stderr.write(f"{name}: note: {note}\n")
     return EXIT_OK

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from mplower.cli.common import EXIT_OK, read_module, write_output
 
-def register(sub) -> None:
-    p = sub.add_parser("report", help="the precision policy sheet of a (lowered) module",
+
+def add_report(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="the precision policy sheet of a (lowered) module",
                        description="One row per op: compute format, accumulator, kernel, "
                                    "reason, FLOPs and modeled time on a target.")
     p.add_argument("input", help="IR file, or - for stdin")
@@ -15,27 +17,22 @@ def register(sub) -> None:
     p.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table")
     p.add_argument("--func", default=None, help="function to report (default: main or the only one)")
     p.add_argument("-o", dest="output", default="-", help="output file (default stdout)")
-    p.set_defaults(handler=cmd_report)
+    return p
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mplower.cli.main import read_input, write_output
-    from mplower.dialect.mp import OPS
+    import mplower.dialect  # noqa: F401  (registers the mp ops)
     from mplower.ir.diagnostics import Diagnostic, DiagnosticError
-    from mplower.ir.parser import parse
-    from mplower.ir.verifier import verify
+    from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
     from mplower.report.sheet import precision_sheet, render
 
-    text, name = read_input(args.input)
-    args._source = text
-    module = parse(text, name)
-    verify(module)
+    module = read_module(args)
     target = module_target(module, args.target, known_ops=OPS)
     try:
         sheet = precision_sheet(module, target, args.func)
     except KeyError as e:
         raise DiagnosticError(Diagnostic(module.loc, str(e).strip("'\""))) from None
     write_output(args.output, render(sheet, args.format))
-    return 0
+    return EXIT_OK
 

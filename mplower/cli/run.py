@@ -14,15 +14,21 @@ import argparse
 import math
 import sys
 import time
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from mplower.cli.common import (
+    EXIT_GUARDRAIL,
+    EXIT_OK,
+    UsageError,
+    read_module,
+    write_atomic,
+)
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # numpy loads when a command runs: `import mplower.cli.main` stays cheap
+    import numpy as np
+
     from mplower.ir.graph import Function
 
 
@@ -40,8 +46,8 @@ def _input_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--func", default=None, help="function to run (default: main or the only one)")
 
 
-def register(sub) -> None:
-    p = sub.add_parser("run", help="execute a lowered module beside its fp32 reference",
+def add_run(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="execute a lowered module beside its fp32 reference",
                        description="Run the lowered function and its fp32 reference side by "
                                    "side; report per-op fallbacks, overflow and drift. A plan "
                                    "that is only annotations gets insert-casts first.")
@@ -58,9 +64,11 @@ def register(sub) -> None:
                    help="name the smallest set of ops whose return to f32 meets the guardrails")
     p.add_argument("--guardrail", action="append", default=[], metavar="KEY=VALUE",
                    help="a guardrail, e.g. max_rel_l2=0.01 (overrides the policy sheet's)")
-    p.set_defaults(handler=cmd_run)
+    return p
 
-    b = sub.add_parser("bench", help="latency percentiles and inferences/s, measured and modeled",
+
+def add_bench(sub, name: str) -> argparse.ArgumentParser:
+    b = sub.add_parser(name, help="latency percentiles and inferences/s, measured and modeled",
                        description="Time the lowered plan on this CPU (emulated formats) and "
                                    "add the cost model's figures for a target. A plan that is "
                                    "only annotations gets insert-casts first.")
@@ -71,10 +79,12 @@ def register(sub) -> None:
                    help="target for the modeled figures (default: the module's mp.target, "
                         "else generic)")
     b.add_argument("--format", choices=("table", "json"), default="table")
-    b.set_defaults(handler=cmd_bench)
+    return b
 
 
 def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.ndarray:
+    import numpy as np
+
     from mplower.numerics.formats import FORMATS
 
     f = FORMATS[elem]
@@ -87,18 +97,13 @@ def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.n
 
 def _load(args: argparse.Namespace):
     """(module, program, input arrays) for the run and bench commands."""
+    import numpy as np
+
     from mplower.backend.executor import Program
-    from mplower.cli.main import read_input
     from mplower.io.weights import load_inputs
-    from mplower.ir.parser import parse
-    from mplower.ir.verifier import verify
     from mplower.passes.insert_casts import materialize
 
-    text, name = read_input(args.input)
-    args._source = text
-    module = parse(text, name)
-    module.path = str(Path.cwd() / "<stdin>") if name == "<stdin>" else name
-    verify(module)
+    module = read_module(args)
     materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
     program = Program(module, args.func, args.weights)
     if args.inputs:
@@ -111,7 +116,6 @@ def _load(args: argparse.Namespace):
 
 
 def _guardrail_flags(flags: list[str]) -> dict[str, float]:
-    from mplower.cli.main import UsageError
     from mplower.lowering.policy import GUARDRAIL_BOUNDS, GUARDRAILS
 
     limits: dict[str, float] = {}
@@ -150,19 +154,7 @@ def _policy_guardrails(module) -> dict[str, float]:
         raise
 
 
-def _write_atomic(path: str, write) -> None:
-    from mplower.io.atomic import atomic_output
-
-    try:
-        with atomic_output(path, "wb") as fh:
-            write(fh)
-    except OSError as e:
-        raise DiagnosticError.at(Location(path, 0, 0),
-                                 f"cannot write output: {e.strerror or e}") from None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from mplower.cli.main import EXIT_GUARDRAIL, EXIT_OK, UsageError
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
 
@@ -185,10 +177,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
     if args.save_outputs:
-        _write_atomic(args.save_outputs, lambda fh: _savez(fh, dict(zip(keys, result.outputs))))
+        write_atomic(args.save_outputs, lambda fh: _savez(fh, dict(zip(keys, result.outputs))))
     if args.report:
         text = render(report, "json").encode()
-        _write_atomic(args.report, lambda fh: fh.write(text))
+        write_atomic(args.report, lambda fh: fh.write(text))
     sys.stdout.write(shown)
     if args.check and report["summary"]["verdict"] != "pass":
         return EXIT_GUARDRAIL
@@ -219,6 +211,10 @@ def output_keys(f: Function, names: str) -> list[str]:
 def _savez(fh, arrays: dict[str, np.ndarray]) -> None:
     """np.savez, but any key works: np.savez(fh, **arrays) takes `file` and `allow_pickle`
     for its own parameters, and ONNX output names can be anything."""
+    import zipfile
+
+    import numpy as np
+
     with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for key, a in arrays.items():
             with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
@@ -232,8 +228,10 @@ def _finite(x: float) -> float | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from mplower.cli.main import EXIT_OK, UsageError
-    from mplower.dialect.mp import OPS
+    import numpy as np
+
+    import mplower.dialect  # noqa: F401  (registers the mp ops)
+    from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
     from mplower.report.sheet import precision_sheet
 

@@ -3,290 +3,36 @@
 An `OpDef` is the single place that knows an op: how many operands it takes, which attributes
 (with kinds and defaults), how its result types follow from its operands (`infer`), what it
 computes (`reference`, numpy, ONNX semantics where ONNX has the op), how many FLOPs it costs,
-and which compute precisions it may be lowered to. The verifier, the passes, the cost model and
-the backend all read these declarations; none of them re-derives an op's rules.
+which compute precisions it may be lowered to, and its traits (a contraction, a conversion, ...).
+The verifier, the passes, the cost model and the backend all read these declarations; none of
+them re-derives an op's rules, and the op categories they test for are computed from the traits
+at the end of this module. The machinery (`OpDef`, the registry, attribute checking) is the IR
+layer's (mplower.ir.opdef); importing this module registers the mp ops there.
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mplower.ir.types import (
-    ELEMENT_TYPES,
-    ENCODINGS,
-    DenseAttr,
-    TensorType,
-    TypeAttr,
-    TypedFloat,
-    TypedInt,
-    attr_to_str,
-    tensor,
-    value_dtype,
+from mplower.ir.opdef import (
+    OPS,
+    AttrSpec,
+    OpDef,
+    OpError,
+    Trait,
+    check_attr_values,
+    define,
+    ops_with,
+    show_value,
 )
-from mplower.numerics.formats import FLOATS, FORMATS
-
-
-class OpError(Exception):
-    """An op's operands, attributes or results break its rules.
-
-    `operand` names the operand index at fault where there is one, so that the diagnostic can
-    point at it; otherwise the diagnostic points at the op.
-    """
-
-    def __init__(self, message: str, operand: int | None = None):
-        super().__init__(message)
-        self.message = message
-        self.operand = operand
-
-
-@dataclass(frozen=True)
-class AttrSpec:
-    """kind: int, float, str, bool, ints, floats, type, dense, number (int or float, scalar or dense).
-
-    `min` bounds a numeric value (each entry of an array) from below; `length` fixes the number
-    of entries of an `ints`/`floats` array. Both are checked by `check_attrs`.
-    """
-
-    kind: str
-    required: bool = False
-    default: Any = None
-    choices: tuple = ()
-    min: float | None = None
-    length: int | None = None
-
-
-Infer = Callable[[Sequence[TensorType], Mapping[str, Any], Sequence[TensorType]], list[TensorType]]
-# reference(inputs, attrs, result_types=None): ops whose result is chosen by the writer (reshape,
-# cast, quantize, dequantize) need the declared result types and raise OpError without them.
-Reference = Callable[..., list[np.ndarray]]
-Flops = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], int]
-
-
-@dataclass(frozen=True)
-class OpDef:
-    name: str
-    min_operands: int
-    max_operands: int | None  # None: variadic
-    attrs: Mapping[str, AttrSpec]
-    # Result types implied by the operands and attributes. Ops whose result type is chosen by
-    # the writer (reshape's shape, cast's element type, matmul's accumulate-out type) receive the
-    # declared results and check them; raise OpError on any violation.
-    infer: Infer
-    reference: Reference
-    flops: Flops
-    precisions: frozenset[str]  # compute formats this op may be assigned
-    num_results: int = 1
-    pure: bool = True  # no side effects: dead if unused, CSE-able
-    elementwise: bool = False  # result[i] depends on operand[i] only (after broadcasting)
-    doc: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    # Operand names for docs and diagnostics; "bias?" is optional, "inputs..." variadic.
-    operand_names: tuple[str, ...] = ()
-
-    def bytes_moved(self, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
-        return sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
-
-
-OPS: dict[str, OpDef] = {}
-
-
-def define(op: OpDef) -> OpDef:
-    OPS[op.name] = op
-    return op
-
-
-# ---------------------------------------------------------------------------------------------
-# Attribute values
-#
-# The parser hands attributes over as written: `3` is an int, `3 : i64` a TypedInt, `[1, 2]` a
-# tuple, `bf16` a TypeAttr. The helpers below accept every spelling of a kind and return the
-# plain Python value; `check_attrs` applies them to a whole attribute dict.
-
-
-def attr_int(v: Any) -> int:
-    """An integer attribute (`3` or `3 : i64`) as an int."""
-    if isinstance(v, TypedInt):
-        v = v.value
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise OpError(f"expected an integer, got {_show(v)}")
-    return int(v)
-
-
-def attr_float(v: Any) -> float:
-    """A float attribute (`0.5`, `0.5 : f32`, or an integer) as a float."""
-    if isinstance(v, (TypedFloat, TypedInt)):
-        v = v.value
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise OpError(f"expected a number, got {_show(v)}")
-    return float(v)
-
-
-def attr_ints(v: Any) -> tuple[int, ...]:
-    """An array of integers (`[1, 2]` or 1-D integer `dense<>`) as a tuple of ints."""
-    if isinstance(v, DenseAttr):
-        if v.array.ndim > 1 or FORMATS[v.type.elem].is_float:
-            raise OpError(f"expected an array of integers, got {_show(v)}")
-        return tuple(int(x) for x in v.array.reshape(-1))
-    if not isinstance(v, (tuple, list)):
-        raise OpError(f"expected an array of integers, got {_show(v)}")
-    try:
-        return tuple(attr_int(x) for x in v)
-    except OpError:
-        raise OpError(f"expected an array of integers, got {_show(v)}") from None
-
-
-def attr_floats(v: Any) -> tuple[float, ...]:
-    """An array of numbers (`[0.5, 1]` or 1-D `dense<>`) as a tuple of floats."""
-    if isinstance(v, DenseAttr):
-        if v.array.ndim > 1:
-            raise OpError(f"expected an array of numbers, got {_show(v)}")
-        return tuple(float(x) for x in v.array.reshape(-1))
-    if not isinstance(v, (tuple, list)):
-        raise OpError(f"expected an array of numbers, got {_show(v)}")
-    try:
-        return tuple(attr_float(x) for x in v)
-    except OpError:
-        raise OpError(f"expected an array of numbers, got {_show(v)}") from None
-
-
-def attr_bool(v: Any) -> bool:
-    """`true`/`false`; 0 and 1 are accepted too because ONNX spells flags as ints."""
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    if isinstance(v, (int, np.integer, TypedInt)) and attr_int(v) in (0, 1):
-        return attr_int(v) == 1
-    raise OpError(f"expected true or false, got {_show(v)}")
-
-
-def attr_str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise OpError(f"expected a string, got {_show(v)}")
-    return v
-
-
-def attr_type(v: Any) -> str:
-    """An element type attribute (`i8`, or the string "i8") as its name."""
-    name = v.type if isinstance(v, TypeAttr) else v
-    if not isinstance(name, str) or name not in FORMATS:
-        raise OpError(f"expected an element type ({', '.join(ELEMENT_TYPES)}), got {_show(v)}")
-    return name
-
-
-def attr_array(v: Any) -> np.ndarray:
-    """A scalar or 1-D numeric attribute (`0.1`, `3 : i8`, `dense<[...]>`) as a numpy array.
-
-    Integers come back as int64 and floats as float64 so that no value is rounded here; the
-    op decides the precision it computes in.
-    """
-    if isinstance(v, np.ndarray):
-        arr = v
-    elif isinstance(v, DenseAttr):
-        arr = v.array
-    elif isinstance(v, (TypedInt, int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-        arr = np.asarray(attr_int(v), dtype=np.int64)
-    elif isinstance(v, (TypedFloat, float, np.floating)):
-        arr = np.asarray(attr_float(v), dtype=np.float64)
-    else:
-        raise OpError(f"expected a number or 1-D dense elements, got {_show(v)}")
-    if arr.ndim > 1 or arr.dtype.kind not in "iuf":
-        raise OpError(f"expected a number or 1-D dense elements, got {_show(v)}")
-    return arr.astype(np.float64 if arr.dtype.kind == "f" else np.int64, copy=False)
-
-
-def attr_dense(v: Any) -> DenseAttr:
-    if not isinstance(v, DenseAttr):
-        raise OpError(f"expected dense elements, got {_show(v)}")
-    return v
-
-
-def _show_choice(spec: AttrSpec, choice: Any) -> str:
-    return choice if spec.kind == "type" else _show(choice)  # element types print bare: i8
-
-
-def _show(v: Any) -> str:
-    if isinstance(v, np.ndarray):
-        return np.array2string(v, separator=", ")
-    return attr_to_str(v)
-
-
-_KINDS: dict[str, tuple[Callable[[Any], Any], str]] = {
-    "int": (attr_int, "an integer"),
-    "float": (attr_float, "a number"),
-    "str": (attr_str, "a string"),
-    "bool": (attr_bool, "true or false"),
-    "ints": (attr_ints, "an array of integers"),
-    "floats": (attr_floats, "an array of numbers"),
-    "type": (attr_type, "an element type"),
-    "dense": (attr_dense, "dense elements"),
-    "number": (attr_array, "a number or 1-D dense elements"),
-}
-
-
-def check_attrs(opdef: OpDef, attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate `attrs` against the op's declaration; return them as plain values with defaults.
-
-    Kinds come back normalized (see the `attr_*` helpers: `number` becomes a numpy array). Names
-    containing a '.' are discardable annotations (`mp.precision`, `mp.reason`) and pass through
-    unchanged; any other unknown name is an error. The result is accepted again unchanged, so
-    `infer`, `reference` and `flops` take either the raw or the checked dict.
-    """
-    return _check_attrs(opdef.name, opdef.attrs, attrs)
-
-
-def _check_attrs(op: str, specs: Mapping[str, AttrSpec], attrs: Mapping[str, Any]) -> dict:
-    out: dict[str, Any] = {}
-    for name, value in attrs.items():
-        if "." in name:
-            out[name] = value
-            continue
-        spec = specs.get(name)
-        if spec is None:
-            raise OpError(_unknown_attr_message(op, name, specs))
-        out[name] = _check_value(name, spec, value)
-    for name, spec in specs.items():
-        if name in out:
-            continue
-        if spec.required:
-            raise OpError(f"{op} needs attribute '{name}' ({_KINDS[spec.kind][1]})")
-        if spec.default is not None:
-            out[name] = _check_value(name, spec, spec.default)
-    return out
-
-
-def _unknown_attr_message(op: str, name: str, specs: Mapping[str, AttrSpec]) -> str:
-    if not specs:
-        return f"{op} takes no attribute '{name}'"
-    msg = f"unknown attribute '{name}' for {op}"
-    close = difflib.get_close_matches(name, list(specs), n=1)
-    if close:
-        return f"{msg}; did you mean '{close[0]}'?"
-    return f"{msg} (expected {', '.join(repr(k) for k in specs)})"
-
-
-def _check_value(name: str, spec: AttrSpec, value: Any) -> Any:
-    convert, what = _KINDS[spec.kind]
-    try:
-        v = convert(value)
-    except OpError:
-        raise OpError(f"attribute '{name}' must be {what}, got {_show(value)}") from None
-    if spec.choices and v not in spec.choices:
-        options = ", ".join(_show_choice(spec, c) for c in spec.choices)
-        raise OpError(f"attribute '{name}' must be one of {options}; got {_show(value)}")
-    if spec.length is not None and len(v) != spec.length:
-        raise OpError(f"attribute '{name}' must have {spec.length} entries, got {_show(value)}")
-    if spec.min is not None:
-        entries = v if isinstance(v, tuple) else (v,)
-        if any(x < spec.min for x in entries):
-            raise OpError(f"attribute '{name}' must be >= {_show(spec.min)}, got {_show(value)}")
-    return v
-
+from mplower.ir.types import ELEMENT_TYPES, ENCODINGS, TensorType, tensor, value_dtype
+from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, FORMATS, QUANT_STORAGE
+from mplower.numerics.windows import conv_windows, pad_hw
 
 # ---------------------------------------------------------------------------------------------
 # Type rules shared by several ops
@@ -296,7 +42,7 @@ _FLOATS = FLOATS
 _NUMERIC = frozenset(n for n in ELEMENT_TYPES if n != "i1")
 _ANY = frozenset(ELEMENT_TYPES)
 _INT8 = frozenset({"i8", "ui8"})
-_QUANT_TYPES = ("i8", "ui8", "i4", "i32")
+_QUANT_TYPES = QUANT_STORAGE
 
 
 def _elem_of(ins: Sequence[TensorType], allowed: frozenset[str], what: str) -> str:
@@ -399,9 +145,10 @@ _ImplReference = Callable[[list[np.ndarray], dict, tuple[TensorType, ...] | None
 _ImplFlops = Callable[[Sequence[TensorType], dict], int]
 
 
-def _def(name: str, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
+def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
          infer: _ImplInfer, reference: _ImplReference, flops: _ImplFlops,
-         precisions: frozenset[str], doc: str, *, elementwise: bool = False,
+         precisions: frozenset[str], doc: str, traits: frozenset[Trait] = frozenset(),
+         weight_operand: int | None = None,
          encoded_operands: frozenset[int] = frozenset()) -> OpDef:
     op = f"mp.{name}"
     specs = dict(attrs)
@@ -418,7 +165,7 @@ def _def(name: str, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
                 raise OpError(f'operand #{i} has sparse encoding "{t.encoding}"; only the second '
                               "operand of mp.matmul may be encoded (and mp.cast's, which "
                               "keeps it)", operand=i)
-        return infer(tuple(ins), _check_attrs(op, specs, attrs), tuple(declared))
+        return infer(tuple(ins), check_attr_values(op, specs, attrs), tuple(declared))
 
     def checked_reference(inputs: Sequence[np.ndarray], attrs: Mapping[str, Any],
                           result_types: Sequence[TensorType] | None = None) -> list[np.ndarray]:
@@ -426,7 +173,7 @@ def _def(name: str, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
         types = tuple(result_types) if result_types else None
         # Reference semantics are IEEE arithmetic: inf and NaN are results, not warnings.
         with np.errstate(all="ignore"):
-            outs = reference(arrays, _check_attrs(op, specs, attrs), types)
+            outs = reference(arrays, check_attr_values(op, specs, attrs), types)
         if types is None:
             return outs
         return [np.asarray(o).astype(value_dtype(t.elem), copy=False)
@@ -434,12 +181,14 @@ def _def(name: str, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
 
     def checked_flops(ins: Sequence[TensorType], outs: Sequence[TensorType],
                       attrs: Mapping[str, Any]) -> int:
-        return int(flops(ins, _check_attrs(op, specs, attrs)))
+        return int(flops(ins, check_attr_values(op, specs, attrs)))
 
     return define(OpDef(
         name=op, min_operands=lo, max_operands=hi, attrs=specs, infer=checked_infer,
         reference=checked_reference, flops=checked_flops, precisions=precisions,
-        elementwise=elementwise, doc=doc, operand_names=operands,
+        # Every mp op is a function of its operands and attributes.
+        traits=traits | {Trait.PURE}, weight_operand=weight_operand, doc=doc,
+        operand_names=operands,
     ))
 
 
@@ -451,30 +200,20 @@ def _count_text(lo: int, hi: int | None) -> str:
     return f"{lo} to {hi} operands"
 
 
-def op_signature_table() -> list[tuple[str, str, str, str]]:
-    """(name, operands, attributes, doc) of every op, in definition order, for docs/ir.md."""
-    rows = []
-    for op in OPS.values():
-        attrs = ", ".join(_attr_text(n, spec) for n, spec in op.attrs.items())
-        rows.append((op.name, ", ".join(op.operand_names), attrs, op.doc))
-    return rows
-
-
-def _attr_text(name: str, spec: AttrSpec) -> str:
-    """`name: kind` (required), `name: kind = default`, or `name?: kind` (optional, no default)."""
-    kind = " | ".join(_show_choice(spec, c) for c in spec.choices) if spec.choices else spec.kind
-    if spec.required:
-        return f"{name}: {kind}"
-    if spec.default is None:
-        return f"{name}?: {kind}"
-    return f"{name}: {kind} = {_show(spec.default)}"
-
-
 # Compute formats an op may be assigned. Contractions run on tensor cores in every format the
 # targets know; vector work (elementwise, normalization, reductions) in the 16/32-bit floats.
 # Whether softmax, norms, exp/log and reductions stay in f32 is a policy decision, not the op's.
-_CONTRACTION = frozenset({"f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "i8"})
+_CONTRACTION = frozenset(COMPUTE_FORMATS)
 _VECTOR = frozenset({"f32", "bf16", "f16"})
+
+# matmul and conv2d: the GEMMs, which hold nearly all the FLOPs, choose an accumulator, and
+# which the quantize pass rewrites to integer arithmetic.
+_GEMM = frozenset({Trait.CONTRACTION, Trait.ACCUMULATES, Trait.COMPUTE_HEAVY, Trait.QUANTIZABLE})
+_ELEMENTWISE = frozenset({Trait.ELEMENTWISE})
+_PRESERVES = frozenset({Trait.VALUE_PRESERVING})
+_MOVES = frozenset({Trait.VALUE_PRESERVING, Trait.DATA_MOVEMENT})
+# Conversions: their result type is what they compute, so no precision is assigned to them.
+_CONVERSION = frozenset({Trait.ELEMENTWISE, Trait.TYPE_CARRYING, Trait.CONVERSION})
 
 
 def _elementwise_size(ins: Sequence[TensorType]) -> int:
@@ -513,14 +252,20 @@ def _constant_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
 
 def _constant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     if "value" not in a:
-        raise OpError(f"mp.constant {{name = {_show(a['name'])}}} is loaded from the weights file "
+        raise OpError(f"mp.constant {{name = {show_value(a['name'])}}} is loaded from the weights file "
                       "by the executor; it has no reference value of its own")
     return [a["value"].array]
 
 
-_def("constant", (), {"name": AttrSpec("str"), "value": AttrSpec("dense")},
-     _constant_infer, _constant_reference, _no_flops, _ANY,
-     "A tensor from the weights file (`name`) or inline (`value`); its type is the result type.")
+_def("constant",
+     operands=(),
+     attrs={"name": AttrSpec("str"), "value": AttrSpec("dense")},
+     infer=_constant_infer,
+     reference=_constant_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="A tensor from the weights file (`name`) or inline (`value`); its type is the result type.",
+     traits=frozenset({Trait.TYPE_CARRYING}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,8 +308,16 @@ def _matmul_flops(ins: Sequence[TensorType], a: dict) -> int:
     return 2 * _prod(_matmul_shape(ins[0], ins[1])) * ins[0].shape[-1]
 
 
-_def("matmul", ("a", "b"), {}, _matmul_infer, _matmul_reference, _matmul_flops, _CONTRACTION,
-     "Matrix product with numpy broadcasting over batch dimensions (np.matmul, ONNX MatMul).",
+_def("matmul",
+     operands=("a", "b"),
+     attrs={},
+     infer=_matmul_infer,
+     reference=_matmul_reference,
+     flops=_matmul_flops,
+     precisions=_CONTRACTION,
+     doc="Matrix product with numpy broadcasting over batch dimensions (np.matmul, ONNX MatMul).",
+     traits=_GEMM,
+     weight_operand=1,
      encoded_operands=frozenset({1}))
 
 _WINDOW_ATTRS = {
@@ -611,26 +364,12 @@ def _conv_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor((x.shape[0], w.shape[0], ho, wo), elem)]
 
 
-def _windows(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
-             dilations: tuple[int, int] = (1, 1)) -> np.ndarray:
-    """A (N, C, Hout, Wout, KH, KW) strided view of the windows of an already padded NCHW x."""
-    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
-    view = np.lib.stride_tricks.sliding_window_view(
-        x, (dh * (kh - 1) + 1, dw * (kw - 1) + 1), axis=(2, 3))
-    return view[:, :, ::sh, ::sw, ::dh, ::dw]
-
-
-def _pad_hw(x: np.ndarray, padding: tuple[int, ...], fill: Any = 0) -> np.ndarray:
-    pt, pl, pb, pr = padding
-    return np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)), constant_values=fill)
-
-
 def _conv_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x, w = _num(xs[0]), _num(xs[1])
     n = x.shape[0]
     o, cg, kh, kw = w.shape
     g = a["groups"]
-    win = _windows(_pad_hw(x, a["padding"]), (kh, kw), a["strides"], a["dilations"])
+    win = conv_windows(pad_hw(x, a["padding"]), (kh, kw), a["strides"], a["dilations"])
     ho, wo = win.shape[2:4]
     # im2col: one row per output pixel and group, then one batched product per group, in
     # the fixed order of mplower.numerics.gemm (see _matmul_reference): a pixel's result does
@@ -654,11 +393,17 @@ def _conv_flops(ins: Sequence[TensorType], a: dict) -> int:
     return 2 * n * o * ho * wo * cg * kh * kw
 
 
-_def("conv2d", ("x", "w", "bias?"),
-     {**_WINDOW_ATTRS, "dilations": AttrSpec("ints", default=(1, 1), length=2, min=1),
-      "groups": AttrSpec("int", default=1, min=1)},
-     _conv_infer, _conv_reference, _conv_flops, _CONTRACTION,
-     "2-D convolution, NCHW input, OIHW weight, optional bias (ONNX Conv with group).")
+_def("conv2d",
+     operands=("x", "w", "bias?"),
+     attrs={**_WINDOW_ATTRS, "dilations": AttrSpec("ints", default=(1, 1), length=2, min=1),
+            "groups": AttrSpec("int", default=1, min=1)},
+     infer=_conv_infer,
+     reference=_conv_reference,
+     flops=_conv_flops,
+     precisions=_CONTRACTION,
+     doc="2-D convolution, NCHW input, OIHW weight, optional bias (ONNX Conv with group).",
+     traits=_GEMM,
+     weight_operand=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,19 +425,27 @@ def _binary_reference(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> _Im
     return lambda xs, a, rt: [fn(_num(xs[0]), _num(xs[1]))]
 
 
-for _name, _fn, _allowed, _doc in (
-    ("add", np.add, _NUMERIC, "a + b"),
-    ("sub", np.subtract, _NUMERIC, "a - b"),
-    ("mul", np.multiply, _NUMERIC, "a * b"),
+_PICKS = _ELEMENTWISE | _PRESERVES  # each result is one of the operands' values (or its negation)
+
+for _name, _fn, _allowed, _doc, _traits in (
+    ("add", np.add, _NUMERIC, "a + b", _ELEMENTWISE),
+    ("sub", np.subtract, _NUMERIC, "a - b", _ELEMENTWISE),
+    ("mul", np.multiply, _NUMERIC, "a * b", _ELEMENTWISE),
     # Integer division has no single convention (C truncates, numpy floors): floats only.
-    ("div", np.divide, _FLOATS, "a / b (float types)"),
-    ("maximum", np.maximum, _NUMERIC, "max(a, b), NaN propagating (ONNX Max)"),
-    ("minimum", np.minimum, _NUMERIC, "min(a, b), NaN propagating (ONNX Min)"),
+    ("div", np.divide, _FLOATS, "a / b (float types)", _ELEMENTWISE),
+    ("maximum", np.maximum, _NUMERIC, "max(a, b), NaN propagating (ONNX Max)", _PICKS),
+    ("minimum", np.minimum, _NUMERIC, "min(a, b), NaN propagating (ONNX Min)", _PICKS),
 ):
     _what = "a float" if _allowed is _FLOATS else "a numeric"
-    _def(_name, ("a", "b"), {}, _binary_infer(_allowed, _what), _binary_reference(_fn),
-         _per_element(1), _VECTOR, f"Elementwise {_doc} with numpy broadcasting.",
-         elementwise=True)
+    _def(_name,
+         operands=("a", "b"),
+         attrs={},
+         infer=_binary_infer(_allowed, _what),
+         reference=_binary_reference(_fn),
+         flops=_per_element(1),
+         precisions=_VECTOR,
+         doc=f"Elementwise {_doc} with numpy broadcasting.",
+         traits=_traits)
 
 
 def _unary_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
@@ -719,20 +472,26 @@ def _rsqrt(x: np.ndarray) -> np.ndarray:
     return np.reciprocal(np.sqrt(x))
 
 
-for _name, _fn, _allowed, _doc in (
-    ("neg", np.negative, _NUMERIC, "-x (ONNX Neg)"),
-    ("relu", _relu, _NUMERIC, "max(x, 0) (ONNX Relu)"),
-    ("sigmoid", _sigmoid, _FLOATS, "1 / (1 + exp(-x)) (ONNX Sigmoid)"),
-    ("tanh", np.tanh, _FLOATS, "tanh(x)"),
-    ("exp", np.exp, _FLOATS, "exp(x)"),
-    ("log", np.log, _FLOATS, "natural logarithm"),
-    ("sqrt", np.sqrt, _FLOATS, "square root"),
-    ("rsqrt", _rsqrt, _FLOATS, "1 / sqrt(x)"),
+for _name, _fn, _allowed, _doc, _traits in (
+    ("neg", np.negative, _NUMERIC, "-x (ONNX Neg)", _PICKS),
+    ("relu", _relu, _NUMERIC, "max(x, 0) (ONNX Relu)", _PICKS),
+    ("sigmoid", _sigmoid, _FLOATS, "1 / (1 + exp(-x)) (ONNX Sigmoid)", _ELEMENTWISE),
+    ("tanh", np.tanh, _FLOATS, "tanh(x)", _ELEMENTWISE),
+    ("exp", np.exp, _FLOATS, "exp(x)", _ELEMENTWISE),
+    ("log", np.log, _FLOATS, "natural logarithm", _ELEMENTWISE),
+    ("sqrt", np.sqrt, _FLOATS, "square root", _ELEMENTWISE),
+    ("rsqrt", _rsqrt, _FLOATS, "1 / sqrt(x)", _ELEMENTWISE),
 ):
     _what = "a float" if _allowed is _FLOATS else "a numeric"
-    _def(_name, ("x",), {}, _unary_infer(_allowed, _what),
-         _unary_reference(_fn),
-         _per_element(1), _VECTOR, f"Elementwise {_doc}.", elementwise=True)
+    _def(_name,
+         operands=("x",),
+         attrs={},
+         infer=_unary_infer(_allowed, _what),
+         reference=_unary_reference(_fn),
+         flops=_per_element(1),
+         precisions=_VECTOR,
+         doc=f"Elementwise {_doc}.",
+         traits=_traits)
 
 _ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
                 -1.13520398, 1.48851587, -0.82215223, 0.17087277)
@@ -764,9 +523,15 @@ def _gelu_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
 # GELU: about 8 operations per element for the tanh form (cube, two multiply-adds, tanh, add,
 # two multiplies); the erf form is counted the same.
-_def("gelu", ("x",), {"approximate": AttrSpec("str", default="none", choices=("none", "tanh"))},
-     _unary_infer(_FLOATS, "a float"), _gelu_reference, _per_element(8), _VECTOR,
-     "GELU, exact (erf) or tanh approximation (ONNX Gelu).", elementwise=True)
+_def("gelu",
+     operands=("x",),
+     attrs={"approximate": AttrSpec("str", default="none", choices=("none", "tanh"))},
+     infer=_unary_infer(_FLOATS, "a float"),
+     reference=_gelu_reference,
+     flops=_per_element(8),
+     precisions=_VECTOR,
+     doc="GELU, exact (erf) or tanh approximation (ONNX Gelu).",
+     traits=_ELEMENTWISE)
 
 
 _erf_scalar = np.frompyfunc(math.erf, 1, 1)
@@ -779,8 +544,15 @@ def _erf_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [_erf_scalar(x.astype(np.float64)).astype(x.dtype)]
 
 
-_def("erf", ("x",), {}, _unary_infer(_FLOATS, "a float"), _erf_reference, _per_element(8),
-     _VECTOR, "Elementwise Gauss error function (ONNX Erf).", elementwise=True)
+_def("erf",
+     operands=("x",),
+     attrs={},
+     infer=_unary_infer(_FLOATS, "a float"),
+     reference=_erf_reference,
+     flops=_per_element(8),
+     precisions=_VECTOR,
+     doc="Elementwise Gauss error function (ONNX Erf).",
+     traits=_ELEMENTWISE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -801,9 +573,14 @@ def _softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
 
 # Softmax: 5 operations per element (max, subtract, exp, sum, divide).
-_def("softmax", ("x",), {"axis": AttrSpec("int", default=-1)},
-     _softmax_infer, _softmax_reference, _per_element(5), _VECTOR,
-     "Softmax along one axis (ONNX Softmax, opset 13).")
+_def("softmax",
+     operands=("x",),
+     attrs={"axis": AttrSpec("int", default=-1)},
+     infer=_softmax_infer,
+     reference=_softmax_reference,
+     flops=_per_element(5),
+     precisions=_VECTOR,
+     doc="Softmax along one axis (ONNX Softmax, opset 13).")
 
 
 def _log_softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
@@ -813,10 +590,15 @@ def _log_softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarr
 
 
 # LogSoftmax: 5 operations per element (max, subtract, exp, sum, subtract; one log per row).
-_def("log_softmax", ("x",), {"axis": AttrSpec("int", default=-1)},
-     _softmax_infer, _log_softmax_reference, _per_element(5), _VECTOR,
-     "log(softmax(x)) along one axis, computed as x - max - log(sum(exp(x - max))) "
-     "(ONNX LogSoftmax, opset 13).")
+_def("log_softmax",
+     operands=("x",),
+     attrs={"axis": AttrSpec("int", default=-1)},
+     infer=_softmax_infer,
+     reference=_log_softmax_reference,
+     flops=_per_element(5),
+     precisions=_VECTOR,
+     doc="log(softmax(x)) along one axis, computed as x - max - log(sum(exp(x - max))) "
+         "(ONNX LogSoftmax, opset 13).")
 
 
 def _lrn_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
@@ -839,13 +621,18 @@ def _lrn_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
 
 # LRN: a square and an add per window element, then scale, power and divide.
-_def("lrn", ("x",), {"size": AttrSpec("int", required=True, min=1),
-                     "alpha": AttrSpec("float", default=1e-4),
-                     "beta": AttrSpec("float", default=0.75),
-                     "bias": AttrSpec("float", default=1.0)},
-     _lrn_infer, _lrn_reference, lambda ins, a: (2 * a["size"] + 3) * ins[0].size, _VECTOR,
-     "Local response normalization across channels: x / (bias + alpha / size * "
-     "sum of x^2 over `size` neighbouring channels)^beta (ONNX LRN).")
+_def("lrn",
+     operands=("x",),
+     attrs={"size": AttrSpec("int", required=True, min=1),
+            "alpha": AttrSpec("float", default=1e-4),
+            "beta": AttrSpec("float", default=0.75),
+            "bias": AttrSpec("float", default=1.0)},
+     infer=_lrn_infer,
+     reference=_lrn_reference,
+     flops=lambda ins, a: (2 * a["size"] + 3) * ins[0].size,
+     precisions=_VECTOR,
+     doc="Local response normalization across channels: x / (bias + alpha / size * "
+         "sum of x^2 over `size` neighbouring channels)^beta (ONNX LRN).")
 
 
 def _norm_infer(params: tuple[str, ...]) -> _ImplInfer:
@@ -885,12 +672,22 @@ _NORM_ATTRS = {"axis": AttrSpec("int", default=-1),
 
 # LayerNorm: 8 operations per element (mean, subtract, square, variance sum, normalize,
 # scale, shift, and the rsqrt amortized); RMSNorm: 4 (square, sum, normalize, scale).
-_def("layer_norm", ("x", "gamma", "beta"), _NORM_ATTRS, _norm_infer(("gamma", "beta")),
-     _layer_norm_reference, _per_element(8), _VECTOR,
-     "Layer normalization over the axes from `axis` on (ONNX LayerNormalization).")
-_def("rms_norm", ("x", "gamma"), _NORM_ATTRS, _norm_infer(("gamma",)),
-     _rms_norm_reference, _per_element(4), _VECTOR,
-     "RMS normalization over the axes from `axis` on (ONNX RMSNormalization).")
+_def("layer_norm",
+     operands=("x", "gamma", "beta"),
+     attrs=_NORM_ATTRS,
+     infer=_norm_infer(("gamma", "beta")),
+     reference=_layer_norm_reference,
+     flops=_per_element(8),
+     precisions=_VECTOR,
+     doc="Layer normalization over the axes from `axis` on (ONNX LayerNormalization).")
+_def("rms_norm",
+     operands=("x", "gamma"),
+     attrs=_NORM_ATTRS,
+     infer=_norm_infer(("gamma",)),
+     reference=_rms_norm_reference,
+     flops=_per_element(4),
+     precisions=_VECTOR,
+     doc="RMS normalization over the axes from `axis` on (ONNX RMSNormalization).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -900,7 +697,7 @@ _def("rms_norm", ("x", "gamma"), _NORM_ATTRS, _norm_infer(("gamma",)),
 def _reduce_axes(a: dict, rank: int) -> tuple[int, ...]:
     axes = tuple(_axis(ax, rank, "axes") for ax in a["axes"])
     if len(set(axes)) != len(axes):
-        raise OpError(f"attribute 'axes' repeats an axis: {_show(a['axes'])}", operand=0)
+        raise OpError(f"attribute 'axes' repeats an axis: {show_value(a['axes'])}", operand=0)
     return axes or tuple(range(rank))  # ONNX: no axes reduces over all of them
 
 
@@ -927,16 +724,24 @@ def _reduce_reference(fn: Callable[..., np.ndarray]) -> _ImplReference:
 
 _REDUCE_ATTRS = {"axes": AttrSpec("ints", default=()), "keepdims": AttrSpec("bool", default=True)}
 
-for _name, _fn, _allowed, _doc in (
-    ("reduce_sum", np.sum, _NUMERIC, "Sum"),
-    ("reduce_mean", np.mean, _FLOATS, "Mean"),
-    ("reduce_max", np.max, _NUMERIC, "Maximum"),
+_SUMS = frozenset({Trait.ACCUMULATES})
+
+for _name, _fn, _allowed, _doc, _traits in (
+    ("reduce_sum", np.sum, _NUMERIC, "Sum", _SUMS),
+    ("reduce_mean", np.mean, _FLOATS, "Mean", _SUMS),
+    ("reduce_max", np.max, _NUMERIC, "Maximum", _PRESERVES),
 ):
     _what = "a float" if _allowed is _FLOATS else "a numeric"
-    _def(_name, ("x",), _REDUCE_ATTRS, _reduce_infer(_allowed, _what), _reduce_reference(_fn),
-         _per_input_element, _VECTOR,
-         f"{_doc} over `axes` (all when empty), optionally keeping them as 1 "
-         f"(ONNX Reduce{_doc.capitalize().replace('Maximum', 'Max')}).")
+    _def(_name,
+         operands=("x",),
+         attrs=_REDUCE_ATTRS,
+         infer=_reduce_infer(_allowed, _what),
+         reference=_reduce_reference(_fn),
+         flops=_per_input_element,
+         precisions=_VECTOR,
+         doc=f"{_doc} over `axes` (all when empty), optionally keeping them as 1 "
+             f"(ONNX Reduce{_doc.capitalize().replace('Maximum', 'Max')}).",
+         traits=_traits)
 
 
 def _argmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
@@ -950,10 +755,15 @@ def _argmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [np.argmax(xs[0], axis=a["axis"], keepdims=a["keepdims"])]
 
 
-_def("argmax", ("x",), {"axis": AttrSpec("int", default=0),
-                        "keepdims": AttrSpec("bool", default=True)},
-     _argmax_infer, _argmax_reference, _per_input_element, _VECTOR,
-     "Index (i32) of the first maximum along `axis` (ONNX ArgMax).")
+_def("argmax",
+     operands=("x",),
+     attrs={"axis": AttrSpec("int", default=0),
+            "keepdims": AttrSpec("bool", default=True)},
+     infer=_argmax_infer,
+     reference=_argmax_reference,
+     flops=_per_input_element,
+     precisions=_VECTOR,
+     doc="Index (i32) of the first maximum along `axis` (ONNX ArgMax).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -972,8 +782,15 @@ def _reshape_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [xs[0].reshape(_declared("mp.reshape", rt or ()).shape)]
 
 
-_def("reshape", ("x",), {}, _reshape_infer, _reshape_reference, _no_flops, _ANY,
-     "Same elements in row-major order, in the shape of the result type (ONNX Reshape).")
+_def("reshape",
+     operands=("x",),
+     attrs={},
+     infer=_reshape_infer,
+     reference=_reshape_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Same elements in row-major order, in the shape of the result type (ONNX Reshape).",
+     traits=_MOVES)
 
 
 def _perm(a: dict, rank: int) -> tuple[int, ...]:
@@ -989,9 +806,15 @@ def _transpose_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(tuple(x.shape[p] for p in _perm(a, x.rank)), x.elem)]
 
 
-_def("transpose", ("x",), {"perm": AttrSpec("ints")}, _transpose_infer,
-     lambda xs, a, rt: [np.transpose(xs[0], _perm(a, xs[0].ndim))], _no_flops, _ANY,
-     "Permute the axes; `perm` defaults to reversing them (ONNX Transpose).")
+_def("transpose",
+     operands=("x",),
+     attrs={"perm": AttrSpec("ints")},
+     infer=_transpose_infer,
+     reference=lambda xs, a, rt: [np.transpose(xs[0], _perm(a, xs[0].ndim))],
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Permute the axes; `perm` defaults to reversing them (ONNX Transpose).",
+     traits=_MOVES)
 
 
 def _concat_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
@@ -1010,9 +833,15 @@ def _concat_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(first.shape[:axis] + (total,) + first.shape[axis + 1:], elem)]
 
 
-_def("concat", ("inputs...",), {"axis": AttrSpec("int", required=True)}, _concat_infer,
-     lambda xs, a, rt: [np.concatenate(xs, axis=a["axis"])], _no_flops, _ANY,
-     "Join the operands along `axis` (ONNX Concat).")
+_def("concat",
+     operands=("inputs...",),
+     attrs={"axis": AttrSpec("int", required=True)},
+     infer=_concat_infer,
+     reference=lambda xs, a, rt: [np.concatenate(xs, axis=a["axis"])],
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Join the operands along `axis` (ONNX Concat).",
+     traits=_MOVES)
 
 
 def _slices(shape: tuple[int, ...], a: dict) -> list[slice]:
@@ -1022,9 +851,9 @@ def _slices(shape: tuple[int, ...], a: dict) -> list[slice]:
     for name, v in (("starts", a["starts"]), ("ends", a["ends"]), ("steps", steps)):
         if len(v) != rank:
             raise OpError(f"attribute '{name}' must have one entry per dimension ({rank}), "
-                          f"got {_show(v)}", operand=0)
+                          f"got {show_value(v)}", operand=0)
     if 0 in steps:
-        raise OpError(f"attribute 'steps' must not contain 0, got {_show(steps)}", operand=0)
+        raise OpError(f"attribute 'steps' must not contain 0, got {show_value(steps)}", operand=0)
     out = []
     for dim, start, end, step in zip(shape, a["starts"], a["ends"], steps):
         start += dim if start < 0 else 0
@@ -1047,10 +876,16 @@ def _slice_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(tuple(_slice_len(s) for s in _slices(x.shape, a)), x.elem)]
 
 
-_def("slice", ("x",), {"starts": AttrSpec("ints", required=True),
-                       "ends": AttrSpec("ints", required=True), "steps": AttrSpec("ints")},
-     _slice_infer, lambda xs, a, rt: [xs[0][tuple(_slices(xs[0].shape, a))]], _no_flops, _ANY,
-     "Strided slice, one start/end/step per dimension, clamped as ONNX Slice does.")
+_def("slice",
+     operands=("x",),
+     attrs={"starts": AttrSpec("ints", required=True),
+            "ends": AttrSpec("ints", required=True), "steps": AttrSpec("ints")},
+     infer=_slice_infer,
+     reference=lambda xs, a, rt: [xs[0][tuple(_slices(xs[0].shape, a))]],
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Strided slice, one start/end/step per dimension, clamped as ONNX Slice does.",
+     traits=_MOVES)
 
 
 def _flatten_shape(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
@@ -1058,10 +893,15 @@ def _flatten_shape(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
     return _prod(shape[:axis]), _prod(shape[axis:])
 
 
-_def("flatten", ("x",), {"axis": AttrSpec("int", default=1)},
-     lambda ins, a, d: [tensor(_flatten_shape(ins[0].shape, a["axis"]), ins[0].elem)],
-     lambda xs, a, rt: [xs[0].reshape(_flatten_shape(xs[0].shape, a["axis"]))],
-     _no_flops, _ANY, "Collapse to 2-D: dims before `axis` and dims from `axis` on (ONNX Flatten).")
+_def("flatten",
+     operands=("x",),
+     attrs={"axis": AttrSpec("int", default=1)},
+     infer=lambda ins, a, d: [tensor(_flatten_shape(ins[0].shape, a["axis"]), ins[0].elem)],
+     reference=lambda xs, a, rt: [xs[0].reshape(_flatten_shape(xs[0].shape, a["axis"]))],
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Collapse to 2-D: dims before `axis` and dims from `axis` on (ONNX Flatten).",
+     traits=_MOVES)
 
 
 def _sparse_encode_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
@@ -1073,8 +913,15 @@ def _sparse_encode_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorTyp
     return [tensor(x.shape, x.elem, t.encoding)]
 
 
-_def("sparse_encode", ("w",), {}, _sparse_encode_infer, lambda xs, a, rt: [xs[0]], _no_flops,
-     _ANY, "Re-store a 2-D tensor in the sparse encoding of its result type; values unchanged.")
+_def("sparse_encode",
+     operands=("w",),
+     attrs={},
+     infer=_sparse_encode_infer,
+     reference=lambda xs, a, rt: [xs[0]],
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Re-store a 2-D tensor in the sparse encoding of its result type; values unchanged.",
+     traits=frozenset({Trait.TYPE_CARRYING, Trait.DATA_MOVEMENT}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1107,16 +954,16 @@ def _pool_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
 def _max_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _num(xs[0])
     lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    win = _windows(_pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])
+    win = conv_windows(pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])
     return [win.max(axis=(-2, -1))]
 
 
 def _avg_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _fl(xs[0])
-    sums = _windows(_pad_hw(x, a["padding"]), a["kernel"], a["strides"]).sum(axis=(-2, -1))
+    sums = conv_windows(pad_hw(x, a["padding"]), a["kernel"], a["strides"]).sum(axis=(-2, -1))
     # count_include_pad=0 (ONNX default): divide by the real elements under each window.
-    ones = _pad_hw(np.ones((1, 1) + x.shape[2:], x.dtype), a["padding"])
-    counts = _windows(ones, a["kernel"], a["strides"]).sum(axis=(-2, -1))
+    ones = pad_hw(np.ones((1, 1) + x.shape[2:], x.dtype), a["padding"])
+    counts = conv_windows(ones, a["kernel"], a["strides"]).sum(axis=(-2, -1))
     return [sums / counts]
 
 
@@ -1125,12 +972,24 @@ def _pool_flops(ins: Sequence[TensorType], a: dict) -> int:
     return _prod(_pool_shape(ins[0], a)) * kh * kw  # one compare or add per window element
 
 
-_def("max_pool2d", ("x",), _POOL_ATTRS, _pool_infer(_NUMERIC, "a numeric"),
-     _max_pool_reference, _pool_flops, _VECTOR,
-     "2-D max pooling over NCHW windows; padding never wins (ONNX MaxPool).")
-_def("avg_pool2d", ("x",), _POOL_ATTRS, _pool_infer(_FLOATS, "a float"),
-     _avg_pool_reference, _pool_flops, _VECTOR,
-     "2-D average pooling, padding not counted (ONNX AveragePool, count_include_pad=0).")
+_def("max_pool2d",
+     operands=("x",),
+     attrs=_POOL_ATTRS,
+     infer=_pool_infer(_NUMERIC, "a numeric"),
+     reference=_max_pool_reference,
+     flops=_pool_flops,
+     precisions=_VECTOR,
+     # Not VALUE_PRESERVING, though it picks operand values: a window of padding alone yields
+     # -inf, which f8E4M3FN cannot hold, so its results are rounded.
+     doc="2-D max pooling over NCHW windows; padding never wins (ONNX MaxPool).")
+_def("avg_pool2d",
+     operands=("x",),
+     attrs=_POOL_ATTRS,
+     infer=_pool_infer(_FLOATS, "a float"),
+     reference=_avg_pool_reference,
+     flops=_pool_flops,
+     precisions=_VECTOR,
+     doc="2-D average pooling, padding not counted (ONNX AveragePool, count_include_pad=0).")
 
 
 def _global_pool_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
@@ -1140,10 +999,14 @@ def _global_pool_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]
     return [tensor(x.shape[:2] + (1,) * (x.rank - 2), _elem_of(ins, _FLOATS, "a float"))]
 
 
-_def("global_avg_pool", ("x",), {}, _global_pool_infer,
-     lambda xs, a, rt: [_fl(xs[0]).mean(axis=tuple(range(2, xs[0].ndim)), keepdims=True)],
-     _per_input_element, _VECTOR,
-     "Mean over all spatial dimensions, keeping them as 1 (ONNX GlobalAveragePool).")
+_def("global_avg_pool",
+     operands=("x",),
+     attrs={},
+     infer=_global_pool_infer,
+     reference=lambda xs, a, rt: [_fl(xs[0]).mean(axis=tuple(range(2, xs[0].ndim)), keepdims=True)],
+     flops=_per_input_element,
+     precisions=_VECTOR,
+     doc="Mean over all spatial dimensions, keeping them as 1 (ONNX GlobalAveragePool).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1195,11 +1058,18 @@ def _cast_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [_convert(xs[0], _declared("mp.cast", rt or ()).elem, a["saturate"])]
 
 
-_def("cast", ("x",), {"saturate": AttrSpec("bool", default=True)}, _cast_infer,
-     _cast_reference, _no_flops, _ANY,
-     "Convert to the result's element type: round to nearest even, truncate to integers, "
-     "saturate fp8 unless saturate = false (ONNX Cast); an encoded operand keeps its encoding.",
-     elementwise=True, encoded_operands=frozenset({0}))
+_def("cast",
+     operands=("x",),
+     attrs={"saturate": AttrSpec("bool", default=True)},
+     infer=_cast_infer,
+     reference=_cast_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Convert to the result's element type: round to nearest even, truncate to integers, "
+         "saturate fp8 unless saturate = false (ONNX Cast); an encoded operand keeps its "
+         "encoding.",
+     traits=_CONVERSION,
+     encoded_operands=frozenset({0}))
 
 _QUANT_ATTRS = {"scale": AttrSpec("number", required=True),
                 "zero_point": AttrSpec("number", default=0),
@@ -1209,11 +1079,11 @@ _QUANT_ATTRS = {"scale": AttrSpec("number", required=True),
 def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
     scale, zp = a["scale"], a["zero_point"]
     if not np.all(scale > 0):
-        raise OpError(f"attribute 'scale' must be positive, got {_show(scale)}")
+        raise OpError(f"attribute 'scale' must be positive, got {show_value(scale)}")
     fmt = FORMATS[qelem]
     if np.any(zp != np.round(zp)) or np.any(zp < fmt.min_value) or np.any(zp > fmt.max_finite):
         raise OpError(f"attribute 'zero_point' must hold integers in the range of {qelem} "
-                      f"[{int(fmt.min_value)}, {int(fmt.max_finite)}], got {_show(zp)}")
+                      f"[{int(fmt.min_value)}, {int(fmt.max_finite)}], got {show_value(zp)}")
     if scale.size > 1 or zp.size > 1:
         axis = _axis(a["axis"], x.rank)
         for name, v in (("scale", scale), ("zero_point", zp)):
@@ -1293,13 +1163,51 @@ def _fake_quant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarra
 # Quantize: 2 operations per element (scale, shift; rounding and saturation are the
 # conversion); dequantize: 2 (shift, scale); fake_quant: both. Cast is pure conversion: 0,
 # its cost is the bytes it moves.
-_def("quantize", ("x",), _QUANT_ATTRS, _quantize_infer, _quantize_reference, _per_element(2),
-     _ANY, "Float to integer: saturate(round_half_even(x / scale) + zero_point), per tensor or "
-     "per `axis` (ONNX QuantizeLinear).", elementwise=True)
-_def("dequantize", ("x",), _QUANT_ATTRS, _dequantize_infer, _dequantize_reference,
-     _per_element(2), _ANY, "Integer to float: (x - zero_point) * scale, per tensor or per "
-     "`axis` (ONNX DequantizeLinear).", elementwise=True)
-_def("fake_quant", ("x",), {**_QUANT_ATTRS, "dtype": AttrSpec("type", required=True,
-                                                              choices=_QUANT_TYPES)},
-     _fake_quant_infer, _fake_quant_reference, _per_element(4), _VECTOR,
-     "Quantize to `dtype` and dequantize back, in x's float type (QDQ pair).", elementwise=True)
+_def("quantize",
+     operands=("x",),
+     attrs=_QUANT_ATTRS,
+     infer=_quantize_infer,
+     reference=_quantize_reference,
+     flops=_per_element(2),
+     precisions=_ANY,
+     doc="Float to integer: saturate(round_half_even(x / scale) + zero_point), per tensor or "
+         "per `axis` (ONNX QuantizeLinear).",
+     traits=_CONVERSION)
+_def("dequantize",
+     operands=("x",),
+     attrs=_QUANT_ATTRS,
+     infer=_dequantize_infer,
+     reference=_dequantize_reference,
+     flops=_per_element(2),
+     precisions=_ANY,
+     doc="Integer to float: (x - zero_point) * scale, per tensor or per "
+         "`axis` (ONNX DequantizeLinear).",
+     traits=_CONVERSION)
+_def("fake_quant",
+     operands=("x",),
+     attrs={**_QUANT_ATTRS, "dtype": AttrSpec("type", required=True, choices=_QUANT_TYPES)},
+     infer=_fake_quant_infer,
+     reference=_fake_quant_reference,
+     flops=_per_element(4),
+     precisions=_VECTOR,
+     doc="Quantize to `dtype` and dequantize back, in x's float type (QDQ pair).",
+     traits=_CONVERSION)
+
+
+# ---------------------------------------------------------------------------------------------
+# Op categories: every set of ops the lowering, the passes and the backend test for, derived
+# from the traits declared above and nowhere else written out.
+
+CONTRACTIONS = ops_with(Trait.CONTRACTION)
+CONVERSIONS = ops_with(Trait.CONVERSION)
+DATA_MOVEMENT = ops_with(Trait.DATA_MOVEMENT)
+ACCUMULATING = ops_with(Trait.ACCUMULATES)  # ops whose precision Decision carries an accumulator
+COMPUTE_HEAVY = ops_with(Trait.COMPUTE_HEAVY)  # the first and last stay f32 (keep_first_last)
+QUANTIZABLE = ops_with(Trait.QUANTIZABLE)
+TYPE_CARRYING = ops_with(Trait.TYPE_CARRYING)
+VALUE_PRESERVING = ops_with(Trait.VALUE_PRESERVING)
+# The ops with a weight operand, in declaration order (pass options print them).
+WEIGHTED: tuple[str, ...] = tuple(n for n, op in OPS.items() if op.weight_operand is not None)
+# Their weight operand: one index for all of them (sparsify and lower-sparse index operands with
+# it), which this unpacking checks when the dialect is imported.
+(WEIGHT_OPERAND,) = {OPS[n].weight_operand for n in WEIGHTED}

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from mplower.dialect.mp import OpError, attr_type
 from mplower.ir.graph import Function
+from mplower.ir.opdef import OpError, attr_type
 from mplower.ir.types import TypeAttr, attr_to_str
 from mplower.numerics.formats import FORMATS
 

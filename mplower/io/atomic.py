@@ -44,6 +44,9 @@ def module_relative(module: Module, attr: str, rel: str, hint: str) -> Path:
     file's folder; a path that leaves that folder (`..`, an absolute path, a symbolic link out
     of it) is a diagnostic at the module that ends with `hint` (how to name the file
     deliberately). Nothing is read, so the message cannot show any of the refused file."""
+    if "\0" in rel:  # no file path holds one; resolving it would raise ValueError
+        raise DiagnosticError.at(module.loc, f"{attr} {rel!r} contains a NUL byte, which no "
+                                             f"file path can")
     base = module_folder(module)
     candidate = (base / rel).resolve()
     if not candidate.is_relative_to(base):

@@ -11,22 +11,25 @@ lark grammar cache on disk.
 from __future__ import annotations
 
 import gc
+import math
 import re
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from lark import Lark, Token
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.exceptions import UnexpectedEOF, UnexpectedInput, UnexpectedToken
 from lark.lexer import Lexer
 
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
+from mplower.ir.diagnostics import LINE_BREAK, Diagnostic, DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.types import (
     ATTRIBUTE_SCALAR_TYPES,
     ELEMENT_TYPES,
     ENCODINGS,
+    MAX_ELEMENTS,
     UNIT,
     DenseAttr,
     SymbolRef,
@@ -34,7 +37,10 @@ from mplower.ir.types import (
     TypeAttr,
     TypedFloat,
     TypedInt,
+    float_bits_text,
+    float_fits,
     float_from_bits,
+    shape_problem,
     tensor,
     value_dtype,
 )
@@ -44,6 +50,8 @@ MAX_ATTRIBUTE_DEPTH = 64  # nesting of arrays/dicts; deeper input is rejected, n
 SPLIT_MARKER = re.compile(r"^// -----.*$", re.MULTILINE)
 
 _GRAMMAR = Path(__file__).with_name("grammar.lark")
+_MAX_RESULTS = 2 ** 32 - 1  # results of one op, as MLIR's unsigned count
+_MAX_DIM_DIGITS = len(str(MAX_ELEMENTS))
 
 # Readable names for lark's terminals in "expected ..." messages.
 _TERMINAL_NAMES = {
@@ -89,7 +97,10 @@ class _Array(tuple):
 # ---- the lexer ----------------------------------------------------------------------------
 _ID = r"[A-Za-z0-9_$.\-]+"
 _TT = r"tensor<[^<>\n]*>"
-_TYPES = rf"\(\s*(?:{_TT}(?:\s*,\s*{_TT})*)?\s*\)"
+# Whitespace is matched possessively (`\s*+`) wherever what follows cannot start with a space:
+# a failed match then gives no run of spaces back to try it split between two `\s*`, which
+# made a line with a long run of spaces cost time quadratic in its length.
+_TYPES = rf"\(\s*+(?:{_TT}(?:\s*+,\s*+{_TT})*)?\s*+\)"
 _NUM = r"[-+]?(?:0x[0-9a-fA-F]+|[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
 # Unrolled (no repeated alternation) so that a long string costs no regex backtracking state.
 _STR = r'"[^"\\\n]*(?:\\[^\n][^"\\\n]*)*"'
@@ -98,19 +109,19 @@ _BARE = r"[A-Za-z_][A-Za-z0-9_$.]*"
 # grammar wants an identifier, a keyword must leave the line to the general rules.
 _NAME = (r"(?!(?:module|func\.func|func\.return|return|true|false|dense|attributes)"
          rf"(?![A-Za-z0-9_$.])){_BARE}")
-_SIMPLE_VALUE = rf"(?:{_STR}|{_NUM}(?:\s*:\s*{_NAME})?|@{_BARE}|true|false|{_NAME})"
+_SIMPLE_VALUE = rf"(?:{_STR}|{_NUM}(?:\s*+:\s*+{_NAME})?|@{_BARE}|true|false|{_NAME})"
 # A body `{ return }` must not read as a dictionary with a unit attribute named `return`.
-_SIMPLE_ENTRY = rf"(?!(?:func\.)?return\b)(?:{_BARE}|{_STR})(?:\s*=\s*{_SIMPLE_VALUE})?"
+_SIMPLE_ENTRY = rf"(?!(?:func\.)?return\b)(?:{_BARE}|{_STR})(?:\s*+=\s*+{_SIMPLE_VALUE})?"
 
 _VAL = rf"%{_ID}(?:#[0-9]+)?"
-_VALS = rf"{_VAL}(?:\s*,\s*{_VAL})*"
-_FUNCTYPE = rf"{_TYPES}\s*->\s*(?:{_TT}|{_TYPES})"
-_SIMPLE_ATTRS = rf"\{{\s*{_SIMPLE_ENTRY}(?:\s*,\s*{_SIMPLE_ENTRY})*\s*\}}"
+_VALS = rf"{_VAL}(?:\s*+,\s*+{_VAL})*"
+_FUNCTYPE = rf"{_TYPES}\s*+->\s*+(?:{_TT}|{_TYPES})"
+_SIMPLE_ATTRS = rf"\{{\s*+{_SIMPLE_ENTRY}(?:\s*+,\s*+{_SIMPLE_ENTRY})*\s*+\}}"
 # One operation on one line with scalar attributes, custom or generic form (see grammar.lark).
-_SIMPLE_OP = (rf"(?P<res>%{_ID})(?::(?P<count>[0-9]+))?\s*=\s*"
-              rf"(?:(?P<gname>{_STR})\((?P<gops>\s*(?:{_VALS})?\s*)\)"
-              rf"|(?P<cname>{_NAME})(?P<cops>\s+{_VALS})?)"
-              rf"\s*(?P<attrs>{_SIMPLE_ATTRS})?\s*:\s*(?P<ftype>{_FUNCTYPE})[ \t]*(?=\n|//|$)")
+_SIMPLE_OP = (rf"(?P<res>%{_ID})(?::(?P<count>[0-9]+))?\s*+=\s*+"
+              rf"(?:(?P<gname>{_STR})\((?P<gops>\s*+(?:{_VALS})?\s*+)\)"
+              rf"|(?P<cname>{_NAME})(?P<cops>\s++{_VALS})?)"
+              rf"\s*+(?P<attrs>{_SIMPLE_ATTRS})?\s*+:\s*+(?P<ftype>{_FUNCTYPE})[ \t]*+(?=\n|//|$)")
 
 _TOKENS = [  # (name, pattern): tried in this order at each position
     ("SIMPLE_OP", _SIMPLE_OP),
@@ -144,7 +155,7 @@ class _IRLexer(Lexer):
 
     def lex(self, text: str, *_: Any):
         end = len(text)
-        pos, line, line_start = 0, 1, 0
+        pos, line, line_start = 0, 1 + _BUILDER.line_offset, 0
         match = _MASTER.match
         count = text.count
         rfind = text.rfind
@@ -154,7 +165,7 @@ class _IRLexer(Lexer):
                 pos = _SKIP.match(text, pos).end()
                 if pos >= end:
                     return
-                line = count("\n", 0, pos) + 1
+                line = count("\n", 0, pos) + 1 + _BUILDER.line_offset
                 line_start = rfind("\n", 0, pos) + 1
                 raise _bad_character(text, pos, line, pos - line_start + 1)
             kind = m.lastgroup
@@ -192,8 +203,8 @@ _TT_RE = re.compile(_TT)
 _VALUE_RE = re.compile(_VAL)
 _SIMPLE_OP_RE = re.compile(_SIMPLE_OP)
 _FLOAT_RE = re.compile(r"[-+]?[0-9]+(?:\.[0-9]*(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)")
-_ENTRY_RE = re.compile(rf"(?P<key>{_BARE}|{_STR})(?:\s*=\s*(?P<value>{_STR}|(?P<num>{_NUM})"
-                       rf"(?:\s*:\s*(?P<vtype>{_BARE}))?|@{_BARE}|{_BARE}))?")
+_ENTRY_RE = re.compile(rf"(?P<key>{_BARE}|{_STR})(?:\s*+=\s*+(?P<value>{_STR}|(?P<num>{_NUM})"
+                       rf"(?:\s*+:\s*+(?P<vtype>{_BARE}))?|@{_BARE}|{_BARE}))?")
 
 
 def _sub(tok: Token, text: str, offset: int, kind: str) -> Token:
@@ -213,6 +224,8 @@ class _Builder:
 
     def __init__(self, file: str):
         self.file = file
+        self.source = ""  # the text being parsed, to locate a bad element of a dense literal
+        self.line_offset = 0  # lines before the text (a chunk of a --split-input-file file)
         self.type_cache: dict[str, TensorType] = {}
         self.functype_cache: dict[str, tuple[list, list]] = {}
 
@@ -248,7 +261,8 @@ class _Builder:
         dims: list[int] = []
         for p in parts[:-1]:
             if p.isdigit():
-                dims.append(int(p))
+                # Checked before int(), which refuses more than 4300 digits.
+                dims.append(int(p) if len(p) <= _MAX_DIM_DIGITS else MAX_ELEMENTS + 1)
             elif p in ("?", ""):
                 raise self.error(tok, "dynamic dimensions are not supported; give a static size")
             elif p.lstrip("-").isdigit():
@@ -259,6 +273,9 @@ class _Builder:
             if elem.lstrip("-").isdigit():
                 raise self.error(tok, f"missing element type in {tok.value}")
             raise self.error(tok, f"unknown element type '{elem}'{did_you_mean(elem, ELEMENT_TYPES)}")
+        problem = shape_problem(tuple(dims))
+        if problem is not None:
+            raise self.error(tok, f"{_short(tok.value)} {problem}")
         return tensor(tuple(dims), elem, encoding)
 
     def types(self, *ts: Any) -> list:
@@ -272,7 +289,18 @@ class _Builder:
 
     # ---- attributes ----------------------------------------------------------------------
     def int_attr(self, tok: Token) -> int:
-        return _HexInt(tok.value, 0) if "x" in tok.value else int(tok.value)
+        return _HexInt(tok.value, 0) if "x" in tok.value else self._decimal(tok)
+
+    def _decimal(self, tok: Token) -> int:
+        """The decimal integer literal `tok`; Python converts at most sys.int_max_str_digits
+        digits (4300 by default: the conversion is quadratic), hexadecimal has no limit."""
+        text = tok.value
+        limit = sys.get_int_max_str_digits()
+        digits = len(text) - (text[0] in "+-")
+        if limit and digits > limit:
+            raise self.error(tok, f"integer literal has {digits} digits; at most {limit} are "
+                                  f"supported (write larger values in hexadecimal)")
+        return int(text)
 
     def typed_int_attr(self, tok: Token, t: Any) -> TypedInt | TypedFloat:
         if isinstance(t, str) and t in FORMATS and FORMATS[t].is_float:
@@ -295,12 +323,22 @@ class _Builder:
         return TypedInt(value, t)
 
     def float_attr(self, tok: Token) -> float:
-        return float(tok.value)
+        return self._float(tok, "f64")  # an untyped float is an f64, as in MLIR
 
     def typed_float_attr(self, tok: Token, t: Any) -> TypedFloat:
         if not isinstance(t, str):
             raise self.error(tok, "a float attribute's type must be a scalar type")
-        return TypedFloat(float(tok.value), t)
+        fmt = FORMATS.get(t)
+        return TypedFloat(self._float(tok, t) if fmt is not None and fmt.is_float
+                          else float(tok.value), t)
+
+    def _float(self, tok: Token, elem: str) -> float:
+        """The decimal float literal `tok`, refused where it is written if the float type
+        `elem` cannot hold it (MLIR would round it to an infinity)."""
+        value = float(tok.value)
+        if math.isinf(value) or not float_fits(value, elem):
+            raise self.error(tok, _out_of_range(tok.value, elem))
+        return value
 
     def string_attr(self, tok: Token) -> str:
         return _unquote(tok, self)
@@ -357,14 +395,14 @@ class _Builder:
                 raise self.error(tok, f"empty dense literal for {t} with {t.size} elements")
             return DenseAttr(np.zeros(t.shape, dtype), t)
         if isinstance(body, Token):
-            return DenseAttr(np.full(t.shape, self._scalar(body, t, tok), dtype), t)
+            return DenseAttr(np.full(t.shape, self._scalar(body, t, tok, 0), dtype), t)
         flat: list = []
         shape = self._dense_shape(body, flat, tok)
         if len(flat) != t.size:
             raise self.error(tok, f"dense literal has {len(flat)} elements but {t} has {t.size}")
         if shape != t.shape and len(shape) != 1:
             raise self.error(tok, f"dense literal of shape {list(shape)} does not match {t}")
-        values = [self._scalar(v, t, tok) for v in flat]
+        values = [self._scalar(v, t, tok, i) for i, v in enumerate(flat)]
         return DenseAttr(np.array(values, dtype).reshape(t.shape), t)
 
     def _dense_shape(self, body: Any, flat: list, tok: Token) -> tuple[int, ...]:
@@ -376,19 +414,61 @@ class _Builder:
             raise self.error(tok, "ragged dense literal: nested lists of different lengths")
         return (len(body),) + (inner.pop() if inner else ())
 
-    def _scalar(self, v: Any, t: TensorType, tok: Token) -> Any:
-        if isinstance(v, Token):
+    def _scalar(self, v: Any, t: TensorType, tok: Token, index: int) -> Any:
+        """Element `index` of the dense literal at `tok`, checked against the element type."""
+        fmt = FORMATS[t.elem]
+        if isinstance(v, Token):  # a splat: the body is this one token
             text = v.value
             if text in ("true", "false"):
                 return text == "true"
-            if v.type == "INT" and "x" in text and FORMATS[t.elem].is_float:
+            if v.type == "INT" and "x" in text and fmt.is_float:
                 return self._float_bits(v, t.elem)
-            return float(text) if v.type == "FLOAT" else int(text, 0)
-        if type(v) is _HexInt and FORMATS[t.elem].is_float:
-            return self._float_bits(tok, t.elem, v)
-        if isinstance(v, bool | int | float):
+            v = self.float_attr(v) if v.type == "FLOAT" else self.int_attr(v)
+        elif type(v) is _HexInt and fmt.is_float:
+            try:
+                return float_from_bits(v, t.elem)
+            except ValueError:
+                self._float_bits(self._element_token(tok, index), t.elem, v)  # raises
+        if isinstance(v, bool):
             return v
-        raise self.error(tok, f"bad element in dense literal of {t}: only numbers are allowed")
+        if not isinstance(v, int | float):
+            raise self.error(tok, f"bad element in dense literal of {t}: only numbers are "
+                                  f"allowed")
+        if fmt.is_int:
+            lo, hi = int(fmt.min_value), int(fmt.max_finite)
+            if isinstance(v, int) and lo <= v <= hi:
+                return v
+            etok = self._element_token(tok, index)
+            if isinstance(v, float):  # MLIR: "expected integer elements"
+                raise self.error(etok, f"expected an integer element for {t}, got "
+                                       f"{_short(etok.value)}")
+            raise self.error(etok, f"integer value {_short(etok.value)} is out of range for "
+                                   f"{t.elem} (range [{lo}, {hi}])")
+        if float_fits(v, t.elem):
+            return v
+        etok = self._element_token(tok, index)
+        raise self.error(etok, _out_of_range(etok.value, t.elem))
+
+    def _element_token(self, dense: Token, index: int) -> Token:
+        """The token of element `index` of the dense literal starting at `dense`.
+
+        Found again in the source only when an element is wrong: elements reach the dense
+        rule as values (arrays are built before it is known that they are a dense body), and
+        keeping a token per element would cost every literal for the sake of a bad one.
+        """
+        src, pos, n = self.source, dense.start_pos, -1
+        while (m := _MASTER.match(src, pos)) is not None:
+            kind = m.lastgroup
+            if kind in ("INT", "FLOAT") or (kind == "BARE_ID" and m.group(kind) in ("true",
+                                                                                  "false")):
+                n += 1
+                if n == index:
+                    start = m.start(kind)
+                    line = dense.line + src.count("\n", dense.start_pos, start)
+                    col = start - src.rfind("\n", 0, start)
+                    return Token(kind, m.group(kind), start, line, col)
+            pos = m.end()
+        return dense  # the literal lexed before, so not reached; the literal is the fallback
 
     def _float_bits(self, tok: Token, elem: str, bits: int | None = None) -> float:
         if bits is None:
@@ -407,10 +487,18 @@ class _Builder:
             base = tok.value.split("#")[0]
             raise self.error(tok, f"'{tok.value}' names one result of an op and cannot be "
                                   f"defined; write '{base}:N = ...' for N results")
-        n = int(count.value) if count is not None else 1
+        return tok, self._result_count(tok, count.value if count is not None else None)
+
+    def _result_count(self, tok: Token, text: str | None) -> int:
+        n = 1
+        if text is not None:
+            if len(text) > len(str(_MAX_RESULTS)) or int(text) > _MAX_RESULTS:
+                raise self.error(tok, f"result count {_short(text)} is too large "
+                                      f"(at most {_MAX_RESULTS})")
+            n = int(text)
         if n < 1:
             raise self.error(tok, "result count must be positive")
-        return tok, n
+        return n
 
     def functype(self, ins: list | None, outs: list) -> tuple[list, list]:
         return ins or [], outs
@@ -420,11 +508,7 @@ class _Builder:
         res, count, gname, gops, cname, cops, attrs, ftype = m.group(
             "res", "count", "gname", "gops", "cname", "cops", "attrs", "ftype")
         rtok = _sub(tok, res, 0, "VALUE_ID")
-        n = 1
-        if count is not None:
-            n = int(count)
-            if n < 1:
-                raise self.error(rtok, "result count must be positive")
+        n = self._result_count(rtok, count)
         if gname is not None:
             name_tok = _sub(tok, gname, m.start("gname"), "STRING")
             operands = _Names(_VALUE_RE.findall(gops), tok, m.start("gops"))
@@ -478,8 +562,13 @@ class _Builder:
                 v = value == "true"
             elif _FLOAT_RE.fullmatch(value):
                 v = float(value)
+                if math.isinf(v):
+                    self.float_attr(_sub(tok, value, at + m.start("value"), "FLOAT"))  # raises
             elif first.isdigit() or first in "+-":
-                v = int(value, 0) if "x" in value else int(value)
+                try:
+                    v = int(value, 0) if "x" in value else int(value)
+                except ValueError:  # past Python's limit on decimal digits
+                    self._decimal(_sub(tok, value, at + m.start("value"), "INT"))  # raises
             elif value in ATTRIBUTE_SCALAR_TYPES:
                 v = TypeAttr(value)
             else:
@@ -627,6 +716,19 @@ class _Dict(dict):
         self.depth = depth
 
 
+def _short(text: str) -> str:
+    """`text`, cut to 40 characters for a message."""
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _out_of_range(text: str, elem: str) -> str:
+    fmt = FORMATS[elem]
+    msg = f"{_short(text)} is out of range for {elem} (largest finite value {fmt.max_finite:.8g})"
+    if fmt.has_inf:
+        msg += f"; an infinity is written {float_bits_text(math.inf, elem)} : {elem}"
+    return msg
+
+
 def _defined_name(item: Token | tuple) -> str | None:
     """The result name an op of a function body defines (`%0`), or None."""
     if type(item) is Token:
@@ -732,51 +834,82 @@ def _cache_file(grammar: str) -> str | bool:
 
 
 def parse(text: str, file: str = "<stdin>", line_offset: int = 0) -> Module:
-    """Parse IR text into a Module; raises DiagnosticError at the first error."""
+    """Parse IR text into a Module; raises DiagnosticError at the first error.
+
+    `line_offset`: lines of the file before `text` (a chunk of a split file), so that
+    locations are the file's.
+    """
     lark = _lark()
-    _BUILDER.file = file
-    src = "\n" * line_offset + text if line_offset else text
+    src = normalize_newlines(text)
+    _BUILDER.file, _BUILDER.source, _BUILDER.line_offset = file, src, line_offset
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the parse allocates millions of objects and frees none of them
     try:
         module = lark.parse(src)
     except UnexpectedInput as e:
-        raise _syntax_error(e, src, file) from None
+        raise _syntax_error(e, src, file, line_offset) from None
     except RecursionError:
-        raise DiagnosticError.at(Location(file, 1, 1), "input nests too deeply") from None
+        raise DiagnosticError.at(Location(file, 1 + line_offset, 1),
+                                 "input nests too deeply") from None
     finally:
+        _BUILDER.source = ""
         if gc_was_enabled:
             gc.enable()
     module.path = file
     return module
 
 
-def _syntax_error(e: UnexpectedInput, src: str, file: str) -> DiagnosticError:
+def normalize_newlines(text: str) -> str:
+    """`text` with CR LF and lone CR line endings as LF: each is a line break (old Mac files
+    are otherwise one line, a comment at the top hiding everything)."""
+    return LINE_BREAK.sub("\n", text) if "\r" in text else text
+
+
+def _syntax_error(e: UnexpectedInput, src: str, file: str, line_offset: int) -> DiagnosticError:
     line, col = getattr(e, "line", 0) or 0, getattr(e, "column", 0) or 0
-    if isinstance(e, UnexpectedCharacters):
-        ch = src[e.pos_in_stream] if e.pos_in_stream < len(src) else ""
-        if ch == '"':
-            msg = "unterminated string"
-        elif ch == "%":
-            msg = "malformed value name"
-        else:
-            msg = f"unexpected character {ch!r}"
-    elif isinstance(e, UnexpectedEOF):
-        msg = "unexpected end of file"
-        line, col = _end_position(src)
-    elif isinstance(e, UnexpectedToken):
+    if isinstance(e, UnexpectedToken) and e.token.type != "$END":
         tok = e.token
-        if tok.type == "$END":
-            line, col = _end_position(src)
-            msg = "unexpected end of file"
-        else:
-            msg = f"unexpected {_describe(tok)}"
+        msg = f"unexpected {_describe(tok)}"
         expected = sorted({_TERMINAL_NAMES.get(t, t) for t in e.expected})
         if expected and len(expected) <= 6:
             msg += f"; expected {', '.join(expected)}"
-    else:
+            end = _end_of_last_token(src, tok.start_pos)
+            if end is not None and "\n" in src[end:tok.start_pos]:
+                # Something is missing at the end of a line: say so there, as MLIR does, not
+                # at the next line's first token.
+                line = tok.line - src.count("\n", end, tok.start_pos)
+                col = end - src.rfind("\n", 0, end)
+                msg = (f"expected {', '.join(expected)}; found {_describe(tok)} on line "
+                       f"{tok.line}")
+    elif isinstance(e, UnexpectedToken | UnexpectedEOF):
+        msg = "unexpected end of file"
+        end = _end_of_last_token(src, len(src))
+        end = 0 if end is None else end
+        line = 1 + line_offset + src.count("\n", 0, end)
+        col = end - src.rfind("\n", 0, end)
+        if isinstance(e, UnexpectedToken):
+            expected = sorted({_TERMINAL_NAMES.get(t, t) for t in e.expected})
+            if expected and len(expected) <= 6:
+                msg += f"; expected {', '.join(expected)}"
+    else:  # the lexer reports bad characters itself
         msg = "syntax error"
     return DiagnosticError(Diagnostic(Location(file, line, col), msg))
+
+
+def _end_of_last_token(src: str, pos: int) -> int | None:
+    """Offset just past the last token that ends before `pos` (skipping blank lines and
+    comments), or None when there is none. Each line is lexed on its own from its start, which
+    is always a token boundary: tokens other than whole simple ops never span lines."""
+    line_end = pos
+    while line_end >= 0:
+        line_start = src.rfind("\n", 0, line_end) + 1
+        end, at = None, line_start
+        while (m := _MASTER.match(src, at, line_end)) is not None and m.end() > at:
+            end = at = m.end()
+        if end is not None:
+            return end
+        line_end = line_start - 1
+    return None
 
 
 def _describe(tok: Token) -> str:
@@ -786,25 +919,19 @@ def _describe(tok: Token) -> str:
     return f"'{text}'"
 
 
-def _end_position(src: str) -> tuple[int, int]:
-    stripped = src.rstrip()
-    line = stripped.count("\n") + 1
-    col = len(stripped) - (stripped.rfind("\n") + 1) + 1
-    return line, max(col, 1)
-
-
 def decode_source(data: bytes, file: str) -> str:
-    """UTF-8 text of a file, or a diagnostic pointing at the first invalid byte."""
+    """UTF-8 text of a file with its line breaks as LF, or a diagnostic pointing at the first
+    invalid byte."""
     try:
-        return data.decode("utf-8")
+        return normalize_newlines(data.decode("utf-8"))
     except UnicodeDecodeError as e:
-        head = data[:e.start]
-        line = head.count(b"\n") + 1
         # Columns count characters, as everywhere else; the bytes before the bad one are valid.
-        col = len(head[head.rfind(b"\n") + 1:].decode("utf-8")) + 1
+        head = normalize_newlines(data[:e.start].decode("utf-8"))
+        line = head.count("\n") + 1
+        col = len(head) - head.rfind("\n")
         err = DiagnosticError.at(Location(file, line, col),
                                  f"invalid UTF-8 byte 0x{data[e.start]:02x}")
-        err.source = data.decode("utf-8", "replace")
+        err.source = normalize_newlines(data.decode("utf-8", "replace"))
         raise err from None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cache
 from typing import Any
 
@@ -24,6 +25,24 @@ ELEMENT_TYPES = tuple(FORMATS)
 # Scalar types that may annotate attributes (`3 : i64`) but are not tensor element types.
 ATTRIBUTE_SCALAR_TYPES = frozenset(ELEMENT_TYPES) | {"i16", "i64", "ui16", "ui32", "ui64", "index"}
 ENCODINGS = ("2:4", "1:2", "csr")
+MAX_RANK = 64  # numpy's limit on an array's dimensions
+# Elements of one tensor: its values at 8 bytes each (f64, int64 hold them) must be addressable
+# by a numpy array, whose size in bytes is a signed 64-bit integer.
+MAX_ELEMENTS = (2 ** 63 - 1) // 8
+
+
+def shape_problem(shape: tuple[int, ...]) -> str | None:
+    """Why a static shape cannot be a tensor's, or None: too many dimensions or elements."""
+    if len(shape) > MAX_RANK:
+        return f"has {len(shape)} dimensions; at most {MAX_RANK} are supported"
+    size = 1
+    for d in shape:
+        size *= d
+        # A zero dimension would hide a huge one from the product, and numpy refuses both.
+        if d > MAX_ELEMENTS or size > MAX_ELEMENTS:
+            return (f"has more than {MAX_ELEMENTS} (2^60 - 1) elements, the most whose values "
+                    f"(8 bytes each) a 64-bit machine can address")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +177,15 @@ def format_float(x: float, single: bool = False, elem: str = "f32") -> str:
     """Shortest text that reads back as the same float, always with a '.' or exponent (MLIR).
 
     `single`: shortest text for the float32 value (what dense f32/bf16/... literals hold).
-    NaN and infinities have no decimal spelling; they print as the bit pattern of `elem`.
+    NaN and infinities have no decimal spelling; they print as the bit pattern of `elem`, and
+    so does a value beyond `elem`'s range (built through the API), which the type holds as an
+    infinity and the parser refuses as a decimal.
     """
     if not math.isfinite(x):
         return float_bits_text(x, elem)
+    fmt = FORMATS.get(elem)
+    if fmt is not None and fmt.is_float and not float_fits(x, elem):
+        return float_bits_text(math.copysign(math.inf, x), elem)
     s = str(np.float32(x)) if single else repr(float(x))
     if "e" in s or "E" in s:
         mant, exp = s.split("e")
@@ -213,10 +237,12 @@ def attr_to_str(v: Any) -> str:
     if v is False:
         return "false"
     if isinstance(v, int):
-        return str(v)
+        return int_text(v)
     if isinstance(v, float):
         # An untyped float is an f64 in MLIR, so NaN and inf carry that type to read back.
-        return format_float(v) if math.isfinite(v) else f"{float_bits_text(v, 'f64')} : f64"
+        if math.isfinite(v):
+            return format_float(v, elem="f64")
+        return f"{float_bits_text(v, 'f64')} : f64"
     if isinstance(v, str):
         return quote(v)
     if isinstance(v, tuple):
@@ -226,6 +252,15 @@ def attr_to_str(v: Any) -> str:
     if isinstance(v, dict):
         return attr_dict_to_str(v)
     return str(v)
+
+
+def int_text(v: int) -> str:
+    """Decimal, or hexadecimal for an integer longer than Python converts to decimal (4300
+    digits by default): the parser refuses such a decimal literal, and hex has no limit."""
+    try:
+        return str(v)
+    except ValueError:
+        return hex(v)
 
 
 def attr_dict_to_str(d: dict) -> str:
@@ -263,6 +298,39 @@ def _elem_to_str(x: Any, is_float: bool, single: bool, elem: str) -> str:
     if isinstance(x, (bool, np.bool_)):
         return "true" if x else "false"
     return format_float(float(x), single, elem) if is_float else str(int(x))
+
+
+@cache
+def _overflow_bound(elem: str) -> tuple[Fraction, bool]:
+    """(b, tie): a value of magnitude above b, or equal to b when `tie`, rounds to nearest
+    even past the largest finite value of the float type `elem`. Exact (f64's bound is not
+    a double), compared only with values already past the largest finite one."""
+    fmt = FORMATS[elem]
+    top = Fraction(fmt.max_finite)
+    ulp = Fraction(2) ** (math.frexp(fmt.max_finite)[1] - 1 - fmt.man_bits)
+    # Half-way between the largest value and the next step up goes to the even one of the two.
+    return top + ulp / 2, (top / ulp) % 2 == 1
+
+
+def float_fits(x: float, elem: str) -> bool:
+    """Whether the finite value `x` (a float, or an integer of any size) keeps a finite value
+    in the float type `elem`.
+
+    A value is held in its `value_dtype` first (f32 for every type narrower than f64) and then
+    rounded to `elem` by whoever computes with it; neither step may go past the largest finite
+    value, which would make it an infinity (or NaN in f8E4M3FN). MLIR rounds such a literal to
+    inf silently; mplower refuses it, and infinities are written as bit patterns.
+    """
+    a = abs(x)
+    if a <= FORMATS[elem].max_finite:
+        return True
+    if elem != "f64":
+        bound, tie = _overflow_bound("f32")
+        if a > bound or (tie and a == bound):
+            return False
+        a = float(np.float32(a))
+    bound, tie = _overflow_bound(elem)
+    return a < bound or (a == bound and not tie)
 
 
 def value_dtype(elem: str) -> np.dtype:

@@ -2,16 +2,20 @@
 
 Structure: each value is defined once and before its uses in program order, each op's operand
 edges number 0..n-1, every edge names an existing result, the function ends with a return whose
-types match the signature. Ops: known to the registry, operand count, attributes
+types match the signature, and every value's type is one a tensor can have (`shape_problem`:
+the parser refuses such types in text; modules built through the API, by the ONNX importer for
+one, are checked here). Ops: known to the registry, operand count, attributes
 (`check_attrs`), and declared result types equal to the types the op's rule infers. All
-failures are collected, each located at its op, and raised together.
+failures are collected, each located at its op, and raised together. Ops come from the registry
+that the dialects fill (mplower.dialect); the IR layer does not import them.
 """
 
 from __future__ import annotations
 
-from mplower.dialect.mp import OPS, OpError, check_attrs
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError, did_you_mean
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ir.opdef import OpError, check_attrs, lookup
+from mplower.ir.types import shape_problem
 
 
 def verify(module: Module) -> None:
@@ -39,7 +43,14 @@ def verify_function(f: Function) -> list[Diagnostic]:
         diags.append(Diagnostic(f.loc, f"function @{f.name} does not end with a return"))
         return diags
     seen_names: dict[str, int] = {}
+    checked: set[int] = set()  # ids of the types seen: types are interned, few and shared
     for n in f.args + order:
+        for t in nodes[n]["types"]:
+            if id(t) not in checked:
+                checked.add(id(t))
+                problem = shape_problem(t.shape)
+                if problem is not None:
+                    diags.append(Diagnostic(nodes[n]["loc"], f"{t} {problem}"))
         name = nodes[n]["name"]
         if name:
             if name in seen_names:
@@ -83,9 +94,10 @@ def verify_op(name: str, in_types: list, attrs: dict, out_types: list) -> str | 
     """The first rule that the op breaks, as a message, or None."""
     if name == ARG:
         return None
-    opdef = OPS.get(name)
-    if opdef is None:
-        return f"unknown operation '{name}'{did_you_mean(name, OPS)}"
+    try:
+        opdef = lookup(name)
+    except OpError as e:
+        return e.message
     n = len(in_types)
     lo, hi = opdef.min_operands, opdef.max_operands
     if n < lo or (hi is not None and n > hi):

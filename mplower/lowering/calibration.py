@@ -36,9 +36,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from mplower.dialect.mp import OPS, check_attrs
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.types import DenseAttr, tensor
 
 METHODS = ("minmax", "percentile", "entropy", "mse")

@@ -17,18 +17,13 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from mplower.dialect.mp import ACCUMULATING
 from mplower.ir.graph import Module
 from mplower.lowering.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
 from mplower.numerics.formats import FORMATS, width_rank
 
-# The ops keep_first_last counts: the first and last of these in a function stay f32.
-COMPUTE_HEAVY = frozenset({"mp.matmul", "mp.conv2d"})
-# Ops whose Decision carries an accumulator; every other op gets accum None.
-ACCUMULATING = frozenset({"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"})
-GUARDRAILS = ("max_rel_l2", "min_sqnr_db", "max_overflow", "max_overflow_rate",
-              "min_top1_agreement")
 # What a guardrail limit may be (docs/policy.md): a relative error beyond 1000 or an SQNR beyond
 # 1000 dB means nothing (f64 itself reaches ~320 dB), a count of overflowed values must be
 # exact in a float (2^53), an agreement is a fraction.
@@ -39,6 +34,7 @@ GUARDRAIL_BOUNDS = {
     "max_overflow_rate": Bounds(0, 1),
     "min_top1_agreement": Bounds(0, 1),
 }
+GUARDRAILS = tuple(GUARDRAIL_BOUNDS)  # the keys, in the order docs and messages list them
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
 
 # Reason strings of Decision (docs/policy.md); follow and override reasons carry a detail.
@@ -51,9 +47,6 @@ NOT_LISTED = "not-listed"
 # Formats that tensor cores take as matmul/conv inputs but do not write results in: a GEMM fed
 # tf32 or fp8 writes its accumulator's format (as cuBLAS and Transformer Engine do).
 INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2"})
-# Ops that carry their result type themselves; precision assignment leaves them alone.
-TYPE_CARRYING = frozenset({"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize",
-                           "mp.fake_quant", "mp.sparse_encode"})
 
 
 def result_format(op: str, compute: str, accum: str | None) -> str:

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mplower.dialect.mp import WEIGHT_OPERAND
 from mplower.ir.types import TensorType
 from mplower.lowering.policy import result_format
 from mplower.lowering.target import CSR, DENSE, SPARSE_1_2, SPARSE_2_4, Target
 from mplower.numerics.formats import FORMATS
 
-WEIGHT_OPERAND = 1  # the weight of mp.matmul (b) and mp.conv2d (w)
 # Structured patterns as (kept, group size): NVIDIA's sparse tensor cores keep 2 of every 4
 # consecutive values along the reduction axis for 8/16-bit inputs and 1 of every 2 for tf32.
 PATTERNS: dict[str, tuple[int, int]] = {"2:4": (2, 4), "1:2": (1, 2)}

@@ -21,7 +21,7 @@ from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, format_problem, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import COMPUTE_FORMATS, FORMATS
 
 # Kernel kinds, as written in `mp.kernel`. The structured kinds name the pattern their data
 # must have: NVIDIA sparse tensor cores take 2:4 for 16- and 8-bit inputs but 1:2 for tf32
@@ -34,8 +34,7 @@ STRUCTURED_KERNEL = {"2:4": SPARSE_2_4, "1:2": SPARSE_1_2}  # sparse_pattern -> 
 KERNEL_FOR_ENCODING: dict[str | None, str] = {None: DENSE, "2:4": SPARSE_2_4, "1:2": SPARSE_1_2,
                                               "csr": CSR}  # tensor encoding -> kernel
 
-# Formats an op may compute in, and the accumulators of matmul/conv/reductions.
-COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "i8")
+# The accumulators of matmul/conv/reductions (the compute formats are numerics.formats').
 ACCUM_FORMATS = ("f32", "f16", "i32")
 
 # Reason codes for legalize's fallbacks (documented in docs/targets.md).

@@ -80,6 +80,16 @@ FLOATS = frozenset(FLOAT_FORMATS)  # for membership tests on hot paths
 # Floats narrower than f32: a value in one of these has been lowered.
 NARROW_FLOATS = frozenset(n for n in FLOAT_FORMATS if FORMATS[n].bits < 32)
 INT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_int)
+FP8_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 8)
+# Formats an op computes in on a target (tensor-core inputs): every float narrower than f64,
+# and i8. The order is the order docs and diagnostics list them in.
+COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "i8")
+# Integer formats a value is quantized to (ONNX QuantizeLinear's integer targets): the ints
+# between the i1 mask and the i32 accumulator.
+QUANT_INTS = tuple(n for n in INT_FORMATS if 1 < FORMATS[n].bits < 32)
+# Integer formats that hold quantized values: those, and the i32 accumulator of an integer
+# matmul or conv, which is dequantized too (ONNX DequantizeLinear reads INT32).
+QUANT_STORAGE = QUANT_INTS + tuple(n for n in INT_FORMATS if FORMATS[n].bits == 32)
 
 
 def width_rank(name: str) -> tuple[int, int]:

@@ -23,11 +23,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FORMATS, FP8_FORMATS, QUANT_INTS, QUANT_STORAGE
 from mplower.numerics.rounding import SERIAL_BELOW, Counts, decode, encode_counted
 
-QUANT_FORMATS = ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2")
-DEQUANT_FORMATS = ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2")
+# The numerics quantize to fp8 too (the ONNX frontend's float8 QDQ); mp.quantize itself holds
+# integers only (QUANT_STORAGE).
+QUANT_FORMATS = QUANT_INTS + FP8_FORMATS
+DEQUANT_FORMATS = QUANT_STORAGE + FP8_FORMATS
 
 _CHUNK = 1 << 16
 # Channel runs shorter than this (per-axis on a trailing axis) switch channel every few

@@ -25,13 +25,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from mplower.dialect.mp import OPS, attr_array, attr_type, check_attrs
+from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, DATA_MOVEMENT
 from mplower.dialect.plan import ACCUM
 from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.opdef import OPS, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FORMATS, NARROW_FLOATS, QUANT_INTS, QUANT_STORAGE
 from mplower.passes.insert_casts import check_materialized
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
@@ -44,11 +45,8 @@ ONNX_TYPE = {
     "i32": TensorProto.INT32, "i8": TensorProto.INT8, "ui8": TensorProto.UINT8,
     "i4": TensorProto.INT4, "i1": TensorProto.BOOL,
 }
-# Floats that are computed by upcasting to FLOAT (the executor's f32-compute-then-round).
-_NARROW = frozenset({"bf16", "f16", "f8E4M3FN", "f8E5M2", "tf32"})
-# Ops that move or convert values without arithmetic: emitted in the operand type.
-_MOVES = frozenset({"mp.reshape", "mp.transpose", "mp.concat", "mp.slice", "mp.flatten",
-                    "mp.sparse_encode"})
+# Narrow floats (NARROW_FLOATS) compute by upcasting to FLOAT, as the executor computes in f32
+# and rounds; data movement and conversions are emitted in the operand type.
 # onnxruntime's CPU provider moves these only after a Cast (to FLOAT, or INT8 for INT4).
 _NO_NATIVE_MOVES = frozenset({"f8E4M3FN", "f8E5M2", "i4"})
 
@@ -141,7 +139,7 @@ class _Exporter:
 
     def as_float(self, name: str, t: TensorType) -> str:
         """The FLOAT copy of a narrow float tensor (one Cast per tensor)."""
-        if t.elem not in _NARROW or t.elem == "tf32":
+        if t.elem not in NARROW_FLOATS or t.elem == "tf32":
             return name
         if name not in self.wide:
             self.wide[name] = self.node("Cast", [name], f"{name}_f32", to=TensorProto.FLOAT)
@@ -235,24 +233,24 @@ class _Exporter:
                               "accumulation")
         if op == "mp.sparse_encode":
             self.notes.append("sparse encodings are exported as dense tensors")
-        if op in ("mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant"):
+        if op in CONVERSIONS:
             self.names[(n, 0)] = self._conversion(n, op, attrs, ins[0], in_types[0], out_t,
                                                   hint)
             return
-        if op in ("mp.matmul", "mp.conv2d") and FORMATS[in_types[0].elem].is_int:
+        if op in CONTRACTIONS and FORMATS[in_types[0].elem].is_int:
             self.names[(n, 0)] = self._integer_contraction(n, op, attrs, ins, in_types, hint)
             return
-        if op in _MOVES and out_t.elem not in _NO_NATIVE_MOVES:
+        if op in DATA_MOVEMENT and out_t.elem not in _NO_NATIVE_MOVES:
             self.names[(n, 0)] = self._emit(op, attrs, ins, in_types, out_t, hint)
             return
-        if op in _MOVES and out_t.elem == "i4":
+        if op in DATA_MOVEMENT and out_t.elem == "i4":
             wide = [self.node("Cast", [x], f"{x}_i8", to=TensorProto.INT8) for x in ins]
             y = self._emit(op, attrs, wide, in_types, out_t, f"{hint}_i8")
             self.names[(n, 0)] = self.node("Cast", [y], hint, to=TensorProto.INT4)
             return
         # Arithmetic: narrow floats compute in FLOAT and round back, as the executor does.
         wide_ins = [self.as_float(x, t) for x, t in zip(ins, in_types)]
-        narrow_out = out_t.elem in _NARROW and out_t.elem != "tf32"
+        narrow_out = out_t.elem in NARROW_FLOATS and out_t.elem != "tf32"
         y = self._emit(op, attrs, wide_ins, in_types, out_t, f"{hint}_f32" if narrow_out
                        else hint)
         if narrow_out:
@@ -347,7 +345,7 @@ class _Exporter:
             q_elem = out_t.elem
         else:
             q_elem = attr_type(a["dtype"])
-        if q_elem not in ("i8", "ui8", "i4") and not (op == "mp.dequantize" and q_elem == "i32"):
+        if q_elem not in (QUANT_STORAGE if op == "mp.dequantize" else QUANT_INTS):
             raise self.error(n, f"{op} to {q_elem} has no ONNX QuantizeLinear form")
         s = self.init(scale, f"{hint}_scale")
         z = self.init(zp.astype(helper.tensor_dtype_to_np_dtype(ONNX_TYPE[q_elem])),
@@ -358,7 +356,7 @@ class _Exporter:
             if op == "mp.quantize":
                 return q
             x = q
-        wide = out_t.elem in _NARROW and out_t.elem != "tf32"
+        wide = out_t.elem in NARROW_FLOATS and out_t.elem != "tf32"
         y = self.node("DequantizeLinear", [x, s, z], f"{hint}_f32" if wide else hint, **axis)
         return self.node("Cast", [y], hint, to=ONNX_TYPE[out_t.elem]) if wide else y
 
@@ -369,7 +367,7 @@ class _Exporter:
         attrs = {}
         if dst.startswith("f8"):
             attrs["saturate"] = int(a.get("saturate", True))
-        if src in _NARROW and dst != "f32":
+        if src in NARROW_FLOATS and dst != "f32":
             x = self.as_float(x, in_t)  # a narrow value is exact in FLOAT: one rounding
         if FORMATS[src].is_float and FORMATS[dst].is_int and dst != "i1":
             # mplower saturates out-of-range values (ONNX leaves them undefined): clip first.

@@ -32,12 +32,13 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
-from mplower.dialect.mp import OPS, OpError
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
+from mplower.ir.opdef import OPS, OpError
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.ir.verifier import verify
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FORMATS, QUANT_STORAGE
 
 MIN_OPSET = 9
 MAX_OPSET = onnx.defs.onnx_opset_version()
@@ -1617,7 +1618,7 @@ def _dequantize(imp: _Importer, node: onnx.NodeProto) -> list:
         s = imp.constant(_along(scale, x.type.rank, axis).astype(
             helper.tensor_dtype_to_np_dtype(out_type)), f"{node.input[1]}")
         return [imp.emit("mp.mul", [wide, s], onnx_type=out_type)]
-    if x.type.elem not in ("i8", "ui8", "i4", "i32"):
+    if x.type.elem not in QUANT_STORAGE:
         raise imp.error(f"dequantization of {onnx_type_name(x.onnx_type)} is not supported")
     attrs = {"scale": _number_attr(scale.astype(np.float32), "f32")}
     if zp is not None:

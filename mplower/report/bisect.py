@@ -5,9 +5,9 @@ hurts; this closes the loop and names the ops to keep wide. On a lowered module 
 or with a narrow float plan) and one set of inputs:
 
 1. run it; if the guardrails pass, the answer is the empty set;
-2. rank the ops that a plan or quantization changed (`quant_report.converted_ops`) by what
+2. rank the ops that a plan or quantization changed (`report.quant.converted_ops`) by what
    each loses itself, from one traced run: its result against the op in f32 on the values
-   its operands were converted from, for its worst output channel (`quant_report`'s
+   its operands were converted from, for its worst output channel (`report.quant`'s
    `local_sqnr_db`). Error measured this way does not count what an op inherits from
    upstream, and a channel wiped out by a shared scale is not hidden by a large one;
 3. binary-search the shortest prefix of that ranking whose return to f32 passes (log2(n) + 1
@@ -17,7 +17,7 @@ or with a narrow float plan) and one set of inputs:
    necessarily the global minimum, which would need a search over subsets.
 
 `keep_f32` is the rewrite that returns ops to f32 in a copy of the module: the op is recomputed
-in f32 from the float values its operands were converted from (`quant_report.float_origin`,
+in f32 from the float values its operands were converted from (`report.quant.float_origin`,
 undoing quantize's shift of asymmetric activations), replaces the float value that stood for
 its result (its own result, or the dequantize of an i32 kernel and quantize's zero-point
 correction), and consumers that expect another format get a cast. Dead conversions are removed.
@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import Program
+from mplower.dialect.mp import ACCUMULATING
 from mplower.dialect.plan import PLAN_ATTRS, Plan
 from mplower.ir.graph import Function, Module, Value
-from mplower.lowering.policy import ACCUMULATING
 from mplower.numerics.formats import FORMATS
 from mplower.passes.dce import eliminate_dead_ops
 from mplower.passes.quantize import QUANT_MARK, WEIGHT_QUANT

@@ -31,14 +31,15 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import Program
-from mplower.dialect.mp import attr_array
+from mplower.dialect.mp import CONVERSIONS
 from mplower.ir.graph import Function, Value
+from mplower.ir.opdef import attr_array
 from mplower.lowering.calibration import CALIB, constant_nodes
 from mplower.numerics.formats import FORMATS
+from mplower.numerics.metrics import channel_sqnr_db, sqnr_db
 from mplower.numerics.quant import dequantize
 from mplower.passes.quantize import QUANT_MARK, ZERO_POINT
 
-CONVERSIONS = frozenset({"mp.quantize", "mp.dequantize", "mp.cast", "mp.fake_quant"})
 MOVEMENT = frozenset({"mp.reshape", "mp.transpose"})
 
 
@@ -55,20 +56,6 @@ def trace(program: Program, inputs: list[np.ndarray]) -> Trace:
     """Run the lowered plan and the fp32 reference, keeping every value (Program.run)."""
     result = program.run(inputs)
     return Trace(result.values, result.refs, dict(program.slots))
-
-
-def sqnr_db(y: np.ndarray, ref: np.ndarray) -> float | None:
-    """10 log10(|ref|^2 / |y - ref|^2); None where the two are not comparable."""
-    if y is None or ref is None or np.shape(y) != np.shape(ref):
-        return None
-    r = np.asarray(ref, np.float64)
-    d = np.asarray(y, np.float64) - r
-    if not np.all(np.isfinite(d)):
-        return -math.inf
-    noise, signal = float(np.sum(d * d)), float(np.sum(r * r))
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
 def real_value(f: Function, v: Value, t: Trace) -> np.ndarray | None:
@@ -142,24 +129,6 @@ def result_float(f: Function, n: int) -> Value:
     if len(users) == 1 and f.attrs_of(users[0][0]).get(QUANT_MARK) == ZERO_POINT:
         v = (users[0][0], 0)
     return v
-
-
-def channel_sqnr_db(y: np.ndarray, ref: np.ndarray, axis: int) -> float | None:
-    """The lowest SQNR over the channels along `axis` (channels without signal are skipped):
-    a tensor-wide figure hides channels that a shared scale wiped out under one large one."""
-    if y is None or ref is None or np.shape(y) != np.shape(ref) or np.ndim(ref) == 0:
-        return None
-    r = np.moveaxis(np.asarray(ref, np.float64), axis, 0).reshape(np.shape(ref)[axis], -1)
-    d = np.moveaxis(np.asarray(y, np.float64), axis, 0).reshape(r.shape) - r
-    if not np.all(np.isfinite(d)):
-        return -math.inf
-    signal, noise = np.sum(r * r, axis=1), np.sum(d * d, axis=1)
-    keep = signal > 0
-    if not np.any(keep):
-        return None
-    with np.errstate(divide="ignore"):
-        per = 10 * np.log10(signal[keep] / noise[keep])
-    return float(per.min())
 
 
 def operand_sqnr(program: Program, inputs: list[np.ndarray],

@@ -5,7 +5,7 @@ NaN totals, the outputs' drift against the fp32 reference (rel_l2, max_abs, SQNR
 and a verdict; `ops`, one entry per executed op. Guardrails come from the module's policy
 sheet (`mp.policy`, recorded by assign-precision) or from the command line. Drift leaves out
 positions where result and reference hold the same inf/NaN (an attention mask) and counts every
-other non-finite position as a `nonfinite_mismatch` (executor.drift); non-finite figures (an op
+other non-finite position as a `nonfinite_mismatch` (mplower.numerics.metrics.drift); non-finite figures (an op
 that overflowed to inf) are written as null, so the JSON is strict.
 """
 
@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
-from mplower.backend.executor import drift as result_drift
 from mplower.dialect.plan import DENSE, Requested
 from mplower.lowering.policy import keep_f32_overrides
+from mplower.numerics.metrics import drift as result_drift
+from mplower.report.table import table
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -94,14 +95,15 @@ def top1_agreement(y: np.ndarray, ref: np.ndarray) -> float | None:
     return float(np.mean(agree))
 
 
+# A guardrail `max_X` / `min_X` (mplower.lowering.policy.GUARDRAILS) limits the summary's `X`,
+# except that the summary names the outputs' rel-L2 `output_rel_l2`.
+_SUMMARY_FIELD = {"max_rel_l2": "output_rel_l2"}
+
+
 def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
-    value_of = {"max_rel_l2": summary["output_rel_l2"], "min_sqnr_db": summary["sqnr_db"],
-                "max_overflow": summary["overflow"],
-                "max_overflow_rate": summary["overflow_rate"],
-                "min_top1_agreement": summary["top1_agreement"]}
     out = {}
     for key, limit in limits.items():
-        v = value_of[key]
+        v = summary[_SUMMARY_FIELD.get(key, key[len("max_"):])]
         if v is None:
             ok = False
         elif key.startswith("max_"):
@@ -197,13 +199,13 @@ def render(report: dict[str, Any], fmt: str) -> str:
               f"underflow {s['underflow']}, nan {s['nan']}"), ""]
     if s["nonfinite_mismatch"] or s["nonfinite_weights"]:
         lines.insert(-1, _nonfinite_line(s))
-    lines += _table(header, rows, fmt)
+    lines += table(header, rows, fmt)
     quant = report.get("quantization")
     if quant:
         qheader = ["name", "op", "weight_sqnr_db", "activation_sqnr_db",
                    "activation_local_sqnr_db", "local_sqnr_db"]
         qrows = [[q["name"], q["op"], *(num(q[k], ".1f") for k in qheader[2:])] for q in quant]
-        lines += ["", "quantization error (worst first):", *_table(qheader, qrows, fmt)]
+        lines += ["", "quantization error (worst first):", *table(qheader, qrows, fmt)]
     b = report.get("bisect")
     if b is not None:
         kept = ", ".join(b["ops"]) or "nothing"
@@ -235,12 +237,3 @@ def _figure(x: float | None, limit: float | None = None) -> str:
             return text
     return repr(x)
 
-
-def _table(header: list[str], rows: list[list[str]], fmt: str) -> list[str]:
-    if fmt == "markdown":
-        return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                *("| " + " | ".join(r) + " |" for r in rows)]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    return ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
-            *("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]

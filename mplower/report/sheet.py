@@ -4,7 +4,7 @@ One row per operation: result name, op, compute format, accumulator, kernel, rea
 the roofline time the target's cost model gives it (mplower.lowering.target.Target.op_time); the
 summary adds the total and the speedup against the same module run entirely in f32. The
 compute format of an op is its `mp.precision`, or the element type it already has. A module
-with sparse kernel decisions gets the sparse reality check too (mplower.backend.sparse).
+with sparse kernel decisions gets the sparse reality check too (mplower.report.sparse).
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mplower.backend.sparse import sparse_lines, sparse_report
-from mplower.dialect.mp import OPS, check_attrs
+import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.plan import Plan
 from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.types import TensorType
 from mplower.lowering.target import Target
 from mplower.numerics.formats import FORMATS
+from mplower.report.sparse import sparse_lines, sparse_report
+from mplower.report.table import table
 
 COLUMNS = ("name", "op", "compute", "accum", "kernel", "reason", "flops", "modeled_time_s")
 
@@ -70,7 +72,7 @@ def op_row(f: Function, n: int, target: Target) -> Row | None:
 def precision_sheet(module: Module, target: Target, func: str | None = None,
                     measure: bool = True) -> dict[str, Any]:
     """The sheet as a dict; with sparse decisions in the module, a `sparse` section too (the
-    reality check of mplower.backend.sparse.sparse_report; `measure` times the CPU kernels),
+    reality check of mplower.report.sparse.sparse_report; `measure` times the CPU kernels),
     whose modeled sparse times replace the type-only estimate of those ops' rows."""
     f = module.function(func)
     rows = [r for r in (op_row(f, n, target) for n in f.ops()) if r is not None]
@@ -140,13 +142,6 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
               f" us on {sheet['target']} ({s['modeled_inferences_per_s']:.1f} inferences/s), "
               f"{s['modeled_speedup_vs_fp32']:.2f}x the f32 plan")
     sparse = sparse_lines(sheet["sparse"], fmt) if "sparse" in sheet else []
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
-        return "\n".join(lines) + f"\n\n{footer}\n" + "".join(f"{x}\n" for x in sparse)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines) + f"\n{footer}\n" + "".join(f"{x}\n" for x in sparse)
+    gap = "\n" if fmt == "markdown" else ""  # a blank line ends a markdown table
+    return ("\n".join(table(header, rows, fmt, rule=True)) + f"\n{gap}{footer}\n"
+            + "".join(f"{x}\n" for x in sparse))

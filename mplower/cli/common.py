@@ -1,0 +1,119 @@
+"""What every `mplower` command shares: exit codes, usage errors, and the start and end of a run.
+
+A command that works on an IR module starts with `read_module`: the file or `-` for stdin,
+decoded, parsed and verified, every problem a located diagnostic; it ends with `write_output`
+or `write_atomic`, which write only once the whole run has succeeded. Command modules import
+these from here, never from `mplower.cli.main`, which imports them (and so cannot be imported
+back without a cycle). Importing this module is cheap: the parser and the verifier load when a
+command reads its input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from mplower.ir.diagnostics import (
+    Diagnostic,
+    DiagnosticError,
+    DiagnosticRenderer,
+    Location,
+)
+
+if TYPE_CHECKING:
+    from mplower.ir.graph import Module
+
+EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_GUARDRAIL = 0, 1, 2, 3
+STDIN = "<stdin>"
+
+
+class UsageError(Exception):
+    """A command line that cannot run: usage and the message, exit 2."""
+
+
+def input_name(path: str) -> str:
+    """The name diagnostics give the input `path`: `<stdin>` for `-`."""
+    return STDIN if path == "-" else path
+
+
+def read_input(path: str) -> tuple[str, str]:
+    """(text, display name) of a file or `-` (stdin); undecodable bytes are a located
+    diagnostic."""
+    from mplower.ir.parser import decode_source
+
+    if path == "-":
+        return decode_source(sys.stdin.buffer.read(), STDIN), STDIN
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise DiagnosticError(Diagnostic(Location(path, 0, 0),
+                                         f"cannot read input: {e.strerror}")) from None
+    return decode_source(data, path), path
+
+
+def parse_module(text: str, name: str, line_offset: int = 0,
+                 timings: list[tuple[str, float]] | None = None) -> Module:
+    """The verified module of `text` read from `name`. Files it names (`mp.weights`,
+    `mp.policy`, `mp.target`) are relative to its file's folder, for stdin the current one.
+    `timings` gets the parser's and the verifier's wall time (`opt --timing`)."""
+    import mplower.dialect  # noqa: F401  (registers the mp ops the verifier checks against)
+    from mplower.ir.parser import parse
+    from mplower.ir.verifier import verify
+
+    t0 = time.perf_counter()
+    module = parse(text, name, line_offset=line_offset)
+    module.path = str(Path.cwd() / STDIN) if name == STDIN else name
+    t1 = time.perf_counter()
+    verify(module)
+    if timings is not None:
+        timings += [("Parser", t1 - t0), ("(verify)", time.perf_counter() - t1)]
+    return module
+
+
+def read_module(args: argparse.Namespace) -> Module:
+    """The verified module of the command's `input` argument (a file or `-`). Its text is
+    kept on `args` so that `main` shows source lines with later diagnostics."""
+    text, name = read_input(args.input)
+    args._source = text
+    return parse_module(text, name)
+
+
+def write_output(path: str, text: str) -> None:
+    """`text` to stdout (`-`) or, atomically, to the file `path`."""
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        write_atomic(path, lambda fh: fh.write(text), "w")
+
+
+def write_atomic(path: str | Path, write: Callable[[IO[Any]], object], mode: str = "wb") -> None:
+    """Call `write` with a temporary file that becomes `path` only if it returns; an OS error
+    is a diagnostic at the file."""
+    from mplower.io.atomic import atomic_output
+
+    try:
+        with atomic_output(path, mode) as fh:
+            write(fh)
+    except OSError as e:
+        raise DiagnosticError.at(Location(str(path), 0, 0),
+                                 f"cannot write output: {e.strerror or e}") from None
+
+
+def print_diagnostics(diags: Sequence[Diagnostic], source: str | None,
+                      renderer: DiagnosticRenderer | None = None) -> None:
+    """Render to stderr through `renderer`, which counts errors against its limit across
+    calls (a fresh one with the default limit when none is given)."""
+    sys.stderr.write((renderer or DiagnosticRenderer()).render(diags, source))
+
+
+def print_error_summary(renderer: DiagnosticRenderer, args: argparse.Namespace) -> None:
+    """`mplower: N more errors not shown` when the renderer left some out."""
+    summary = renderer.summary()
+    if summary is not None:  # only `opt` has the flag; other commands show the default
+        hint = "; --error-limit=0 shows all" if hasattr(args, "error_limit") else ""
+        sys.stderr.write(f"mplower: {summary}{hint}\n")

@@ -1,0 +1,88 @@
+"""How far a value is from its reference: rel-L2, SQNR and max-abs, written once.
+
+The executor measures each op's drift with `drift`, the run report the outputs' (docs/report.md,
+"Non-finite values"), and the quant report the error of each converted operand with `sqnr_db` and
+`channel_sqnr_db`. Everything is computed in float64. These sit in numerics, below the backend
+and the report, because both of them measure with them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far a result is from its fp32 reference (see `drift`)."""
+
+    rel_l2: float
+    sqnr_db: float
+    max_abs: float
+    nonfinite_mismatch: int
+
+
+def sqnr_from(signal: float, noise: float) -> float:
+    """10 log10(signal / noise): inf where nothing was lost, -inf where there was no signal."""
+    if noise == 0:
+        return math.inf
+    return float(10 * np.log10(signal / noise)) if signal > 0 else -math.inf
+
+
+def drift(y: np.ndarray, ref: np.ndarray) -> Drift:
+    """rel_l2 = ||y - ref|| / ||ref||, SQNR and max |y - ref| in float64, over the positions
+    where both are finite; a position where the two are the same non-finite value (the -inf
+    of an attention mask in both) takes no part. Any other position with a non-finite value
+    (finite in one and not the other, -inf against NaN, ...) is a non-finite mismatch: it is
+    counted, and the drift is infinite (rel_l2 = max_abs = inf, SQNR = -inf)."""
+    r = ref.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf: a NaN that is looked at below
+        diff = y.astype(np.float64) - r
+    mismatch = 0
+    if not np.all(np.isfinite(diff)):  # one pass for the common all-finite case
+        y64 = y.astype(np.float64)
+        same = (y64 == r) | (np.isnan(y64) & np.isnan(r))
+        mismatch = int(np.count_nonzero(~np.isfinite(diff) & ~same))
+        if mismatch:
+            return Drift(math.inf, -math.inf, math.inf, mismatch)
+        keep = np.isfinite(diff)
+        r, diff = r[keep], diff[keep]
+    signal = float(np.sum(r * r))
+    noise = float(np.sum(diff * diff))
+    rel = float(np.sqrt(noise / signal)) if signal > 0 else (0.0 if noise == 0 else math.inf)
+    return Drift(rel, sqnr_from(signal, noise), float(np.max(np.abs(diff))) if diff.size else 0.0,
+                 mismatch)
+
+
+def sqnr_db(y: np.ndarray | None, ref: np.ndarray | None) -> float | None:
+    """10 log10(|ref|^2 / |y - ref|^2) of a converted value against its float original; None
+    where the two are not comparable. Unlike `drift`, any non-finite difference is -inf: a
+    conversion that produced inf or NaN lost everything, mask or not."""
+    if y is None or ref is None or np.shape(y) != np.shape(ref):
+        return None
+    r = np.asarray(ref, np.float64)
+    d = np.asarray(y, np.float64) - r
+    if not np.all(np.isfinite(d)):
+        return -math.inf
+    return sqnr_from(float(np.sum(r * r)), float(np.sum(d * d)))
+
+
+def channel_sqnr_db(y: np.ndarray | None, ref: np.ndarray | None, axis: int) -> float | None:
+    """The lowest `sqnr_db` over the channels along `axis` (channels without signal are
+    skipped): a tensor-wide figure hides channels that a shared scale wiped out under one
+    large one."""
+    if y is None or ref is None or np.shape(y) != np.shape(ref) or np.ndim(ref) == 0:
+        return None
+    r = np.moveaxis(np.asarray(ref, np.float64), axis, 0).reshape(np.shape(ref)[axis], -1)
+    d = np.moveaxis(np.asarray(y, np.float64), axis, 0).reshape(r.shape) - r
+    if not np.all(np.isfinite(d)):
+        return -math.inf
+    signal, noise = np.sum(r * r, axis=1), np.sum(d * d, axis=1)
+    keep = signal > 0
+    if not np.any(keep):
+        return None
+    with np.errstate(divide="ignore"):
+        per = 10 * np.log10(signal[keep] / noise[keep])
+    return float(per.min())

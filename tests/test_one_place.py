@@ -1,0 +1,174 @@
+"""Each op category and format list is written in one place; everything else derives from it.
+
+The categories (contractions, conversions, value-preserving ops, ...) are computed from the
+traits each op declares in mplower/dialect/mp.py; these tests read the source tree and fail where
+a category is spelled out again, so that adding an op cannot leave a stale copy behind.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from mplower.dialect import mp
+from mplower.ir.opdef import OPS, Trait, ops_with
+from mplower.numerics import formats
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted([*(ROOT / "mplower").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
+HOME = ROOT / "mplower" / "dialect" / "mp.py"
+PAIR = re.compile(r"""["']mp\.(matmul|conv2d)["']\s*,\s*["']mp\.(?!\1)(matmul|conv2d)["']""")
+CATEGORIES = {name: getattr(mp, name) for name in (
+    "CONTRACTIONS", "CONVERSIONS", "DATA_MOVEMENT", "ACCUMULATING", "COMPUTE_HEAVY", "QUANTIZABLE",
+    "TYPE_CARRYING", "VALUE_PRESERVING", "WEIGHTED")}
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _op_name_literals(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
+    """(line, names) of every tuple/list/set literal of two or more registered op names."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2:
+            names = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            if len(names) == len(node.elts) and all(n in OPS for n in names):
+                out.append((node.lineno, frozenset(names)))
+    return out
+
+
+def test_matmul_conv2d_pair_is_spelled_only_in_the_dialect() -> None:
+    found = [f"{_rel(p)}:{text[:m.start()].count(chr(10)) + 1}"
+             for p in SOURCES if p != HOME
+             for text in [p.read_text()] for m in PAIR.finditer(text)]
+    assert found == []
+
+
+def test_the_pair_pattern_finds_every_spelling() -> None:
+    # The grep above must not pass by missing a spelling.
+    for text in ('("mp.matmul", "mp.conv2d")', "{'mp.conv2d', 'mp.matmul'}",
+                 '["mp.matmul",\n     "mp.conv2d"]', 'frozenset({"mp.conv2d", "mp.matmul"})'):
+        assert PAIR.search(text), text
+    assert not PAIR.search('("mp.matmul", "mp.matmul")')
+
+
+def test_no_module_spells_out_an_op_category() -> None:
+    """No literal set of op names outside the dialect equals a category derived from traits."""
+    categories = {v: k for k, v in CATEGORIES.items()} | {frozenset(mp.WEIGHTED): "WEIGHTED"}
+    found = [f"{_rel(p)}:{line} spells {categories[names]}"
+             for p in SOURCES if p != HOME
+             for line, names in _op_name_literals(ast.parse(p.read_text()))
+             if names in categories]
+    assert found == []
+
+
+def test_category_and_format_names_are_assigned_only_in_their_home() -> None:
+    formats_py = ROOT / "mplower" / "numerics" / "formats.py"
+    home = {name: HOME for name in CATEGORIES} | {
+        "QUANTIZED_OPS": HOME, "WEIGHT_OPERAND": HOME, "COMPUTE_FORMATS": formats_py, "NARROW_FLOATS": formats_py,
+        "QUANT_INTS": formats_py, "QUANT_STORAGE": formats_py, "_NARROW": None,
+        "_QUANT_TYPES": HOME, "QUANT_FORMATS": ROOT / "mplower" / "numerics" / "quant.py",
+        "DEQUANT_FORMATS": ROOT / "mplower" / "numerics" / "quant.py"}
+    found = []
+    for p in SOURCES:
+        for node in ast.parse(p.read_text()).body:  # module level: Trait's members are not sets
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            found += [f"{_rel(p)}:{node.lineno} {t.id}" for t in targets
+                      if isinstance(t, ast.Name) and t.id in home and home[t.id] != p]
+    assert found == []
+
+
+def test_op_categories_are_the_traits_they_were_written_as() -> None:
+    # The sets as the modules spelled them before they were derived; a changed trait shows here.
+    assert mp.CONTRACTIONS == {"mp.matmul", "mp.conv2d"}
+    assert mp.COMPUTE_HEAVY == {"mp.matmul", "mp.conv2d"}
+    assert mp.QUANTIZABLE == {"mp.matmul", "mp.conv2d"}
+    assert mp.WEIGHTED == ("mp.matmul", "mp.conv2d")
+    assert {OPS[n].weight_operand for n in mp.WEIGHTED} == {mp.WEIGHT_OPERAND} == {1}
+    assert mp.ACCUMULATING == {"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"}
+    assert mp.TYPE_CARRYING == {"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize",
+                                "mp.fake_quant", "mp.sparse_encode"}
+    assert mp.CONVERSIONS == {"mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant"}
+    assert mp.DATA_MOVEMENT == {"mp.reshape", "mp.transpose", "mp.concat", "mp.slice",
+                                "mp.flatten", "mp.sparse_encode"}
+    # max_pool2d picks operand values too, but a window of padding alone yields -inf, which
+    # f8E4M3FN cannot hold: its results are rounded, so it is not value-preserving.
+    assert mp.VALUE_PRESERVING == {"mp.reshape", "mp.transpose", "mp.slice", "mp.concat",
+                                   "mp.flatten", "mp.maximum", "mp.minimum", "mp.relu",
+                                   "mp.neg", "mp.reduce_max"}
+    assert "mp.max_pool2d" not in mp.VALUE_PRESERVING
+    assert ops_with(Trait.PURE) == set(OPS)
+
+
+def test_format_lists_derive_from_the_formats_table() -> None:
+    from mplower.lowering.target import COMPUTE_FORMATS
+    from mplower.numerics.quant import DEQUANT_FORMATS, QUANT_FORMATS
+    from mplower.onnx import exporter
+
+    assert formats.QUANT_INTS == ("i8", "ui8", "i4")
+    assert formats.QUANT_STORAGE == ("i8", "ui8", "i4", "i32")
+    assert QUANT_FORMATS == ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2")
+    assert DEQUANT_FORMATS == ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2")
+    assert COMPUTE_FORMATS is formats.COMPUTE_FORMATS
+    assert OPS["mp.matmul"].precisions == set(formats.COMPUTE_FORMATS)
+    assert exporter.NARROW_FLOATS is formats.NARROW_FLOATS
+    assert formats.NARROW_FLOATS == {"tf32", "f16", "bf16", "f8E4M3FN", "f8E5M2"}
+
+
+def _imports(path: Path) -> set[str]:
+    mods = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module)
+            mods.update(f"{node.module}.{a.name}" for a in node.names)
+    return mods
+
+
+def test_the_ir_layer_never_imports_a_dialect() -> None:
+    found = {_rel(p): sorted(m for m in _imports(p) if m.startswith("mplower.dialect"))
+             for p in (ROOT / "mplower" / "ir").glob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_no_module_imports_private_names_of_the_dialect() -> None:
+    private = re.compile(r"from mplower\.dialect\.\w+ import[^\n]*\b_\w+")
+    found = [_rel(p) for p in [*SOURCES, *(ROOT / "benchmarks").rglob("*.py")]
+             if private.search(p.read_text())]
+    assert found == []
+
+
+def test_verifying_with_no_dialect_registered_names_the_missing_dialect(tmp_path: Path) -> None:
+    """Parse and verify from the IR layer alone: the op is reported, not silently accepted."""
+    (tmp_path / "m.ir").write_text(
+        "func.func @f(%x: tensor<2xf32>) -> tensor<2xf32> {\n"
+        "  %y = mp.relu %x : (tensor<2xf32>) -> tensor<2xf32>\n"
+        "  return %y : tensor<2xf32>\n}\n")
+    code = (
+        "import sys\n"
+        "from mplower.ir.diagnostics import DiagnosticError\n"
+        "from mplower.ir.parser import parse\n"
+        "from mplower.ir.verifier import verify\n"
+        "m = parse(open(sys.argv[1]).read(), 'm.ir')\n"
+        "try:\n"
+        "    verify(m)\n"
+        "except DiagnosticError as e:\n"
+        "    print([d.message for d in e.diagnostics])\n"
+        "print(sorted(k for k in sys.modules if k.startswith('mplower.dialect')))\n"
+        "import mplower.dialect\n"
+        "verify(m)\n"
+        "print('verified')\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.ir")],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines() == [
+        ("[\"unknown operation 'mp.relu': no op of dialect 'mp' is registered "
+         "(import mplower.dialect)\"]"),
+        "[]",
+        "verified",
+    ]
