@@ -5,7 +5,9 @@ A target (a TOML sheet, docs/targets.md) says, per op and compute format, which 
 bandwidth and a fixed per-op overhead. `legalize` turns a requested (compute, accumulator,
 kernel) into one the target can run, walking the fallback chains below and recording a reason
 code for every step, so that the report can say why an op did not run as asked. `op_time` is
-the roofline cost model the report and `mplower bench` use for modeled inferences per second.
+the roofline time of one kernel; mplower.lowering.cost groups a function's ops into the fused
+kernels the target's compiler would launch (`fuse`) and prices each with it, using
+`gemm_efficiency` (tile and wave quantization) for matmuls and convolutions.
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ TOO_SMALL = "too-small"
 NOT_PROFITABLE = "not-profitable"
 SPARSE_REASON_CODES = (NO_CONSTANT_WEIGHT, NO_SPARSE_KERNEL, PATTERN_INVALID, DTYPE_UNSUPPORTED,
                        TOO_SMALL, NOT_PROFITABLE)
+
+# The fusions a target's compiler performs (a sheet's `fuse` list, docs/targets.md): `cast`
+# folds mp.cast and `qdq` folds mp.quantize / mp.dequantize into the neighbouring kernel's
+# loads or stores; `elementwise` merges chains of elementwise ops, and elementwise ops around a
+# normalization, reduction or data-movement kernel, into one kernel; `epilogue` folds
+# elementwise ops after a matmul/conv into it (bias, activation, residual), as TensorRT, XLA
+# and Inductor do.
+FUSE_CAST = "cast"
+FUSE_QDQ = "qdq"
+FUSE_ELEMENTWISE = "elementwise"
+FUSE_EPILOGUE = "epilogue"
+FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE)
 
 # One step of each fallback chain: format -> (next format, reason). fp8 and int8 fall to bf16,
 # which keeps f32's range, before f32. f16 falls straight to f32: bf16 would drop 3 mantissa
@@ -135,6 +149,12 @@ class Target:
     ops: Mapping[str, KernelSet]  # ops listed in a [[kernels]] group
     default: KernelSet  # every other op
     source: str  # the sheet's absolute path, or "builtin:NAME"
+    fuse: frozenset[str] = frozenset()  # FUSIONS the target's compiler performs
+    # GEMM tiling of a GPU (output tile of one thread block, and the SMs that run tiles at
+    # once); None on targets without it, whose GEMMs run at full efficiency.
+    tile_m: int | None = None
+    tile_n: int | None = None
+    sm_count: int | None = None
 
     def kernels(self, op: str, fmt: str) -> frozenset[str]:
         """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
@@ -208,6 +228,21 @@ class Target:
         """
         return max(flops / self.peak(fmt, kernel), nbytes / self.bandwidth) + self.overhead_s
 
+    def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
+        """The fraction of peak a GEMM with an (m, n) output (`batch` of them) reaches on
+        this target's tiles: tile quantization (the padding of the last tile row and column)
+        times wave quantization (the idle SMs of the last wave), NVIDIA's "Matrix
+        Multiplication Background User's Guide" (docs/targets.md). 1.0 without tiling."""
+        if self.tile_m is None or self.tile_n is None or self.sm_count is None:
+            return 1.0
+        rows, cols = -(-m // self.tile_m), -(-n // self.tile_n)
+        if rows == 0 or cols == 0 or batch == 0:
+            return 1.0
+        tile = (m * n) / (rows * self.tile_m * cols * self.tile_n)
+        tiles = batch * rows * cols
+        wave = tiles / (-(-tiles // self.sm_count) * self.sm_count)
+        return tile * wave
+
 
 def modeled_inferences_per_s(times: Iterable[float]) -> float:
     """Inferences per second of a function whose ops take `times` seconds, run one by one."""
@@ -248,13 +283,16 @@ def module_target(module: Module, named: str | None,
 
 
 _TOP_KEYS = ("target", "formats", "kernels", "default")
-_TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s")
+_TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s", "fuse", "tile_m", "tile_n",
+                "sm_count")
+_TILING_KEYS = ("tile_m", "tile_n", "sm_count")
 # Sane figures for a machine (docs/targets.md): today's fastest parts are near 1e16 FLOP/s and
 # 1e13 bytes/s, so these leave room for decades and keep every modeled time finite and
 # non-zero; below 1 FLOP/s or 1 byte/s is a typo for a unit.
 PEAK_BOUNDS = Bounds(1, 1e21, " FLOP/s")
 BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
 OVERHEAD_BOUNDS = Bounds(0, 1, " s")
+TILING_BOUNDS = Bounds(1, 1e6, "")  # tile edges and SM counts: positive, far below a million
 _PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
@@ -284,6 +322,13 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
             ops[op] = kernels
     default = sheet.table(data, ("default",), required=True)
     sheet.check_keys(default, ("default",), _KERNEL_KEYS)
+    fuse = sheet.strings(head, ("target", "fuse"))
+    for rule in fuse:
+        sheet.choice(rule, ("target", "fuse"), FUSIONS, "fusion")
+    tiling = {k: _integer(sheet, head, ("target", k)) for k in _TILING_KEYS}
+    given = [k for k in _TILING_KEYS if tiling[k] is not None]
+    if given and len(given) != len(_TILING_KEYS):
+        raise sheet.error(("target", given[0]), "'tile_m', 'tile_n' and 'sm_count' go together")
 
     return Target(
         name=sheet.string(head, ("target", "name"), stem),
@@ -294,7 +339,18 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         ops=ops,
         default=_kernel_set(sheet, default, ("default",), formats),
         source=source,
+        fuse=frozenset(fuse),
+        **tiling,
     )
+
+
+def _integer(sheet: Sheet, table: dict[str, Any], kp: KeyPath) -> int | None:
+    value = sheet.number(table, kp, TILING_BOUNDS)
+    if value is None:
+        return None
+    if not value.is_integer():
+        raise sheet.error(kp, f"'{'.'.join(map(str, kp))}' must be an integer")
+    return int(value)
 
 
 def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:

@@ -1,10 +1,12 @@
 """The precision policy sheet of a (lowered) module: per op what it computes in, why, and its cost.
 
 One row per operation: result name, op, compute format, accumulator, kernel, reason, FLOPs and
-the roofline time the target's cost model gives it (mplower.lowering.target.Target.op_time); the
-summary adds the total and the speedup against the same module run entirely in f32. The
-compute format of an op is its `mp.precision`, or the element type it already has. A module
-with sparse kernel decisions gets the sparse reality check too (mplower.report.sparse).
+the modeled time of the fused kernel it anchors (mplower.lowering.cost: the other members of a
+group, folded conversions and deploy-time constants show 0); the `groups` section lists the
+fused kernels and what bounds each; the summary adds the total and the speedup against the
+fp32 plan of the same module, priced the same way. The compute format of an op is its
+`mp.precision`, or the element type it already has. A module with sparse kernel decisions gets
+the sparse reality check too (mplower.report.sparse).
 """
 
 from __future__ import annotations
@@ -13,16 +15,15 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.plan import Plan
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.opdef import OPS, check_attrs
-from mplower.ir.types import TensorType
+from mplower.lowering.cost import compute_format, plan_cost
 from mplower.lowering.target import Target
-from mplower.numerics.formats import FORMATS
 from mplower.report.sparse import sparse_lines, sparse_report
 from mplower.report.table import table
 
@@ -39,14 +40,12 @@ class Row:
     reason: str
     flops: int
     modeled_time_s: float
-    fp32_time_s: float
+    group: int | None  # the fused kernel (cost.Group.id) it belongs to, if any
 
 
-def _wide(t: TensorType) -> TensorType:
-    return t.with_elem("f32") if FORMATS[t.elem].is_float else t
-
-
-def op_row(f: Function, n: int, target: Target) -> Row | None:
+def op_row(f: Function, n: int, times: dict[str, float], groups: dict[str, int]) -> Row | None:
+    """The row of op `n`; `times` has the modeled time of each group's anchor, `groups` the
+    group of each op in one (mplower.lowering.cost.Cost.group_of)."""
     d = f.data(n)
     op = d["op"]
     if op in (ARG, RETURN) or op == "mp.constant" or op not in OPS:
@@ -56,44 +55,36 @@ def op_row(f: Function, n: int, target: Target) -> Row | None:
     ins, outs = f.operand_types(n), d["types"]
     flops = int(opdef.flops(ins, outs, check_attrs(opdef, attrs)))
     plan = Plan.of(attrs)
-    compute = plan.precision or (ins[0].elem if ins else outs[0].elem)
+    compute = compute_format(f, n)
     accum, kernel = plan.accum, plan.kernel_or_dense
-    try:
-        time = target.op_time(flops, opdef.bytes_moved(ins, outs), compute, kernel)
-    except ValueError:  # a format the target has no rate for (e.g. i1): price it as f32
-        time = target.op_time(flops, opdef.bytes_moved(ins, outs), "f32")
-    # The f32 plan has no casts: they exist only because of the lowering.
-    fp32 = 0.0 if op == "mp.cast" else target.op_time(
-        flops, opdef.bytes_moved([_wide(t) for t in ins], [_wide(t) for t in outs]), "f32")
     name = f.value_name((n, 0)) if outs else op
-    return Row(name, op, compute, accum, kernel, plan.reason or "", flops, time, fp32)
+    return Row(name, op, compute, accum, kernel, plan.reason or "", flops,
+               times.get(name, 0.0), groups.get(name))
 
 
 def precision_sheet(module: Module, target: Target, func: str | None = None,
                     measure: bool = True) -> dict[str, Any]:
     """The sheet as a dict; with sparse decisions in the module, a `sparse` section too (the
-    reality check of mplower.report.sparse.sparse_report; `measure` times the CPU kernels),
-    whose modeled sparse times replace the type-only estimate of those ops' rows."""
+    reality check of mplower.report.sparse.sparse_report; `measure` times the CPU kernels)."""
     f = module.function(func)
-    rows = [r for r in (op_row(f, n, target) for n in f.ops()) if r is not None]
+    cost = plan_cost(f, target)
+    times = {g.anchor: g.time_s for g in cost.groups}
+    rows = [r for r in (op_row(f, n, times, dict(cost.group_of)) for n in f.ops())
+            if r is not None]
     sparse = sparse_report(module, target, func, measure=measure)
-    if sparse is not None:
-        modeled = {e["name"]: e["modeled_sparse_s"] for e in sparse["ops"]
-                   if "modeled_sparse_s" in e}
-        rows = [replace(r, modeled_time_s=modeled[r.name]) if r.name in modeled else r
-                for r in rows]
-    total = sum(r.modeled_time_s for r in rows)
-    fp32_total = sum(r.fp32_time_s for r in rows)
+    total, fp32_total = cost.time_s, cost.fp32_time_s
     return {
         "function": f.name,
         "target": target.name,
         "policy": module.attrs.get("mp.policy"),
-        "ops": [{c: getattr(r, c) for c in COLUMNS} for r in rows],
+        "ops": [{c: getattr(r, c) for c in (*COLUMNS, "group")} for r in rows],
+        "groups": [{**asdict(g), "members": list(g.members)} for g in cost.groups],
         "summary": {
             "ops": len(rows),
             "lowered_ops": sum(1 for r in rows if r.compute not in ("f32", "f64")),
             "flops": sum(r.flops for r in rows),
             "modeled_time_s": total,
+            "kernels": len(cost.groups),
             "fp32_modeled_time_s": fp32_total,
             "modeled_speedup_vs_fp32": fp32_total / total if total else 1.0,
             "modeled_inferences_per_s": 1.0 / total if total else float("inf"),
@@ -144,4 +135,13 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
     sparse = sparse_lines(sheet["sparse"], fmt) if "sparse" in sheet else []
     gap = "\n" if fmt == "markdown" else ""  # a blank line ends a markdown table
     return ("\n".join(table(header, rows, fmt, rule=True)) + f"\n{gap}{footer}\n"
-            + "".join(f"{x}\n" for x in sparse))
+            + "".join(f"{x}\n" for x in [*group_lines(sheet["groups"], fmt, gap), *sparse]))
+
+
+def group_lines(groups: list[dict[str, Any]], fmt: str, gap: str) -> list[str]:
+    """The fused-kernel section of the table and markdown renderings."""
+    rows = [[str(g["id"]), g["anchor"], g["compute"], g["bound"], f"{g['time_s'] * 1e6:.3f} us",
+             " ".join(g["members"])] for g in groups]
+    return [f"{gap}fused kernels: {len(groups)}",
+            *table(["group", "anchor", "compute", "bound", "modeled time", "ops"], rows, fmt,
+                   rule=True)]

@@ -1,0 +1,318 @@
+"""The fusion- and shape-aware cost model: which kernels a function launches and what each costs.
+
+A target's compiler does not launch one kernel per op. This module groups a function's ops into
+the fused kernels the target says its compiler builds (`Target.fuse`, docs/targets.md) and
+prices each group with the roofline of `Target.op_time`: max(FLOPs / peak, bytes / bandwidth)
+plus one launch, where the bytes are those crossing the group's boundary only and a GEMM's peak
+is scaled by `Target.gemm_efficiency` (tile and wave quantization).
+
+How ops are grouped:
+- Ops whose operands are all constants (weight quantizes, casts and reshapes of weights) are
+  folded when the model is deployed: free per inference. A kernel reading such a weight reads
+  it in the narrowest format along that chain (an i8 weight stays i8 in memory).
+- A conversion (mp.cast, or mp.quantize / mp.dequantize) the target fuses costs no kernel:
+  one that narrows is the store of the kernel that produces its operand, when that value has
+  no other use; otherwise it is the load of each kernel that consumes it (duplicated into
+  every consumer, as XLA duplicates cheap producers), which then reads its operand.
+- An op joins the group of an operand's producer when every value that group hands outside
+  goes to this op (so a group is never split by an outside use, and groups form no cycle) and
+  the rules allow: an elementwise op after a matmul/conv is its epilogue; elementwise ops merge
+  with each other and with one normalization/reduction/data-movement op; two anchors (matmul,
+  conv, softmax, layer_norm, ...) never share a group. Reshapes and flattens are views: they
+  join any group and alone cost nothing.
+
+The fp32 baseline of a plan prices the same function as if every op computed in f32 on dense
+kernels and every conversion were absent (what assign-precision{policy=fp32} leaves), with the
+same model, so a speedup compares like with like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS
+from mplower.dialect.plan import Plan
+from mplower.ir.graph import ARG, RETURN, Function, Value
+from mplower.ir.opdef import OPS, check_attrs
+from mplower.ir.types import TensorType
+from mplower.lowering.sparsity import reduction_axis, storage
+from mplower.lowering.target import (
+    DENSE,
+    FUSE_CAST,
+    FUSE_ELEMENTWISE,
+    FUSE_EPILOGUE,
+    FUSE_QDQ,
+    KERNEL_FOR_ENCODING,
+    Target,
+)
+from mplower.numerics.formats import FORMATS
+
+# Ops that only reinterpret the shape of contiguous data: a compiler emits no kernel for them.
+VIEWS = frozenset({"mp.reshape", "mp.flatten"})
+COMPUTE, MEMORY, LAUNCH = "compute", "memory", "launch"  # what bounds a group's time
+
+
+@dataclass(frozen=True)
+class Group:
+    """One fused kernel: its anchor (the matmul/conv/normalization it is built around, else its
+    first op), its member ops by result name in program order, and its roofline."""
+
+    id: int
+    anchor: str
+    op: str
+    members: tuple[str, ...]
+    compute: str
+    flops: int
+    bytes_read: int
+    bytes_written: int
+    bound: str
+    time_s: float
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A function's groups, the group of every op that belongs to one (folded conversions and
+    deploy-time constants belong to none), and the totals of the plan and its fp32 baseline."""
+
+    groups: tuple[Group, ...]
+    group_of: Mapping[str, int]
+    time_s: float
+    fp32_time_s: float
+
+    @property
+    def speedup_vs_fp32(self) -> float:
+        return self.fp32_time_s / self.time_s if self.time_s else 1.0
+
+
+def compute_format(f: Function, n: int) -> str:
+    """The format op `n` computes in: its `mp.precision`, else its first operand's (first
+    result's) element type."""
+    precision = Plan.at(f, n).precision
+    if precision is not None:
+        return precision
+    ins = f.operand_types(n)
+    return ins[0].elem if ins else f.types(n)[0].elem
+
+
+def _fusion_rule(op: str) -> str:
+    return FUSE_CAST if op == "mp.cast" else FUSE_QDQ
+
+
+def _wide(t: TensorType) -> TensorType:
+    """`t` in the fp32 plan: floats and quantized integers (i8, u8, their i32 accumulators)
+    in f32, dense."""
+    fmt = FORMATS[t.elem]
+    if fmt.is_float or (fmt.is_int and fmt.bits in (8, 32)):
+        return TensorType(t.shape, "f32", None)
+    return t.with_encoding(None) if t.encoding is not None else t
+
+
+class _Model:
+    def __init__(self, f: Function, target: Target, fp32: bool):
+        self.f, self.target, self.fp32 = f, target, fp32
+        self.order = [n for n in f.ops() if f.op(n) != RETURN]
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        self.static = self._static()
+        self.folded: set[int] = set()  # conversions that became their consumers' loads
+        self._fold_conversions()
+        # Uses of each value after folding: the consumer nodes (the return included).
+        self.users: dict[Value, set[int]] = {}
+        for n in [*self.order, f.return_node]:
+            if n in self.static or n in self.folded:
+                continue
+            for v in f.operands(n):
+                self.users.setdefault(self.resolve(v), set()).add(n)
+
+    def _static(self) -> set[int]:
+        f, static = self.f, set()
+        for n in self.order:
+            operands = f.operands(n)
+            if f.op(n) == "mp.constant" or (
+                    operands and f.op(n) in OPS and OPS[f.op(n)].pure
+                    and all(u in static for u, _ in operands)):
+                static.add(n)
+        return static
+
+    def _fold_conversions(self) -> None:
+        f = self.f
+        for n in self.order:
+            op = f.op(n)
+            if n in self.static or op not in CONVERSIONS:
+                continue
+            if self.fp32:
+                self.folded.add(n)
+                continue
+            if _fusion_rule(op) not in self.target.fuse:
+                continue
+            src = f.operands(n)[0]
+            narrows = f.types(n)[0].nbytes < f.type_of(src).nbytes
+            producer = f.op(src[0])
+            single = len(f.uses(src)) == 1
+            # A narrowing conversion of a computed value used once is its producer's store
+            # (left in place: the grouping merges it); every other one is its consumers' load.
+            if not (narrows and single and producer != ARG and src[0] not in self.static
+                    and src[0] not in self.folded):
+                self.folded.add(n)
+
+    def resolve(self, v: Value) -> Value:
+        """The value a kernel actually reads for operand `v`: through folded conversions."""
+        while v[0] in self.folded:
+            v = self.f.operands(v[0])[0]
+        return v
+
+    def type_of(self, v: Value) -> TensorType:
+        t = self.f.type_of(v)
+        return _wide(t) if self.fp32 else t
+
+    def weight_bytes(self, v: Value) -> int:
+        """Bytes of a deploy-time constant as its kernel reads it: the narrowest form along
+        its chain of single-operand ops, with a sparse encoding's values and metadata."""
+        f, best = self.f, None
+        while True:
+            t = self.type_of(v)
+            nbytes = t.nbytes
+            kernel = KERNEL_FOR_ENCODING.get(t.encoding)
+            if t.encoding in ("2:4", "1:2") and t.rank >= 2 and kernel is not None:
+                k = t.shape[reduction_axis("mp.matmul", t.rank)]
+                nbytes = storage(kernel, k, t.size // k, t.elem).total
+            best = nbytes if best is None else min(best, nbytes)
+            operands = f.operands(v[0])
+            if self.fp32 or len(operands) != 1:
+                return best
+            v = operands[0]
+
+    # ---- grouping ----------------------------------------------------------------------------
+    def kind(self, n: int) -> str:
+        op = self.f.op(n)
+        if op in VIEWS:
+            return "view"
+        if op in CONVERSIONS:
+            return "conversion"
+        if op in CONTRACTIONS:
+            return "gemm"
+        if op in OPS and OPS[op].elementwise:
+            return "elementwise"
+        return "other"
+
+    def groups(self) -> list[list[int]]:
+        f = self.f
+        live = [n for n in self.order if n not in self.static and n not in self.folded
+                and f.op(n) != ARG]
+        group: dict[int, int] = {}  # node -> group key (the group's first node)
+        members: dict[int, list[int]] = {}
+        for n in live:
+            group[n] = n
+            members[n] = [n]
+            for v in f.operands(n):
+                p = self.resolve(v)[0]
+                if p not in group or group[p] == group[n]:
+                    continue
+                a, b = group[p], group[n]
+                if self._can_merge(members[a], members[b], n):
+                    members[a].extend(members.pop(b))
+                    for m in members[a]:
+                        group[m] = a
+        return sorted((sorted(ms, key=self.pos.__getitem__) for ms in members.values()),
+                      key=lambda ms: self.pos[ms[0]])
+
+    def _can_merge(self, producer: list[int], consumer: list[int], n: int) -> bool:
+        inside = set(producer)
+        for m in producer:  # everything the producer group hands out goes to n
+            for r in range(len(self.f.types(m))):
+                if not self.users.get((m, r), set()) <= inside | {n}:
+                    return False
+        kinds = {m: self.kind(m) for m in (*producer, *consumer)}
+        anchors = [m for m in kinds if kinds[m] in ("gemm", "other")]
+        if len(anchors) > 1:
+            return False
+        fuse = self.target.fuse
+        for m, k in kinds.items():
+            if k == "conversion" and _fusion_rule(self.f.op(m)) not in fuse:
+                return False
+        if not any(k == "elementwise" for k in kinds.values()):
+            return True
+        if anchors and kinds[anchors[0]] == "gemm":
+            # Elementwise ops join a GEMM only after it (an epilogue), never before it.
+            return FUSE_EPILOGUE in fuse and anchors[0] in producer
+        return FUSE_ELEMENTWISE in fuse
+
+    # ---- pricing -------------------------------------------------------------------------------
+    def price(self, gid: int, nodes: list[int]) -> Group:
+        f, target = self.f, self.target
+        inside = set(nodes)
+        kinds = [self.kind(n) for n in nodes]
+        anchor = next((n for n, k in zip(nodes, kinds, strict=True) if k in ("gemm", "other")),
+                      nodes[0])
+        flops, seconds, read, written = 0, 0.0, 0, 0
+        seen: set[Value] = set()
+        for n in nodes:
+            ins = [self.type_of(self.resolve(v)) for v in f.operands(n)]
+            outs = [self.type_of((n, r)) for r in range(len(f.types(n)))]
+            op = f.op(n)
+            if op in OPS:
+                work = int(OPS[op].flops(ins, outs, check_attrs(OPS[op], f.attrs_of(n))))
+                flops += work
+                seconds += work / self._rate(n, outs)
+            for v in f.operands(n):
+                v = self.resolve(v)
+                if v[0] in inside or v in seen:
+                    continue
+                seen.add(v)
+                read += self.weight_bytes(v) if v[0] in self.static else self.type_of(v).nbytes
+            for r, t in enumerate(outs):
+                if self.users.get((n, r), set()) - inside:
+                    written += t.nbytes
+        memory = (read + written) / target.bandwidth
+        launch = target.overhead_s
+        if all(k == "view" for k in kinds):  # a bitcast: no kernel at all
+            memory = seconds = launch = 0.0
+        bound = LAUNCH if launch >= max(seconds, memory) else (
+            COMPUTE if seconds >= memory else MEMORY)
+        return Group(gid, f.value_name((anchor, 0)) if f.types(anchor) else f.op(anchor),
+                     f.op(anchor),
+                     tuple(f.value_name((n, 0)) if f.types(n) else f.op(n) for n in nodes),
+                     "f32" if self.fp32 else compute_format(f, anchor), flops, read, written,
+                     bound, max(seconds, memory) + launch)
+
+    def _rate(self, n: int, outs: list[TensorType]) -> float:
+        """FLOP/s op `n` reaches: its format's peak on its kernel, times the GEMM efficiency."""
+        f, target = self.f, self.target
+        fmt = "f32" if self.fp32 else compute_format(f, n)
+        kernel = DENSE if self.fp32 else Plan.at(f, n).kernel_or_dense
+        try:
+            peak = target.peak(fmt, kernel)
+        except ValueError:  # a format the target has no rate for (e.g. i1): price it as f32
+            peak = target.peak("f32")
+        if f.op(n) in CONTRACTIONS and outs:
+            peak *= target.gemm_efficiency(*_gemm_shape(f.op(n), outs[0].shape))
+        return peak
+
+
+def _gemm_shape(op: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(M, N, batch) of a contraction's output: a conv2d is an implicit GEMM with M = batch x
+    height x width and N = output channels (NCHW); a matmul's leading axes are its batch."""
+    if op == "mp.conv2d" and len(shape) == 4:
+        return shape[0] * shape[2] * shape[3], shape[1], 1
+    if len(shape) < 2:
+        return 1, shape[0] if shape else 1, 1
+    batch = 1
+    for d in shape[:-2]:
+        batch *= d
+    return shape[-2], shape[-1], batch
+
+
+def fused_groups(f: Function, target: Target, *, fp32: bool = False) -> list[Group]:
+    """The fused kernels `target` would launch for `f`, in program order, each priced; with
+    `fp32`, those of the fp32 plan of `f` (every op in f32, no conversions)."""
+    model = _Model(f, target, fp32)
+    return [model.price(i, nodes) for i, nodes in enumerate(model.groups())]
+
+
+def plan_cost(f: Function, target: Target) -> Cost:
+    """The groups and modeled time of `f` on `target`, and of its fp32 baseline."""
+    groups = fused_groups(f, target)
+    baseline = fused_groups(f, target, fp32=True)
+    return Cost(tuple(groups), {m: g.id for g in groups for m in g.members},
+                sum(g.time_s for g in groups), sum(g.time_s for g in baseline))

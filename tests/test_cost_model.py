@@ -1,0 +1,224 @@
+"""The fused cost model (mplower.lowering.cost, issue 13): group membership, deploy-time weight
+conversions, the fp32 baseline, tile and wave quantization, and the sanity orderings on a
+production-shape BERT-base layer (orderings, never timings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from mplower.cli.main import main
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.parser import parse, parse_file
+from mplower.lowering.cost import LAUNCH, fused_groups, plan_cost
+from mplower.lowering.target import load_target
+from mplower.pass_manager import PassContext, PassManager, parse_pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+PIPELINE = "assign-precision{policy=%s},legalize{target=%s},insert-casts,canonicalize"
+
+
+def _production():
+    spec = importlib.util.spec_from_file_location("production", ROOT / "ir_examples/production.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bert_ir(tmp_path_factory) -> Path:
+    """The BERT-base layer's IR without weights: the cost model needs only its types."""
+    path = tmp_path_factory.mktemp("bert") / "bert_base_layer.ir"
+    path.write_text(_production().ir_text("bert_base_layer"))
+    return path
+
+
+def _lowered_cost(path: Path, policy: str, target: str = "h100"):
+    module = parse_file(path)
+    PassManager(parse_pipeline(PIPELINE % (policy, target))).run(module, PassContext())
+    return plan_cost(module.function(), load_target(target))
+
+
+def test_bert_layer_on_h100_models_fp8_faster_than_bf16_faster_than_fp32(bert_ir):
+    fp32 = _lowered_cost(bert_ir, "fp32")
+    bf16 = _lowered_cost(bert_ir, "bf16")
+    fp8 = _lowered_cost(bert_ir, "bf16-fp8")  # every matmul in f8E4M3FN, the rest bf16
+    assert fp8.time_s < bf16.time_s < fp32.time_s
+    # The fp32 plan is its own baseline, and every plan's baseline is that same figure.
+    assert fp32.time_s == fp32.fp32_time_s == bf16.fp32_time_s == fp8.fp32_time_s
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16", "bf16-fp8", "fp8"])
+def test_no_plan_of_the_bert_layer_is_modeled_slower_than_fp32(bert_ir, policy):
+    cost = _lowered_cost(bert_ir, policy)
+    assert cost.speedup_vs_fp32 > 1
+
+
+def test_bf16_transformer_example_is_modeled_faster_than_fp32_on_h100():
+    # Before issue 13 every inserted cast was its own 5 us kernel: 0.60x of fp32.
+    cost = _lowered_cost(ROOT / "ir_examples/transformer.ir", "bf16")
+    assert cost.speedup_vs_fp32 > 1
+
+
+def test_casts_alone_never_make_a_plan_slower_than_fp32():
+    module = parse("""
+func.func @main(%x: tensor<256x256xf32>) -> tensor<256x256xf32> {
+  %w = mp.constant {value = dense<0.5> : tensor<256x256xf32>} : () -> tensor<256x256xf32>
+  %xb = mp.cast %x : (tensor<256x256xf32>) -> tensor<256x256xbf16>
+  %xf = mp.cast %xb : (tensor<256x256xbf16>) -> tensor<256x256xf32>
+  %y = mp.matmul %xf, %w : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
+  %yb = mp.cast %y : (tensor<256x256xf32>) -> tensor<256x256xbf16>
+  %yf = mp.cast %yb : (tensor<256x256xbf16>) -> tensor<256x256xf32>
+  %z = mp.relu %yf : (tensor<256x256xf32>) -> tensor<256x256xf32>
+  return %z : tensor<256x256xf32>
+}""")
+    for name in ("h100", "a100", "cpu-avx512", "generic"):
+        cost = plan_cost(module.function(), load_target(name))
+        assert cost.time_s <= cost.fp32_time_s, name
+        assert len(cost.groups) == 1, name
+
+
+FUSED = """
+func.func @main(%x: tensor<64x128xf32>) -> tensor<64x32xf32> {
+  %w1 = mp.constant {value = dense<0.5> : tensor<128x32xf32>} : () -> tensor<128x32xf32>
+  %w2 = mp.constant {value = dense<0.25> : tensor<128x32xf32>} : () -> tensor<128x32xf32>
+  %b = mp.constant {value = dense<1.0> : tensor<32xf32>} : () -> tensor<32xf32>
+  %xb = mp.cast %x : (tensor<64x128xf32>) -> tensor<64x128xbf16>
+  %w1b = mp.cast %w1 : (tensor<128x32xf32>) -> tensor<128x32xbf16>
+  %w2b = mp.cast %w2 : (tensor<128x32xf32>) -> tensor<128x32xbf16>
+  %y = mp.matmul %xb, %w1b : (tensor<64x128xbf16>, tensor<128x32xbf16>) -> tensor<64x32xf32>
+  %z = mp.add %y, %b : (tensor<64x32xf32>, tensor<32xf32>) -> tensor<64x32xf32>
+  %r = mp.relu %z : (tensor<64x32xf32>) -> tensor<64x32xf32>
+  %rb = mp.cast %r : (tensor<64x32xf32>) -> tensor<64x32xbf16>
+  %s = mp.softmax %rb {axis = -1} : (tensor<64x32xbf16>) -> tensor<64x32xbf16>
+  %e = mp.exp %s : (tensor<64x32xbf16>) -> tensor<64x32xbf16>
+  %u = mp.matmul %xb, %w2b : (tensor<64x128xbf16>, tensor<128x32xbf16>) -> tensor<64x32xf32>
+  %eu = mp.cast %e : (tensor<64x32xbf16>) -> tensor<64x32xf32>
+  %o = mp.add %eu, %u : (tensor<64x32xf32>, tensor<64x32xf32>) -> tensor<64x32xf32>
+  return %o : tensor<64x32xf32>
+}"""
+
+
+def test_fused_groups_of_a_hand_written_function():
+    groups = fused_groups(parse(FUSED).function(), load_target("h100"))
+    # bias, relu and the narrowing cast are the first matmul's epilogue; softmax takes the
+    # exp after it; the second matmul cannot take the add (it would join two anchors), so the
+    # add and the widening cast it loads through join the softmax group. %xb, read by two
+    # matmuls, is folded into both loads; the weight casts are deploy-time constants.
+    assert [(g.anchor, g.members) for g in groups] == [
+        ("%y", ("%y", "%z", "%r", "%rb")),
+        ("%s", ("%s", "%e", "%o")),
+        ("%u", ("%u",)),
+    ]
+    first = groups[0]
+    # Reads x in f32 (the folded cast's operand), w1 in bf16 and the bias; writes %rb in bf16.
+    assert (first.bytes_read, first.bytes_written) == (64 * 128 * 4 + 128 * 32 * 2 + 32 * 4,
+                                                       64 * 32 * 2)
+    assert first.flops == 2 * 64 * 128 * 32 + 64 * 32 + 64 * 32 + 0
+    assert {g.bound for g in groups} == {LAUNCH}
+
+
+def test_weight_quantize_and_dequantize_are_free_per_inference():
+    module = parse("""
+func.func @main(%x: tensor<1024x1024xi8>) -> tensor<1024x1024xf32> {
+  %w = mp.constant {value = dense<0.5> : tensor<1024x1024xf32>} : () -> tensor<1024x1024xf32>
+  %wq = mp.quantize %w {scale = 0.01 : f32} : (tensor<1024x1024xf32>) -> tensor<1024x1024xi8>
+  %acc = mp.matmul %x, %wq : (tensor<1024x1024xi8>, tensor<1024x1024xi8>) -> tensor<1024x1024xi32>
+  %y = mp.dequantize %acc {scale = 0.001 : f32} : (tensor<1024x1024xi32>) -> tensor<1024x1024xf32>
+  return %y : tensor<1024x1024xf32>
+}""")
+    cost = plan_cost(module.function(), load_target("h100"))
+    (group,) = cost.groups
+    assert group.members == ("%acc",)  # no kernel quantizes the weight or dequantizes %acc
+    assert "%wq" not in cost.group_of and "%y" not in cost.group_of
+    # The weight is read as the i8 it is deployed as; %acc is written as the i32 it is (the
+    # dequantize widens, so it is its consumer's load).
+    assert group.bytes_read == 1024 * 1024 + 1024 * 1024
+    assert group.bytes_written == 1024 * 1024 * 4
+    assert group.bound == LAUNCH
+
+
+@pytest.mark.parametrize(("m", "n", "batch", "expected"), [
+    (1024, 768, 1, (8 * 6) / 132),  # 48 tiles on 132 SMs: one wave, 36% busy
+    (1024, 3072, 1, (8 * 24) / (2 * 132)),  # 192 tiles: two waves, the second 60/132 full
+    (100, 128, 1, 100 / 128 * 1 / 132),  # one tile, 100 of its 128 rows used
+    (128, 128, 132, 1.0),  # exactly one full wave
+])
+def test_gemm_efficiency_is_tile_times_wave_quantization(m, n, batch, expected):
+    assert load_target("h100").gemm_efficiency(m, n, batch) == pytest.approx(expected)
+
+
+def test_gemm_efficiency_is_one_without_tiling_figures():
+    assert load_target("cpu-avx512").gemm_efficiency(100, 3) == 1.0
+
+
+def test_report_shows_fused_groups_and_their_bound(tmp_path, capsys):
+    lowered = tmp_path / "t.ir"
+    assert main(["opt", str(ROOT / "ir_examples/transformer.ir"), "-p",
+                 PIPELINE % ("bf16", "h100"), "-o", str(lowered)]) == 0
+    assert main(["report", str(lowered), "--target", "h100", "--format", "json"]) == 0
+    sheet = json.loads(capsys.readouterr().out)
+    first = sheet["groups"][0]
+    assert (first["anchor"], first["members"], first["bound"]) == (
+        "%q_proj", ["%q_proj", "%q", "%q_split"], "launch")
+    assert sheet["summary"]["kernels"] == len(sheet["groups"]) == 15
+    cast = next(r for r in sheet["ops"] if r["name"] == "%x_bf16")
+    assert (cast["group"], cast["modeled_time_s"]) == (None, 0.0)
+    assert main(["report", str(lowered), "--target", "h100"]) == 0
+    table = capsys.readouterr().out
+    assert "fused kernels: 15" in table
+    assert "0      %q_proj     bf16     launch" in table
+
+
+def test_int8_plans_baseline_is_the_fp32_plan_priced_the_same_way():
+    # Issue 13: the in-plan baseline priced quantize, dequantize and the detached bias add at
+    # f32 as kernels of their own, so int8 read faster than a real fp32 plan it was slower than.
+    fp32 = _lowered_cost(ROOT / "ir_examples/cnn.ir", "fp32", "cpu-avx512")
+    module = parse_file(ROOT / "ir_examples/cnn.ir")
+    calib = ROOT / "ir_examples/cnn_inputs.npz"
+    PassManager(parse_pipeline(f"assign-precision{{policy=int8}},calibrate{{data={calib}}},"
+                               "quantize,legalize{target=cpu-avx512},insert-casts,canonicalize")
+                ).run(module, PassContext())
+    int8 = plan_cost(module.function(), load_target("cpu-avx512"))
+    assert int8.fp32_time_s == pytest.approx(fp32.time_s, rel=1e-12)
+    assert int8.time_s < fp32.time_s
+    assert [g.compute for g in int8.groups if g.op == "mp.conv2d"] == ["f32", "i8"]
+
+
+SHEET = """
+[target]
+bandwidth = 1e9
+{extra}
+
+[formats.f32]
+dense = 1e9
+
+[default]
+dense = ["f32"]
+"""
+
+
+@pytest.mark.parametrize(("extra", "message", "col"), [
+    ('fuse = ["cast", "epilog"]', "unknown fusion 'epilog'; did you mean 'epilogue'?", 17),
+    ("tile_m = 128\ntile_n = 128", "'tile_m', 'tile_n' and 'sm_count' go together", 1),
+    ("tile_m = 127.5\ntile_n = 128\nsm_count = 4", "'target.tile_m' must be an integer", 1),
+    ("tile_m = 0\ntile_n = 128\nsm_count = 4",
+     "'target.tile_m' must be between 1 and 1e+06, not 0", 1),
+])
+def test_bad_fusion_and_tiling_keys_are_located_errors(tmp_path, extra, message, col):
+    path = tmp_path / "t.toml"
+    path.write_text(SHEET.format(extra=extra).lstrip("\n"))
+    with pytest.raises(DiagnosticError) as info:
+        load_target(str(path))
+    diag = info.value.diagnostics[0]
+    assert (diag.message, diag.loc.line, diag.loc.col) == (message, 3, col)
+
+
+def test_builtin_gpu_sheets_declare_fusions_tiles_and_sm_counts():
+    for name, sms in (("h100", 132), ("h200", 132), ("a100", 108)):
+        t = load_target(name)
+        assert (t.tile_m, t.tile_n, t.sm_count) == (128, 128, sms)
+        assert t.fuse == {"cast", "qdq", "elementwise", "epilogue"}
