@@ -41,6 +41,7 @@ from pathlib import Path
 import ml_dtypes
 import numba
 import numpy as np
+from mplower.passes.insert_casts import materialize
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.backend.executor import Program
@@ -185,6 +186,7 @@ def transformer(repeat: int, inner: int) -> list[tuple[str, float, float, str, f
         module = parse(path.read_text(), str(path))
         module.path = str(path)
         load_passes()["assign-precision"](policy=policy).run(module, PassContext())
+        materialize(module)  # the plan's casts, as `mplower bench` adds them
         progs[policy] = Program(module)
     prepared = {k: p.prepare_inputs([x]) for k, p in progs.items()}
     fns = {k: lambda p=p, xs=prepared[k]: p.run_lowered(xs) for k, p in progs.items()}

@@ -18,6 +18,7 @@ import platform
 import statistics
 import time
 
+import mplower.dialect  # noqa: F401  (registers the mp ops the generated module uses)
 from mplower.ir.parser import parse
 from mplower.ir.verifier import verify
 from mplower.pass_manager import Instrumentation, PassManager, parse_pipeline

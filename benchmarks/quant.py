@@ -158,12 +158,13 @@ def run_program(module, x: np.ndarray, batch: int) -> np.ndarray:
 
 
 def mplower_quantized(ir: Path, calib: Path, pipeline: str):
+    from mplower.backend.executor import reference_runner
     from mplower.ir.parser import parse_file
     from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
     module = parse_file(ir)
     PassManager(parse_pipeline(pipeline.replace("CALIB", str(calib)))).run(
-        module, PassContext())
+        module, PassContext(runner=reference_runner))
     return module
 
 

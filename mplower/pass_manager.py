@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 from mplower.ir.diagnostics import did_you_mean
 
 if TYPE_CHECKING:  # the CLI imports this module before it knows whether it will parse IR
-    from mplower.ir.graph import Module
+    from mplower.ir.graph import Module, Value
+
+# What a pass that runs the model (calibrate) gets from its caller, since passes sit below the
+# backend: runner(module, func, weights) compiles the function's fp32 reference and returns a
+# callable that maps one batch of argument arrays to the reference value of every value of the
+# function (None where there is none, e.g. downstream of an integer input). The backend
+# implements it (mplower.backend.executor.reference_runner); the CLI and the ONNX backend pass
+# it in `PassContext.runner`.
+ReferenceRunner = Callable[["Module", str | None, str | None],
+                           Callable[[list[Any]], dict["Value", Any]]]
 
 
 class PipelineError(Exception):
@@ -42,6 +51,7 @@ class PassContext:
     stats: Counter = field(default_factory=Counter)
     output_path: str | None = None  # where `-o` writes; passes write new weights beside it
     weights_path: str | None = None  # `--weights`: the user's explicit weights file
+    runner: ReferenceRunner | None = None  # for the passes that run the model (calibrate)
 
     def stat(self, name: str, n: int = 1) -> None:
         self.stats[name] += n

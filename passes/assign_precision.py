@@ -21,22 +21,18 @@ import networkx as nx
 from mplower.passes.range_analysis import hazard
 
 from mplower.dialect.mp import ACCUMULATING, COMPUTE_HEAVY, TYPE_CARRYING
+from mplower.dialect.plan import Plan
 from mplower.io.atomic import module_folder, path_from
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS
-from mplower.ir.types import TypeAttr
 from mplower.lowering.policy import (
     Decision,
     Policy,
     load_policy,
     result_format,
 )
-from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
+from mplower.numerics.formats import FLOATS, NARROW_FLOATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
-
-PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
-
-
 
 
 def guarded(f: Function, n: int, decision: Decision) -> Decision:
@@ -142,16 +138,10 @@ class AssignPrecision(Pass):
                 d.compute != "f32" or d.reason.startswith("overflow-guard")
                 for plan in plans.values() for d in plan.values()):
             return
-        types = {name: TypeAttr(name) for name in FORMATS}
         for name, f in module.functions.items():
             lowered = 0
             for n, d in plans[name].items():
-                f.set_attr(n, PRECISION, types[d.compute])
-                if d.accum is not None:
-                    f.set_attr(n, ACCUM, types[d.accum])
-                else:
-                    f.del_attr(n, ACCUM)
-                f.set_attr(n, REASON, d.reason)
+                Plan.at(f, n).decided(d.compute, d.accum, d.reason).write(f, n)
                 lowered += d.compute != "f32"
             ctx.stat("ops-lowered", lowered)
             ctx.stat("ops-kept-wide", len(plans[name]) - lowered)

@@ -1,16 +1,15 @@
 """`calibrate`: run the fp32 reference over a calibration set and record every tensor's range.
 
-The one pass that executes the model. Calibration is by definition "run the model on data", so
-the pass drives the executor's fp32 reference itself: it imports mplower.backend.executor inside
-`run` (passes otherwise never import the backend; doing it lazily keeps `import
-mplower.passes.*` free of the backend and lets the layering rule be checked on import). The
-alternative, a calibration driver in a layer above the passes, would make `calibrate` the only
-step of a pipeline that cannot be written in `--pass-pipeline`, which is worse for users.
+The one pass that executes the model. Calibration is by definition "run the model on data", but
+passes sit below the backend, so the pass gets the fp32 reference from its caller:
+`PassContext.runner` (mplower.pass_manager.ReferenceRunner), which the CLI and the ONNX backend
+fill with mplower.backend.executor.reference_runner. A calibration driver in a layer above the
+passes instead would make `calibrate` the only step of a pipeline that cannot be written in
+`--pass-pipeline`, which is worse for users.
 
 The data file is an .npz keyed by argument name; each array is one batch of the argument's shape
 or a stack of such batches (leading axis), and every argument has the same number of batches.
-Each batch runs through a copy of the module (the executor materializes any precision plan, and
-the module itself must stay as it was), statistics are gathered with mplower.lowering.calibration's
+Each batch runs through the module's fp32 reference (the module is not changed), statistics are gathered with mplower.lowering.calibration's
 mergeable histograms and recorded per value: `mp.range = [lo, hi]` (what quantize uses),
 `mp.calib` (the method), `mp.observed` (the extremes, when the method clipped them), `mp.tiny`
 (a power of two at or below the 1% quantile of the non-zero magnitudes, for range-analysis) and,
@@ -20,7 +19,6 @@ on the activations that feed a matmul or conv, `mp.channel_absmax` over the redu
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -33,7 +31,7 @@ from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
 from mplower.lowering.calibration import METHODS, Progress, TensorStats, constant_nodes, record
 from mplower.numerics.formats import FORMATS
-from mplower.pass_manager import Pass, PassContext, option, register_pass
+from mplower.pass_manager import Pass, PassContext, ReferenceRunner, option, register_pass
 
 
 def channel_axes(f: Function, constants: set[int]) -> dict[Value, int]:
@@ -80,30 +78,24 @@ def split_batches(f: Function, arrays: dict[str, np.ndarray],
 
 
 def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
-                       weights: str | None, bins: int,
+                       runner: ReferenceRunner, weights: str | None, bins: int,
                        progress: Progress | None = None) -> dict[Value, TensorStats]:
     """Statistics of every float, non-constant value of the function over all batches."""
-    from mplower.backend.executor import Program  # calibration runs the model: see above
-
     f = module.function(func)
-    shadow = copy.deepcopy(module)  # the executor may materialize a plan on what it compiles
-    program = Program(shadow, func, weights)
+    reference = runner(module, func, weights)
     constants = constant_nodes(f)
     axes = channel_axes(f, constants)
-    slots: dict[Value, int] = {(a, 0): i for i, a in enumerate(f.args)}
-    for step in program.steps:
-        slots[(step.node, 0)] = step.output
-    # Casts the executor added to its copy are not values of the module.
-    tracked = [v for v in slots if v[0] in f.nodes and v[0] not in constants
-               and FORMATS[f.type_of(v).elem].is_float]
+    ret = f.return_node
+    tracked = [(n, 0) for n in [*f.args, *f.ops()] if n != ret and n not in constants
+               and FORMATS[f.types(n)[0].elem].is_float]
     stats = {v: TensorStats(bins) for v in tracked}
     for batch in batches:
-        refs = program.run_reference(batch)
+        refs = reference(batch)
         for v in tracked:
-            if refs[slots[v]] is None:  # no fp32 counterpart (an integer input)
+            if refs[v] is None:  # no fp32 counterpart (an integer input)
                 continue
             try:
-                stats[v].add(refs[slots[v]], axes.get(v))
+                stats[v].add(refs[v], axes.get(v))
             except ValueError as e:  # non-finite data, or an op that overflows f32 on it
                 where = "argument " if v[0] in f.args else "the fp32 reference of "
                 raise DiagnosticError.at(f.data(v[0])["loc"], (
@@ -167,10 +159,14 @@ class Calibrate(Pass):
         except KeyError as e:
             raise DiagnosticError(Diagnostic(loc, f"calibrate: {e.args[0]}")) from None
         batches = split_batches(f, arrays, data_loc)
+        if ctx.runner is None:
+            raise DiagnosticError.at(loc, "calibrate runs the model: its caller must give "
+                                          "PassContext a runner (mplower.backend.executor."
+                                          "reference_runner; the mplower CLI does)")
         progress = Progress(len(batches), "calibrate")
         try:
-            stats = calibrate_function(module, func, batches, ctx.weights_path, self.bins,
-                                       progress)
+            stats = calibrate_function(module, func, batches, ctx.runner, ctx.weights_path,
+                                       self.bins, progress)
         finally:
             progress.close()
         axes = channel_axes(f, constant_nodes(f))

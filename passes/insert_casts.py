@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mplower.dialect.mp import TYPE_CARRYING
+from mplower.dialect.plan import ACCUM, PRECISION
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
-from mplower.ir.opdef import attr_type
+from mplower.ir.opdef import OpError, attr_type
 from mplower.ir.types import TypeAttr
 from mplower.lowering.policy import result_format
 from mplower.numerics.formats import FLOATS, FORMATS
-from mplower.pass_manager import Pass, PassContext, register_pass
-
-PRECISION, ACCUM = "mp.precision", "mp.accum"
+from mplower.pass_manager import Pass, PassContext, PassManager, register_pass
 
 
 class _Casts:
@@ -67,6 +67,53 @@ def _wanted(d: dict) -> str | None:
     return elem if elem in FLOATS else None
 
 
+def _writes(d: dict, want: str) -> str:
+    """The format an op (its node data) computing in `want` writes its float results in."""
+    accum = d["attrs"].get(ACCUM)
+    return result_format(d["op"], want, accum.type if isinstance(accum, TypeAttr) else
+                         attr_type(accum) if accum is not None else None)
+
+
+def unmaterialized(f: Function) -> int | None:
+    """The first op whose float plan is still only an annotation: insert-casts would give it
+    operands or results of another format. None when the plan (if any) is materialized."""
+    nodes = f.nodes
+    for n in f.ops():
+        d = nodes[n]
+        try:
+            want = _wanted(d)
+            if want is None:
+                continue
+            out = _writes(d, want)
+        except OpError:  # a malformed annotation: the executor reports it where it stands
+            continue
+        if any(t.elem in FLOATS and t.elem != want for t in f.operand_types(n)) \
+                or any(t.elem in FLOATS and t.elem != out for t in d["types"]):
+            return n
+    return None
+
+
+def check_materialized(f: Function) -> None:
+    """What the executor and the ONNX exporter require: a located error at the first op whose
+    float plan insert-casts has not materialized (they run a module as it is)."""
+    n = unmaterialized(f)
+    if n is not None:
+        d = f.data(n)
+        raise DiagnosticError.at(d["loc"], (
+            f"'{d['op']}' has a precision plan that is only an annotation "
+            f"({PRECISION} = {_wanted(d)}): run insert-casts first "
+            f"(mplower opt --pass=insert-casts)"))
+
+
+def materialize(module: Module, ctx: PassContext | None = None) -> bool:
+    """Run insert-casts through the pass manager when a function's plan is only annotations
+    (the first step of `mplower run`, `bench` and `export`); True if it ran."""
+    if all(unmaterialized(f) is None for f in module.functions.values()):
+        return False
+    PassManager([InsertCasts()]).run(module, ctx)
+    return True
+
+
 def insert_casts(f: Function, ctx: PassContext, keep_io_types: bool) -> None:
     casts = _Casts(f, ctx)
     nodes = f.nodes
@@ -89,9 +136,7 @@ def insert_casts(f: Function, ctx: PassContext, keep_io_types: bool) -> None:
             if elem != target:
                 f.set_operand(n, pos, casts.get((u, r), target))
         if want is not None:
-            accum = d["attrs"].get(ACCUM)
-            out = result_format(op, want, accum.type if isinstance(accum, TypeAttr) else
-                                attr_type(accum) if accum is not None else None)
+            out = _writes(d, want)
             for i, t in enumerate(d["types"]):
                 if t.elem in FLOATS and t.elem != out:
                     original[(n, i)] = t.elem

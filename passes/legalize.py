@@ -3,8 +3,9 @@
 Each annotated op's (compute, accumulator, kernel) goes through the target's fallback chains
 (mplower.lowering.target.Target.legalize: fp8 -> bf16 -> f32, i8 -> bf16 -> f32, f16 accumulation ->
 f32, sparse -> dense). A fallback rewrites `mp.precision`/`mp.accum`/`mp.kernel`, keeps what
-was asked in `mp.requested` and appends the reason code to `mp.reason`; `strict=true` makes it
-an error instead, as TensorRT's "obey" precision constraints do.
+was asked in `mp.requested` (a dictionary attribute, mplower.dialect.plan.Requested) and appends
+the reason code to `mp.reason`; `strict=true` makes it an error instead, as TensorRT's "obey"
+precision constraints do.
 """
 
 from __future__ import annotations
@@ -13,15 +14,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.dialect.plan import DENSE, PRECISION, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
-from mplower.ir.opdef import OPS, attr_type
-from mplower.ir.types import TypeAttr
-from mplower.lowering.target import DENSE, load_target
+from mplower.ir.opdef import OPS
+from mplower.lowering.target import load_target
 from mplower.pass_manager import Pass, PassContext, option, register_pass
-
-PRECISION, ACCUM, KERNEL, REASON = "mp.precision", "mp.accum", "mp.kernel", "mp.reason"
-REQUESTED, FALLBACK = "mp.requested", "mp.fallback"
 
 
 @register_pass
@@ -31,7 +29,8 @@ class Legalize(Pass):
 
     Reads `mp.precision`, `mp.accum` and `mp.kernel` (as written by assign-precision and
     lower-sparse) and rewrites them to what the target runs. A fallback sets `mp.fallback` to
-    the reason code(s) (docs/targets.md), `mp.requested` to the original request, and appends
+    the reason code(s) (docs/targets.md), `mp.requested` to the original request (a dictionary
+    `{precision = T, accum = T, kernel = "K"}`), and appends
     `fallback <code>: <from> -> <to>` to `mp.reason`. With `strict=true` a fallback is an error.
     """
 
@@ -52,10 +51,9 @@ class Legalize(Pass):
                 attrs = f.attrs_of(n)
                 if PRECISION not in attrs:
                     continue
+                plan = Plan.of(attrs)
                 op = f.op(n)
-                compute = attr_type(attrs[PRECISION])
-                accum = attr_type(attrs[ACCUM]) if ACCUM in attrs else None
-                kernel = attrs.get(KERNEL, DENSE)
+                compute, accum, kernel = plan.precision, plan.accum, plan.kernel_or_dense
                 ctx.stat("ops-checked")
                 checked += 1
                 try:
@@ -65,23 +63,19 @@ class Legalize(Pass):
                     continue
                 if not legal.fallback:
                     continue
-                asked = _describe(compute, accum, kernel)
-                got = _describe(legal.compute, legal.accum, legal.kernel)
+                asked = Requested(compute, accum, kernel)
+                got = Requested(legal.compute, legal.accum, legal.kernel)
                 if self.strict:
                     errors.append(Diagnostic(f.data(n)["loc"], (
                         f"'{op}' has no {asked} kernel on target '{target.name}' "
                         f"({legal.reason}); without strict=true it would run as {got}")))
                     continue
-                f.set_attr(n, PRECISION, TypeAttr(legal.compute))
-                if legal.accum is not None:
-                    f.set_attr(n, ACCUM, TypeAttr(legal.accum))
-                if KERNEL in attrs or legal.kernel != DENSE:
-                    f.set_attr(n, KERNEL, legal.kernel)
-                f.set_attr(n, REQUESTED, asked)
-                f.set_attr(n, FALLBACK, legal.reason)
-                reason = attrs.get(REASON, "")
-                f.set_attr(n, REASON, (f"{reason}; " if reason else "")
-                           + f"fallback {legal.reason}: {asked} -> {got}")
+                plan._replace(precision=legal.compute, accum=legal.accum or plan.accum,
+                              kernel=legal.kernel if plan.kernel or legal.kernel != DENSE
+                              else None,
+                              requested=asked, fallback=legal.reasons,
+                              reason=(f"{plan.reason}; " if plan.reason else "")
+                              + f"fallback {legal.reason}: {asked} -> {got}").write(f, n)
                 ctx.stat("fallbacks")
                 for code in legal.reasons:
                     ctx.stat(f"fallback:{code}")
@@ -90,7 +84,3 @@ class Legalize(Pass):
         if checked:  # a module without a plan stays exactly as it was
             module.attrs["mp.target"] = target.source.removeprefix("builtin:")
 
-
-def _describe(compute: str, accum: str | None, kernel: str) -> str:
-    text = compute + (f"/{accum}" if accum else "")
-    return text if kernel == DENSE else f"{text} {kernel}"

@@ -22,9 +22,10 @@ from typing import ClassVar
 import numpy as np
 
 from mplower.dialect.mp import WEIGHTED
+from mplower.dialect.plan import Plan
 from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
-from mplower.ir.opdef import OPS, attr_type, check_attrs
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.types import DenseAttr
 from mplower.lowering.sparsity import (
     ENCODING_OF_KERNEL,
@@ -50,9 +51,6 @@ from mplower.lowering.target import (
     load_target,
 )
 from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
-
-PRECISION, ACCUM, KERNEL, REASON = "mp.precision", "mp.accum", "mp.kernel", "mp.reason"
-SPARSE_REASON = "mp.sparse_reason"
 
 
 @dataclass(frozen=True)
@@ -218,27 +216,27 @@ class LowerSparse(Pass):
         d = f.data(n)
         op, attrs = d["op"], d["attrs"]
         ins, outs = f.operand_types(n), d["types"]
-        compute = attr_type(attrs[PRECISION]) if PRECISION in attrs else ins[0].elem
-        accum = attr_type(attrs[ACCUM]) if ACCUM in attrs else None
+        plan = Plan.of(attrs)
+        compute, accum = plan.precision or ins[0].elem, plan.accum
         flops = int(OPS[op].flops(ins, outs, check_attrs(OPS[op], attrs)))
         moved = other_bytes(op, ins, outs, compute, accum)
         return choose_kernel(target, op, compute, w, reduction_axis(op, w.ndim), flops, moved,
                              limits)
 
     def _record(self, f: Function, n: int, choice: Choice, ctx: PassContext) -> None:
-        attrs = f.attrs_of(n)
-        f.set_attr(n, KERNEL, choice.kernel)
+        plan = Plan.at(f, n)
         note = (f"dense: {choice.reason} ({choice.detail})" if choice.reason
                 else f"{choice.kernel}: {choice.detail}")
-        prior = attrs.get(REASON, "")
+        prior = plan.reason or ""
+        reason = plan.reason
         if note != prior and not prior.endswith(f"; {note}"):  # a re-run repeats no note
-            f.set_attr(n, REASON, f"{prior}; {note}" if prior else note)
+            reason = f"{prior}; {note}" if prior else note
+        plan._replace(kernel=choice.kernel, reason=reason,
+                      sparse_reason=choice.reason or None).write(f, n)
         if choice.reason:
-            f.set_attr(n, SPARSE_REASON, choice.reason)
             ctx.stat("ops-dense")
             ctx.stat(f"dense:{choice.reason}")
         else:
-            f.del_attr(n, SPARSE_REASON)
             ctx.stat("ops-sparse")
             ctx.stat(f"kernel:{choice.kernel}")
 

@@ -43,10 +43,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mplower.dialect.mp import QUANTIZABLE
+from mplower.dialect.plan import PRECISION, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Function, Module, Value
-from mplower.ir.opdef import attr_type
-from mplower.ir.types import TensorType, TypeAttr, tensor
+from mplower.ir.types import TensorType, tensor
 from mplower.lowering.calibration import (
     CALIB,
     CALIB_KEYS,
@@ -59,8 +59,6 @@ from mplower.lowering.calibration import (
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
-PRECISION, ACCUM, REASON = "mp.precision", "mp.accum", "mp.reason"
-REQUESTED, FALLBACK = "mp.requested", "mp.fallback"  # as legalize records a fallback
 QDQ_ZERO_POINT = "qdq-zero-point"  # the fallback code of a w8a8 op written in QDQ form
 WEIGHT_QUANT = "mp.weight_quant"
 QUANT_MARK = "mp.quant"
@@ -133,10 +131,9 @@ def quantized_targets(f: Function, scheme: str) -> list[int]:
         if any(FORMATS[t.elem].is_int for t in f.operand_types(n)):
             continue  # already quantized
         if planned:
-            p = f.attrs_of(n).get(PRECISION)
-            if p is None:
+            fmt = Plan.at(f, n).precision
+            if fmt is None:
                 continue
-            fmt = attr_type(p)
             if scheme == "w8a8" and not FORMATS[fmt].is_int:
                 continue
             if scheme != "w8a8" and fmt == "f32":
@@ -277,13 +274,13 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
         for i, (q, qp) in enumerate(zip(qs, params)):
             f.set_operand(n, i, rw.dequantize(q, qp, f.type_of(ins[i]).elem,
                                               f"{_name(f, ins[i])}_dq"))
-        f.set_attr(n, PRECISION, TypeAttr("f32"))
-        f.set_attr(n, ACCUM, TypeAttr("f32"))
-        # The report shows what was asked (i8) beside what runs (f32 on the grid), and why.
-        f.set_attr(n, REQUESTED, "i8/i32")
-        f.set_attr(n, FALLBACK, QDQ_ZERO_POINT)
-        f.set_attr(n, REASON, "quantize w8a8: QDQ form (an activation zero point is not 0; "
-                              "the integer kernel takes none)")
+        # The report shows what was asked (i8) beside what runs (f32 on the grid), and why,
+        # as legalize records a fallback.
+        Plan.at(f, n)._replace(
+            precision="f32", accum="f32", requested=Requested("i8", "i32"),
+            fallback=(QDQ_ZERO_POINT,),
+            reason="quantize w8a8: QDQ form (an activation zero point is not 0; "
+                   "the integer kernel takes none)").write(f, n)
         rw.ctx.stat("ops-qdq")
         return
     # The quantized kernel: integer operands, i32 result, one dequantize with the product scale
@@ -324,10 +321,9 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
     set_value_attrs(f, result, moved)
     for k in moved:
         f.del_attr(kernel, k)
-    f.set_attr(kernel, PRECISION, TypeAttr("i8"))
-    f.set_attr(kernel, ACCUM, TypeAttr("i32"))
-    if REASON not in f.attrs_of(kernel):
-        f.set_attr(kernel, REASON, "quantize w8a8")
+    plan = Plan.at(f, kernel)
+    plan._replace(precision="i8", accum="i32",
+                  reason="quantize w8a8" if plan.reason is None else plan.reason).write(f, kernel)
     rw.ctx.stat("ops-quantized")
 
 

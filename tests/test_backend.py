@@ -17,6 +17,7 @@ import numba
 import numpy as np
 import pytest
 from conftest import sequential_matmul
+from mplower.passes.insert_casts import materialize
 
 from mplower.backend.executor import Program
 from mplower.ir.parser import parse
@@ -40,6 +41,7 @@ def example(name: str, *passes: tuple[str, dict]) -> Program:
     registry = load_passes()
     for pass_name, options in passes:
         registry[pass_name](**options).run(module, PassContext())
+    materialize(module)  # as `mplower run` does: a plan that is only annotations gets its casts
     return Program(module)
 
 
@@ -458,6 +460,7 @@ def batched(name: str, batch: int, size: int, policy: str) -> Program:
     module = parse(path.read_text().replace(f"tensor<{batch}x", f"tensor<{size}x"), str(path))
     module.path = str(path)
     load_passes()["assign-precision"](policy=policy).run(module, PassContext())
+    materialize(module)
     return Program(module)
 
 

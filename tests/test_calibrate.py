@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mplower.backend.executor import reference_runner
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
 from mplower.lowering.calibration import (
@@ -137,7 +138,7 @@ def calibrated(tmp_path: Path, batch: int, data: np.ndarray, options: str = "") 
     path = tmp_path / f"calib_{batch}_{abs(hash(data.tobytes()))}.npz"
     np.savez(path, x=data)
     module = parse(MODEL.format(b=batch))
-    PassManager(parse_pipeline(f"calibrate{{data={path} {options}}}")).run(module, PassContext())
+    PassManager(parse_pipeline(f"calibrate{{data={path} {options}}}")).run(module, PassContext(runner=reference_runner))
     f = module.function()
     values = [(a, 0) for a in f.args] + [(n, 0) for n in f.ops() if f.data(n)["types"]]
     return {f.value_name(v): dict(value_attrs(f, v)) for v in values}
@@ -176,7 +177,7 @@ def test_calibrated_module_prints_and_parses_back(tmp_path):
     np.savez(path, x=np.arange(8, dtype=np.float32).reshape(2, 4))
     module = parse(MODEL.format(b=2))
     PassManager(parse_pipeline(f"calibrate{{data={path} method=mse bins=64}}")).run(
-        module, PassContext())
+        module, PassContext(runner=reference_runner))
     text = print_module(module)
     again = parse(text)
     assert print_module(again) == text
@@ -262,7 +263,7 @@ def calibrated_mlp(tmp_path: Path, samples: np.ndarray, batch: int) -> tuple[str
     module = parse(MLP.read_text().replace("tensor<32x", f"tensor<{batch}x"), str(MLP))
     module.path = str(MLP)
     PassManager(parse_pipeline(f"calibrate{{data={path}}},smooth-quant,quantize")).run(
-        module, PassContext())
+        module, PassContext(runner=reference_runner))
     f = module.function()
     values = [(a, 0) for a in f.args] + [(n, 0) for n in f.ops() if f.data(n)["types"]]
     return print_module(module), {f.value_name(v): dict(value_attrs(f, v)) for v in values}

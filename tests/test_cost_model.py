@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mplower.backend.executor import reference_runner
 from mplower.cli.main import main
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.parser import parse, parse_file
@@ -181,7 +182,7 @@ def test_int8_plans_baseline_is_the_fp32_plan_priced_the_same_way():
     calib = ROOT / "ir_examples/cnn_inputs.npz"
     PassManager(parse_pipeline(f"assign-precision{{policy=int8}},calibrate{{data={calib}}},"
                                "quantize,legalize{target=cpu-avx512},insert-casts,canonicalize")
-                ).run(module, PassContext())
+                ).run(module, PassContext(runner=reference_runner))
     int8 = plan_cost(module.function(), load_target("cpu-avx512"))
     assert int8.fp32_time_s == pytest.approx(fp32.time_s, rel=1e-12)
     assert int8.time_s < fp32.time_s

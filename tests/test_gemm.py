@@ -156,6 +156,7 @@ from mplower.backend.executor import Program
 from mplower.ir.parser import parse
 from mplower.numerics.gemm import matmul
 from mplower.pass_manager import PassContext, load_passes
+from mplower.passes.insert_casts import materialize
 rng = np.random.default_rng(5)
 h = hashlib.sha256()
 a = rng.standard_normal((3, 130, 700)).astype(np.float32)
@@ -165,6 +166,7 @@ for name, policy in (("transformer", "bf16"), ("mlp", "fp16"), ("cnn", "bf16")):
     module = parse(open(path).read(), path)
     module.path = path
     load_passes()["assign-precision"](policy=policy).run(module, PassContext())
+    materialize(module)
     prog = Program(module)
     x = np.load("ir_examples/%s_inputs.npz" % name)["x"]
     result = prog.run([x])

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mplower.passes.insert_casts import materialize
 
-from mplower.backend.executor import Program
+from mplower.backend.executor import Program, reference_runner
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.opdef import attr_array
 from mplower.ir.parser import parse_file
@@ -40,7 +41,7 @@ def run_passes(path: Path, pipeline: str, data: dict | None = None):
     if data is not None:
         np.savez(path.parent / "calib.npz", **data)
         pipeline = pipeline.replace("CALIB", str(path.parent / "calib.npz"))
-    ctx = PassContext()
+    ctx = PassContext(runner=reference_runner)
     PassManager(parse_pipeline(pipeline)).run(module, ctx)
     return module, ctx
 
@@ -271,6 +272,7 @@ def test_weight_only_with_the_w8a16_plan_computes_in_bf16(tmp_path):
                                    "group=32}")
     assert ctx.stats["ops-quantized"] == 1
     x = rng.standard_normal((2, 64)).astype(F32)
+    materialize(module)  # the bf16 activations: the plan's casts, as `mplower run` adds them
     result = Program(module).run([x])
     (mm,) = [r.step for r in result.ops if r.step.op == "mp.matmul"]
     assert mm.executed["precision"] == "bf16" and mm.reason is None
@@ -306,7 +308,7 @@ def test_quantize_without_ranges_names_every_op_and_changes_nothing(tmp_path):
     module = parse_file(path)
     before = print_module(module)
     with pytest.raises(DiagnosticError) as e:
-        PassManager(parse_pipeline("quantize")).run(module, PassContext())
+        PassManager(parse_pipeline("quantize")).run(module, PassContext(runner=reference_runner))
     messages = [d.message for d in e.value.diagnostics]
     assert len(messages) == 2 and "operand #0 %x has no calibrated range" in messages[0]
     assert "run calibrate{data=...} first" in messages[0]

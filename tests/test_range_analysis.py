@@ -11,6 +11,7 @@ import math
 import pytest
 from mplower.passes.range_analysis import Interval, flags, propagate
 
+from mplower.backend.executor import reference_runner
 from mplower.ir.parser import parse
 from mplower.ir.types import tensor
 from mplower.lowering.calibration import value_attrs
@@ -19,7 +20,7 @@ from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 def analyzed(text: str, pipeline: str = "range-analysis"):
     module = parse(text)
-    ctx = PassContext()
+    ctx = PassContext(runner=reference_runner)
     PassManager(parse_pipeline(pipeline)).run(module, ctx)
     f = module.function()
     by_name = {f.value_name((n, 0)): n for n in f.ops() if f.data(n)["types"]}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mplower.passes.smooth_quant import smoothing_factors
 
-from mplower.backend.executor import Program
+from mplower.backend.executor import Program, reference_runner
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.parser import parse_file
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
@@ -62,7 +62,7 @@ def lowered(path: Path, pipeline: str, calib: np.ndarray):
     np.savez(path.parent / "calib.npz", x=calib)
     module = parse_file(path)
     PassManager(parse_pipeline(pipeline.replace("CALIB", str(path.parent / "calib.npz")))).run(
-        module, PassContext())
+        module, PassContext(runner=reference_runner))
     return module
 
 
@@ -136,7 +136,7 @@ def test_smoothing_factors_follow_the_paper_and_leave_empty_channels_alone():
 def test_smooth_quant_needs_per_channel_calibration(tmp_path):
     path = outlier_model(tmp_path)
     with pytest.raises(DiagnosticError, match="no per-channel calibration"):
-        PassManager(parse_pipeline("smooth-quant")).run(parse_file(path), PassContext())
+        PassManager(parse_pipeline("smooth-quant")).run(parse_file(path), PassContext(runner=reference_runner))
     with pytest.raises(DiagnosticError, match="alpha must be in"):
         PassManager(parse_pipeline("smooth-quant{alpha=1.5}")).run(parse_file(path),
-                                                                  PassContext())
+                                                                  PassContext(runner=reference_runner))

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from mplower.passes.insert_casts import materialize
 from mplower.passes.lower_sparse import Thresholds, choose_kernel
 
 from mplower.backend.executor import Program
@@ -310,9 +311,11 @@ def test_lowered_outputs_equal_dense_execution_of_the_pruned_weights(transformer
     x = np.load(transformer.with_name("transformer_inputs.npz"))["x"]
     dense = parse(transformer.read_text().replace('"transformer.npz"', '"lowered.npz"'),
                   str(out))
-    run_pipeline(dense, "assign-precision")
+    run_pipeline(dense, "assign-precision,insert-casts")
     want = Program(dense).run([x]).outputs[0]
-    program = Program(parse_file(out))
+    lowered_module = parse_file(out)
+    materialize(lowered_module)  # the plan's casts, as `mplower run` adds them
+    program = Program(lowered_module)
     sparse_steps = [s for s in program.steps if s.executed["kernel"] == SPARSE_2_4]
     assert len(sparse_steps) == 6
     assert all(s.reason is None for s in sparse_steps)

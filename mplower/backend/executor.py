@@ -32,9 +32,10 @@ import numpy as np
 
 from mplower.backend.sparse import sparse_runner
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
+from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
-from mplower.ir.graph import ARG, RETURN, Function, Module
+from mplower.ir.graph import ARG, RETURN, Function, Module, Value
 from mplower.ir.opdef import OPS, OpError, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
@@ -44,6 +45,7 @@ from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
 from mplower.numerics.windows import conv_windows, pad_hw
+from mplower.passes.insert_casts import check_materialized
 
 NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()
@@ -137,11 +139,14 @@ def _magnitude(elem: str) -> float:
 class Program:
     """A function compiled for execution; `run` may be called any number of times.
 
-    A module whose plan is still only annotations (assign-precision without insert-casts) is
-    materialized first: insert-casts is idempotent, so it runs on every annotated module.
+    The module is compiled as it is and never changed. One whose plan is still only
+    annotations (assign-precision without insert-casts) is an error: materialize it first
+    (mplower.passes.insert_casts.materialize, as `mplower run` does). `reference_only` compiles
+    for `run_reference` alone, which ignores the plan, so it takes such a module as well.
     """
 
-    def __init__(self, module: Module, func: str | None = None, weights: str | None = None):
+    def __init__(self, module: Module, func: str | None = None, weights: str | None = None,
+                 *, reference_only: bool = False):
         try:
             f = module.function(func)
         except KeyError:
@@ -149,10 +154,8 @@ class Program:
             what = f"no function @{func}" if func else "several functions and none is @main"
             raise DiagnosticError.at(module.loc, f"the module has {what} (it has: {have}); "
                                                  f"pick one with --func") from None
-        if any("mp.precision" in f.attrs_of(n) for n in f.ops()):
-            from mplower.pass_manager import PassContext, load_passes
-
-            load_passes()["insert-casts"]().run(module, PassContext())
+        if not reference_only:
+            check_materialized(f)
         self.module = module
         self.function: Function = f
         self.weights = Weights(module, weights)
@@ -349,6 +352,21 @@ class Program:
             raise _failed(step, e) from None
 
 
+def reference_runner(module: Module, func: str | None = None,
+                     weights: str | None = None) -> Callable[[list[Any]], dict[Value, Any]]:
+    """The function's fp32 reference as `PassContext.runner` (mplower.pass_manager) needs it:
+    one batch of argument arrays in, the reference value of every value of the function out.
+    The module is compiled as it is (a plan that is only annotations does not matter to the
+    reference) and not changed."""
+    program = Program(module, func, weights, reference_only=True)
+    slots = program.slots
+
+    def run(batch: list[Any]) -> dict[Value, Any]:
+        refs = program.run_reference(batch)
+        return {v: refs[i] for v, i in slots.items()}
+    return run
+
+
 def _failed(step: Step, e: Exception) -> DiagnosticError:
     return DiagnosticError.at(step.loc, f"'{step.op}' failed to execute: {e}")
 
@@ -357,9 +375,8 @@ class _Plan:
     """What an op was asked to run in, what the backend runs it in, and why they differ."""
 
     def __init__(self, op: str, attrs: dict, in_types: list[TensorType], out_t: TensorType):
-        precision = attr_type(attrs["mp.precision"]) if "mp.precision" in attrs else None
-        accum = attr_type(attrs["mp.accum"]) if "mp.accum" in attrs else None
-        kernel = attrs.get("mp.kernel", "dense")
+        plan = Plan.of(attrs)
+        precision, accum, kernel = plan.precision, plan.accum, plan.kernel_or_dense
         floats = [t.elem for t in in_types if FORMATS[t.elem].is_float]
         if op in CONVERSIONS:  # a conversion runs in the format it produces
             ran = attr_type(attrs["dtype"]) if op == "mp.fake_quant" else out_t.elem
@@ -369,8 +386,7 @@ class _Plan:
         if op in CONTRACTIONS:
             ran_accum = "i32" if FORMATS[ran].is_int else "f32"
         reasons = []
-        if "mp.fallback" in attrs:
-            reasons.append(attrs["mp.fallback"])
+        reasons.extend(plan.fallback)
         if precision is not None and FORMATS[precision].is_int and floats \
                 and op not in CONVERSIONS:
             reasons.append(NOT_QUANTIZED)  # an integer plan needs calibrate + quantize first
@@ -383,21 +399,18 @@ class _Plan:
         # lower-sparse inserts after checking the pattern) and backend/sparse.py has a kernel
         # for the operands (float, f32 accumulator, 2-D weight); otherwise the op runs densely.
         self.sparse = None
-        if kernel != "dense":
+        if kernel != DENSE:
             encoded = len(in_types) > 1 and in_types[1].encoding is not None
             if op == "mp.matmul" and ran_accum == "f32" and encoded:
                 self.sparse = sparse_runner(kernel, in_types[0], in_types[1], out_t)
             if self.sparse is None:
                 reasons.append(NO_SPARSE_KERNEL)
-        self.requested: dict[str, str | None] = {
-            "precision": precision or ran, "accum": accum or ran_accum, "kernel": kernel}
-        if "mp.requested" in attrs:  # legalize's fallback: report what the policy asked for
-            fmt, _, knl = attrs["mp.requested"].partition(" ")
-            prec, _, acc = fmt.partition("/")
-            self.requested = {"precision": prec, "accum": acc or None, "kernel": knl or "dense"}
+        # A pass's fallback (legalize, quantize): report what the policy asked for.
+        asked = plan.requested or Requested(precision or ran, accum or ran_accum, kernel)
+        self.requested: dict[str, str | None] = asked.as_dict()
         self.executed: dict[str, str | None] = {
             "precision": ran, "accum": ran_accum,
-            "kernel": kernel if self.sparse is not None else "dense"}
+            "kernel": kernel if self.sparse is not None else DENSE}
         self.reason = ",".join(dict.fromkeys(r for code in reasons for r in code.split(","))) \
             or None
 

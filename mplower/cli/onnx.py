@@ -32,7 +32,8 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
     e = sub.add_parser(name, help="export a (lowered) module as an ONNX model",
                        description="Write an ONNX model that computes what mplower's executor "
                                    "computes: narrow formats as Cast nodes, int8 as "
-                                   "QuantizeLinear/DequantizeLinear, weights as initializers.")
+                                   "QuantizeLinear/DequantizeLinear, weights as initializers. "
+                                   "A plan that is only annotations gets insert-casts first.")
     e.add_argument("input", help="IR file, or - for stdin")
     e.add_argument("--format", choices=("onnx",), default="onnx")
     e.add_argument("-o", dest="output", required=True, help="the .onnx file to write")
@@ -90,6 +91,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mplower.ir.diagnostics import DiagnosticError, Location
     from mplower.onnx.exporter import check_and_serialize, export_module
+    from mplower.passes.insert_casts import materialize
 
     module = read_module(args)
     try:
@@ -98,6 +100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         have = ", ".join(sorted(module.functions)) or "none"
         raise DiagnosticError.at(module.loc, f"no function '{args.func}' to export (the module "
                                              f"has: {have})") from None
+    materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
     exported = export_module(module, args.func, args.weights, args.narrow_io)
     name = input_name(args.input)
     data = check_and_serialize(exported.model, Location(name, 0, 0))

@@ -76,6 +76,13 @@ def add_passes(sub, name: str) -> argparse.ArgumentParser:
     return p
 
 
+def _reference_runner(module, func, weights):
+    """The backend's fp32 reference for calibrate, imported only when a pass runs the model."""
+    from mplower.backend.executor import reference_runner
+
+    return reference_runner(module, func, weights)
+
+
 def cmd_opt(args: argparse.Namespace) -> int:
     from mplower.ir import expected
     from mplower.ir.parser import split_source
@@ -122,7 +129,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
         try:
             module = parse_module(chunk, name, offset, timings)
             ctx = PassContext(output_path=None if args.output == "-" else args.output,
-                              weights_path=args.weights)
+                              weights_path=args.weights, runner=_reference_runner)
             pm.run(module, ctx)
             timings.extend(pm.timings)
             for k, v in pm.statistics.items():

@@ -49,7 +49,8 @@ def _input_flags(p: argparse.ArgumentParser) -> None:
 def add_run(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="execute a lowered module beside its fp32 reference",
                        description="Run the lowered function and its fp32 reference side by "
-                                   "side; report per-op fallbacks, overflow and drift.")
+                                   "side; report per-op fallbacks, overflow and drift. A plan "
+                                   "that is only annotations gets insert-casts first.")
     _input_flags(p)
     p.add_argument("--save-outputs", metavar="OUT.npz", help="write the function's results")
     p.add_argument("--output-names", choices=("index", "onnx"), default="index",
@@ -69,7 +70,8 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
 def add_bench(sub, name: str) -> argparse.ArgumentParser:
     b = sub.add_parser(name, help="latency percentiles and inferences/s, measured and modeled",
                        description="Time the lowered plan on this CPU (emulated formats) and "
-                                   "add the cost model's figures for a target.")
+                                   "add the cost model's figures for a target. A plan that is "
+                                   "only annotations gets insert-casts first.")
     _input_flags(b)
     b.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
     b.add_argument("--iterations", "-n", type=int, default=20, help="timed runs (default 20)")
@@ -99,8 +101,10 @@ def _load(args: argparse.Namespace):
 
     from mplower.backend.executor import Program
     from mplower.io.weights import load_inputs
+    from mplower.passes.insert_casts import materialize
 
     module = read_module(args)
+    materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
     program = Program(module, args.func, args.weights)
     if args.inputs:
         arrays = load_inputs(args.inputs, program.arg_names, program.arg_types,
@@ -151,8 +155,6 @@ def _policy_guardrails(module) -> dict[str, float]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import copy
-
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
 
@@ -164,7 +166,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         if getattr(args, flag) and not limits:
             raise UsageError(f"--{flag} needs guardrails: the policy sheet's or "
                              f"--guardrail KEY=VALUE")
-    pristine = copy.deepcopy(module) if args.bisect else None
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get("mp.policy"),
                           program.function.name)
@@ -173,7 +174,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.bisect:
         from mplower.report.bisect import bisect
 
-        report["bisect"] = bisect(pristine, arrays, limits, args.func, args.weights).to_json()
+        report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
     if args.save_outputs:
         write_atomic(args.save_outputs, lambda fh: _savez(fh, dict(zip(keys, result.outputs))))

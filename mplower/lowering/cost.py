@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS
+from mplower.dialect.plan import Plan
 from mplower.ir.graph import ARG, RETURN, Function, Value
-from mplower.ir.opdef import OPS, attr_type, check_attrs
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.types import TensorType
 from mplower.lowering.sparsity import reduction_axis, storage
 from mplower.lowering.target import (
@@ -88,9 +89,9 @@ class Cost:
 def compute_format(f: Function, n: int) -> str:
     """The format op `n` computes in: its `mp.precision`, else its first operand's (first
     result's) element type."""
-    attrs = f.attrs_of(n)
-    if "mp.precision" in attrs:
-        return attr_type(attrs["mp.precision"])
+    precision = Plan.at(f, n).precision
+    if precision is not None:
+        return precision
     ins = f.operand_types(n)
     return ins[0].elem if ins else f.types(n)[0].elem
 
@@ -279,7 +280,7 @@ class _Model:
         """FLOP/s op `n` reaches: its format's peak on its kernel, times the GEMM efficiency."""
         f, target = self.f, self.target
         fmt = "f32" if self.fp32 else compute_format(f, n)
-        kernel = DENSE if self.fp32 else f.attrs_of(n).get("mp.kernel", DENSE)
+        kernel = DENSE if self.fp32 else Plan.at(f, n).kernel_or_dense
         try:
             peak = target.peak(fmt, kernel)
         except ValueError:  # a format the target has no rate for (e.g. i1): price it as f32

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mplower.dialect.plan import DENSE
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, format_problem, locate
@@ -27,7 +28,6 @@ from mplower.numerics.formats import COMPUTE_FORMATS, FORMATS
 # Kernel kinds, as written in `mp.kernel`. The structured kinds name the pattern their data
 # must have: NVIDIA sparse tensor cores take 2:4 for 16- and 8-bit inputs but 1:2 for tf32
 # (cuSPARSELt, CUSPARSELT_SPARSITY_50_PERCENT), and a 2:4-pruned weight is not 1:2.
-DENSE = "dense"
 SPARSE_2_4 = "sparse_2_4"
 SPARSE_1_2 = "sparse_1_2"
 CSR = "csr"

@@ -95,12 +95,14 @@ class MplowerRep(BackendRep):
         if hit is not None:
             return hit
         from mplower.backend.executor import Program
+        from mplower.passes.insert_casts import materialize
 
         imported = import_model(self.model, self.file, input_shapes=shapes, static_inputs=static,
                                 inline_weights=True)
         module = imported.module
         if self.pipeline:
             _run_pipeline(module, self.pipeline)
+        materialize(module)  # a pipeline that only annotates a plan: insert-casts, as `run` does
         program = Program(module)
         if len(self._programs) >= _MAX_SPECIALIZATIONS:
             self._programs.pop(next(iter(self._programs)))
@@ -109,13 +111,14 @@ class MplowerRep(BackendRep):
 
 
 def _run_pipeline(module, pipeline: str) -> None:
+    from mplower.backend.executor import reference_runner
     from mplower.pass_manager import PassContext, PassManager, PipelineError, parse_pipeline
 
     try:
         passes = parse_pipeline(pipeline)
     except PipelineError as e:
         raise ValueError(str(e)) from None
-    PassManager(passes).run(module, PassContext())
+    PassManager(passes).run(module, PassContext(runner=reference_runner))
 
 
 def _declared_shapes(model: onnx.ModelProto, names: list[str]) -> dict | None:

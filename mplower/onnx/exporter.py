@@ -26,12 +26,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, DATA_MOVEMENT
+from mplower.dialect.plan import ACCUM
 from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType
 from mplower.numerics.formats import FORMATS, NARROW_FLOATS, QUANT_INTS, QUANT_STORAGE
+from mplower.passes.insert_casts import check_materialized
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
 IR_VERSION = 10  # the IR version of opset 21; onnxruntime 1.18+ reads it
@@ -74,15 +76,11 @@ def export_module(module: Module, func: str | None = None, weights: str | None =
     Graph inputs and outputs of bf16, fp8 and i4 are exchanged as FLOAT (INT8 for i4) with a
     Cast right inside, because onnxruntime's Python API has no numpy type for them; an input
     is rounded to its declared type there, as mplower's executor rounds its arguments.
-    `narrow_io` keeps the declared types at the boundary instead.
+    `narrow_io` keeps the declared types at the boundary instead. The module is exported as it
+    is and not changed; a plan that is only annotations is an error (run insert-casts first).
     """
     f = module.function(func)
-    if any("mp.precision" in f.attrs_of(n) for n in f.ops()):
-        # A plan that was never materialized: insert-casts is idempotent, as the executor does.
-        from mplower.pass_manager import PassContext, load_passes
-
-        load_passes()["insert-casts"]().run(module, PassContext())
-        f = module.function(func)
+    check_materialized(f)
     exporter = _Exporter(f, WeightStore(module, weights), Location(module.path, 0, 0),
                          narrow_io)
     model = exporter.run(module.name or f.name)
@@ -230,7 +228,7 @@ class _Exporter:
         if op == "mp.constant":
             self.names[(n, 0)] = self.init(self._constant(n, attrs, out_t), hint)
             return
-        if attrs.get("mp.accum") is not None and attr_type(attrs["mp.accum"]) == "f16":
+        if attrs.get(ACCUM) is not None and attr_type(attrs[ACCUM]) == "f16":
             self.notes.append("f16 accumulation has no ONNX form: exported with f32 "
                               "accumulation")
         if op == "mp.sparse_encode":

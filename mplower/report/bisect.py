@@ -35,10 +35,11 @@ import numpy as np
 
 from mplower.backend.executor import Program
 from mplower.dialect.mp import ACCUMULATING
+from mplower.dialect.plan import PLAN_ATTRS, Plan
 from mplower.ir.graph import Function, Module, Value
-from mplower.ir.types import TypeAttr
 from mplower.numerics.formats import FORMATS
 from mplower.passes.dce import eliminate_dead_ops
+from mplower.passes.quantize import QUANT_MARK, WEIGHT_QUANT
 from mplower.report.quant import (
     converted_ops,
     float_origin,
@@ -49,8 +50,7 @@ from mplower.report.quant import (
 )
 from mplower.report.run import build_report
 
-_PLAN_KEYS = ("mp.precision", "mp.accum", "mp.reason", "mp.requested", "mp.fallback",
-              "mp.kernel", "mp.weight_quant", "mp.quant")
+_PLAN_KEYS = (*PLAN_ATTRS, WEIGHT_QUANT, QUANT_MARK)
 
 
 @dataclass
@@ -89,7 +89,7 @@ def keep_f32(module: Module, names: Iterable[str], func: str | None = None) -> M
 
 def _restore(f: Function, n: int, restored: dict[Value, Value]) -> None:
     d = f.data(n)
-    through = "mp.weight_quant" in d["attrs"]
+    through = WEIGHT_QUANT in d["attrs"]
     operands = []
     for v in f.operands(n):
         o = float_origin(f, v, through)
@@ -102,10 +102,8 @@ def _restore(f: Function, n: int, restored: dict[Value, Value]) -> None:
     result = result_float(f, n)
     out_t = d["types"][0].with_elem("f32")
     attrs = {k: v for k, v in d["attrs"].items() if k not in _PLAN_KEYS}
-    attrs["mp.precision"] = TypeAttr("f32")
-    if d["op"] in ACCUMULATING:
-        attrs["mp.accum"] = TypeAttr("f32")
-    attrs["mp.reason"] = "bisect: kept f32"
+    attrs.update(Plan("f32", "f32" if d["op"] in ACCUMULATING else None,
+                      reason="bisect: kept f32").attrs())
     new = (f.create_op(d["op"], operands, [out_t], attrs, before=n, name_hint=d["name"]), 0)
     restored[result] = new
     casts: dict[str, Value] = {}
@@ -126,14 +124,14 @@ def _restore(f: Function, n: int, restored: dict[Value, Value]) -> None:
 def evaluate(module: Module, inputs: list[np.ndarray], guardrails: dict[str, float],
              func: str | None = None, weights: str | None = None) -> dict[str, Any]:
     """The run report's summary (verdict and guardrails) of one module on `inputs`."""
-    program = Program(copy.deepcopy(module), func, weights)
+    program = Program(module, func, weights)
     return build_report(program.run(inputs), guardrails)["summary"]
 
 
 def rank(module: Module, inputs: list[np.ndarray], func: str | None = None,
          weights: str | None = None) -> list[tuple[str, float]]:
     """Candidate ops, most harmful first, by the SQNR of what each loses itself."""
-    program = Program(copy.deepcopy(module), func, weights)
+    program = Program(module, func, weights)
     rows = operand_sqnr(program, inputs, trace(program, inputs))
     ranked = [(r["name"], local_severity(r)) for r in rows]
     ranked.sort(key=lambda item: item[1])

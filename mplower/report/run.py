@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
+from mplower.dialect.plan import DENSE, Requested
 from mplower.lowering.policy import keep_f32_overrides
 from mplower.numerics.metrics import drift as result_drift
 from mplower.report.table import table
@@ -176,9 +177,8 @@ def render(report: dict[str, Any], fmt: str) -> str:
     header = ["name", "op", "requested", "executed", "fallback", "overflow", "underflow",
               "nan", "rel_l2", "sqnr_db"]
 
-    def fmt_plan(p: dict) -> str:
-        text = p["precision"] + (f"/{p['accum']}" if p.get("accum") else "")
-        return text if p.get("kernel", "dense") == "dense" else f"{text} {p['kernel']}"
+    def fmt_plan(p: dict) -> str:  # as mp.reason spells a plan: `bf16/f32 sparse_2_4`
+        return str(Requested(p["precision"], p.get("accum"), p.get("kernel", DENSE)))
 
     def num(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)

@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.dialect.plan import Plan
 from mplower.ir.graph import ARG, RETURN, Function, Module
-from mplower.ir.opdef import OPS, attr_type, check_attrs
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.lowering.cost import compute_format, plan_cost
-from mplower.lowering.target import DENSE, Target
+from mplower.lowering.target import Target
 from mplower.report.sparse import sparse_lines, sparse_report
 from mplower.report.table import table
 
@@ -53,11 +54,11 @@ def op_row(f: Function, n: int, times: dict[str, float], groups: dict[str, int])
     attrs = d["attrs"]
     ins, outs = f.operand_types(n), d["types"]
     flops = int(opdef.flops(ins, outs, check_attrs(opdef, attrs)))
+    plan = Plan.of(attrs)
     compute = compute_format(f, n)
-    accum = attr_type(attrs["mp.accum"]) if "mp.accum" in attrs else None
-    kernel = attrs.get("mp.kernel", DENSE)
+    accum, kernel = plan.accum, plan.kernel_or_dense
     name = f.value_name((n, 0)) if outs else op
-    return Row(name, op, compute, accum, kernel, attrs.get("mp.reason", ""), flops,
+    return Row(name, op, compute, accum, kernel, plan.reason or "", flops,
                times.get(name, 0.0), groups.get(name))
 
 

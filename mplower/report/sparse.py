@@ -21,10 +21,11 @@ import numpy as np
 
 from mplower.backend.sparse import compress, multiply
 from mplower.dialect.mp import WEIGHTED
+from mplower.dialect.plan import Plan
 from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
-from mplower.ir.opdef import OPS, attr_type, check_attrs
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.types import DenseAttr
 from mplower.lowering.sparsity import (
     WEIGHT_OPERAND,
@@ -123,10 +124,10 @@ def sparse_report(module: Module, target: Target, func: str | None = None,
         attrs = d["attrs"]
         if d["op"] not in WEIGHTED:
             continue
-        kernel = attrs.get("mp.kernel", DENSE)
-        reason = attrs.get("mp.sparse_reason")
+        plan = Plan.of(attrs)
+        kernel, reason = plan.kernel_or_dense, plan.sparse_reason
         if kernel == DENSE and reason is None:
-            if NO_SPARSE_KERNEL not in str(attrs.get("mp.fallback", "")).split(","):
+            if NO_SPARSE_KERNEL not in plan.fallback:
                 continue
             reason = NO_SPARSE_KERNEL  # legalize moved it off a sparse kernel
         entry: dict[str, Any] = {"name": f.value_name((n, 0)), "op": d["op"], "kernel": kernel,
@@ -169,8 +170,8 @@ def _op_check(f: Function, n: int, kernel: str, module: Module, weights: str | N
             w = stores[0].get(src["attrs"]["name"], src["types"][0].shape, src["loc"])
     except DiagnosticError as e:
         return {"note": e.diagnostics[0].message}
-    compute = attr_type(attrs["mp.precision"]) if "mp.precision" in attrs else ins[0].elem
-    accum = attr_type(attrs["mp.accum"]) if "mp.accum" in attrs else None
+    plan = Plan.of(attrs)
+    compute, accum = plan.precision or ins[0].elem, plan.accum
     flops = int(OPS[op].flops(ins, outs, check_attrs(OPS[op], attrs)))
     axis = reduction_axis(op, w.ndim)
     w2 = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)  # (K, everything else)

@@ -1,0 +1,184 @@
+"""The precision plan of one op: the `mp.*` annotations the passes write, as one value.
+
+assign-precision, lower-sparse, legalize, quantize and bisect decide what an op computes in;
+insert-casts, the executor, the ONNX exporter and the reports read it back. Every one of them
+goes through `Plan`: the annotation names are declared here and nowhere else, and what
+legalize (or quantize) fell back from is stored as structure, a dictionary attribute
+
+    mp.requested = {precision = f8E4M3FN, accum = f32, kernel = "sparse_2_4"}
+
+(`accum` and a dense `kernel` left out), not as text that readers would parse again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from mplower.ir.graph import Function
+from mplower.ir.opdef import OpError, attr_type
+from mplower.ir.types import TypeAttr, attr_to_str
+from mplower.numerics.formats import FORMATS
+
+PRECISION = "mp.precision"  # the compute format
+ACCUM = "mp.accum"  # the accumulator of a matmul, conv or reduction
+KERNEL = "mp.kernel"  # dense, or a structured sparse kernel (mplower.lowering.target.KERNELS)
+REASON = "mp.reason"  # why, in words, for people
+REQUESTED = "mp.requested"  # what the policy asked for before a fallback (`Requested`)
+FALLBACK = "mp.fallback"  # the fallback's reason code(s), comma-separated in the IR
+SPARSE_REASON = "mp.sparse_reason"  # lower-sparse's reason code for a dense choice
+# In the order a plan writes them, which is the order they print in when an op gets them all.
+PLAN_ATTRS = (PRECISION, ACCUM, KERNEL, REQUESTED, FALLBACK, REASON, SPARSE_REASON)
+DENSE = "dense"  # the kernel of an op without `mp.kernel`
+
+
+@dataclass(frozen=True)
+class Requested:
+    """What the plan asked for before a pass fell back from it."""
+
+    precision: str
+    accum: str | None = None
+    kernel: str = DENSE
+
+    @classmethod
+    def of(cls, value: Any) -> Requested:
+        if not isinstance(value, dict) or "precision" not in value \
+                or set(value) - {"precision", "accum", "kernel"}:
+            raise OpError(f"{REQUESTED} must be a dictionary {{precision = T, accum = T, "
+                          f"kernel = \"K\"}} (accum and kernel optional), "
+                          f"got {attr_to_str(value)}")
+        kernel = value.get("kernel", DENSE)
+        if not isinstance(kernel, str):
+            raise OpError(f"{REQUESTED}: kernel must be a string, got {attr_to_str(kernel)}")
+        accum = value.get("accum")
+        return cls(attr_type(value["precision"]), None if accum is None else attr_type(accum),
+                   kernel)
+
+    def attr(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"precision": TypeAttr(self.precision)}
+        if self.accum is not None:
+            out["accum"] = TypeAttr(self.accum)
+        if self.kernel != DENSE:
+            out["kernel"] = self.kernel
+        return out
+
+    def as_dict(self) -> dict[str, str | None]:
+        """As the run report shows a plan: every key, accum None where there is none."""
+        return {"precision": self.precision, "accum": self.accum, "kernel": self.kernel}
+
+    def __str__(self) -> str:  # `bf16/f32 sparse_2_4`, as messages and mp.reason say it
+        text = self.precision + (f"/{self.accum}" if self.accum else "")
+        return text if self.kernel == DENSE else f"{text} {self.kernel}"
+
+
+class Plan(NamedTuple):
+    """An op's plan annotations; a field that is None (or an empty `fallback`) is absent.
+
+    A named tuple rather than a frozen dataclass because the passes make one per op: it is
+    built several times faster. Change fields with `_replace` (or `decided`).
+
+    `kernel` is None when the op has no `mp.kernel` (it runs dense: `kernel_or_dense`); a pass
+    that chose the dense kernel writes it explicitly. String annotations (`kernel`, `reason`,
+    `sparse_reason`) are kept as written: the verifier leaves discardable attributes alone.
+    """
+
+    precision: str | None = None
+    accum: str | None = None
+    kernel: str | None = None
+    reason: str | None = None
+    requested: Requested | None = None
+    fallback: tuple[str, ...] = ()
+    sparse_reason: str | None = None
+
+    @classmethod
+    def of(cls, attrs: dict[str, Any]) -> Plan:
+        """The plan in an op's attributes; OpError for a malformed one (`mp.precision = "x"`)."""
+        if _NAMES.isdisjoint(attrs):
+            return _EMPTY  # most ops of an unplanned module: no work
+        get = attrs.get
+        p, a, req, fb = get(PRECISION), get(ACCUM), get(REQUESTED), get(FALLBACK)
+        return _new(cls, (None if p is None else _type(p), None if a is None else _type(a),
+                          get(KERNEL), get(REASON), None if req is None else Requested.of(req),
+                          () if fb is None else tuple(str(fb).split(",")), get(SPARSE_REASON)))
+
+    @classmethod
+    def at(cls, f: Function, node: int) -> Plan:
+        return cls.of(f.attrs_of(node))
+
+    def decided(self, precision: str, accum: str | None, reason: str) -> Plan:
+        """This plan with a new compute format, accumulator and reason (what assign-precision
+        decides per op; the rest kept), without `_replace`'s keyword handling: it runs once
+        per op of the module."""
+        return _new(Plan, (precision, accum, self.kernel, reason, self.requested, self.fallback,
+                           self.sparse_reason))
+
+    @property
+    def kernel_or_dense(self) -> str:
+        return self.kernel or DENSE
+
+    def attrs(self) -> dict[str, Any]:
+        """The annotations of this plan, as attribute values, in `PLAN_ATTRS` order."""
+        return dict(self._present())
+
+    def _present(self) -> dict[str, Any]:
+        """`attrs`, shared between equal plans (do not change it): a module has few distinct
+        plans and assign-precision writes one per op. A plan with a `requested` dictionary is
+        not shared, so no two ops hold the same mutable attribute value."""
+        out = _PRESENT.get(self)
+        if out is None:
+            out = {name: v for name, v in zip(PLAN_ATTRS, self._values()) if v is not None}
+            if self.requested is None and len(_PRESENT) < 4096:
+                _PRESENT[self] = out
+        return out
+
+    def write(self, f: Function, node: int) -> None:
+        """Make the op's annotations say this plan (rewriter API; other attributes untouched).
+
+        Only the annotations that change are written, so one a pass leaves alone keeps its
+        place and spelling (`mp.precision = "bf16"` stays a string), and new ones follow in
+        `PLAN_ATTRS` order.
+        """
+        attrs = f.attrs_of(node)
+        if _NAMES.isdisjoint(attrs):  # an op without a plan yet (most, in assign-precision)
+            for name, value in self._present().items():
+                f.set_attr(node, name, value)
+            return
+        for name, value in zip(PLAN_ATTRS, self._values()):
+            if value is None:
+                if name in attrs:
+                    f.del_attr(node, name)
+                continue
+            old = attrs.get(name, _ABSENT)
+            if old is _ABSENT or (old != value and not (
+                    type(value) is TypeAttr and old == value.type)):
+                f.set_attr(node, name, value)
+
+    def _values(self) -> tuple[Any, ...]:
+        """Each annotation's attribute value, in `PLAN_ATTRS` order (None: absent)."""
+        p, a, req, fb = self.precision, self.accum, self.requested, self.fallback
+        return (None if p is None else _TYPE_ATTRS.get(p) or TypeAttr(p),
+                None if a is None else _TYPE_ATTRS.get(a) or TypeAttr(a),
+                self.kernel,
+                None if req is None else req.attr(),
+                ",".join(fb) if fb else None,
+                self.reason,
+                self.sparse_reason)
+
+
+_EMPTY = Plan()
+_NAMES = frozenset(PLAN_ATTRS)
+_ABSENT = object()
+_new = tuple.__new__  # Plan's fields in order, without the keyword handling of Plan(...)
+_PRESENT: dict[Plan, dict[str, Any]] = {}
+_TYPE_ATTRS = {name: TypeAttr(name) for name in FORMATS}  # TypeAttr is immutable: share them
+
+
+def _type(v: Any) -> str:
+    """attr_type, with the common case (a TypeAttr of a known format) first: once per op."""
+    if v.__class__ is TypeAttr and v.type in FORMATS:
+        return v.type
+    return attr_type(v)
+
+
+__all__ = ["ACCUM", "DENSE", "FALLBACK", "KERNEL", "PLAN_ATTRS", "PRECISION", "REASON",
+           "REQUESTED", "SPARSE_REASON", "Plan", "Requested"]
