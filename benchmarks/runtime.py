@@ -43,7 +43,7 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
-from mplower.backend.executor import Program
+from mplower.backend.executor import Program, reference_runner
 from mplower.ir.parser import parse_file
 from mplower.ir.printer import print_module
 from mplower.onnx.importer import import_model
@@ -218,7 +218,7 @@ def lowered(ir: Path, sheet: str, calib: Path) -> Program:
     if sheet != "fp32":
         steps = (f"assign-precision{{policy=int8}},calibrate{{data={calib}}},quantize"
                  if sheet == "int8" else f"assign-precision{{policy={sheet}}},insert-casts")
-        PassManager(parse_pipeline(steps)).run(module, PassContext())
+        PassManager(parse_pipeline(steps)).run(module, PassContext(runner=reference_runner))
     return Program(module)
 
 
@@ -309,11 +309,13 @@ import runtime
 tool, method, onnx_path, ir, npz = {args!r}
 t0 = time.perf_counter()
 if tool == "mplower":
+    import mplower.dialect
+    from mplower.backend.executor import reference_runner
     from mplower.ir.parser import parse_file
     from mplower.pass_manager import PassContext, PassManager, parse_pipeline
     module = parse_file(ir)
     steps = "assign-precision{{policy=int8}},calibrate{{data=%s method=%s}},quantize" % (npz, method)
-    PassManager(parse_pipeline(steps)).run(module, PassContext())
+    PassManager(parse_pipeline(steps)).run(module, PassContext(runner=reference_runner))
 else:
     import numpy as np
     from onnxruntime.quantization import CalibrationMethod
