@@ -140,7 +140,10 @@ def iree_opt_binary() -> str | None:
     Located without importing iree.compiler, which would load its MLIR libraries into this
     process and so raise the memory floor of every child it forks (see run_once).
     """
-    spec = importlib.util.find_spec("iree.compiler")
+    try:
+        spec = importlib.util.find_spec("iree.compiler")
+    except ModuleNotFoundError:  # no `iree` package at all (the bench extra is optional)
+        spec = None
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
             native = Path(folder) / "_mlir_libs" / "iree-opt"

@@ -141,7 +141,7 @@ class AssignPrecision(Pass):
         for name, f in module.functions.items():
             lowered = 0
             for n, d in plans[name].items():
-                Plan.at(f, n).decided(d.compute, d.accum, d.reason).write(f, n)
+                Plan.decide_at(f, n, d.compute, d.accum, d.reason)
                 lowered += d.compute != "f32"
             ctx.stat("ops-lowered", lowered)
             ctx.stat("ops-kept-wide", len(plans[name]) - lowered)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
-from mplower.dialect.plan import DENSE, PRECISION, Plan, Requested
+from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
 from mplower.ir.opdef import OPS
@@ -49,11 +49,11 @@ class Legalize(Pass):
         for f in module.functions.values():
             for n in f.ops():
                 attrs = f.attrs_of(n)
-                if PRECISION not in attrs:
+                asked_plan = Plan.asked(attrs)
+                if asked_plan is None:
                     continue
-                plan = Plan.of(attrs)
                 op = f.op(n)
-                compute, accum, kernel = plan.precision, plan.accum, plan.kernel_or_dense
+                compute, accum, kernel = asked_plan
                 ctx.stat("ops-checked")
                 checked += 1
                 try:
@@ -70,6 +70,7 @@ class Legalize(Pass):
                         f"'{op}' has no {asked} kernel on target '{target.name}' "
                         f"({legal.reason}); without strict=true it would run as {got}")))
                     continue
+                plan = Plan.of(attrs)
                 plan._replace(precision=legal.compute, accum=legal.accum or plan.accum,
                               kernel=legal.kernel if plan.kernel or legal.kernel != DENSE
                               else None,

@@ -101,9 +101,36 @@ class Plan(NamedTuple):
                           get(KERNEL), get(REASON), None if req is None else Requested.of(req),
                           () if fb is None else tuple(str(fb).split(",")), get(SPARSE_REASON)))
 
+    @staticmethod
+    def asked(attrs: dict[str, Any]) -> tuple[str, str | None, str] | None:
+        """(precision, accum, kernel) of an op's plan, None without `mp.precision`: what
+        legalize checks on every op, without building the whole Plan (`of`) for the many
+        that need no fallback. OpError for a malformed format, as `of`."""
+        p = attrs.get(PRECISION)
+        if p is None:
+            return None
+        a = attrs.get(ACCUM)
+        return _type(p), None if a is None else _type(a), attrs.get(KERNEL) or DENSE
+
     @classmethod
     def at(cls, f: Function, node: int) -> Plan:
         return cls.of(f.attrs_of(node))
+
+    @classmethod
+    def decide_at(cls, f: Function, node: int, precision: str, accum: str | None,
+                  reason: str) -> None:
+        """`Plan.at(f, node).decided(precision, accum, reason).write(f, node)`, with one look
+        at the op's attributes when it has no plan yet: assign-precision annotates every op."""
+        if _NAMES.isdisjoint(f.attrs_of(node)):
+            key = (precision, accum, reason)
+            present = _DECIDED.get(key)
+            if present is None:
+                present = _new(cls, (precision, accum, None, reason, None, (), None))._present()
+                if len(_DECIDED) < 4096:
+                    _DECIDED[key] = present
+            f.set_attrs(node, present)
+        else:
+            cls.at(f, node).decided(precision, accum, reason).write(f, node)
 
     def decided(self, precision: str, accum: str | None, reason: str) -> Plan:
         """This plan with a new compute format, accumulator and reason (what assign-precision
@@ -140,8 +167,7 @@ class Plan(NamedTuple):
         """
         attrs = f.attrs_of(node)
         if _NAMES.isdisjoint(attrs):  # an op without a plan yet (most, in assign-precision)
-            for name, value in self._present().items():
-                f.set_attr(node, name, value)
+            f.set_attrs(node, self._present())
             return
         for name, value in zip(PLAN_ATTRS, self._values()):
             if value is None:
@@ -170,6 +196,7 @@ _NAMES = frozenset(PLAN_ATTRS)
 _ABSENT = object()
 _new = tuple.__new__  # Plan's fields in order, without the keyword handling of Plan(...)
 _PRESENT: dict[Plan, dict[str, Any]] = {}
+_DECIDED: dict[tuple[str, str | None, str], dict[str, Any]] = {}  # decide_at's plans
 _TYPE_ATTRS = {name: TypeAttr(name) for name in FORMATS}  # TypeAttr is immutable: share them
 
 

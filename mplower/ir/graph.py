@@ -218,6 +218,10 @@ class Function:
     def set_attr(self, node: int, key: str, value: Any) -> None:
         self.graph.nodes[node]["attrs"][key] = value
 
+    def set_attrs(self, node: int, values: dict[str, Any]) -> None:
+        """set_attr for each entry, with one node lookup (a pass that annotates every op)."""
+        self.graph._node[node]["attrs"].update(values)
+
     def del_attr(self, node: int, key: str) -> None:
         self.graph.nodes[node]["attrs"].pop(key, None)
 
