@@ -480,3 +480,26 @@ def test_memory_error_reading_a_tensor_names_the_model_and_the_tensor(tmp_path, 
                         out_of_memory)
     assert_import_error(cli("import", path, "-o", tmp_path / "m.ir"), path,
                         "tensor 'w': not enough memory to read its external data 'w.bin'")
+
+
+def test_initializers_named_like_savez_parameters_are_written_and_run(tmp_path, cli):
+    # np.savez(fh, **weights) would take `file` as its own first parameter (TypeError) and
+    # `allow_pickle` as its flag (the weight silently missing from the archive).
+    w = _rng.normal(size=(64, 64)).astype(np.float32)
+    b = _rng.normal(size=(64,)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "file"], ["h"]),
+                        helper.make_node("Add", ["h", "allow_pickle"], ["y"])],
+                       [vi("x", [4, 64])], [vi("y", [4, 64])],
+                       [init("file", w), init("allow_pickle", b)])
+    path = save(model, tmp_path / "m.onnx")
+    r = cli("import", path, "-o", tmp_path / "m.ir")
+    assert r.rc == 0, r.err
+    with np.load(tmp_path / "m.npz", allow_pickle=False) as z:
+        stored = {k: z[k] for k in z.files}
+    assert any(np.array_equal(a, w) for a in stored.values())
+    assert any(np.array_equal(a, b) for a in stored.values())
+    module = parse((tmp_path / "m.ir").read_text(), str(tmp_path / "m.ir"))
+    verify(module)
+    x = _rng.normal(size=(4, 64)).astype(np.float32)
+    ours = Program(module).run([x], reference=False).outputs[0]
+    np.testing.assert_allclose(ours, run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)

@@ -48,9 +48,9 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from mplower.io.atomic import atomic_output
+    from mplower.io.npz import save_npz
     from mplower.ir.diagnostics import DiagnosticError, Location
     from mplower.ir.printer import print_module
     from mplower.onnx.importer import import_model, load_model, parse_input_shape
@@ -77,7 +77,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     try:
         if imported.weights:
             with atomic_output(npz, "wb") as fz, atomic_output(out) as fi:
-                np.savez(fz, **imported.weights)
+                save_npz(fz, imported.weights)
                 fi.write(text)
         else:
             with atomic_output(out) as fi:

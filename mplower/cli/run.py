@@ -177,7 +177,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
     if args.save_outputs:
-        write_atomic(args.save_outputs, lambda fh: _savez(fh, dict(zip(keys, result.outputs))))
+        from mplower.io.npz import save_npz
+
+        write_atomic(args.save_outputs, lambda fh: save_npz(fh, dict(zip(keys, result.outputs))))
     if args.report:
         text = render(report, "json").encode()
         write_atomic(args.report, lambda fh: fh.write(text))
@@ -206,19 +208,6 @@ def output_keys(f: Function, names: str) -> list[str]:
                                         f"non-empty string per result ({n}), got "
                                         f"{attr_to_str(recorded)}")
     return list(recorded)
-
-
-def _savez(fh, arrays: dict[str, np.ndarray]) -> None:
-    """np.savez, but any key works: np.savez(fh, **arrays) takes `file` and `allow_pickle`
-    for its own parameters, and ONNX output names can be anything."""
-    import zipfile
-
-    import numpy as np
-
-    with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for key, a in arrays.items():
-            with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
 
 
 def _finite(x: float) -> float | None:

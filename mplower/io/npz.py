@@ -20,7 +20,7 @@ import stat
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Self
+from typing import IO, Self
 
 import numpy as np
 
@@ -173,11 +173,21 @@ def read_npz(path: Path, loc: Location, what: str = "weights") -> dict[str, np.n
         return {name: archive.read(name, loc) for name in archive.names}
 
 
+def save_npz(fh: IO[bytes], arrays: dict[str, np.ndarray]) -> None:
+    """np.savez, but any key works: `np.savez(fh, **arrays)` takes a key `file` or
+    `allow_pickle` for its own parameter, and ONNX initializer and output names can be
+    anything. Uncompressed, every array written without pickle."""
+    with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for key, a in arrays.items():
+            with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
+
+
 def write_npz(path: Path, arrays: dict[str, np.ndarray], loc: Location) -> None:
     """Write `arrays` to `path` atomically: readers see the old file or the whole new one."""
     try:
         with atomic_output(path, "wb") as fh:
-            np.savez(fh, **arrays)
+            save_npz(fh, arrays)
     except OSError as e:
         raise _error(loc, f"cannot write weights file '{path}': {e.strerror or e}") from None
 
