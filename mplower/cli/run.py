@@ -11,7 +11,6 @@ the whole run succeeded, and then atomically.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -210,10 +209,6 @@ def output_keys(f: Function, names: str) -> list[str]:
     return list(recorded)
 
 
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
@@ -222,6 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import mplower.dialect  # noqa: F401  (registers the mp ops)
     from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
+    from mplower.numerics.metrics import finite_or_none
     from mplower.report.sheet import precision_sheet
 
     if args.iterations < 1 or args.warmup < 0:
@@ -246,7 +242,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        (("p50", 50), ("p95", 95), ("p99", 99))},
         "inferences_per_s": float(1e3 / np.median(ms)),
         "modeled": {"target": target.name, "time_s": modeled["modeled_time_s"],
-                    "inferences_per_s": _finite(modeled["modeled_inferences_per_s"])},
+                    "inferences_per_s": finite_or_none(modeled["modeled_inferences_per_s"])},
     }
     if args.format == "json":
         sys.stdout.write(json.dumps(out, indent=2, allow_nan=False) + "\n")

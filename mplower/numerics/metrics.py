@@ -24,6 +24,12 @@ class Drift:
     nonfinite_mismatch: int
 
 
+def finite_or_none(x: float | None) -> float | None:
+    """A figure as the JSON reports write it: a non-finite one (inf drift, -inf SQNR) is null,
+    since JSON has no NaN or Infinity (docs/report.md)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
 def sqnr_from(signal: float, noise: float) -> float:
     """10 log10(signal / noise): inf where nothing was lost, -inf where there was no signal."""
     if noise == 0:

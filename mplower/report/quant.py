@@ -36,7 +36,7 @@ from mplower.ir.graph import Function, Value
 from mplower.ir.opdef import attr_array
 from mplower.lowering.calibration import CALIB, constant_nodes
 from mplower.numerics.formats import FORMATS
-from mplower.numerics.metrics import channel_sqnr_db, sqnr_db
+from mplower.numerics.metrics import channel_sqnr_db, finite_or_none, sqnr_db
 from mplower.numerics.quant import dequantize
 from mplower.passes.quantize import QUANT_MARK, ZERO_POINT
 
@@ -192,5 +192,5 @@ def local_severity(row: dict[str, Any]) -> float:
 
 def json_safe(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows with non-finite figures as None (the run report's JSON convention)."""
-    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-             for k, v in r.items()} for r in rows]
+    return [{k: (finite_or_none(v) if isinstance(v, float) else v) for k, v in r.items()}
+            for r in rows]

@@ -22,14 +22,11 @@ from mplower.backend.executor import OpResult, RunResult
 from mplower.dialect.plan import DENSE, Requested
 from mplower.lowering.policy import keep_f32_overrides
 from mplower.numerics.metrics import drift as result_drift
+from mplower.numerics.metrics import finite_or_none
 from mplower.report.table import table
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
-
-
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
 
 
 def output_drift(result: RunResult) -> dict[str, float | None]:
@@ -110,7 +107,7 @@ def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> di
             ok = v <= limit
         else:
             ok = v >= limit
-        out[key] = {"limit": limit, "value": _finite(v) if isinstance(v, float) else v, "ok": ok}
+        out[key] = {"limit": limit, "value": finite_or_none(v) if isinstance(v, float) else v, "ok": ok}
     return out
 
 
@@ -128,8 +125,8 @@ def op_entry(r: OpResult) -> dict[str, Any]:
         "requested": s.requested, "executed": s.executed,
         "fallback": s.reason is not None, "reason": s.reason,
         "overflow": r.counts.overflow, "underflow": r.counts.underflow, "nan": r.counts.nan,
-        "rel_l2": _finite(r.rel_l2), "sqnr_db": _finite(r.sqnr_db),
-        "max_abs": _finite(r.max_abs), "nonfinite_mismatch": r.nonfinite_mismatch,
+        "rel_l2": finite_or_none(r.rel_l2), "sqnr_db": finite_or_none(r.sqnr_db),
+        "max_abs": finite_or_none(r.max_abs), "nonfinite_mismatch": r.nonfinite_mismatch,
         "flops": s.flops,
     }
 
@@ -157,7 +154,7 @@ def build_report(result: RunResult, guardrails: dict[str, float],
     summary["guardrails"] = evaluate_guardrails(guardrails, summary)
     summary["verdict"] = verdict(summary["guardrails"])
     for key in ("output_rel_l2", "output_max_abs", "sqnr_db"):
-        summary[key] = _finite(summary[key])
+        summary[key] = finite_or_none(summary[key])
     return {"function": function, "policy": policy, "summary": summary, "ops": ops}
 
 
