@@ -338,3 +338,19 @@ def test_run_lowered_runs_dequantize_bias_and_relu_in_the_conv_with_the_same_bit
     assert [y.tobytes() for y in got] == [y.tobytes() for y in expect]
     assert [s.op for s in program._live] == ["mp.quantize", "mp.conv2d", "mp.conv2d"]
     assert (got[0] == 0).any() and (got[0] > 0).any()
+
+
+def test_histogram_of_a_relu_output_counted_in_parts_equals_numpys_counts() -> None:
+    """Half zeros (counted apart from bin 0), -0.0, subnormals (frexp's second pass) and a
+    tensor large enough to be counted in parts on the worker threads."""
+    from mplower.lowering.calibration import TensorStats
+    from mplower.numerics.histogram import SERIAL_BELOW
+
+    rng = np.random.default_rng(11)
+    x = np.maximum(rng.standard_normal(3 * SERIAL_BELOW + 5), 0).astype(np.float32)
+    x[:6] = [-0.0, 1e-45, 3e-39, -2e-40, -0.0, 0.0]
+    stats = TensorStats(bins=512)
+    stats.add(x)
+    pos, neg, exps = numpy_histograms([x], 512)
+    assert np.array_equal(stats.pos, pos) and np.array_equal(stats.neg, neg)
+    assert np.array_equal(stats.exponents, exps)
