@@ -139,7 +139,7 @@ def _pack(b, panels, q, cols, base):
 
 
 @njit(cache=True)
-def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu):
+def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
     """Output tile t of c (B, M, N): batch, then column panel, then row block (consecutive
     tiles share a panel), accumulated over all of K in _micro's order and stored through the
     epilogue (`_store`). Without `panels` (empty: too few rows to repay packing) full panels
@@ -158,13 +158,13 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu):
     else:  # the last, partial panel
         source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
         _pack(b, source, ib[batch] * per + p, cols, 0)
-    tile = np.zeros(_ROWS * cols, a.dtype)
+    tile[:] = 0
     a_offset = (ia[batch] * m + i0) * kk
     if chunk >= kk:
         _sweep(a, a_offset, kk, source, offset, ldp, tile, 0, kk, m - i0, cols)
         _store(tile, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias, relu)
     else:
-        total = np.zeros(_ROWS * cols, np.float64)
+        total[:] = 0
         for k0 in range(0, kk, chunk):
             tile[:] = 0
             _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, min(chunk, kk - k0),
@@ -227,9 +227,10 @@ def _gemm_serial(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     for q in range(count):
         _pack(b, panels, q, cols, q * b.shape[1] * cols)
+    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
     for t in range(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
                    * ((c.shape[2] + cols - 1) // cols)):
-        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu)
+        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
 
 @njit(cache=True, nogil=True)
@@ -240,8 +241,9 @@ def _pack_blocks(b, panels, cols, q0, q1):
 
 @njit(cache=True, nogil=True)
 def _tile_blocks(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, t0, t1):
+    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
     for t in range(t0, t1):
-        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu)
+        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
 
 def _gemm_parallel(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
