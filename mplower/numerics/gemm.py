@@ -45,17 +45,21 @@ SERIAL_BELOW = 1 << 25
 
 
 def _micro_kernel(rows: int):
-    """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, ldp, tile, depth)` for
-    `rows` output rows: tile[r, :] += a[a_offset + r * lda + k] * panel[panel_offset + k * ldp
-    + :] for k = 0 .. depth-1 in that order, over a (rows, cols) tile held in registers.
+    """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, ldp, tile, tile_offset, ldt,
+    depth, zero)` for `rows` output rows: t[r, :] += a[a_offset + r * lda + k] * panel[
+    panel_offset + k * ldp + :] for k = 0 .. depth-1 in that order, over a (rows, cols) tile
+    held in registers, where t[r, :] is tile[tile_offset + r * ldt:][:cols], starting from +0
+    instead of t's contents when `zero` is non-zero (so t may be the result itself).
 
     Written as LLVM vector IR because numba's loops cannot keep an accumulator tile in
     registers: each lane is one output column, and each step is an `fmul` then an `fadd`
     without fast-math flags, so LLVM may neither fuse (FMA) nor reorder them."""
 
     @intrinsic
-    def micro(typingctx, a, a_offset, lda, panel, panel_offset, ldp, tile, depth):
-        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, tile, depth)
+    def micro(typingctx, a, a_offset, lda, panel, panel_offset, ldp, tile, tile_offset, ldt,
+              depth, zero):
+        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, tile, tile_offset, ldt,
+                         depth, zero)
         width = 8 if a.dtype == types.float64 else 4
         fty = ir.DoubleType() if width == 8 else ir.FloatType()
         lanes = _VECTOR_BYTES // width
@@ -64,16 +68,16 @@ def _micro_kernel(rows: int):
 
 
 def _codegen(rows: int, lanes: int, vty: ir.VectorType):
-    cols = lanes * _VECTORS
     i64 = ir.IntType(64)
 
     def codegen(context, builder, signature, args):
-        av, a_off, lda_v, pv, p_off, ldp, tv, kk = args
+        av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
         a_ptr = builder.gep(context.make_array(signature.args[0])(context, builder, av).data,
                             [a_off])
         p_ptr = builder.gep(context.make_array(signature.args[3])(context, builder, pv).data,
                             [p_off])
-        t_ptr = context.make_array(signature.args[6])(context, builder, tv).data
+        t_ptr = builder.gep(context.make_array(signature.args[6])(context, builder, tv).data,
+                            [t_off])
 
         def vector_at(base, offset):
             return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
@@ -82,7 +86,13 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
             return ir.Constant(i64, v)
 
         slots = [(r, v) for r in range(rows) for v in range(_VECTORS)]
-        init = {rv: builder.load(vector_at(t_ptr, const(rv[0] * cols + rv[1] * lanes)), align=4)
+
+        def at(r, v):
+            return builder.add(builder.mul(const(r), ldt), const(v * lanes))
+
+        start_at_zero = builder.icmp_signed("!=", zero, const(0))
+        init = {rv: builder.select(start_at_zero, ir.Constant(vty, None),
+                                   builder.load(vector_at(t_ptr, at(*rv)), align=4))
                 for rv in slots}
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
@@ -117,7 +127,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
             final[rv].add_incoming(init[rv], entry)
             final[rv].add_incoming(new[rv], loop)
         for (r, v), value in final.items():
-            builder.store(value, vector_at(t_ptr, const(r * cols + v * lanes)), align=4)
+            builder.store(value, vector_at(t_ptr, at(r, v)), align=4)
         return context.get_dummy_value()
     return codegen
 
@@ -158,15 +168,18 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, tota
     else:  # the last, partial panel
         source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
         _pack(b, source, ib[batch] * per + p, cols, 0)
-    tile[:] = 0
     a_offset = (ia[batch] * m + i0) * kk
-    if chunk >= kk:
+    if chunk >= kk and i0 + _ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize \
+            and not (scale.size or bias.size or relu):
+        # A full tile with nothing to apply: the registers go straight to the result.
+        _micro(a.reshape(-1), a_offset, kk, source, offset, ldp, c.reshape(-1),
+               (batch * m + i0) * n + j0, n, kk, 1)
+    elif chunk >= kk:
         _sweep(a, a_offset, kk, source, offset, ldp, tile, 0, kk, m - i0, cols)
         _store(tile, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias, relu)
     else:
         total[:] = 0
         for k0 in range(0, kk, chunk):
-            tile[:] = 0
             _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, min(chunk, kk - k0),
                    m - i0, cols)
             total += tile
@@ -176,13 +189,15 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, tota
 
 @njit(cache=True)
 def _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, depth, rows, cols):
-    """tile += the products of k = k0 .. k0 + depth - 1, in that order, for `rows` rows."""
+    """tile (rows `cols` apart) = the products of k = k0 .. k0 + depth - 1, in that order,
+    summed from +0, for `rows` rows."""
     if rows >= _ROWS:
-        _micro(a.reshape(-1), a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, depth)
+        _micro(a.reshape(-1), a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, 0, cols,
+               depth, 1)
     else:
         for r in range(rows):
             _micro_row(a.reshape(-1), a_offset + r * kk + k0, kk, source, offset + k0 * ldp,
-                       ldp, tile[r * cols:], depth)
+                       ldp, tile, r * cols, cols, depth, 1)
 
 
 @njit(cache=True)
