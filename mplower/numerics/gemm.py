@@ -169,11 +169,12 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, tota
         source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
         _pack(b, source, ib[batch] * per + p, cols, 0)
     a_offset = (ia[batch] * m + i0) * kk
-    if chunk >= kk and i0 + _ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize \
-            and not (scale.size or bias.size or relu):
-        # A full tile with nothing to apply: the registers go straight to the result.
+    if chunk >= kk and i0 + _ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize:
+        # A full tile: the registers go straight to the result, the epilogue runs there.
         _micro(a.reshape(-1), a_offset, kk, source, offset, ldp, c.reshape(-1),
                (batch * m + i0) * n + j0, n, kk, 1)
+        if scale.size or bias.size or relu:
+            _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu)
     elif chunk >= kk:
         _sweep(a, a_offset, kk, source, offset, ldp, tile, 0, kk, m - i0, cols)
         _store(tile, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias, relu)
@@ -198,6 +199,24 @@ def _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, depth, rows, cols):
         for r in range(rows):
             _micro_row(a.reshape(-1), a_offset + r * kk + k0, kk, source, offset + k0 * ldp,
                        ldp, tile, r * cols, cols, depth, 1)
+
+
+@njit(cache=True)
+def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
+    """`_store`'s epilogue over a full tile already in c (a float sum in c's type), without a
+    branch in the loop so that it vectorizes: an absent scale multiplies by 1 and an absent
+    bias adds -0.0, both of which give every value (-0.0 and NaN included) back unchanged."""
+    m, n = c.shape[1], c.shape[2]
+    flat = c.reshape(-1)
+    g = batch % max(1, scale.shape[0], bias.shape[0])
+    zero = np.float32(0)
+    for r in range(_ROWS):
+        base = (batch * m + i0 + r) * n + j0
+        s = scale[g, i0 + r] if scale.size else np.float32(1)
+        h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
+        for j in range(base, base + cols):
+            v = flat[j] * s + h if scale.size else flat[j] + h
+            flat[j] = zero if relu and v <= 0 else v
 
 
 @njit(cache=True)
