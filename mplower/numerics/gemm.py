@@ -222,24 +222,31 @@ def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
 @njit(cache=True)
 def _store(tile, c, batch, i0, rows, j0, cols, scale, bias, relu):
     """`rows` rows of the tile (`cols` apart) into c at (batch, i0, j0), through the epilogue:
-    for output row i (channel
-    (batch % G) * M + i of the (G, M) tables `scale` and `bias`, each empty when absent)
-    y = float32(sum) * scale, then y + bias, then relu as np.maximum(y, 0) (NaN kept, -0 to
-    +0): each a float32 operation, rounded once, as the separate ops compute them."""
-    n = c.shape[2]
+    for output row i (channel (batch % G) * M + i of the (G, M) tables `scale` and `bias`, each
+    empty when absent) y = float32(sum) * scale, then y + bias, then relu as np.maximum(y, 0)
+    (NaN kept, -0 to +0): each a float operation, rounded once, as the separate ops compute
+    them. No branch in the loops (an absent bias adds -0.0, which changes no value)."""
+    m, n = c.shape[1], c.shape[2]
+    flat = c.reshape(-1)
+    width = min(cols, n - j0)
     g = batch % max(1, scale.shape[0], bias.shape[0])
+    zero = np.float32(0)
     for r in range(rows):
-        s = scale[g, i0 + r] if scale.size else np.float32(1)
-        h = bias[g, i0 + r] if bias.size else np.float32(0)
-        for j in range(min(cols, n - j0)):
-            v = tile[r * cols + j]
-            if scale.size:
-                v = np.float32(v) * s
-            if bias.size:
-                v = v + h
-            if relu and v <= 0:
-                v = 0
-            c[batch, i0 + r, j0 + j] = v
+        base = (batch * m + i0 + r) * n + j0
+        row = tile[r * cols:r * cols + width]
+        h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
+        if scale.size:
+            s = scale[g, i0 + r]
+            for j in range(width):
+                v = np.float32(row[j]) * s + h
+                flat[base + j] = zero if relu and v <= 0 else v
+        elif bias.size or relu:
+            for j in range(width):
+                v = row[j] + h
+                flat[base + j] = zero if relu and v <= 0 else v
+        else:
+            for j in range(width):
+                flat[base + j] = row[j]
 
 
 _WIDE = 8
