@@ -49,8 +49,9 @@ def _counts(x, bits, mant_bits, emask, ebias, scale, pos, neg, exponents, exp_lo
         v = x[i]
         zero = v == 0
         spare = i & (_SPARE - 1)
-        b = np.int64(np.float64(abs(v)) * scale)  # >= 0: truncation is floor
-        hist[np.int64(v < 0), bins + spare if zero else b] += 1
+        if bins:  # the same every iteration: predicted
+            b = np.int64(np.float64(abs(v)) * scale)  # >= 0: truncation is floor
+            hist[np.int64(v < 0), bins + spare if zero else b] += 1
         e = np.int64((bits[i] >> mant_bits) & emask)
         exps[e - ebias - exp_lo if e > 0 else n_exp + spare] += 1
         subnormals += np.int64(e == 0) * np.int64(not zero)  # counted without a branch
@@ -58,9 +59,10 @@ def _counts(x, bits, mant_bits, emask, ebias, scale, pos, neg, exponents, exp_lo
         for i in range(x.size):
             if x[i] != 0 and (bits[i] >> mant_bits) & emask == 0:
                 exps[math.frexp(np.float64(abs(x[i])))[1] - exp_lo] += 1
-    pos += hist[0, :bins]
-    neg += hist[1, :bins]
-    pos[0] += hist[0, bins:].sum()  # the zeros (-0.0 is not < 0: a non-negative value)
+    if bins:
+        pos += hist[0, :bins]
+        neg += hist[1, :bins]
+        pos[0] += hist[0, bins:].sum()  # the zeros (-0.0 is not < 0: a non-negative value)
     exponents += exps[:n_exp]
 
 
@@ -75,7 +77,8 @@ def _count_parts(x, bits, mant_bits, emask, ebias, scale, pos, neg, exponents, e
 
 def magnitude_counts(x: np.ndarray, shift: int, pos: np.ndarray, neg: np.ndarray,
                      exponents: np.ndarray, exp_lo: int) -> None:
-    """Add x's values (finite, max |x| * 2**shift below pos.size) into the int64 counts."""
+    """Add x's values (finite, max |x| * 2**shift below pos.size) into the int64 counts; with
+    empty `pos` and `neg`, into `exponents` only."""
     flat = np.ascontiguousarray(x).reshape(-1)
     if flat.dtype not in _LAYOUT:
         flat = flat.astype(np.float64)
