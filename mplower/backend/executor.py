@@ -14,7 +14,9 @@ sums for i8 x i8 -> i32.
 
 The fp32 reference is the same schedule with every cast and quantize/dequantize removed and
 nothing rounded; `run` executes both side by side and keeps per-op statistics, `run_lowered`
-only the lowered plan (what `mplower bench` times). An op/format pair the backend has no kernel
+only the lowered plan (what `mplower bench` times), with its constant-only ops run once and a
+conv's dequantize, bias add and relu run as the conv's GEMM stores each output (the same bits
+as the separate ops, which `run` keeps for its statistics). An op/format pair the backend has no kernel
 for runs on the nearest wider path and is reported as a fallback with its reason code: a
 sparse kernel (`no-sparse-kernel`: run densely), an integer plan that was never quantized
 (`not-quantized`: its float operands run in their own format), an fp16 accumulator over
