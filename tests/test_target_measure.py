@@ -55,7 +55,7 @@ def test_target_measure_onnxruntime_sheet_has_its_int8_kernels_and_fusions(cli, 
     target = load_target(str(out))
     text = out.read_text()
     assert set(target.formats) == {"f32", "i8"}
-    assert target.fuse == frozenset({"qdq", "epilogue"})
+    assert target.fuse == frozenset({"epilogue"})  # measure.ORT_FUSE says why
     m, k, n = QUICK.gemm
     assert target.formats["i8"].dense == header_rate(
         text, f"onnxruntime MatMulInteger {m}x{k} @ {k}x{n}")
