@@ -1,8 +1,9 @@
 """The cost model against onnxruntime on this machine: modeled and measured latency, ranked.
 
 For each (model, plan, batch), the plan is exported with `mplower export` and timed in
-onnxruntime's CPU provider (1 intra-op thread, spinning off; the median of interleaved rounds,
-the plans of a model taking turns after one warm-up call each), and priced with
+onnxruntime's CPU provider (1 intra-op thread, the calling one, spinning off; the median CPU
+time of that thread over interleaved rounds, the plans of a model taking turns after one
+warm-up call each, with the wall time beside it), and priced with
 mplower.lowering.cost.plan_cost on the host target that `mplower target measure --runtime
 onnxruntime` writes at the start of the run (or `--target FILE`). Reported: the Spearman rank
 correlation of modeled against measured latency over every pair (goal >= 0.8), and per model
@@ -28,7 +29,9 @@ import importlib.util
 import os
 import platform
 import shlex
+import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -165,6 +168,25 @@ def session(path: Path):
 
 # ---- the run --------------------------------------------------------------------------------
 
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, tuple[float,
+                                                                                       float]]:
+    """Median (CPU seconds of the calling thread, wall seconds) per call of each function, the
+    functions taking turns as benchmarks/runtime.py's `interleaved` does. onnxruntime on one
+    intra-op thread runs in the calling thread, so its CPU time is the inference's cost, which
+    the other processes of a shared machine do not inflate (they do inflate the wall time)."""
+    for fn in fns.values():  # warm-up: allocation, first touch
+        fn()
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each round rotated
+            c0, w0 = time.thread_time(), time.perf_counter()
+            fns[name]()
+            times[name].append((time.thread_time() - c0, time.perf_counter() - w0))
+    return {k: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v))
+            for k, v in times.items()}
+
+
 def measure_target(path: Path) -> Path:
     _mplower("target", "measure", "--runtime", "onnxruntime", "-o", path)
     return path
@@ -173,7 +195,6 @@ def measure_target(path: Path) -> Path:
 def run(models: list[str], rounds: int, target_path: Path) -> list[dict]:
     from mplower.lowering.target import load_target
 
-    runtime = _load_script("runtime", ROOT / "benchmarks" / "runtime.py")
     target = load_target(str(target_path))
     rows = []
     for key in models:
@@ -187,12 +208,14 @@ def run(models: list[str], rounds: int, target_path: Path) -> list[dict]:
             meta = s.get_inputs()[0]
             feed = {meta.name: _input(tuple(meta.shape), np.random.default_rng(1))}
             fns[plan] = lambda s=s, feed=feed: s.run(None, feed)
-        measured = runtime.interleaved(fns, rounds)
+        measured = interleaved(fns, rounds)
         for plan in PLANS:
+            cpu, wall = measured[plan]
             rows.append({"key": key, "title": title, "batch": batch, "plan": plan,
-                         "measured_s": measured[plan], "modeled_s": modeled_s(irs[plan], target)})
-            print(f"{title} b{batch} {plan}: measured {measured[plan] * 1e3:.2f} ms, modeled "
-                  f"{rows[-1]['modeled_s'] * 1e3:.2f} ms", flush=True)
+                         "measured_s": cpu, "wall_s": wall,
+                         "modeled_s": modeled_s(irs[plan], target)})
+            print(f"{title} b{batch} {plan}: measured {cpu * 1e3:.2f} ms CPU ({wall * 1e3:.2f} "
+                  f"ms wall), modeled {rows[-1]['modeled_s'] * 1e3:.2f} ms", flush=True)
     return rows
 
 
@@ -208,13 +231,15 @@ def report(rows: list[dict], target_path: Path, rounds: int) -> list[str]:
              (f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load average "
               f"at the end {os.getloadavg()[0]:.2f} (other engineers share the cores)  "),
              (f"Target: `{target_path.name}` from `mplower target measure --runtime onnxruntime`"
-             f"; measured: medians of {rounds} interleaved rounds."), "",
-             "| model | batch | plan | measured ms | modeled ms | modeled / measured |",
-             "|---|---|---|---|---|---|"]
+              f"; measured: medians of {rounds} interleaved rounds, CPU time of the inference "
+              "thread (wall time beside it)."), "",
+             ("| model | batch | plan | measured ms (CPU) | wall ms | modeled ms | "
+             "modeled / measured |"),
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['title']} | {r['batch']} | {r['plan']} | "
-                     f"{r['measured_s'] * 1e3:.2f} | {r['modeled_s'] * 1e3:.2f} | "
-                     f"{r['modeled_s'] / r['measured_s']:.2f} |")
+                     f"{r['measured_s'] * 1e3:.2f} | {r['wall_s'] * 1e3:.2f} | "
+                     f"{r['modeled_s'] * 1e3:.2f} | {r['modeled_s'] / r['measured_s']:.2f} |")
     lines += ["", (f"Spearman rank correlation, modeled vs measured latency over {len(rows)} "
                   f"pairs: **{rho:.3f}** (goal >= 0.8)."), "",
               "| model | batch | measured int8/fp32 speedup | modeled | modeled / measured |",
