@@ -27,7 +27,6 @@ import argparse
 import datetime
 import importlib.util
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -88,6 +87,8 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
     vx = sum((a - mx) ** 2 for a in rx)
     vy = sum((b - my) ** 2 for b in ry)
+    if not vx or not vy:
+        raise ValueError("spearman is undefined for a constant sequence")
     return cov / (vx * vy) ** 0.5
 
 
@@ -224,15 +225,21 @@ def report(rows: list[dict], target_path: Path, rounds: int) -> list[str]:
     import numba
     import onnxruntime
 
+    from mplower.backend.measure import machine
+    from mplower.lowering.target import load_target
+
+    host = load_target(str(target_path))
     lines = [f"Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`  ",
-             (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-              f"Python {platform.python_version()}, numba {numba.__version__}, onnxruntime "
+             (f"Machine: {machine()}, numba {numba.__version__}, onnxruntime "
               f"{onnxruntime.__version__} (1 intra-op thread)  "),
              (f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load average "
               f"at the end {os.getloadavg()[0]:.2f} (other engineers share the cores)  "),
              (f"Target: `{target_path.name}` from `mplower target measure --runtime onnxruntime`"
               f"; measured: medians of {rounds} interleaved rounds, CPU time of the inference "
-              "thread (wall time beside it)."), "",
+              "thread (wall time beside it). The sheet: f32 "
+              f"{host.formats['f32'].dense / 1e9:.0f} GFLOP/s, i8 "
+              f"{host.formats['i8'].dense / 1e9:.0f} GOP/s, bandwidth {host.bandwidth / 1e9:.0f} "
+              f"GB/s, overhead {host.overhead_s * 1e6:.2f} us, fuse {sorted(host.fuse)}."), "",
              ("| model | batch | plan | measured ms (CPU) | wall ms | modeled ms | "
              "modeled / measured |"),
              "|---|---|---|---|---|---|---|"]

@@ -38,9 +38,11 @@ def test_spearman_with_ties_is_the_pearson_correlation_of_mean_ranks(cv) -> None
                                                                           rel=1e-14)
 
 
-def test_spearman_refuses_sequences_of_different_lengths(cv) -> None:
+def test_spearman_refuses_sequences_of_different_lengths_or_constant(cv) -> None:
     with pytest.raises(ValueError, match="same length"):
         cv.spearman([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="constant sequence"):
+        cv.spearman([1, 2, 3], [4, 4, 4])
 
 
 def test_spearman_agrees_with_scipy_on_data_with_ties(cv) -> None:
