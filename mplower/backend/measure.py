@@ -303,10 +303,10 @@ def onnxruntime_available() -> bool:
 
 # ---- the whole measurement ------------------------------------------------------------------
 
-def measure_host(quick: bool = False, runtimes: tuple[str, ...] = RUNTIMES) -> HostMeasurements:
-    """Time this machine: GEMM per format and conv for each of `runtimes` that is installed,
-    their per-op overheads, numpy's BLAS matmul and a large copy. `quick` uses tiny shapes
-    (the rates are then far from peak; for tests)."""
+def measure_host(quick: bool = False) -> HostMeasurements:
+    """Time this machine: GEMM per format and conv for each runtime that is installed, their
+    per-op overheads, numpy's BLAS matmul and a large copy. `quick` uses tiny shapes (the
+    rates are then far from peak; for tests)."""
     shapes = QUICK if quick else FULL
     out = HostMeasurements(shapes)
     m, k, n = shapes.gemm
@@ -327,16 +327,14 @@ def measure_host(quick: bool = False, runtimes: tuple[str, ...] = RUNTIMES) -> H
         median_time(lambda: a @ b, reps, EVERY_REP), gemm_flops)
     add("numpy", "copy", None, f"numpy copy of {shapes.copy_bytes >> 20} MiB (read + write)",
         copy_seconds(shapes.copy_bytes, reps), 2 * shapes.copy_bytes)
-    if "mplower" in runtimes:
-        for fmt in MPLOWER_GEMMS:
-            add("mplower", "gemm", fmt, f"mplower matmul {fmt} {gemm}",
-                mplower_gemm(fmt, m, k, n, reps), gemm_flops)
-        for fmt in ("f32", "i8"):
-            add("mplower", "conv", fmt, f"mplower conv2d {fmt} {conv}",
-                mplower_conv(fmt, shapes.conv, reps), conv_work)
-        add("mplower", "overhead", None, f"mplower {chain}", mplower_overhead(reps),
-            OVERHEAD_CHAIN)
-    if "onnxruntime" in runtimes and onnxruntime_available():
+    for fmt in MPLOWER_GEMMS:
+        add("mplower", "gemm", fmt, f"mplower matmul {fmt} {gemm}",
+            mplower_gemm(fmt, m, k, n, reps), gemm_flops)
+    for fmt in ("f32", "i8"):
+        add("mplower", "conv", fmt, f"mplower conv2d {fmt} {conv}",
+            mplower_conv(fmt, shapes.conv, reps), conv_work)
+    add("mplower", "overhead", None, f"mplower {chain}", mplower_overhead(reps), OVERHEAD_CHAIN)
+    if onnxruntime_available():
         for fmt, op in (("f32", "MatMul"), ("i8", "MatMulInteger")):
             add("onnxruntime", "gemm", fmt, f"onnxruntime {op} {gemm}",
                 ort_gemm(fmt, m, k, n, reps), gemm_flops)
