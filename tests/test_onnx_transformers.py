@@ -21,8 +21,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from mplower.backend.executor import Program
-from mplower.ir.diagnostics import Location
-from mplower.onnx.exporter import check_and_serialize, export_module
 from mplower.onnx.importer import import_model
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
@@ -277,3 +275,80 @@ def test_transformer_lowers_runs_with_a_report_and_exports_to_onnxruntime(cli, t
                tmp_path / "low.onnx").rc == 0
     exported = ort_run((tmp_path / "low.onnx").read_bytes(), x)[0]
     np.testing.assert_allclose(exported, ours, rtol=0, atol=2e-2 if sheet == "bf16" else 2e-1)
+
+
+# ---- item 4: what the built-in sheets do with embeddings, masks and norms ---------------------
+
+FILL = """
+func.func @main(%x: tensor<4x4xf32>, %m: tensor<4x4xi1>, %ids: tensor<4xi64>) -> tensor<4x4xf32> {
+  %w = mp.constant {value = dense<0.5> : tensor<4x4xf32>} : () -> tensor<4x4xf32>
+  %0 = mp.matmul %x, %w : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+  %fill = mp.constant {value = dense<FILL> : tensor<f32>} : () -> tensor<f32>
+  %1 = mp.where %m, %0, %fill : (tensor<4x4xi1>, tensor<4x4xf32>, tensor<f32>) -> tensor<4x4xf32>
+  %one = mp.constant {value = dense<1> : tensor<i64>} : () -> tensor<i64>
+  %2 = mp.add %ids, %one : (tensor<4xi64>, tensor<i64>) -> tensor<4xi64>
+  %3 = mp.gather %1, %2 {axis = 1} : (tensor<4x4xf32>, tensor<4xi64>) -> tensor<4x4xf32>
+  return %3 : tensor<4x4xf32>
+}
+"""
+
+
+def planned(fill: str, pipeline: str) -> dict[str, dict]:
+    from mplower.ir.parser import parse
+
+    module = parse(FILL.replace("FILL", fill))
+    PassManager(parse_pipeline(pipeline)).run(module, PassContext())
+    f = module.function()
+    return {f.value_name((n, 0)): f.data(n)["attrs"] for n in f.ops() if f.op(n) != "return"}
+
+
+@pytest.mark.parametrize(("fill", "sheet", "kept"), [
+    ("-3.4028234663852886e+38", "fp16", "f32"),  # torch.finfo(float32).min: -inf in f16 and bf16
+    ("-3.4028234663852886e+38", "bf16", "f32"),
+    ("-1.0e+09", "fp16", "bf16"),  # the older -1e9 fill: bf16 holds it, f16 does not
+    ("-1.0e+04", "fp16", "f16"),  # BERT's original -10000 fits f16: lowered
+])
+def test_a_mask_fill_the_format_cannot_hold_keeps_its_where_wide(fill, sheet, kept):
+    attrs = planned(fill, f"assign-precision{{policy={sheet}}}")
+    where = attrs["%1"]
+    assert str(where["mp.precision"]) == kept
+    assert str(attrs["%0"]["mp.precision"]) == ("f16" if sheet == "fp16" else "bf16")
+    if kept != ("f16" if sheet == "fp16" else "bf16"):
+        assert where["mp.reason"] == f"fill-overflow: constant {abs(float(fill)):.4g} " \
+                                     f"overflows {'f16' if sheet == 'fp16' else 'bf16'}"
+
+
+def test_integer_index_ops_are_never_given_a_precision():
+    attrs = planned("-1.0e+04", "assign-precision{policy=fp16}")
+    assert "mp.precision" not in attrs["%2"]  # i64 position arithmetic
+    # The gather follows its (lowered) data, as a reshape would.
+    assert str(attrs["%3"]["mp.precision"]) == "f16"
+
+
+def test_range_analysis_flags_the_lowest_float_fill_in_f16_and_bf16():
+    attrs = planned("-3.4028234663852886e+38", "range-analysis")
+    assert attrs["%fill"]["mp.overflow"] == ("f16", "bf16", "f8E4M3FN", "f8E5M2")
+    assert "mp.overflow" not in attrs["%0"]
+
+
+def test_gpt2_fp16_plan_keeps_the_causal_fill_in_f32_and_runs_without_overflow():
+    model, imp = imported("gpt2")
+    module = imp.module
+    PassManager(parse_pipeline("range-analysis,assign-precision{policy=fp16},insert-casts")).run(
+        module, PassContext())
+    f = module.function()
+    wheres = [f.data(n)["attrs"] for n in f.ops() if f.op(n) == "mp.where"]
+    assert [str(a["mp.precision"]) for a in wheres] == ["f32", "f32"]
+    # The causal fill is caught; the padding fill after it follows its f32 input.
+    assert wheres[0]["mp.reason"] == "fill-overflow: constant 3.403e+38 overflows f16"
+    assert wheres[1]["mp.reason"] in ("follow: inputs f32", wheres[0]["mp.reason"])
+    x = feeds(model)
+    result = Program(module).run([x[n] for n in imp.inputs])
+    assert sum(r.counts.overflow for r in result.ops) == 0
+    # Layer norms and softmax stay f32 (autocast's float32 list); the matmuls run in f16.
+    kinds = {(s.op, s.executed["precision"]) for s in Program(module).steps}
+    assert ("mp.layer_norm", "f32") in kinds and ("mp.softmax", "f32") in kinds
+    assert ("mp.matmul", "f16") in kinds and ("mp.matmul", "f32") not in kinds
+    theirs = ort_run(model, x)[0]
+    rel = np.linalg.norm(result.outputs[0] - theirs) / np.linalg.norm(theirs)
+    assert rel < 5e-3
