@@ -1,6 +1,6 @@
 """ONNX models to mplower modules: static shapes, folded constants, the mp op set.
 
-`import_model` reads an ONNX model (opset 9 to the newest the installed onnx knows), keeps the
+`import_model` reads an ONNX model (any opset the installed onnx knows), keeps the
 graph outputs asked for and only the nodes that feed them, fixes every dynamic input dimension
 (`input_shapes`, else a dynamic leading batch dimension becomes 1), runs ONNX's own checker and
 shape inference, and then walks the nodes in order. A node whose inputs are all known at import
@@ -43,7 +43,7 @@ from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.ir.verifier import verify
 from mplower.numerics.formats import FORMATS, QUANT_STORAGE
 
-MIN_OPSET = 9
+MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
 
 # ONNX element types the IR has a type for, both ways.
@@ -617,6 +617,11 @@ class _Importer:
         for x, v in zip(node.input, ins):
             if x and v is None:
                 raise self.error(f"input '{x}' is not defined before this node")
+        names = {a.name for a in node.attribute}
+        if {"broadcast", "axis"} <= names:  # before opset 7: broadcast B from an axis of A
+            raise self.error("legacy broadcasting along an axis (opset < 7) is not numpy "
+                             "broadcasting; convert the model to opset 7 or later "
+                             "(onnx.version_converter)")
         present = [v for v in ins if v is not None]
         if node.op_type not in _NO_FOLD and all(isinstance(v, Const) for v in present) \
                 and present:
@@ -862,11 +867,16 @@ _FAST_FOLD: dict[str, Callable[[_Importer, onnx.NodeProto, list], list[np.ndarra
 }
 
 
-@handler("Cast")
+@handler("Cast", "CastLike")
 def _cast(imp: _Importer, node: onnx.NodeProto) -> list:
     x = imp.run_input(0)
     a = _attrs(node)
-    to = a["to"]
+    if node.op_type == "Cast":
+        to = a["to"]
+    else:  # the element type of the second input (the expanded function graphs use it)
+        like = imp.need(1)
+        to = like.onnx_type if isinstance(like, (Run, Unbound)) else \
+            helper.np_dtype_to_tensor_dtype(like.array.dtype)
     elem = ELEM_OF_ONNX.get(to)
     if elem is None:
         raise imp.error(f"Cast to {onnx_type_name(to)}: the IR has no such element type")
@@ -1404,7 +1414,7 @@ def _concat(imp: _Importer, node: onnx.NodeProto) -> list:
     vals = [imp.run_input(i) for i in range(len(node.input)) if node.input[i]]
     for v in vals[1:]:
         _same_onnx(imp, vals[0], v)
-    axis = int(_attrs(node)["axis"])
+    axis = int(_attrs(node).get("axis", 1))  # required from opset 4 on; 1 before
     return [imp.emit("mp.concat", vals, {"axis": axis}, onnx_type=vals[0].onnx_type)]
 
 
