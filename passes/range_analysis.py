@@ -129,7 +129,7 @@ _UNARY: dict[str, Callable[[Interval], Interval]] = {
 _PASS_THROUGH = frozenset({"mp.reshape", "mp.transpose", "mp.flatten", "mp.slice",
                            "mp.reduce_max", "mp.cast", "mp.dequantize", "mp.fake_quant",
                            "mp.sparse_encode", "mp.max_pool2d", "mp.gather",
-                           "mp.gather_elements", "mp.expand"})
+                           "mp.gather_elements", "mp.gather_nd", "mp.expand"})
 _AVERAGING = frozenset({"mp.reduce_mean", "mp.avg_pool2d", "mp.global_avg_pool"})
 
 

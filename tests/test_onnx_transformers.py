@@ -5,7 +5,7 @@ the patterns the TorchScript exporter (opset 17) writes for Hugging Face's BertM
 GPT2Model: INT64 `input_ids` / `attention_mask` inputs with dynamic dimensions, embedding
 Gathers, position ids from Shape -> Gather -> Range -> Unsqueeze, reshape targets from Shape
 arithmetic and Concat, the padding mask through Unsqueeze/Expand/Cast/Sub and a Where fill of
-float32's lowest value (-3.4e38), a GatherElements and IsNaN guard (BERT), the causal mask
+float32's lowest value (-3.4e38), GatherElements, GatherND and an IsNaN guard (BERT), the causal mask
 from Trilu of a ConstantOfShape, Split of the fused qkv projection and the GELU-tanh Pow
 (GPT-2). benchmarks/export_transformers.py exports the real models where torch is installed.
 Every expected value comes from onnxruntime.
@@ -130,6 +130,11 @@ def bert() -> onnx.ModelProto:
         np.tile(np.arange(S), (B, 1)), np.int64)], axis=1)
     keep = g.op("And", [g.op("GreaterOrEqual", [own, g.const(1, np.int64)]),
                         g.op("Equal", [own, g.const(1, np.int64)])])
+    # The dynamo exporter indexes the mask with GatherND (torch's aten.index) instead.
+    pairs = np.stack(np.meshgrid(np.arange(B), np.arange(S), indexing="ij"), axis=-1)
+    keep = g.op("And", [keep, g.op("GatherND", [g.op("Cast", ["attention_mask"],
+                                                     to=TensorProto.BOOL),
+                                                g.const(pairs, np.int64)])])
     gate = g.op("Unsqueeze", [g.op("Cast", [keep], to=F32), g.const([2], np.int64)])
     h = g.linear(g.op("Mul", [x, gate]), "intermediate", H, FFN)
     # GELU as the TorchScript exporter writes it: x * 0.5 * (1 + erf(x / sqrt(2))).

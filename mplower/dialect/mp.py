@@ -1286,6 +1286,50 @@ _def("gather_elements",
      traits=_MOVES)
 
 
+def _gather_nd_shape(data: TensorType, idx: TensorType, b: int) -> tuple[int, ...]:
+    if not 0 <= b < min(data.rank, idx.rank):
+        raise OpError(f"attribute 'batch_dims' = {b} must be below the ranks of data {data} "
+                      f"and indices {idx}", operand=1)
+    if data.shape[:b] != idx.shape[:b]:
+        raise OpError(f"the first {b} (batch) dimensions of data {data} and indices {idx} "
+                      f"differ", operand=1)
+    k = idx.shape[-1]
+    if not 1 <= k <= data.rank - b:
+        raise OpError(f"indices {idx} address {k} dimensions; data {data} has "
+                      f"{data.rank - b} after its {b} batch dimension(s)", operand=1)
+    return idx.shape[:-1] + data.shape[b + k:]
+
+
+def _gather_nd_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    data, idx = ins
+    _index_elem(idx, 1)
+    return [tensor(_gather_nd_shape(data, idx, a["batch_dims"]), data.elem)]
+
+
+def _gather_nd_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    data, idx = xs
+    b = a["batch_dims"]
+    batch, k = data.shape[:b], idx.shape[-1]
+    flat = data.reshape((math.prod(batch),) + data.shape[b:])
+    rows = idx.reshape(flat.shape[:1] + (-1, k))
+    coords = [_checked_indices(rows[..., i], flat.shape[1 + i]) for i in range(k)]
+    picked = flat[(np.arange(flat.shape[0])[:, None], *coords)]
+    return [picked.reshape(idx.shape[:-1] + data.shape[b + k:])]
+
+
+_def("gather_nd",
+     operands=("data", "indices"),
+     attrs={"batch_dims": AttrSpec("int", default=0, min=0)},
+     infer=_gather_nd_infer,
+     reference=_gather_nd_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Slices of `data` addressed by the last dimension of `indices`, after `batch_dims` "
+         "shared batch dimensions (ONNX GatherND): what torch.export writes for tensor "
+         "indexing.",
+     traits=_MOVES)
+
+
 def _where_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     cond, x, y = ins
     if cond.elem != "i1":

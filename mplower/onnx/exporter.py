@@ -324,6 +324,8 @@ class _Exporter:
         if op in ("mp.gather", "mp.gather_elements"):
             return self.node("Gather" if op == "mp.gather" else "GatherElements", ins, hint,
                              axis=a["axis"])
+        if op == "mp.gather_nd":
+            return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
         if op == "mp.isinf":
             return self.node("IsInf", ins, hint, detect_negative=int(a["detect_negative"]),
                              detect_positive=int(a["detect_positive"]))

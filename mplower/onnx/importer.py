@@ -1653,6 +1653,13 @@ def _gather(imp: _Importer, node: onnx.NodeProto) -> list:
     return [imp.emit(op, [data, idx], {"axis": axis}, onnx_type=data.onnx_type)]
 
 
+@handler("GatherND")
+def _gather_nd(imp: _Importer, node: onnx.NodeProto) -> list:
+    data, idx = imp.run_input(0), imp.run_input(1)
+    attrs = {"batch_dims": int(_attrs(node).get("batch_dims", 0))}
+    return [imp.emit("mp.gather_nd", [data, idx], attrs, onnx_type=data.onnx_type)]
+
+
 @handler("Where")
 def _where(imp: _Importer, node: onnx.NodeProto) -> list:
     cond, x, y = (imp.run_input(i) for i in range(3))
