@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import networkx as nx
 import numpy as np
 import onnx
 import pytest
@@ -232,8 +233,12 @@ def test_imported_transformer_has_no_op_whose_operands_are_all_constants(name):
               and all(f.op(u) == "mp.constant" for u, _ in f.operands(n))]
     assert folded == []
     ops = {f.op(n) for n in f.ops()}
-    # The shape bookkeeping is gone; the mask path and the lookups are real computations.
+    # The shape bookkeeping is gone; the mask path and the lookups are real computations: the
+    # attention_mask argument reaches a mask fill (mp.where) through ops, not constants.
     assert "mp.gather" in ops and "mp.where" in ops
+    mask = f.args[imp.inputs.index("attention_mask")]
+    fills = [n for n in f.ops() if f.op(n) == "mp.where" and mask in nx.ancestors(f.graph, n)]
+    assert fills
     assert not any(t.elem in ("i64", "i32") and t.rank == 1 and t.shape[0] <= 4
                    for n in f.ops() if f.op(n) == "mp.constant" for t in f.types(n))
 
