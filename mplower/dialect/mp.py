@@ -738,7 +738,7 @@ for _name, _fn, _allowed, _doc, _traits in (
 def _argmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     _elem_of(ins, _NUMERIC, "a numeric")
     axis = _axis(a["axis"], ins[0].rank)
-    # ONNX returns int64; i32 is the widest integer element type mplower has.
+    # i32, as tensor cores' argmax kernels return; the ONNX importer casts it to ONNX's INT64.
     return [tensor(_reduced_shape(ins[0].shape, (axis,), a["keepdims"]), "i32")]
 
 
