@@ -738,7 +738,8 @@ for _name, _fn, _allowed, _doc, _traits in (
 def _argmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     _elem_of(ins, _NUMERIC, "a numeric")
     axis = _axis(a["axis"], ins[0].rank)
-    # i32, as tensor cores' argmax kernels return; the ONNX importer casts it to ONNX's INT64.
+    # i32, as before the IR had i64 (plans and reports rely on it); the ONNX importer casts it
+    # to ONNX's INT64.
     return [tensor(_reduced_shape(ins[0].shape, (axis,), a["keepdims"]), "i32")]
 
 
