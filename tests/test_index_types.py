@@ -182,3 +182,24 @@ func.func @main(%i: tensor<4xi64>, %u: tensor<4xui64>) -> tensor<4xi1> {
     r = cli("run", tmp_path / "m.ir", "--random-inputs", "--save-outputs", tmp_path / "o.npz")
     assert r.rc == 0, r.err
     assert np.load(tmp_path / "o.npz")["output_0"].dtype == np.bool_
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    (("%0 = mp.where %c, %x, %x : (tensor<2x4xf32>, tensor<2x4xf32>, tensor<2x4xf32>) -> "
+     "tensor<2x4xf32>"),
+     "'mp.where' operand #0 (the condition) must have element type i1, got tensor<2x4xf32>"),
+    ("%0 = mp.gather %x, %c : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4x4xf32>",
+     ("'mp.gather' operand #1 holds indices and must have an integer element type, got "
+     "tensor<2x4xf32>")),
+    ("%0 = mp.expand %x : (tensor<2x4xf32>) -> tensor<3x4xf32>",
+     "'mp.expand' tensor<2x4xf32> does not broadcast to the result shape [3, 4]"),
+    ("%0 = mp.logical_and %x, %c : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4xi1>",
+     "'mp.logical_and' operand #0 must have the i1 element type, got tensor<2x4xf32>"),
+])
+def test_index_and_mask_ops_refuse_wrong_operand_types_at_the_op(line, message):
+    text = ("func.func @main(%x: tensor<2x4xf32>, %c: tensor<2x4xf32>) -> tensor<2x4xf32> {\n"
+            f"  {line}\n  return %x : tensor<2x4xf32>\n}}\n")
+    with pytest.raises(DiagnosticError) as e:
+        verify(parse(text, "t.ir"))
+    d = e.value.diagnostics[0]
+    assert (d.loc.line, d.loc.col, d.message) == (2, 3, message)
