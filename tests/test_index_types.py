@@ -203,3 +203,16 @@ def test_index_and_mask_ops_refuse_wrong_operand_types_at_the_op(line, message):
         verify(parse(text, "t.ir"))
     d = e.value.diagnostics[0]
     assert (d.loc.line, d.loc.col, d.message) == (2, 3, message)
+
+
+def test_a_scalar_constant_result_keeps_its_rank_0_shape():
+    # ONNX Size folds to a scalar constant; the executor used to hand it back as shape (1,).
+    text = """
+func.func @main(%x: tensor<3x4xf32>) -> (tensor<i64>, tensor<f32>) {
+  %n = mp.constant {value = dense<12> : tensor<i64>} : () -> tensor<i64>
+  %h = mp.constant {value = dense<0.5> : tensor<f32>} : () -> tensor<f32>
+  return %n, %h : tensor<i64>, tensor<f32>
+}
+"""
+    outs = Program(parse(text)).run([np.zeros((3, 4), np.float32)], reference=False).outputs
+    assert [(o.shape, o.tolist()) for o in outs] == [((), 12), ((), 0.5)]
