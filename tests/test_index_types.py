@@ -216,3 +216,20 @@ func.func @main(%x: tensor<3x4xf32>) -> (tensor<i64>, tensor<f32>) {
 """
     outs = Program(parse(text)).run([np.zeros((3, 4), np.float32)], reference=False).outputs
     assert [(o.shape, o.tolist()) for o in outs] == [((), 12), ((), 0.5)]
+
+
+def test_reductions_on_index_types_sum_exactly_in_their_type():
+    text = """
+func.func @main(%i: tensor<2x3xi64>, %u: tensor<2x3xui16>) -> (tensor<2xi64>, tensor<1x3xui16>, tensor<2x3xi64>) {
+  %0 = mp.reduce_sum %i {axes = [1], keepdims = false} : (tensor<2x3xi64>) -> tensor<2xi64>
+  %1 = mp.reduce_max %u {axes = [0]} : (tensor<2x3xui16>) -> tensor<1x3xui16>
+  %2 = mp.cumsum %i {axis = 1} : (tensor<2x3xi64>) -> tensor<2x3xi64>
+  return %0, %1, %2 : tensor<2xi64>, tensor<1x3xui16>, tensor<2x3xi64>
+}
+"""
+    i = np.array([[2 ** 40, 3, -5], [7, 2 ** 50, 1]], np.int64)  # past f32 integers
+    u = np.array([[65535, 0, 9], [1, 2, 65534]], np.uint16)
+    outs = Program(parse(text)).run([i, u], reference=False).outputs
+    assert outs[0].tolist() == [2 ** 40 - 2, 2 ** 50 + 8]
+    assert outs[1].tolist() == [[65535, 2, 65534]]
+    assert outs[2].tolist() == np.cumsum(i, axis=1).tolist()
