@@ -1058,10 +1058,10 @@ def _saturate_int(x: np.ndarray, elem: str) -> np.ndarray:
         y = np.clip(np.where(over, 0.0, x), float(lo), float(hi)).astype(dtype)
         y[over] = hi
         return y
-    if x.dtype == np.uint64:
-        return np.minimum(x, np.uint64(min(hi, (1 << 64) - 1))).astype(dtype)
+    if x.dtype == np.uint64:  # never below any type's lowest value
+        return np.minimum(x, np.uint64(hi)).astype(dtype)
     x = x.astype(np.int64, copy=False)
-    return np.clip(x, max(lo, -(1 << 63)), min(hi, (1 << 63) - 1)).astype(dtype)
+    return np.clip(x, lo, min(hi, (1 << 63) - 1)).astype(dtype)  # ui64's hi is past int64
 
 
 def _cast_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
