@@ -93,7 +93,10 @@ def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.n
         return rng.standard_normal(shape).astype(np.float64 if elem == "f64" else np.float32)
     if elem == "i1":
         return rng.integers(0, 2, shape).astype(np.bool_)
-    return rng.integers(int(f.min_value), int(f.max_finite) + 1, shape, dtype=np.int64)
+    from mplower.ir.types import value_dtype
+
+    lo, hi = f.int_range
+    return rng.integers(lo, hi, shape, dtype=value_dtype(elem), endpoint=True)
 
 
 def _load(args: argparse.Namespace):
