@@ -100,7 +100,7 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
     # f8E4M3FN cannot hold: its results are rounded, so it is not value-preserving.
     assert mp.VALUE_PRESERVING == {"mp.reshape", "mp.transpose", "mp.slice", "mp.concat",
                                    "mp.flatten", "mp.maximum", "mp.minimum", "mp.relu",
-                                   "mp.neg", "mp.reduce_max"}
+                                   "mp.neg", "mp.reduce_max", "mp.relu_grad", "mp.fake_quant_grad"}
     assert "mp.max_pool2d" not in mp.VALUE_PRESERVING
     assert ops_with(Trait.PURE) == set(OPS)
 

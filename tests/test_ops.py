@@ -34,6 +34,8 @@ ALL_OPS = [
     "rms_norm", "reduce_sum", "reduce_mean", "reduce_max", "argmax", "reshape", "transpose",
     "concat", "slice", "flatten", "max_pool2d", "avg_pool2d", "global_avg_pool", "cast",
     "quantize", "dequantize", "fake_quant", "sparse_encode", "erf", "log_softmax", "lrn",
+    # the backward ops of the gradient rules (passes/grad.py)
+    "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad",
 ]
 
 
