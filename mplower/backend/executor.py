@@ -111,7 +111,9 @@ def _f32(x: np.ndarray) -> np.ndarray:
 def _finish(y: np.ndarray, elem: str, saturate: bool = False) -> tuple[np.ndarray, Counts | None]:
     """A computed result in the values of `elem`: rounded (with counts) or converted."""
     if elem in ROUNDING_FORMATS and elem != "f32":
-        return round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
+        # np.ascontiguousarray makes a 0-d array 1-d: the rounded scalar gets its shape back.
+        rounded, counts = round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
+        return rounded.reshape(np.shape(y)), counts
     if FORMATS[elem].is_float:
         return y.astype(value_dtype(elem), copy=False), None
     return y.astype(value_dtype(elem), copy=False), NO_COUNTS
@@ -241,7 +243,7 @@ class Program:
             raise DiagnosticError.at(loc, "mp.constant needs a 'value' or a 'name'")
         is_float = FORMATS[t.elem].is_float
         ref = raw.astype(np.float32) if is_float and t.elem != "f64" else raw
-        lowered, counts = _finish(np.ascontiguousarray(raw), t.elem)
+        lowered, counts = _finish(np.ascontiguousarray(raw).reshape(raw.shape), t.elem)
         return lowered, counts if counts is not None else _nan_counts(lowered), ref
 
     # ---- running -------------------------------------------------------------------------
