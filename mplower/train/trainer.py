@@ -162,21 +162,27 @@ class Trainer:
                         for k, v in per_op.items()]}
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """The model's first result for every sample of `x`, batch by batch (the last batch
-        padded with zeros), with the current weights, in the plan's formats."""
-        prog, b = self.eval_program, self.batch
-        name = prog.arg_names[0]
-        outs = []
-        for i in range(0, len(x), b):
-            chunk = x[i:i + b]
-            pad = np.zeros((b - len(chunk),) + chunk.shape[1:], chunk.dtype)
-            feeds = {name: np.concatenate([chunk, pad]) if len(pad) else chunk, **self.params}
-            y = prog.run([feeds[n] for n in prog.arg_names], reference=False).outputs[0]
-            outs.append(y[:len(chunk)])
-        return np.concatenate(outs)
+        """The model's first result for every sample of `x` with the current weights, in the
+        plan's formats."""
+        return predict(self.eval_program, x, self.params)
 
     def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
         return float(np.mean(np.argmax(self.predict(x), axis=-1) == y))
+
+
+def predict(program: Program, x: np.ndarray,
+            feeds: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """The first result of `program` for every sample of `x`, fed to its first argument batch
+    by batch (the last batch padded with zeros), the other arguments from `feeds`."""
+    name, b = program.arg_names[0], program.arg_types[0].shape[0]
+    outs = []
+    for i in range(0, len(x), b):
+        chunk = x[i:i + b]
+        pad = np.zeros((b - len(chunk),) + chunk.shape[1:], chunk.dtype)
+        args = {name: np.concatenate([chunk, pad]) if len(pad) else chunk, **(feeds or {})}
+        y = program.run([args[n] for n in program.arg_names], reference=False).outputs[0]
+        outs.append(y[:len(chunk)])
+    return np.concatenate(outs)
 
 
 def batches(n: int, size: int, steps: int, seed: int) -> list[np.ndarray]:
