@@ -40,6 +40,7 @@ class _Builder:
         self.f, self.ctx = f, ctx
         self.ret = f.return_node
         self.of = ""  # the forward op whose rule is running ("" while building the loss)
+        self.hint = "loss"  # the names of the loss's own ops
 
     def type_of(self, value: Value) -> TensorType:
         return self.f.type_of(value)
@@ -50,7 +51,7 @@ class _Builder:
         types = OPS[op].infer([self.f.type_of(v) for v in operands], attrs,
                               [result] if result is not None else [])
         node = self.f.create_op(op, operands, types, attrs, before=self.ret,
-                                name_hint=f"d{self.of}" if self.of else "loss")
+                                name_hint=f"d{self.of}" if self.of else self.hint)
         if self.of:
             self.f.set_attr(node, GRAD_OF, self.of)
             self.ctx.stat("backward-ops")
@@ -141,6 +142,7 @@ class Grad(Pass):
             raise DiagnosticError.at(f.data(f.return_node)["loc"],
                                      f"grad: loss={self.loss} needs {want}, got {t}")
         target = (f.add_arg(self.labels, t), 0)
+        g.hint = self.loss
         if self.loss == "mse":
             diff = g.emit("mp.sub", [out, target])
             return g.emit("mp.reduce_mean", [g.emit("mp.mul", [diff, diff])],

@@ -143,14 +143,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     module.attrs["mp.weights"] = path_from(Path(args.output).resolve().parent, out_npz.resolve())
     write_output(args.output, print_module(module))
     if args.report:
-        write_atomic(args.report, lambda fh: fh.write(json.dumps(report, indent=1) + "\n"), "w")
+        write_atomic(args.report, lambda fh: fh.write(json.dumps(report, indent=1, allow_nan=False) + "\n"), "w")
     if args.plot:
         buf = io.BytesIO()
         plot_training(report, buf)
         write_atomic(args.plot, lambda fh: fh.write(buf.getvalue()))
     s = report["summary"]
     acc = f", eval accuracy {s['eval']['accuracy']:.4f}" if "eval" in s else ""
-    print(f"mplower train: {s['steps']} steps, final loss {s['final_loss']:.4f}, "
+    loss = "not finite" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
+    print(f"mplower train: {s['steps']} steps, final loss {loss}, "
           f"{s['skipped']} skipped, underflow fwd {s['forward']['underflow']} / bwd "
           f"{s['backward']['underflow']}{acc}", file=sys.stderr)
     return EXIT_OK

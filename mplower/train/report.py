@@ -7,6 +7,7 @@ test accuracy when there was an evaluation set.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mplower.train.trainer import BACKWARD, FORWARD
@@ -38,10 +39,11 @@ def plot_training(report: dict[str, Any], fh: Any) -> None:
     rows = report["steps"]
     steps = [r["step"] for r in rows]
     fig, (ax_loss, ax_scale, ax_inc) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
-    ax_loss.plot(steps, [r["loss"] for r in rows], lw=1)
+    loss = [math.nan if r["loss"] is None else r["loss"] for r in rows]  # None: not finite
+    ax_loss.plot(steps, loss, lw=1)
     skipped = [r["step"] for r in rows if r["skipped"]]
     if skipped:
-        ax_loss.plot(skipped, [rows[s]["loss"] for s in skipped], "rx", label="skipped")
+        ax_loss.plot(skipped, [loss[s] for s in skipped], "rx", label="skipped")
         ax_loss.legend()
     ax_loss.set_ylabel("loss")
     ax_scale.plot(steps, [r["loss_scale"] for r in rows], lw=1)

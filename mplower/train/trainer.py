@@ -29,6 +29,7 @@ from mplower.ir.graph import Function, Module
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
 from mplower.numerics.formats import FLOATS
+from mplower.numerics.metrics import finite_or_none
 from mplower.numerics.rounding import Counts
 from mplower.pass_manager import Pass, PassContext, PassManager
 from mplower.passes.grad import GRAD_OF, Grad
@@ -155,7 +156,7 @@ class Trainer:
                 totals[phase] += c
                 slot = per_op.setdefault(key, {FORWARD: Counts(), BACKWARD: Counts()})
                 slot[phase] += c
-        return {"loss": float(result.outputs[0]), "loss_scale": float(scale),
+        return {"loss": finite_or_none(float(result.outputs[0])), "loss_scale": float(scale),
                 "skipped": skipped, "grads_finite": not found_inf,
                 FORWARD: _counts(totals[FORWARD]), BACKWARD: _counts(totals[BACKWARD]),
                 "ops": [{"name": k, FORWARD: _counts(v[FORWARD]), BACKWARD: _counts(v[BACKWARD])}
