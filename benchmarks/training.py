@@ -1,14 +1,15 @@
 """Accuracy retention of int8: post-training quantization against quantization-aware training.
 
 For three digits models (the MLP of ir_examples/mlp.ir, 64-64-10; the CNN of
-ir_examples/digits_cnn.ir; a wider MLP 64-256-128-10) the script trains an fp32 baseline from
+ir_examples/training/digits_cnn.ir; a wider MLP 64-256-128-10) the script trains an fp32 baseline from
 seeded He-normal weights with `mplower train`'s Trainer (Adam, fp32), then measures top-1 on the
 test split of benchmarks/quant.py (digits, 25 %, stratified, random_state 0; pixels / 16):
 
 * int8 PTQ: calibrate{method=M} (minmax, percentile, entropy, mse; 8 batches of training
   images) + quantize (w8a8, weights per channel), every matmul and conv quantized;
 * int8 QAT: calibrate with the best PTQ method, prepare-qat, `QAT_EPOCHS` epochs of SGD through
-  the fake-quant ops (frozen scales), then quantize, which keeps the trained grids.
+  the fake-quant ops, then quantize, which keeps the trained grids; with the calibrated scales
+  frozen, and with them learned (prepare-qat{scales=lsq}).
 
 Retention is top-1 over the fp32 baseline's. Run from the repository root:
 `python benchmarks/training.py [--out report.md]` (about two minutes on two cores).
@@ -34,7 +35,7 @@ from mplower.ir.printer import print_module
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 from mplower.train.optim import SGD, Adam
 from mplower.train.scaler import parse_loss_scale
-from mplower.train.trainer import Trainer, fit, predict
+from mplower.train.trainer import Trainer, fit, predict, store_inline
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "training"
@@ -70,8 +71,8 @@ def mlp_ir(hidden: tuple[int, ...], batch: int = 32) -> tuple[str, dict[str, np.
 
 
 def cnn_ir() -> tuple[str, dict[str, np.ndarray]]:
-    text = (ROOT / "ir_examples" / "digits_cnn.ir").read_text()
-    with np.load(ROOT / "ir_examples" / "digits_cnn.npz") as w:
+    text = (ROOT / "ir_examples" / "training" / "digits_cnn.ir").read_text()
+    with np.load(ROOT / "ir_examples" / "training" / "digits_cnn.npz") as w:
         weights = dict(w)
     return text.replace('"digits_cnn.npz"', '"init.npz"'), weights
 
@@ -79,7 +80,7 @@ def cnn_ir() -> tuple[str, dict[str, np.ndarray]]:
 MODELS = {
     "digits-mlp": ("MLP 64-64-10 (ir_examples/mlp.ir's layers)", lambda: mlp_ir((64,)),
                    Adam(lr=3e-3)),
-    "digits-cnn": ("CNN conv8-pool-conv16-fc (ir_examples/digits_cnn.ir)", cnn_ir,
+    "digits-cnn": ("CNN conv8-pool-conv16-fc (ir_examples/training/digits_cnn.ir)", cnn_ir,
                    Adam(lr=3e-3)),
     "digits-mlp-wide": ("MLP 64-256-128-10", lambda: mlp_ir((256, 128)), Adam(lr=1e-3)),
 }
@@ -90,7 +91,8 @@ def accuracy(module, x: np.ndarray, y: np.ndarray) -> float:
 
 
 def save(folder: Path, name: str, module, weights: dict[str, np.ndarray]) -> Path:
-    np.savez(folder / f"{name}.npz", **weights)
+    inline = store_inline(module, None, weights)
+    np.savez(folder / f"{name}.npz", **{k: v for k, v in weights.items() if k not in inline})
     module.attrs["mp.weights"] = f"{name}.npz"
     path = folder / f"{name}.ir"
     path.write_text(print_module(module))
@@ -127,19 +129,22 @@ def run_model(key: str, split, folder: Path) -> dict:
     ptq = {m: accuracy(lowered(fp32_path, f"calibrate{{data={calib} method={m}}},quantize"),
                        x_test, y_test) for m in METHODS}
     best = max(METHODS, key=lambda m: (ptq[m], -METHODS.index(m)))
-    qat_module = lowered(fp32_path, f"calibrate{{data={calib} method={best}}},prepare-qat")
-    qat = Trainer(qat_module, "cross_entropy", "y", [], SGD(lr=0.01, momentum=0.9),
-                  parse_loss_scale("none"))
-    fit(qat, {"x": x_train, "y": y_train}, QAT_EPOCHS * (len(y_train) // batch), seed=1)
-    qat_path = save(folder, "qat", qat_module, qat.params)
-    qat_acc = accuracy(lowered(qat_path, "quantize"), x_test, y_test)
+    qat_acc = {}
+    for scales in ("frozen", "lsq"):
+        qat_module = lowered(fp32_path, f"calibrate{{data={calib} method={best}}},"
+                                        f"prepare-qat{{scales={scales}}}")
+        qat = Trainer(qat_module, "cross_entropy", "y", [], SGD(lr=0.01, momentum=0.9),
+                      parse_loss_scale("none"))
+        fit(qat, {"x": x_train, "y": y_train}, QAT_EPOCHS * (len(y_train) // batch), seed=1)
+        qat_path = save(folder, f"qat_{scales}", qat_module, qat.params)
+        qat_acc[scales] = accuracy(lowered(qat_path, "quantize"), x_test, y_test)
     return {"model": key, "description": description, "fp32": fp32, "ptq": ptq, "best": best,
             "qat": qat_acc, "epochs": EPOCHS, "qat_epochs": QAT_EPOCHS}
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | fp32 top-1 | PTQ minmax | PTQ best (method) | QAT (epochs) |",
-           "|---|---|---|---|---|"]
+    out = [("| model | fp32 top-1 | PTQ minmax | PTQ best (method) | QAT frozen scales | "
+           "QAT LSQ |"), "|---|---|---|---|---|---|"]
     for r in rows:
         f = r["fp32"]
 
@@ -147,7 +152,7 @@ def table(rows: list[dict]) -> str:
             return f"{100 * a:.2f} % ({100 * a / f:.1f} %)"
         out.append(f"| {r['model']}: {r['description']} | {100 * f:.2f} % | "
                    f"{cell(r['ptq']['minmax'])} | {cell(r['ptq'][r['best']])} ({r['best']}) | "
-                   f"{cell(r['qat'])} ({r['qat_epochs']}) |")
+                   f"{cell(r['qat']['frozen'])} | {cell(r['qat']['lsq'])} |")
     return "\n".join(out)
 
 

@@ -1,7 +1,7 @@
 """Untrained models for `mplower train` on the scikit-learn digits (8x8 images, 10 classes).
 
-digits_cnn: a small CNN for batches of 16 images, conv3x3(8)+relu, maxpool 2x2,
-conv3x3(16)+relu, flatten, linear -> 10 logits; its weights (digits_cnn.npz) are He-normal
+training/digits_cnn: a small CNN for batches of 16 images, conv3x3(8)+relu, maxpool 2x2,
+conv3x3(16)+relu, flatten, linear -> 10 logits; its weights (training/digits_cnn.npz) are He-normal
 initialized from numpy default_rng(0), biases zero, so that training starts from scratch.
 Run from the repository root: `python ir_examples/make_training_examples.py`.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from make_examples import save_npz
 
-OUT_DIR = Path(__file__).resolve().parent
+OUT_DIR = Path(__file__).resolve().parent / "training"
 BATCH = 16
 
 CNN = f"""// Small CNN on batches of {BATCH} digits (1x8x8, pixels / 16): conv3x3(8)+relu, maxpool 2x2,

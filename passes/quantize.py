@@ -134,20 +134,27 @@ def weight_axis(op: str, operand: int, rank: int, per_channel: bool) -> int | No
     return 0 if op == "mp.conv2d" else (rank - 1 if operand == 1 else rank - 2)
 
 
-def qat_params(f: Function, v: Value) -> tuple[Value, QParams] | None:
-    """For a value that an integer mp.fake_quant produced (prepare-qat, then training): the
-    value it fake-quantizes and its parameters, which `quantize` keeps (the grid the network
-    was trained on); None for any other value."""
+FAKE_QUANTS = ("mp.fake_quant", "mp.fake_quant_lsq")
+
+
+def qat_params(f: Function, v: Value, consts: ConstantValues) -> tuple[Value, QParams] | None:
+    """For a value that an integer mp.fake_quant (or mp.fake_quant_lsq, whose scale operand is
+    a constant) produced (prepare-qat, then training): the value it fake-quantizes and its
+    parameters, which `quantize` keeps (the grid the network was trained on); None for any
+    other value."""
     d = f.data(v[0])
-    if d["op"] != "mp.fake_quant":
+    if d["op"] not in FAKE_QUANTS:
         return None
-    a = check_attrs(OPS["mp.fake_quant"], d["attrs"])
+    a = check_attrs(OPS[d["op"]], d["attrs"])
     elem = attr_type(a["dtype"])
-    if not FORMATS[elem].is_int:
+    operands = f.operands(v[0])
+    if not FORMATS[elem].is_int or (len(operands) > 1 and operands[1] not in consts):
         return None
-    scale = np.asarray(a["scale"], np.float32)
+    # fake_quant_lsq quantizes with |scale| (mplower.dialect.mp._lsq_attrs).
+    scale = np.asarray(a["scale"] if len(operands) == 1 else np.abs(consts.get(operands[1])),
+                       np.float32).reshape(-1)
     axis = a["axis"] % f.type_of(v).rank if scale.size > 1 else None
-    return f.operands(v[0])[0], QParams(elem, scale, int(np.asarray(a["zero_point"]).reshape(-1)[0]),
+    return operands[0], QParams(elem, scale, int(np.asarray(a["zero_point"]).reshape(-1)[0]),
                                          axis)
 
 
@@ -255,7 +262,7 @@ def _error(f: Function, n: int, message: str) -> Diagnostic:
 def missing_range(f: Function, n: int, consts: ConstantValues) -> Diagnostic | None:
     """A diagnostic for the first activation operand of `n` without a calibrated range."""
     for i, v in enumerate(f.operands(n)[:2]):
-        if v not in consts and range_of(f, v) is None and qat_params(f, v) is None:
+        if v not in consts and range_of(f, v) is None and qat_params(f, v, consts) is None:
             return _error(f, n, f"operand #{i} {f.value_name(v)} has no calibrated range "
                                 f"(mp.range); run calibrate{{data=...}} first")
     return None
@@ -274,7 +281,7 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
     shift: float | None = None
     shift_value: Value | None = None
     for i, v in enumerate(ins[:2]):
-        trained = qat_params(f, v)
+        trained = qat_params(f, v, rw.consts)
         if trained is not None:  # keep the grid of quantization-aware training
             v, fixed = trained
             sources[i] = v
@@ -359,10 +366,15 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
 
 
 def _erase_unused_fake_quants(f: Function, values: list[Value]) -> None:
-    """The fake_quant ops whose grid the quantized op took over, once nothing else uses them."""
+    """The fake_quant ops whose grid the quantized op took over, once nothing else uses them
+    (and an LSQ scale constant with them)."""
     for v in values:
-        if f.op(v[0]) == "mp.fake_quant" and not f.has_uses(v[0]):
+        if f.op(v[0]) in FAKE_QUANTS and not f.has_uses(v[0]):
+            scales = [u for u, _ in f.operands(v[0])[1:]]
             f.erase(v[0])
+            for u in scales:
+                if f.op(u) == "mp.constant" and not f.has_uses(u):
+                    f.erase(u)
 
 
 def quantize_weight_only(rw: _Rewriter, n: int, elem: str, per_channel: bool,

@@ -159,6 +159,7 @@ def test_rms_norm_rule_matches_jax_for_x_and_gamma():
 @pytest.mark.parametrize("name,keep,out,fn", [
     ("reduce_sum", "true", (2, 1, 4), lambda x: x.sum(1, keepdims=True)),
     ("reduce_mean", "false", (3,), lambda x: x.mean((0, 2))),
+    ("reduce_max", "false", (3,), lambda x: x.max((0, 2))),
 ])
 def test_reduction_rules_broadcast_back(name, keep, out, fn):
     axes = "[1]" if name == "reduce_sum" else "[0, 2]"
@@ -221,6 +222,24 @@ def test_fake_quant_rule_is_the_straight_through_estimator_clipped_to_the_range(
     check({"x": (4, 3)}, body, (4, 3), fq, values={"x": x})
 
 
+@pytest.mark.parametrize("scale_shape", [(), (3,)])
+def test_lsq_rule_matches_jax_for_x_and_the_learned_scale(scale_shape):
+    # LSQ with its gradient scale 1 / sqrt(N qmax), written as the paper's grad_scale and
+    # round_pass; values stay away from the half-step band past the range ends, where the
+    # paper's clip-then-round and the rounded range test differ.
+    x = np.array([[-9.0, -6.3, -1.0], [0.2, 6.0, 5.7], [7.0, 0.01, -6.55], [3.3, -2.2, 1.1]], F32)
+    s = np.full(scale_shape, 0.05, F32) if scale_shape == () else np.array([0.05, 0.04, 0.06], F32)
+    body = op(f"%y = mp.fake_quant_lsq %x, %s {{dtype = i8, axis = 1}} : "
+              f"({t((4, 3))}, {t(scale_shape)}) -> {t((4, 3))}")
+
+    def lsq(x, s):
+        g = 1.0 / np.sqrt(x.size / max(s.size, 1) * 127)
+        s = s * g + lax.stop_gradient(s - s * g)
+        v = jnp.clip(x / s, -128, 127)
+        return (v + lax.stop_gradient(jnp.round(v) - v)) * s
+    check({"x": (4, 3), "s": scale_shape}, body, (4, 3), lsq, values={"x": x, "s": s})
+
+
 def _train_module(loss: str) -> str:
     return f"""func.func @main(%x: {t((4, 3))}) -> {t((4, 5))} {{
   %w = mp.constant {{name = "w"}} : () -> {t((3, 5))}
@@ -276,6 +295,13 @@ def test_grad_returns_loss_then_one_gradient_per_param_and_tags_backward_ops():
     text = print_module(module)
     assert 'mp.relu_grad %d3_1, %1 {mp.grad_of = "2"}' in text
     assert parse(text).function().result_types == f.result_types  # it round-trips
+
+
+def test_reduce_max_rule_shares_the_gradient_among_tied_maxima_as_jax():
+    x = np.array([[1.0, 3.0, 3.0], [2.0, -1.0, 0.5]], F32)  # a tie in the first row
+    check({"x": (2, 3)},
+          op(f"%y = mp.reduce_max %x {{axes = [1], keepdims = true}} : ({t((2, 3))}) -> "
+             f"{t((2, 1))}"), (2, 1), lambda x: x.max(1, keepdims=True), values={"x": x})
 
 
 def test_grad_of_an_op_without_a_rule_is_a_located_error():

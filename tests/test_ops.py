@@ -35,7 +35,8 @@ ALL_OPS = [
     "concat", "slice", "flatten", "max_pool2d", "avg_pool2d", "global_avg_pool", "cast",
     "quantize", "dequantize", "fake_quant", "sparse_encode", "erf", "log_softmax", "lrn",
     # the backward ops of the gradient rules (passes/grad.py)
-    "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad",
+    "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad", "reduce_max_grad",
+    "fake_quant_lsq", "lsq_grad",
 ]
 
 

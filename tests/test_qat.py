@@ -100,3 +100,48 @@ def test_quantize_after_training_keeps_the_frozen_trained_grid(tmp_path):
     np.testing.assert_array_equal(attr_array(weight_q[0]["attrs"]["scale"]), frozen)
     assert by_op(deployed, "mp.fake_quant") == []
     assert {d["attrs"]["mp.precision"].type for d in by_op(deployed, "mp.matmul")} == {"i8"}
+
+
+def test_prepare_qat_lsq_starts_on_the_calibrated_grid_bit_for_bit():
+    lsq = lowered(MLP, f"calibrate{{data={INPUTS}}},prepare-qat{{scales=lsq}}")
+    assert len(by_op(lsq, "mp.fake_quant_lsq")) == 4
+    scales = [d for d in by_op(lsq, "mp.constant") if d["attrs"].get("mp.trainable") is True]
+    assert sorted(d["name"] for d in scales) == ["2_scale", "w1_scale", "w2_scale", "x_scale"]
+    with np.load(INPUTS) as data:
+        x = data["x"]
+    frozen = lowered(MLP, f"calibrate{{data={INPUTS}}},prepare-qat")
+    a = Program(lsq).run([x], reference=False).outputs[0]
+    b = Program(frozen).run([x], reference=False).outputs[0]
+    assert a.tobytes() == b.tobytes()
+    deployed = lowered(MLP, f"calibrate{{data={INPUTS}}},prepare-qat{{scales=lsq}},quantize")
+    direct = lowered(MLP, f"calibrate{{data={INPUTS}}},quantize")
+    assert print_module(deployed).replace("_fq", "") == print_module(direct)
+
+
+def test_train_learns_lsq_scales_and_quantize_deploys_them(tmp_path, cli):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    np.savez(tmp_path / "train.npz", x=x.astype(np.float32), y=y)
+    qat = tmp_path / "qat.ir"
+    res = cli("opt", MLP, f"--pass-pipeline=calibrate{{data={INPUTS}}},prepare-qat{{scales=lsq}}",
+              "-o", qat)
+    assert res.rc == 0, res.err
+    res = cli("train", qat, "--data", tmp_path / "train.npz", "--optimizer", "adam{lr=0.0005}",
+              "--steps", 20, "-o", tmp_path / "trained.ir")
+    assert res.rc == 0, res.err
+    before = {d["name"]: attr_array(d["attrs"]["value"]) for d in by_op(parse_file(qat),
+                                                                        "mp.constant")
+              if d["attrs"].get("mp.trainable")}
+    trained = parse_file(tmp_path / "trained.ir")
+    after = {d["name"]: attr_array(d["attrs"]["value"]) for d in by_op(trained, "mp.constant")
+             if d["attrs"].get("mp.trainable")}
+    assert sorted(after) == sorted(before)
+    assert all(not np.array_equal(before[k], after[k]) for k in before)  # every scale learned
+    with np.load(tmp_path / "trained.npz") as w:
+        assert sorted(w) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    deployed = lowered(tmp_path / "trained.ir", "quantize")
+    assert by_op(deployed, "mp.fake_quant_lsq") == []
+    w1_q = next(d for d in by_op(deployed, "mp.quantize") if d["name"] == "w1_q")
+    np.testing.assert_array_equal(attr_array(w1_q["attrs"]["scale"]),
+                                  np.abs(after["w1_scale"]).astype(np.float32))

@@ -147,7 +147,7 @@ def test_bf16_and_fp16_with_loss_scaling_train_to_fp32_accuracy_and_scaling_cuts
     if model == "mlp":
         path, weights, steps, opt = mlp_init(tmp_path), None, 440, "sgd{lr=0.05 momentum=0.9}"
     else:
-        path, weights = ROOT / "ir_examples" / "digits_cnn.ir", None
+        path, weights = ROOT / "ir_examples" / "training" / "digits_cnn.ir", None
         x, steps, opt = x.reshape(-1, 1, 8, 8), 600, "adam{lr=0.003}"
     runs = {(p, s): _train(path, weights, p, s, (x, y), steps, opt)
             for p, s in (("fp32", "none"), ("bf16", "none"), ("fp16", "dynamic"),
@@ -206,6 +206,9 @@ def test_train_command_writes_module_weights_report_and_plot(tmp_path, digits, c
     assert report["summary"]["eval"]["samples"] == 397
     assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "50 steps" in res.err
+    res = cli("train", model, "--data", tmp_path / "train.npz", "--epochs", 2, "-o",
+              tmp_path / "out2.ir")
+    assert res.rc == 0 and "86 steps" in res.err  # 2 x 1400 // 32: the last partial batch dropped
 
 
 def test_train_reports_which_op_underflows_in_which_phase(tmp_path, digits):

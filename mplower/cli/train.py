@@ -94,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mplower.train.optim import parse_optimizer
     from mplower.train.report import plot_training, training_report
     from mplower.train.scaler import parse_loss_scale
-    from mplower.train.trainer import Trainer
+    from mplower.train.trainer import Trainer, store_inline
 
     try:
         optimizer = parse_optimizer(args.optimizer)
@@ -135,9 +135,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     report = training_report(config, rows, accuracy)
 
     # Everything ran: write the weights, the module, then the report and the plot.
+    inline = store_inline(module, args.func, trainer.params)  # LSQ scales (prepare-qat)
     source = weights_file(module, args.weights)
     arrays = read_npz(source, module.loc) if source is not None else {}
-    arrays.update(trainer.params)
+    arrays.update({k: v for k, v in trainer.params.items() if k not in inline})
     out_npz = beside(args.output)
     write_atomic(out_npz, lambda fh: save_npz(fh, {k: np.asarray(v) for k, v in arrays.items()}))
     module.attrs["mp.weights"] = path_from(Path(args.output).resolve().parent, out_npz.resolve())

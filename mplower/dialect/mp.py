@@ -975,7 +975,11 @@ def _reduce_vjp(mean: bool) -> Vjp:
     return vjp
 
 
-_REDUCE_VJP = {"reduce_sum": _reduce_vjp(False), "reduce_mean": _reduce_vjp(True)}
+_REDUCE_VJP = {
+    "reduce_sum": _reduce_vjp(False), "reduce_mean": _reduce_vjp(True),
+    "reduce_max": lambda g, xs, y, dy, a, needs: [g.emit(
+        "mp.reduce_max_grad", [dy, xs[0], y], {"axes": a["axes"], "keepdims": a["keepdims"]})],
+}
 
 _REDUCE_ATTRS = {"axes": AttrSpec("ints", default=()), "keepdims": AttrSpec("bool", default=True)}
 
@@ -998,6 +1002,37 @@ for _name, _fn, _allowed, _doc, _traits in (
          doc=f"{_doc} over `axes` (all when empty), optionally keeping them as 1 "
              f"(ONNX Reduce{_doc.capitalize().replace('Maximum', 'Max')}).",
          traits=_traits)
+
+
+def _reduce_max_grad_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    dy, x, y = ins
+    elem = _elem_of(ins, _FLOATS, "a float")
+    want = _reduced_shape(x.shape, _reduce_axes(a, x.rank), a["keepdims"])
+    for i, t in ((0, dy), (2, y)):
+        if t.shape != want:
+            raise OpError(f"operand #{i} must have the reduced shape {want} of x, got {t}",
+                          operand=i)
+    return [tensor(x.shape, elem)]
+
+
+def _reduce_max_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    dy, x, y = (_fl(v) for v in xs)
+    axes = _reduce_axes(a, x.ndim)
+    kept = _reduced_shape(x.shape, axes, True)
+    hit = x == y.reshape(kept)
+    share = hit / hit.sum(axis=axes, keepdims=True)  # tied maxima share the gradient, as JAX's
+    return [(dy.reshape(kept) * share).astype(dy.dtype)]
+
+
+_def("reduce_max_grad",
+     operands=("dy", "x", "y"),
+     attrs=_REDUCE_ATTRS,
+     infer=_reduce_max_grad_infer,
+     reference=_reduce_max_grad_reference,
+     flops=lambda ins, a: 2 * ins[1].size,
+     precisions=_VECTOR,
+     doc="The gradient of reduce_max (y its result): dy to the elements equal to the maximum, "
+         "shared equally among ties.")
 
 
 def _argmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
@@ -1616,6 +1651,96 @@ _def("fake_quant_grad",
      doc="The gradient of fake_quant (straight-through, clipped): dy where x quantizes "
          "inside the range of `dtype`, else 0.",
      traits=_PICKS)
+
+
+# Learned step size quantization (LSQ, Esser et al., ICLR 2020, arXiv:1902.08153): fake_quant
+# whose scale is an operand, so that training learns it with the weights (prepare-qat).
+
+
+def _lsq_attrs(a: dict, scale: np.ndarray) -> dict:
+    """fake_quant's attributes with the scale operand's values (kept positive) as `scale`."""
+    return {**a, "scale": np.maximum(np.abs(scale.astype(np.float64)).reshape(-1),
+                                     np.finfo(np.float32).tiny)}
+
+
+def _lsq_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x, scale = ins
+    elem = _elem_of(ins, _FLOATS, "a float")
+    if scale.rank > 1 or (scale.size > 1 and scale.shape != (x.shape[_axis(a["axis"], x.rank)],)):
+        raise OpError(f"the scale must be a scalar or hold one entry per index of axis "
+                      f"{a['axis']} of {x}, got {scale}", operand=1)
+    _check_quant(x, {**a, "scale": np.ones(1)}, a["dtype"])
+    return [tensor(x.shape, elem)]
+
+
+def _lsq_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    b = _lsq_attrs(a, xs[1])
+    return [_dequantize_values(_quantize_values(x, b, a["dtype"]), b, x.dtype)]
+
+
+def _lsq_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+             needs: Sequence[bool]) -> list[Value | None]:
+    attrs = {k: a[k] for k in ("zero_point", "axis", "dtype")}
+    return [g.emit("mp.lsq_grad", [dy, *xs], {**attrs, "wrt": wrt}) if need else None
+            for wrt, need in zip(("x", "scale"), needs)]
+
+
+def _lsq_grad_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    dy, x, scale = ins
+    _lsq_infer((x, scale), a, ())
+    if dy.shape != x.shape:
+        raise OpError(f"operand #0 must have the shape of x, got {dy}", operand=0)
+    return [tensor((x if a["wrt"] == "x" else scale).shape, _elem_of(ins, _FLOATS, "a float"))]
+
+
+def _lsq_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    """LSQ's gradients: x's is the clipped straight-through estimator; the scale's is
+    dy ((q - z) - x / s) inside the range and dy (q - z) where q saturates, summed over the
+    elements that share the scale and multiplied by LSQ's gradient scale 1 / sqrt(N qmax)."""
+    dy, x = _fl(xs[0]), _fl(xs[1])
+    b = _lsq_attrs(a, xs[2])
+    s = _along(b["scale"], x.ndim, a["axis"]).astype(x.dtype)
+    zp = _along(a["zero_point"], x.ndim, a["axis"])
+    v = x / s
+    q = np.rint(v).astype(np.float64) + zp
+    fmt = FORMATS[a["dtype"]]
+    inside = (q >= fmt.min_value) & (q <= fmt.max_finite)
+    if a["wrt"] == "x":
+        return [np.where(inside, dy, dy.dtype.type(0))]
+    step = np.clip(q, fmt.min_value, fmt.max_finite) - zp - np.where(inside, v, 0)
+    per = dy.astype(np.float64) * step
+    if xs[2].size > 1:
+        axis = a["axis"] % x.ndim
+        total = per.sum(axis=tuple(i for i in range(x.ndim) if i != axis))
+    else:
+        total = per.sum().reshape(xs[2].shape)
+    shared = x.size // max(xs[2].size, 1)
+    return [(total / math.sqrt(shared * fmt.max_finite)).astype(dy.dtype)]
+
+
+_LSQ_ATTRS = {"zero_point": _QUANT_ATTRS["zero_point"], "axis": _QUANT_ATTRS["axis"],
+              "dtype": AttrSpec("type", required=True, choices=_QUANT_TYPES)}
+
+_def("fake_quant_lsq",
+     vjp=_lsq_vjp,
+     operands=("x", "scale"),
+     attrs=_LSQ_ATTRS,
+     infer=_lsq_infer,
+     reference=_lsq_reference,
+     flops=_per_element(4),
+     precisions=_VECTOR,
+     doc="fake_quant with a learnable scale operand (LSQ): quantize x to `dtype` with "
+         "|scale| per tensor or per `axis` and dequantize back.")
+_def("lsq_grad",
+     operands=("dy", "x", "scale"),
+     attrs={**_LSQ_ATTRS, "wrt": AttrSpec("str", required=True, choices=("x", "scale"))},
+     infer=_lsq_grad_infer,
+     reference=_lsq_grad_reference,
+     flops=_per_element(5),
+     precisions=_VECTOR,
+     doc="The gradient of fake_quant_lsq with respect to x (clipped straight-through) or its "
+         "scale (LSQ's, with its 1 / sqrt(N qmax) gradient scale).")
 
 
 # ---------------------------------------------------------------------------------------------

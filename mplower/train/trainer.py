@@ -28,11 +28,13 @@ from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
+from mplower.ir.types import DenseAttr
 from mplower.numerics.formats import FLOATS
 from mplower.numerics.metrics import finite_or_none
 from mplower.numerics.rounding import Counts
 from mplower.pass_manager import Pass, PassContext, PassManager
 from mplower.passes.grad import GRAD_OF, Grad
+from mplower.passes.prepare_qat import TRAINABLE
 from mplower.train.optim import Optimizer
 from mplower.train.scaler import LossScaler
 
@@ -47,15 +49,25 @@ def clone(module: Module) -> Module:
     return copy
 
 
+def param_name(d: dict) -> str | None:
+    """The parameter a constant (its node data) is, if training learns it: a float weight of
+    the weights file (its key), or an inline constant marked `mp.trainable` (its SSA name)."""
+    if d["op"] != "mp.constant" or d["types"][0].elem not in FLOATS:
+        return None
+    name = d["attrs"].get("name")
+    if isinstance(name, str):
+        return name
+    return d["name"] if d["attrs"].get(TRAINABLE) is True else None
+
+
 def promote_params(f: Function) -> dict[str, Any]:
-    """Turn every named float constant into an argument of the same name; {name: type}."""
+    """Turn every parameter constant into an argument named after it; {name: type}."""
     params: dict[str, Any] = {}
     args: dict[str, int] = {}
     for n in f.ops():
         d = f.data(n)
-        name = d["attrs"].get("name")
-        if d["op"] != "mp.constant" or not isinstance(name, str) \
-                or d["types"][0].elem not in FLOATS:
+        name = param_name(d)
+        if name is None:
             continue
         if name not in args:
             args[name] = f.add_arg(name, d["types"][0], d["loc"])
@@ -63,6 +75,21 @@ def promote_params(f: Function) -> dict[str, Any]:
         f.replace_all_uses((n, 0), (args[name], 0))
         f.erase(n)
     return params
+
+
+def store_inline(module: Module, func: str | None, params: dict[str, np.ndarray]) -> set[str]:
+    """Write the trained values of `module`'s inline trainable constants into their `value`;
+    the names so stored (the rest belong in the weights file)."""
+    f = module.function(func)
+    stored = set()
+    for n in f.ops():
+        d = f.data(n)
+        k = param_name(d)
+        if k is not None and isinstance(d["attrs"].get("value"), DenseAttr):
+            t = d["types"][0]
+            f.set_attr(n, "value", DenseAttr(params[k].astype(F32).reshape(t.shape), t))
+            stored.add(k)
+    return stored
 
 
 def _phases(f: Function) -> dict[int, tuple[str, str]]:
@@ -110,8 +137,14 @@ class Trainer:
                                             "(weights come from the module's mp.weights file)")
         weights = Weights(self.module, self.weights_path)
         source = self.module.function(self.func)
-        locs = {source.attrs_of(n).get("name"): source.data(n)["loc"] for n in source.ops()}
-        self.params = {k: weights.get(k, t, locs[k]).astype(F32) for k, t in types.items()}
+        self.params = {}
+        for n in source.ops():
+            d = source.data(n)
+            k = param_name(d)
+            if k is not None and k not in self.params:
+                inline = d["attrs"].get("value")
+                self.params[k] = (inline.array if isinstance(inline, DenseAttr) else
+                                  weights.get(k, types[k], d["loc"])).astype(F32)
         grad = Grad(loss=self.loss, labels=self.labels, wrt=",".join(types), seed=SCALE_ARG)
         ctx = PassContext(weights_path=self.weights_path)
         PassManager([grad, *self.pipeline]).run(train, ctx)
