@@ -133,18 +133,21 @@ class Trainer:
         f = train.function(self.func)
         types = promote_params(f)
         if not types:
-            raise DiagnosticError.at(f.loc, f"@{f.name} has no named float constants to train "
-                                            "(weights come from the module's mp.weights file)")
+            raise DiagnosticError.at(f.loc, f"@{f.name} has nothing to train: no float constant "
+                                            "of the weights file (mp.weights) and none marked "
+                                            "mp.trainable")
         weights = Weights(self.module, self.weights_path)
         source = self.module.function(self.func)
-        self.params = {}
+        initial = {}
         for n in source.ops():
             d = source.data(n)
             k = param_name(d)
-            if k is not None and k not in self.params:
+            if k is not None and k not in initial:
                 inline = d["attrs"].get("value")
-                self.params[k] = (inline.array if isinstance(inline, DenseAttr) else
-                                  weights.get(k, types[k], d["loc"])).astype(F32)
+                initial[k] = (inline.array if isinstance(inline, DenseAttr) else
+                              weights.get(k, types[k], d["loc"])).astype(F32)
+        # In the order of the gradients the step returns (grad's wrt).
+        self.params = {k: initial[k] for k in types}
         grad = Grad(loss=self.loss, labels=self.labels, wrt=",".join(types), seed=SCALE_ARG)
         ctx = PassContext(weights_path=self.weights_path)
         PassManager([grad, *self.pipeline]).run(train, ctx)
@@ -156,8 +159,8 @@ class Trainer:
         promote_params(forward.function(self.func))
         PassManager(list(self.pipeline)).run(forward, PassContext(weights_path=self.weights_path))
         self.eval_program = Program(forward, self.func, self.weights_path)
-        self.batch = self.eval_program.arg_types[0].shape[0] if self.eval_program.arg_types[0].rank \
-            else 1
+        first = self.eval_program.arg_types[0]
+        self.batch = first.shape[0] if first.rank else 1
         self.label_type = self.program.arg_types[self.program.arg_names.index(self.labels)]
 
     def targets(self, y: np.ndarray) -> np.ndarray:
