@@ -131,6 +131,15 @@ def test_conv2d_rule_matches_jax_for_input_weight_and_bias(strides, padding, dil
           lambda x, w, b: _conv(x, w, b, strides, padding, dilations))
 
 
+def test_grouped_conv2d_rule_matches_jax_per_group():
+    x, w, out = (2, 4, 5, 5), (6, 2, 3, 3), (2, 6, 3, 3)
+    body = op(f"%y = mp.conv2d %x, %w {{groups = 2, strides = [2, 2], padding = [1, 1, 1, 1]}} : "
+              f"({t(x)}, {t(w)}) -> {t(out)}")
+    check({"x": x, "w": w}, body, out, lambda x, w: lax.conv_general_dilated(
+        x, w, (2, 2), ((1, 1), (1, 1)), dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        feature_group_count=2))
+
+
 def test_softmax_and_log_softmax_rules_match_jax():
     check({"x": (3, 5)}, unary("softmax", (3, 5), "{axis = 0} "), (3, 5),
           lambda x: jax.nn.softmax(x, axis=0))

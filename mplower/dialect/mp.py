@@ -453,22 +453,49 @@ def _conv_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
     """Both gradients as forward convolutions (so a policy lowers them as it lowers conv2d):
     the input's is the correlation of the zero-stuffed dY with the flipped, channel-swapped
     weight; the weight's the correlation of x with dY, batch and channels swapped, strides and
-    dilations exchanged."""
-    if a["groups"] != 1:
-        raise _no_rule("mp.conv2d", "groups > 1")
-    tx, tw, tdy = g.type_of(xs[0]), g.type_of(xs[1]), g.type_of(dy)
+    dilations exchanged. Grouped convolutions: the same per group, on channel slices, joined."""
+    groups = a["groups"]
+    if groups == 1:
+        dx, dw = _conv_group_vjp(g, xs[0], xs[1], dy, a, needs[0], needs[1])
+    else:
+        cg, og = g.type_of(xs[1]).shape[1], g.type_of(xs[1]).shape[0] // groups
+        parts = [_conv_group_vjp(g, _channels(g, xs[0], 1, i * cg, cg),
+                                 _channels(g, xs[1], 0, i * og, og),
+                                 _channels(g, dy, 1, i * og, og), a, needs[0], needs[1])
+                 for i in range(groups)]
+        dx = g.emit("mp.concat", [p[0] for p in parts], {"axis": 1}) if needs[0] else None
+        dw = g.emit("mp.concat", [p[1] for p in parts], {"axis": 0}) if needs[1] else None
+    out: list[Value | None] = [dx, dw]
+    if len(xs) == 3:
+        out.append(g.emit("mp.reduce_sum", [dy], {"axes": (0, 2, 3), "keepdims": False})
+                   if needs[2] else None)
+    return out
+
+
+def _channels(g: GradBuilder, v: Value, axis: int, start: int, size: int) -> Value:
+    shape = g.type_of(v).shape
+    return g.emit("mp.slice", [v], {"starts": tuple(start if i == axis else 0
+                                                    for i in range(len(shape))),
+                                    "ends": tuple(start + size if i == axis else d
+                                                  for i, d in enumerate(shape))})
+
+
+def _conv_group_vjp(g: GradBuilder, x: Value, wv: Value, dy: Value, a: dict, need_x: bool,
+                    need_w: bool) -> tuple[Value | None, Value | None]:
+    """(dx, dw) of one group of a conv2d (see `_conv_vjp`)."""
+    tx, tw, tdy = g.type_of(x), g.type_of(wv), g.type_of(dy)
     (n, c, h, w), (o, _, kh, kw), (ho, wo) = tx.shape, tw.shape, tdy.shape[2:]
     (sh, sw), (dh, dw), (pt, pl, pb, pr) = a["strides"], a["dilations"], a["padding"]
     eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
-    out: list[Value | None] = [None] * len(xs)
+    dx = dwt = None
     swap = {"perm": (1, 0, 2, 3)}
-    if needs[0]:
+    if need_x:
         rem_h, rem_w = (h + pt + pb - eh) % sh, (w + pl + pr - ew) % sw
         pads = (eh - 1 - pt, ew - 1 - pl, eh - 1 - pb + rem_h, ew - 1 - pr + rem_w)
         if min(pads) < 0:
             raise _no_rule("mp.conv2d", "padding at least as large as the kernel")
         big = -(2 ** 31)  # ONNX Slice's "to the start" for a negative step
-        flipped = g.emit("mp.slice", [xs[1]], {"starts": (0, 0, kh - 1, kw - 1),
+        flipped = g.emit("mp.slice", [wv], {"starts": (0, 0, kh - 1, kw - 1),
                                                 "ends": (o, c, big, big), "steps": (1, 1, -1, -1)})
         wt = g.emit("mp.transpose", [flipped], swap)
         spread = dy
@@ -484,17 +511,16 @@ def _conv_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
             spread = g.emit("mp.reshape", [spread], result=tensor((n, o, ho * sh, wo * sw), e))
             spread = g.emit("mp.slice", [spread], {"starts": (0, 0, 0, 0), "ends": (
                 n, o, (ho - 1) * sh + 1, (wo - 1) * sw + 1)})
-        out[0] = g.emit("mp.conv2d", [spread, wt], {"padding": pads, "dilations": (dh, dw)})
-    if needs[1]:
-        full = g.emit("mp.conv2d", [g.emit("mp.transpose", [xs[0]], swap),
+        dx = g.emit("mp.conv2d", [spread, wt], {"padding": pads, "dilations": (dh, dw)})
+    if need_w:
+        full = g.emit("mp.conv2d", [g.emit("mp.transpose", [x], swap),
                                     g.emit("mp.transpose", [dy], swap)],
                       {"strides": (dh, dw), "dilations": (sh, sw), "padding": (pt, pl, pb, pr)})
         if g.type_of(full).shape[2:] != (kh, kw):  # rows the strides never reached
             full = g.emit("mp.slice", [full], {"starts": (0, 0, 0, 0), "ends": (c, o, kh, kw)})
-        out[1] = g.emit("mp.transpose", [full], swap)
-    if len(xs) == 3 and needs[2]:
-        out[2] = g.emit("mp.reduce_sum", [dy], {"axes": (0, 2, 3), "keepdims": False})
-    return out
+        dwt = g.emit("mp.transpose", [full], swap)
+    return dx, dwt
+
 
 _def("conv2d",
      vjp=_conv_vjp,
