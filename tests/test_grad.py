@@ -102,6 +102,14 @@ def test_binary_rules_reduce_broadcast_cotangents_to_operand_shapes(name, fn):
           positive=("b",) if name == "div" else ())
 
 
+@pytest.mark.parametrize("name,fn", [("maximum", jnp.maximum), ("minimum", jnp.minimum)])
+def test_maximum_and_minimum_rules_split_ties_evenly_as_jax(name, fn):
+    a = np.array([[1.0, -2.0, 0.0], [3.0, 0.5, -1.0]], F32)
+    b = np.array([[0.0, -2.0, 0.0]], F32)  # two ties, broadcast along the rows
+    body = op(f"%y = mp.{name} %a, %b : ({t((2, 3))}, {t((1, 3))}) -> {t((2, 3))}")
+    check({"a": (2, 3), "b": (1, 3)}, body, (2, 3), fn, values={"a": a, "b": b})
+
+
 def test_matmul_rule_matches_jax_with_batch_broadcasting():
     body = op(f"%y = mp.matmul %a, %b : ({t((2, 3, 4))}, {t((4, 5))}) -> {t((2, 3, 5))}")
     check({"a": (2, 3, 4), "b": (4, 5)}, body, (2, 3, 5), jnp.matmul)
@@ -315,8 +323,8 @@ def test_reduce_max_rule_shares_the_gradient_among_tied_maxima_as_jax():
 
 def test_grad_of_an_op_without_a_rule_is_a_located_error():
     with pytest.raises(DiagnosticError) as e:
-        differentiate({"x": (3, 4)},
-                      op(f"%y = mp.maximum %x, %x : ({t((3, 4))}, {t((3, 4))}) -> {t((3, 4))}"),
-                      (3, 4))
+        differentiate({"x": (1, 3, 2)},
+                      op(f"%y = mp.lrn %x {{size = 3}} : ({t((1, 3, 2))}) -> {t((1, 3, 2))}"),
+                      (1, 3, 2))
     assert str(e.value.diagnostics[0].loc) == "<stdin>:2:3"
-    assert e.value.diagnostics[0].message == "grad: mp.maximum has no gradient rule"
+    assert e.value.diagnostics[0].message == "grad: mp.lrn has no gradient rule"

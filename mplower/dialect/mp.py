@@ -567,7 +567,25 @@ def _binary_vjp(rule: Callable[[GradBuilder, Value, Value, Value, Value], tuple]
     return vjp
 
 
+def _pick_vjp(larger: bool) -> Vjp:
+    """maximum (`larger`) and minimum: dy to the operand picked, half to each on a tie (as
+    JAX and PyTorch split it), from relu_grad's masks of a - b and b - a."""
+    def rule(g: GradBuilder, a: Value, b: Value, y: Value, dy: Value) -> tuple:
+        ahead, behind = g.emit("mp.sub", [a, b]), g.emit("mp.sub", [b, a])
+        if not larger:
+            ahead, behind = behind, ahead
+        a_wins = g.emit("mp.relu_grad", [dy, ahead])
+        b_wins = g.emit("mp.relu_grad", [dy, behind])
+        rest = g.emit("mp.sub", [g.emit("mp.sub", [dy, a_wins]), b_wins])
+        half_tie = _times(g, rest, 0.5)
+        return (lambda: g.emit("mp.add", [a_wins, half_tie]),
+                lambda: g.emit("mp.add", [b_wins, half_tie]))
+    return _binary_vjp(rule)
+
+
 _BINARY_VJP = {
+    "maximum": _pick_vjp(larger=True),
+    "minimum": _pick_vjp(larger=False),
     "add": _binary_vjp(lambda g, a, b, y, dy: (lambda: dy, lambda: dy)),
     "sub": _binary_vjp(lambda g, a, b, y, dy: (lambda: dy, lambda: g.emit("mp.neg", [dy]))),
     "mul": _binary_vjp(lambda g, a, b, y, dy: (lambda: g.emit("mp.mul", [dy, b]),
