@@ -243,5 +243,9 @@ def test_train_usage_and_input_errors_leave_no_output(tmp_path, digits, cli):
     assert (res.rc, res.err.splitlines()[-1]) == (
         2, ("mplower: error: --batch 8: the model takes batches of 32 (the first dimension of "
            "its first argument)"))
+    res = cli("train", model, "--data", tmp_path / "train.npz", "--pass-pipeline",
+              "asign-precision", "-o", out)
+    assert (res.rc, res.err.splitlines()[-1]) == (
+        2, "mplower: error: unknown pass 'asign-precision'; did you mean 'assign-precision'?")
     assert out.read_text() == "previous\n"
     assert sorted(os.listdir(tmp_path)) == ["mlp.ir", "mlp.npz", "out.ir", "train.npz"]

@@ -90,7 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mplower.io.atomic import path_from
     from mplower.io.npz import beside, read_npz, save_npz, weights_file
     from mplower.ir.printer import print_module
-    from mplower.pass_manager import parse_pipeline
+    from mplower.pass_manager import PipelineError, parse_pipeline
     from mplower.train.optim import parse_optimizer
     from mplower.train.report import plot_training, training_report
     from mplower.train.scaler import parse_loss_scale
@@ -107,7 +107,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag} must be at least 1")
     pipeline_text = args.pass_pipeline or (
         f"assign-precision{{policy={args.policy}}},insert-casts" if args.policy else "")
-    pipeline = parse_pipeline(pipeline_text)
+    try:
+        pipeline = parse_pipeline(pipeline_text)
+    except PipelineError as e:
+        raise UsageError(str(e)) from None
     module = read_module(args)
     trainer = Trainer(module, args.loss, args.labels, pipeline, optimizer, scaler, args.func,
                       args.weights)
