@@ -37,6 +37,9 @@ ALL_OPS = [
     "gather", "gather_elements", "gather_nd", "where", "equal", "less", "less_equal",
     "greater", "greater_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
     "isnan", "isinf", "expand", "trilu", "pow", "cumsum",
+    # the backward ops of the gradient rules (passes/grad.py)
+    "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad", "reduce_max_grad",
+    "fake_quant_lsq", "lsq_grad",
 ]
 
 

@@ -111,7 +111,9 @@ def _f32(x: np.ndarray) -> np.ndarray:
 def _finish(y: np.ndarray, elem: str, saturate: bool = False) -> tuple[np.ndarray, Counts | None]:
     """A computed result in the values of `elem`: rounded (with counts) or converted."""
     if elem in ROUNDING_FORMATS and elem != "f32":
-        return round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
+        # np.ascontiguousarray makes a 0-d array 1-d: the rounded scalar gets its shape back.
+        rounded, counts = round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
+        return rounded.reshape(np.shape(y)), counts
     if FORMATS[elem].is_float:
         return y.astype(value_dtype(elem), copy=False), None
     return y.astype(value_dtype(elem), copy=False), NO_COUNTS

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from mplower.cli import onnx, opt, report, run, target
+from mplower.cli import onnx, opt, report, run, target, train
 from mplower.cli.common import (
     EXIT_INPUT,
     EXIT_OK,
@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[Callable[[Any, str], argparse.ArgumentParser],
     "import": (onnx.add_import, onnx.cmd_import),
     "export": (onnx.add_export, onnx.cmd_export),
     "target": (target.add_target, target.cmd_target),
+    "train": (train.add_train, train.cmd_train),
 }
 
 

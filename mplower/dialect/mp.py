@@ -22,9 +22,12 @@ import numpy as np
 from mplower.ir.opdef import (
     OPS,
     AttrSpec,
+    GradBuilder,
     OpDef,
     OpError,
     Trait,
+    Value,
+    Vjp,
     check_attr_values,
     define,
     ops_with,
@@ -150,7 +153,7 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
          infer: _ImplInfer, reference: _ImplReference, flops: _ImplFlops,
          precisions: frozenset[str], doc: str, traits: frozenset[Trait] = frozenset(),
          weight_operand: int | None = None,
-         encoded_operands: frozenset[int] = frozenset()) -> OpDef:
+         encoded_operands: frozenset[int] = frozenset(), vjp: Vjp | None = None) -> OpDef:
     op = f"mp.{name}"
     specs = dict(attrs)
     lo = sum(1 for n in operands if not n.endswith(("?", "...")))
@@ -189,7 +192,7 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
         reference=checked_reference, flops=checked_flops, precisions=precisions,
         # Every mp op is a function of its operands and attributes.
         traits=traits | {Trait.PURE}, weight_operand=weight_operand, doc=doc,
-        operand_names=operands,
+        operand_names=operands, vjp=vjp,
     ))
 
 
@@ -199,6 +202,46 @@ def _count_text(lo: int, hi: int | None) -> str:
     if lo == hi:
         return f"{lo} operand{'s' * (lo != 1)}" if lo else "no operands"
     return f"{lo} to {hi} operands"
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient rules: what every op's `vjp` builds the backward graph from (passes/grad.py). A rule
+# gets the operands, the result and its cotangent `dy`, and returns each operand's cotangent,
+# built from mp ops, so the backward graph is lowered, run and reported like the forward one.
+
+
+def _sum_to(g: GradBuilder, v: Value, shape: tuple[int, ...]) -> Value:
+    """A broadcast cotangent summed back to the shape of the operand that was broadcast."""
+    t = g.type_of(v)
+    if t.shape == shape:
+        return v
+    lead = t.rank - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(shape)
+                                      if d == 1 and t.shape[lead + i] != 1)
+    s = g.emit("mp.reduce_sum", [v], {"axes": axes, "keepdims": True}) if axes else v
+    if g.type_of(s).shape == shape:
+        return s
+    return g.emit("mp.reshape", [s], result=tensor(shape, t.elem))
+
+
+def _broadcast_to(g: GradBuilder, v: Value, shape: tuple[int, ...]) -> Value:
+    """`v` broadcast to `shape` (numpy rules), as the sum with a zero splat."""
+    t = g.type_of(v)
+    if t.shape == shape:
+        return v
+    return g.emit("mp.add", [v, g.splat(0.0, shape, t.elem)])
+
+
+def _times(g: GradBuilder, v: Value, k: float) -> Value:
+    return g.emit("mp.mul", [v, g.splat(k, (), g.type_of(v).elem)])
+
+
+def _one_minus(g: GradBuilder, v: Value) -> Value:
+    return g.emit("mp.sub", [g.splat(1.0, (), g.type_of(v).elem), v])
+
+
+def _no_rule(op: str, why: str) -> OpError:
+    return OpError(f"{op} has no gradient rule for {why}")
 
 
 # Compute formats an op may be assigned. Contractions run on tensor cores in every format the
@@ -309,7 +352,26 @@ def _matmul_flops(ins: Sequence[TensorType], a: dict) -> int:
     return 2 * _prod(_matmul_shape(ins[0], ins[1])) * ins[0].shape[-1]
 
 
+
+def _swap_last(g: GradBuilder, v: Value) -> Value:
+    r = g.type_of(v).rank
+    return g.emit("mp.transpose", [v], {"perm": tuple(range(r - 2)) + (r - 1, r - 2)})
+
+
+def _matmul_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                needs: Sequence[bool]) -> list[Value | None]:
+    ta, tb = g.type_of(xs[0]), g.type_of(xs[1])
+    if ta.rank < 2 or tb.rank < 2:
+        raise _no_rule("mp.matmul", "1-D operands (reshape them to 2-D)")
+    da = db = None
+    if needs[0]:  # dA = dY @ B^T, summed over the batch dims A was broadcast along
+        da = _sum_to(g, g.emit("mp.matmul", [dy, _swap_last(g, xs[1])]), ta.shape)
+    if needs[1]:  # dB = A^T @ dY
+        db = _sum_to(g, g.emit("mp.matmul", [_swap_last(g, xs[0]), dy]), tb.shape)
+    return [da, db]
+
 _def("matmul",
+     vjp=_matmul_vjp,
      operands=("a", "b"),
      attrs={},
      infer=_matmul_infer,
@@ -386,7 +448,83 @@ def _conv_flops(ins: Sequence[TensorType], a: dict) -> int:
     return 2 * n * o * ho * wo * cg * kh * kw
 
 
+
+def _conv_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+              needs: Sequence[bool]) -> list[Value | None]:
+    """Both gradients as forward convolutions (so a policy lowers them as it lowers conv2d):
+    the input's is the correlation of the zero-stuffed dY with the flipped, channel-swapped
+    weight; the weight's the correlation of x with dY, batch and channels swapped, strides and
+    dilations exchanged. Grouped convolutions: the same per group, on channel slices, joined."""
+    groups = a["groups"]
+    if groups == 1:
+        dx, dw = _conv_group_vjp(g, xs[0], xs[1], dy, a, needs[0], needs[1])
+    else:
+        cg, og = g.type_of(xs[1]).shape[1], g.type_of(xs[1]).shape[0] // groups
+        parts = [_conv_group_vjp(g, _channels(g, xs[0], 1, i * cg, cg),
+                                 _channels(g, xs[1], 0, i * og, og),
+                                 _channels(g, dy, 1, i * og, og), a, needs[0], needs[1])
+                 for i in range(groups)]
+        dx = g.emit("mp.concat", [p[0] for p in parts], {"axis": 1}) if needs[0] else None
+        dw = g.emit("mp.concat", [p[1] for p in parts], {"axis": 0}) if needs[1] else None
+    out: list[Value | None] = [dx, dw]
+    if len(xs) == 3:
+        out.append(g.emit("mp.reduce_sum", [dy], {"axes": (0, 2, 3), "keepdims": False})
+                   if needs[2] else None)
+    return out
+
+
+def _channels(g: GradBuilder, v: Value, axis: int, start: int, size: int) -> Value:
+    shape = g.type_of(v).shape
+    return g.emit("mp.slice", [v], {"starts": tuple(start if i == axis else 0
+                                                    for i in range(len(shape))),
+                                    "ends": tuple(start + size if i == axis else d
+                                                  for i, d in enumerate(shape))})
+
+
+def _conv_group_vjp(g: GradBuilder, x: Value, wv: Value, dy: Value, a: dict, need_x: bool,
+                    need_w: bool) -> tuple[Value | None, Value | None]:
+    """(dx, dw) of one group of a conv2d (see `_conv_vjp`)."""
+    tx, tw, tdy = g.type_of(x), g.type_of(wv), g.type_of(dy)
+    (n, c, h, w), (o, _, kh, kw), (ho, wo) = tx.shape, tw.shape, tdy.shape[2:]
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = a["strides"], a["dilations"], a["padding"]
+    eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    dx = dwt = None
+    swap = {"perm": (1, 0, 2, 3)}
+    if need_x:
+        rem_h, rem_w = (h + pt + pb - eh) % sh, (w + pl + pr - ew) % sw
+        pads = (eh - 1 - pt, ew - 1 - pl, eh - 1 - pb + rem_h, ew - 1 - pr + rem_w)
+        if min(pads) < 0:
+            raise _no_rule("mp.conv2d", "padding at least as large as the kernel")
+        big = -(2 ** 31)  # ONNX Slice's "to the start" for a negative step
+        flipped = g.emit("mp.slice", [wv], {"starts": (0, 0, kh - 1, kw - 1),
+                                                "ends": (o, c, big, big), "steps": (1, 1, -1, -1)})
+        wt = g.emit("mp.transpose", [flipped], swap)
+        spread = dy
+        if (sh, sw) != (1, 1):  # put stride - 1 zeros between the rows and columns of dY
+            e = tdy.elem
+            spread = g.emit("mp.reshape", [dy], result=tensor((n, o, ho, 1, wo, 1), e))
+            if sh > 1:
+                spread = g.emit("mp.concat", [spread, g.splat(0.0, (n, o, ho, sh - 1, wo, 1), e)],
+                                {"axis": 3})
+            if sw > 1:
+                spread = g.emit("mp.concat", [spread, g.splat(0.0, (n, o, ho, sh, wo, sw - 1), e)],
+                                {"axis": 5})
+            spread = g.emit("mp.reshape", [spread], result=tensor((n, o, ho * sh, wo * sw), e))
+            spread = g.emit("mp.slice", [spread], {"starts": (0, 0, 0, 0), "ends": (
+                n, o, (ho - 1) * sh + 1, (wo - 1) * sw + 1)})
+        dx = g.emit("mp.conv2d", [spread, wt], {"padding": pads, "dilations": (dh, dw)})
+    if need_w:
+        full = g.emit("mp.conv2d", [g.emit("mp.transpose", [x], swap),
+                                    g.emit("mp.transpose", [dy], swap)],
+                      {"strides": (dh, dw), "dilations": (sh, sw), "padding": (pt, pl, pb, pr)})
+        if g.type_of(full).shape[2:] != (kh, kw):  # rows the strides never reached
+            full = g.emit("mp.slice", [full], {"starts": (0, 0, 0, 0), "ends": (c, o, kh, kw)})
+        dwt = g.emit("mp.transpose", [full], swap)
+    return dx, dwt
+
+
 _def("conv2d",
+     vjp=_conv_vjp,
      operands=("x", "w", "bias?"),
      attrs={**_WINDOW_ATTRS, "dilations": AttrSpec("ints", default=(1, 1), length=2, min=1),
             "groups": AttrSpec("int", default=1, min=1)},
@@ -420,6 +558,45 @@ def _binary_reference(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> _Im
 
 _PICKS = _ELEMENTWISE | _PRESERVES  # each result is one of the operands' values (or its negation)
 
+def _binary_vjp(rule: Callable[[GradBuilder, Value, Value, Value, Value], tuple]) -> Vjp:
+    """A rule for a broadcasting binary op from its unbroadcast cotangents (da, db)."""
+    def vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+            needs: Sequence[bool]) -> list[Value | None]:
+        grads = rule(g, xs[0], xs[1], y, dy)
+        return [_sum_to(g, d(), g.type_of(x).shape) if need else None
+                for d, x, need in zip(grads, xs, needs)]
+    return vjp
+
+
+def _pick_vjp(larger: bool) -> Vjp:
+    """maximum (`larger`) and minimum: dy to the operand picked, half to each on a tie (as
+    JAX and PyTorch split it), from relu_grad's masks of a - b and b - a."""
+    def rule(g: GradBuilder, a: Value, b: Value, y: Value, dy: Value) -> tuple:
+        ahead, behind = g.emit("mp.sub", [a, b]), g.emit("mp.sub", [b, a])
+        if not larger:
+            ahead, behind = behind, ahead
+        a_wins = g.emit("mp.relu_grad", [dy, ahead])
+        b_wins = g.emit("mp.relu_grad", [dy, behind])
+        rest = g.emit("mp.sub", [g.emit("mp.sub", [dy, a_wins]), b_wins])
+        half_tie = _times(g, rest, 0.5)
+        return (lambda: g.emit("mp.add", [a_wins, half_tie]),
+                lambda: g.emit("mp.add", [b_wins, half_tie]))
+    return _binary_vjp(rule)
+
+
+_BINARY_VJP = {
+    "maximum": _pick_vjp(larger=True),
+    "minimum": _pick_vjp(larger=False),
+    "add": _binary_vjp(lambda g, a, b, y, dy: (lambda: dy, lambda: dy)),
+    "sub": _binary_vjp(lambda g, a, b, y, dy: (lambda: dy, lambda: g.emit("mp.neg", [dy]))),
+    "mul": _binary_vjp(lambda g, a, b, y, dy: (lambda: g.emit("mp.mul", [dy, b]),
+                                               lambda: g.emit("mp.mul", [dy, a]))),
+    "div": _binary_vjp(lambda g, a, b, y, dy: (
+        lambda: g.emit("mp.div", [dy, b]),
+        lambda: g.emit("mp.neg", [g.emit("mp.div", [g.emit("mp.mul", [dy, y]), b])]))),
+}
+
+
 for _name, _fn, _allowed, _doc, _traits in (
     ("add", np.add, _NUMERIC, "a + b", _ELEMENTWISE),
     ("sub", np.subtract, _NUMERIC, "a - b", _ELEMENTWISE),
@@ -431,6 +608,7 @@ for _name, _fn, _allowed, _doc, _traits in (
 ):
     _what = "a float" if _allowed is _FLOATS else "a numeric"
     _def(_name,
+         vjp=_BINARY_VJP.get(_name),
          operands=("a", "b"),
          attrs={},
          infer=_binary_infer(_allowed, _what),
@@ -465,6 +643,30 @@ def _rsqrt(x: np.ndarray) -> np.ndarray:
     return np.reciprocal(np.sqrt(x))
 
 
+def _unary_vjp(rule: Callable[[GradBuilder, Value, Value, Value], Value]) -> Vjp:
+    return lambda g, xs, y, dy, a, needs: [rule(g, xs[0], y, dy)]
+
+
+def _mul(g: GradBuilder, *vs: Value) -> Value:
+    out = vs[0]
+    for v in vs[1:]:
+        out = g.emit("mp.mul", [out, v])
+    return out
+
+
+_UNARY_VJP = {
+    "neg": _unary_vjp(lambda g, x, y, dy: g.emit("mp.neg", [dy])),
+    "relu": _unary_vjp(lambda g, x, y, dy: g.emit("mp.relu_grad", [dy, x])),
+    "sigmoid": _unary_vjp(lambda g, x, y, dy: _mul(g, dy, y, _one_minus(g, y))),
+    "tanh": _unary_vjp(lambda g, x, y, dy: g.emit("mp.mul", [dy, _one_minus(g, _mul(g, y, y))])),
+    "exp": _unary_vjp(lambda g, x, y, dy: g.emit("mp.mul", [dy, y])),
+    "log": _unary_vjp(lambda g, x, y, dy: g.emit("mp.div", [dy, x])),
+    "sqrt": _unary_vjp(lambda g, x, y, dy: g.emit("mp.div", [_times(g, dy, 0.5), y])),
+    "rsqrt": _unary_vjp(lambda g, x, y, dy: _mul(g, _times(g, dy, -0.5), y, y, y)),
+}
+
+
+
 for _name, _fn, _allowed, _doc, _traits in (
     ("neg", np.negative, _NUMERIC, "-x (ONNX Neg)", _PICKS),
     ("relu", _relu, _NUMERIC, "max(x, 0) (ONNX Relu)", _PICKS),
@@ -477,6 +679,7 @@ for _name, _fn, _allowed, _doc, _traits in (
 ):
     _what = "a float" if _allowed is _FLOATS else "a numeric"
     _def(_name,
+         vjp=_UNARY_VJP[_name],
          operands=("x",),
          attrs={},
          infer=_unary_infer(_allowed, _what),
@@ -485,6 +688,21 @@ for _name, _fn, _allowed, _doc, _traits in (
          precisions=_VECTOR,
          doc=f"Elementwise {_doc}.",
          traits=_traits)
+
+def _relu_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    dy, x = _num(xs[0]), _num(xs[1])
+    return [np.where(x > 0, dy, dy.dtype.type(0))]
+
+
+_def("relu_grad",
+     operands=("dy", "x"),
+     attrs={},
+     infer=_binary_infer(_FLOATS, "a float"),
+     reference=_relu_grad_reference,
+     flops=_per_element(1),
+     precisions=_VECTOR,
+     doc="The gradient of relu: dy where x > 0, else 0 (the backward of mp.relu).",
+     traits=_PICKS)
 
 _ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
                 -1.13520398, 1.48851587, -0.82215223, 0.17087277)
@@ -514,9 +732,32 @@ def _gelu_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [y.astype(x.dtype)]
 
 
+def _gelu_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+              needs: Sequence[bool]) -> list[Value | None]:
+    x = xs[0]
+    if a["approximate"] == "tanh":  # d/dx 0.5 x (1 + tanh u), u = c (x + k x^3)
+        c, k = math.sqrt(2 / math.pi), 0.044715
+        x2 = _mul(g, x, x)
+        u = _times(g, g.emit("mp.add", [x, _times(g, _mul(g, x2, x), k)]), c)
+        t = g.emit("mp.tanh", [u])
+        du = _times(g, g.emit("mp.add", [g.splat(1.0, (), g.type_of(x).elem),
+                                        _times(g, x2, 3 * k)]), c)
+        sech2 = _one_minus(g, _mul(g, t, t))
+        half = _times(g, g.emit("mp.add", [g.splat(1.0, (), g.type_of(x).elem), t]), 0.5)
+        d = g.emit("mp.add", [half, _times(g, _mul(g, x, sech2, du), 0.5)])
+    else:  # Phi(x) + x phi(x)
+        cdf = _times(g, g.emit("mp.add", [g.splat(1.0, (), g.type_of(x).elem),
+                                         g.emit("mp.erf", [_times(g, x, 1 / math.sqrt(2))])]),
+                     0.5)
+        pdf = _times(g, g.emit("mp.exp", [_times(g, _mul(g, x, x), -0.5)]),
+                     1 / math.sqrt(2 * math.pi))
+        d = g.emit("mp.add", [cdf, _mul(g, x, pdf)])
+    return [g.emit("mp.mul", [dy, d])]
+
 # GELU: about 8 operations per element for the tanh form (cube, two multiply-adds, tanh, add,
 # two multiplies); the erf form is counted the same.
 _def("gelu",
+     vjp=_gelu_vjp,
      operands=("x",),
      attrs={"approximate": AttrSpec("str", default="none", choices=("none", "tanh"))},
      infer=_unary_infer(_FLOATS, "a float"),
@@ -535,7 +776,14 @@ def _erf_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [erf(_fl(xs[0]))]
 
 
+def _erf_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+             needs: Sequence[bool]) -> list[Value | None]:
+    x = xs[0]
+    e = g.emit("mp.exp", [g.emit("mp.neg", [_mul(g, x, x)])])
+    return [_times(g, g.emit("mp.mul", [dy, e]), 2 / math.sqrt(math.pi))]
+
 _def("erf",
+     vjp=_erf_vjp,
      operands=("x",),
      attrs={},
      infer=_unary_infer(_FLOATS, "a float"),
@@ -563,8 +811,14 @@ def _softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [e / np.sum(e, axis=axis, keepdims=True)]
 
 
+def _softmax_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                 needs: Sequence[bool]) -> list[Value | None]:
+    dot = g.emit("mp.reduce_sum", [_mul(g, dy, y)], {"axes": (a["axis"],), "keepdims": True})
+    return [g.emit("mp.mul", [y, g.emit("mp.sub", [dy, dot])])]
+
 # Softmax: 5 operations per element (max, subtract, exp, sum, divide).
 _def("softmax",
+     vjp=_softmax_vjp,
      operands=("x",),
      attrs={"axis": AttrSpec("int", default=-1)},
      infer=_softmax_infer,
@@ -580,8 +834,14 @@ def _log_softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarr
     return [d - np.log(np.sum(np.exp(d), axis=a["axis"], keepdims=True))]
 
 
+def _log_softmax_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                     needs: Sequence[bool]) -> list[Value | None]:
+    total = g.emit("mp.reduce_sum", [dy], {"axes": (a["axis"],), "keepdims": True})
+    return [g.emit("mp.sub", [dy, _mul(g, g.emit("mp.exp", [y]), total)])]
+
 # LogSoftmax: 5 operations per element (max, subtract, exp, sum, subtract; one log per row).
 _def("log_softmax",
+     vjp=_log_softmax_vjp,
      operands=("x",),
      attrs={"axis": AttrSpec("int", default=-1)},
      infer=_softmax_infer,
@@ -658,12 +918,45 @@ def _rms_norm_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]
     return [x / np.sqrt(ms + x.dtype.type(a["epsilon"])) * gamma]
 
 
+def _norm_vjp(centered: bool) -> Vjp:
+    """layer_norm (`centered`) and rms_norm: recompute x-hat and 1/sigma, then
+    dx = (dxhat - [mean(dxhat)] - xhat mean(dxhat xhat)) / sigma with dxhat = dy gamma."""
+    def vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+            needs: Sequence[bool]) -> list[Value | None]:
+        x, gamma = xs[0], xs[1]
+        tx = g.type_of(x)
+        axis = a["axis"] % tx.rank
+        norm = {"axes": tuple(range(axis, tx.rank)), "keepdims": True}
+        d = g.emit("mp.sub", [x, g.emit("mp.reduce_mean", [x], norm)]) if centered else x
+        var = g.emit("mp.reduce_mean", [_mul(g, d, d)], norm)
+        r = g.emit("mp.rsqrt", [g.emit("mp.add", [var, g.splat(a["epsilon"], (), tx.elem)])])
+        xhat = g.emit("mp.mul", [d, r])
+        out: list[Value | None] = [None] * len(xs)
+        if needs[0]:
+            dxhat = g.emit("mp.mul", [dy, gamma])
+            inner = g.emit("mp.sub", [dxhat, _mul(g, xhat, g.emit(
+                "mp.reduce_mean", [_mul(g, dxhat, xhat)], norm))])
+            if centered:
+                inner = g.emit("mp.sub", [inner, g.emit("mp.reduce_mean", [dxhat], norm)])
+            out[0] = g.emit("mp.mul", [inner, r])
+        lead = {"axes": tuple(range(axis)), "keepdims": False}
+
+        def over_lead(v: Value) -> Value:
+            return g.emit("mp.reduce_sum", [v], lead) if axis else v
+        if needs[1]:
+            out[1] = over_lead(g.emit("mp.mul", [dy, xhat]))
+        if centered and needs[2]:
+            out[2] = over_lead(dy)
+        return out
+    return vjp
+
 _NORM_ATTRS = {"axis": AttrSpec("int", default=-1),
                "epsilon": AttrSpec("float", default=1e-5, min=0.0)}
 
 # LayerNorm: 8 operations per element (mean, subtract, square, variance sum, normalize,
 # scale, shift, and the rsqrt amortized); RMSNorm: 4 (square, sum, normalize, scale).
 _def("layer_norm",
+     vjp=_norm_vjp(centered=True),
      operands=("x", "gamma", "beta"),
      attrs=_NORM_ATTRS,
      infer=_norm_infer(("gamma", "beta")),
@@ -672,6 +965,7 @@ _def("layer_norm",
      precisions=_VECTOR,
      doc="Layer normalization over the axes from `axis` on (ONNX LayerNormalization).")
 _def("rms_norm",
+     vjp=_norm_vjp(centered=False),
      operands=("x", "gamma"),
      attrs=_NORM_ATTRS,
      infer=_norm_infer(("gamma",)),
@@ -713,6 +1007,25 @@ def _reduce_reference(fn: Callable[..., np.ndarray]) -> _ImplReference:
     return reference
 
 
+def _reduce_vjp(mean: bool) -> Vjp:
+    def vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+            needs: Sequence[bool]) -> list[Value | None]:
+        tx = g.type_of(xs[0])
+        axes = _reduce_axes(a, tx.rank)
+        kept = tensor(_reduced_shape(tx.shape, axes, True), tx.elem)
+        d = dy if a["keepdims"] else g.emit("mp.reshape", [dy], result=kept)
+        if mean:
+            d = _times(g, d, 1 / _prod(tx.shape[i] for i in axes))
+        return [_broadcast_to(g, d, tx.shape)]
+    return vjp
+
+
+_REDUCE_VJP = {
+    "reduce_sum": _reduce_vjp(False), "reduce_mean": _reduce_vjp(True),
+    "reduce_max": lambda g, xs, y, dy, a, needs: [g.emit(
+        "mp.reduce_max_grad", [dy, xs[0], y], {"axes": a["axes"], "keepdims": a["keepdims"]})],
+}
+
 _REDUCE_ATTRS = {"axes": AttrSpec("ints", default=()), "keepdims": AttrSpec("bool", default=True)}
 
 _SUMS = frozenset({Trait.ACCUMULATES})
@@ -724,6 +1037,7 @@ for _name, _fn, _allowed, _doc, _traits in (
 ):
     _what = "a float" if _allowed is _FLOATS else "a numeric"
     _def(_name,
+         vjp=_REDUCE_VJP.get(_name),
          operands=("x",),
          attrs=_REDUCE_ATTRS,
          infer=_reduce_infer(_allowed, _what),
@@ -733,6 +1047,37 @@ for _name, _fn, _allowed, _doc, _traits in (
          doc=f"{_doc} over `axes` (all when empty), optionally keeping them as 1 "
              f"(ONNX Reduce{_doc.capitalize().replace('Maximum', 'Max')}).",
          traits=_traits)
+
+
+def _reduce_max_grad_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    dy, x, y = ins
+    elem = _elem_of(ins, _FLOATS, "a float")
+    want = _reduced_shape(x.shape, _reduce_axes(a, x.rank), a["keepdims"])
+    for i, t in ((0, dy), (2, y)):
+        if t.shape != want:
+            raise OpError(f"operand #{i} must have the reduced shape {want} of x, got {t}",
+                          operand=i)
+    return [tensor(x.shape, elem)]
+
+
+def _reduce_max_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    dy, x, y = (_fl(v) for v in xs)
+    axes = _reduce_axes(a, x.ndim)
+    kept = _reduced_shape(x.shape, axes, True)
+    hit = x == y.reshape(kept)
+    share = hit / hit.sum(axis=axes, keepdims=True)  # tied maxima share the gradient, as JAX's
+    return [(dy.reshape(kept) * share).astype(dy.dtype)]
+
+
+_def("reduce_max_grad",
+     operands=("dy", "x", "y"),
+     attrs=_REDUCE_ATTRS,
+     infer=_reduce_max_grad_infer,
+     reference=_reduce_max_grad_reference,
+     flops=lambda ins, a: 2 * ins[1].size,
+     precisions=_VECTOR,
+     doc="The gradient of reduce_max (y its result): dy to the elements equal to the maximum, "
+         "shared equally among ties.")
 
 
 def _argmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
@@ -774,7 +1119,12 @@ def _reshape_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [xs[0].reshape(_declared("mp.reshape", rt or ()).shape)]
 
 
+def _reshape_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                 needs: Sequence[bool]) -> list[Value | None]:
+    return [g.emit("mp.reshape", [dy], result=g.type_of(xs[0]).with_elem(g.type_of(dy).elem))]
+
 _def("reshape",
+     vjp=_reshape_vjp,
      operands=("x",),
      attrs={},
      infer=_reshape_infer,
@@ -798,7 +1148,13 @@ def _transpose_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(tuple(x.shape[p] for p in _perm(a, x.rank)), x.elem)]
 
 
+def _transpose_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                   needs: Sequence[bool]) -> list[Value | None]:
+    perm = _perm(a, g.type_of(xs[0]).rank)
+    return [g.emit("mp.transpose", [dy], {"perm": tuple(int(i) for i in np.argsort(perm))})]
+
 _def("transpose",
+     vjp=_transpose_vjp,
      operands=("x",),
      attrs={"perm": AttrSpec("ints")},
      infer=_transpose_infer,
@@ -825,7 +1181,22 @@ def _concat_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(first.shape[:axis] + (total,) + first.shape[axis + 1:], elem)]
 
 
+def _concat_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                needs: Sequence[bool]) -> list[Value | None]:
+    shape = g.type_of(dy).shape
+    axis = _axis(a["axis"], len(shape))
+    out: list[Value | None] = []
+    start = 0
+    for x, need in zip(xs, needs):
+        size = g.type_of(x).shape[axis]
+        starts = tuple(start if i == axis else 0 for i in range(len(shape)))
+        ends = tuple(start + size if i == axis else d for i, d in enumerate(shape))
+        out.append(g.emit("mp.slice", [dy], {"starts": starts, "ends": ends}) if need else None)
+        start += size
+    return out
+
 _def("concat",
+     vjp=_concat_vjp,
      operands=("inputs...",),
      attrs={"axis": AttrSpec("int", required=True)},
      infer=_concat_infer,
@@ -868,7 +1239,27 @@ def _slice_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(tuple(_slice_len(s) for s in _slices(x.shape, a)), x.elem)]
 
 
+def _slice_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+               needs: Sequence[bool]) -> list[Value | None]:
+    """dY put back in place between zero blocks, one axis at a time."""
+    tx = g.type_of(xs[0])
+    d = dy
+    for axis, s in enumerate(_slices(tx.shape, a)):
+        if s.step != 1:
+            raise _no_rule("mp.slice", "steps other than 1")
+        shape = g.type_of(d).shape
+        parts = []
+        for lo, hi in ((0, s.start), (s.stop, tx.shape[axis])):
+            if hi > lo:
+                parts.append(g.splat(0.0, shape[:axis] + (hi - lo,) + shape[axis + 1:],
+                                     tx.elem))
+        if parts:
+            pieces = [parts[0], d, *parts[1:]] if s.start > 0 else [d, *parts]
+            d = g.emit("mp.concat", pieces, {"axis": axis})
+    return [d]
+
 _def("slice",
+     vjp=_slice_vjp,
      operands=("x",),
      attrs={"starts": AttrSpec("ints", required=True),
             "ends": AttrSpec("ints", required=True), "steps": AttrSpec("ints")},
@@ -886,6 +1277,7 @@ def _flatten_shape(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
 
 
 _def("flatten",
+     vjp=_reshape_vjp,
      operands=("x",),
      attrs={"axis": AttrSpec("int", default=1)},
      infer=lambda ins, a, d: [tensor(_flatten_shape(ins[0].shape, a["axis"]), ins[0].elem)],
@@ -965,7 +1357,77 @@ def _pool_flops(ins: Sequence[TensorType], a: dict) -> int:
     return _prod(_pool_shape(ins[0], a)) * kh * kw  # one compare or add per window element
 
 
+def _pool_vjp(grad_op: str) -> Vjp:
+    return lambda g, xs, y, dy, a, needs: [g.emit(grad_op, [dy, xs[0]], {
+        "kernel": a["kernel"], "strides": a["strides"], "padding": a["padding"]})]
+
+
+def _pool_grad_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    dy, x = ins
+    elem = _elem_of(ins, _FLOATS, "a float")
+    if dy.shape != _pool_shape(x, a):
+        raise OpError(f"operand #0 must have the pooled shape of x {_pool_shape(x, a)}, got {dy}",
+                      operand=0)
+    return [tensor(x.shape, elem)]
+
+
+def _pool_grad_flops(ins: Sequence[TensorType], a: dict) -> int:
+    kh, kw = a["kernel"]
+    return ins[0].size * kh * kw  # one multiply-add per window element
+
+
+def _scatter_windows(values: np.ndarray, x_shape: tuple, a: dict,
+                     weights: np.ndarray) -> np.ndarray:
+    """Sum `values` (N, C, Ho, Wo) times `weights` (.., Ho, Wo, KH, KW) into the padded input
+    positions each window covers, in one fixed order, then strip the padding."""
+    (kh, kw), (sh, sw), (pt, pl, pb, pr) = a["kernel"], a["strides"], a["padding"]
+    n, c, h, w = x_shape
+    out = np.zeros((n, c, h + pt + pb, w + pl + pr), values.dtype)
+    ho, wo = values.shape[2:]
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, i:i + sh * ho:sh, j:j + sw * wo:sw] += values * weights[..., i, j]
+    return out[:, :, pt:pt + h, pl:pl + w]
+
+
+def _max_pool_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    dy, x = _fl(xs[0]), _fl(xs[1])
+    win = conv_windows(pad_hw(x, a["padding"], -np.inf), a["kernel"], a["strides"])
+    flat = win.reshape(win.shape[:4] + (-1,))
+    first = np.argmax(flat, axis=-1)  # the first maximum of a window takes its gradient
+    onehot = np.arange(flat.shape[-1]) == first[..., None]
+    return [_scatter_windows(dy, x.shape, a, onehot.reshape(win.shape).astype(dy.dtype))]
+
+
+def _avg_pool_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    dy, x = _fl(xs[0]), _fl(xs[1])
+    ones = pad_hw(np.ones((1, 1) + x.shape[2:], dy.dtype), a["padding"])
+    inside = conv_windows(ones, a["kernel"], a["strides"])
+    share = inside / inside.sum(axis=(-2, -1), keepdims=True)  # padding not counted
+    return [_scatter_windows(dy, x.shape, a, share)]
+
+
+_def("max_pool2d_grad",
+     operands=("dy", "x"),
+     attrs=_POOL_ATTRS,
+     infer=_pool_grad_infer,
+     reference=_max_pool_grad_reference,
+     flops=_pool_grad_flops,
+     precisions=_VECTOR,
+     doc="The gradient of max_pool2d: each window's dy goes to its first maximum in x.")
+_def("avg_pool2d_grad",
+     operands=("dy", "x"),
+     attrs=_POOL_ATTRS,
+     infer=_pool_grad_infer,
+     reference=_avg_pool_grad_reference,
+     flops=_pool_grad_flops,
+     precisions=_VECTOR,
+     doc="The gradient of avg_pool2d: each window's dy shared by its non-padding elements "
+         "(x gives the shape).")
+
+
 _def("max_pool2d",
+     vjp=_pool_vjp("mp.max_pool2d_grad"),
      operands=("x",),
      attrs=_POOL_ATTRS,
      infer=_pool_infer(_NUMERIC, "a numeric"),
@@ -976,6 +1438,7 @@ _def("max_pool2d",
      # -inf, which f8E4M3FN cannot hold, so its results are rounded.
      doc="2-D max pooling over NCHW windows; padding never wins (ONNX MaxPool).")
 _def("avg_pool2d",
+     vjp=_pool_vjp("mp.avg_pool2d_grad"),
      operands=("x",),
      attrs=_POOL_ATTRS,
      infer=_pool_infer(_FLOATS, "a float"),
@@ -985,6 +1448,11 @@ _def("avg_pool2d",
      doc="2-D average pooling, padding not counted (ONNX AveragePool, count_include_pad=0).")
 
 
+def _global_pool_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                     needs: Sequence[bool]) -> list[Value | None]:
+    tx = g.type_of(xs[0])
+    return [_broadcast_to(g, _times(g, dy, 1 / _prod(tx.shape[2:])), tx.shape)]
+
 def _global_pool_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     x = ins[0]
     if x.rank < 3:
@@ -993,6 +1461,7 @@ def _global_pool_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]
 
 
 _def("global_avg_pool",
+     vjp=_global_pool_vjp,
      operands=("x",),
      attrs={},
      infer=_global_pool_infer,
@@ -1068,7 +1537,15 @@ def _cast_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [_convert(xs[0], _declared("mp.cast", rt or ()).elem, a["saturate"])]
 
 
+def _cast_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+              needs: Sequence[bool]) -> list[Value | None]:
+    tx = g.type_of(xs[0])
+    if not FORMATS[tx.elem].is_float:
+        return [None]
+    return [g.emit("mp.cast", [dy], result=g.type_of(dy).with_elem(tx.elem))]
+
 _def("cast",
+     vjp=_cast_vjp,
      operands=("x",),
      attrs={"saturate": AttrSpec("bool", default=True)},
      infer=_cast_infer,
@@ -1170,6 +1647,29 @@ def _fake_quant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarra
     return [_dequantize_values(_quantize_values(x, a, a["dtype"]), a, x.dtype)]
 
 
+def _fake_quant_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                    needs: Sequence[bool]) -> list[Value | None]:
+    return [g.emit("mp.fake_quant_grad", [dy, xs[0]],
+                   {k: a[k] for k in ("scale", "zero_point", "axis", "dtype")})]
+
+
+def _fake_quant_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    """The straight-through estimator clipped to the quantization range (PyTorch's
+    fake_quantize backward): dy where round(x / scale) + zero_point is in range, else 0."""
+    dy, x = _fl(xs[0]), _fl(xs[1])
+    scale = _along(a["scale"], x.ndim, a["axis"]).astype(x.dtype)
+    q = np.rint(x / scale).astype(np.float64) + _along(a["zero_point"], x.ndim, a["axis"])
+    fmt = FORMATS[a["dtype"]]
+    return [np.where((q >= fmt.min_value) & (q <= fmt.max_finite), dy, dy.dtype.type(0))]
+
+
+def _fake_quant_grad_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    (out,) = _binary_infer(_FLOATS, "a float")(ins, a, declared)
+    if out.shape != ins[1].shape:
+        raise OpError(f"operand #0 must have the shape of x, got {ins[0]}", operand=0)
+    _check_quant(ins[1], a, a["dtype"])
+    return [out]
+
 # Quantize: 2 operations per element (scale, shift; rounding and saturation are the
 # conversion); dequantize: 2 (shift, scale); fake_quant: both. Cast is pure conversion: 0,
 # its cost is the bytes it moves.
@@ -1194,6 +1694,7 @@ _def("dequantize",
          "`axis` (ONNX DequantizeLinear).",
      traits=_CONVERSION)
 _def("fake_quant",
+     vjp=_fake_quant_vjp,
      operands=("x",),
      attrs={**_QUANT_ATTRS, "dtype": AttrSpec("type", required=True, choices=_QUANT_TYPES)},
      infer=_fake_quant_infer,
@@ -1202,6 +1703,107 @@ _def("fake_quant",
      precisions=_VECTOR,
      doc="Quantize to `dtype` and dequantize back, in x's float type (QDQ pair).",
      traits=_CONVERSION)
+
+_def("fake_quant_grad",
+     operands=("dy", "x"),
+     attrs={**_QUANT_ATTRS, "dtype": AttrSpec("type", required=True, choices=_QUANT_TYPES)},
+     infer=_fake_quant_grad_infer,
+     reference=_fake_quant_grad_reference,
+     flops=_per_element(3),
+     precisions=_VECTOR,
+     doc="The gradient of fake_quant (straight-through, clipped): dy where x quantizes "
+         "inside the range of `dtype`, else 0.",
+     traits=_PICKS)
+
+
+# Learned step size quantization (LSQ, Esser et al., ICLR 2020, arXiv:1902.08153): fake_quant
+# whose scale is an operand, so that training learns it with the weights (prepare-qat).
+
+
+def _lsq_attrs(a: dict, scale: np.ndarray) -> dict:
+    """fake_quant's attributes with the scale operand's values (kept positive) as `scale`."""
+    return {**a, "scale": np.maximum(np.abs(scale.astype(np.float64)).reshape(-1),
+                                     np.finfo(np.float32).tiny)}
+
+
+def _lsq_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x, scale = ins
+    elem = _elem_of(ins, _FLOATS, "a float")
+    if scale.rank > 1 or (scale.size > 1 and scale.shape != (x.shape[_axis(a["axis"], x.rank)],)):
+        raise OpError(f"the scale must be a scalar or hold one entry per index of axis "
+                      f"{a['axis']} of {x}, got {scale}", operand=1)
+    _check_quant(x, {**a, "scale": np.ones(1)}, a["dtype"])
+    return [tensor(x.shape, elem)]
+
+
+def _lsq_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    b = _lsq_attrs(a, xs[1])
+    return [_dequantize_values(_quantize_values(x, b, a["dtype"]), b, x.dtype)]
+
+
+def _lsq_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+             needs: Sequence[bool]) -> list[Value | None]:
+    attrs = {k: a[k] for k in ("zero_point", "axis", "dtype")}
+    return [g.emit("mp.lsq_grad", [dy, *xs], {**attrs, "wrt": wrt}) if need else None
+            for wrt, need in zip(("x", "scale"), needs)]
+
+
+def _lsq_grad_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    dy, x, scale = ins
+    _lsq_infer((x, scale), a, ())
+    if dy.shape != x.shape:
+        raise OpError(f"operand #0 must have the shape of x, got {dy}", operand=0)
+    return [tensor((x if a["wrt"] == "x" else scale).shape, _elem_of(ins, _FLOATS, "a float"))]
+
+
+def _lsq_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    """LSQ's gradients: x's is the clipped straight-through estimator; the scale's is
+    dy ((q - z) - x / s) inside the range and dy (q - z) where q saturates, summed over the
+    elements that share the scale and multiplied by LSQ's gradient scale 1 / sqrt(N qmax)."""
+    dy, x = _fl(xs[0]), _fl(xs[1])
+    b = _lsq_attrs(a, xs[2])
+    s = _along(b["scale"], x.ndim, a["axis"]).astype(x.dtype)
+    zp = _along(a["zero_point"], x.ndim, a["axis"])
+    v = x / s
+    q = np.rint(v).astype(np.float64) + zp
+    fmt = FORMATS[a["dtype"]]
+    inside = (q >= fmt.min_value) & (q <= fmt.max_finite)
+    if a["wrt"] == "x":
+        return [np.where(inside, dy, dy.dtype.type(0))]
+    step = np.clip(q, fmt.min_value, fmt.max_finite) - zp - np.where(inside, v, 0)
+    per = dy.astype(np.float64) * step
+    if xs[2].size > 1:
+        axis = a["axis"] % x.ndim
+        total = per.sum(axis=tuple(i for i in range(x.ndim) if i != axis))
+    else:
+        total = per.sum().reshape(xs[2].shape)
+    shared = x.size // max(xs[2].size, 1)
+    return [(total / math.sqrt(shared * fmt.max_finite)).astype(dy.dtype)]
+
+
+_LSQ_ATTRS = {"zero_point": _QUANT_ATTRS["zero_point"], "axis": _QUANT_ATTRS["axis"],
+              "dtype": AttrSpec("type", required=True, choices=_QUANT_TYPES)}
+
+_def("fake_quant_lsq",
+     vjp=_lsq_vjp,
+     operands=("x", "scale"),
+     attrs=_LSQ_ATTRS,
+     infer=_lsq_infer,
+     reference=_lsq_reference,
+     flops=_per_element(4),
+     precisions=_VECTOR,
+     doc="fake_quant with a learnable scale operand (LSQ): quantize x to `dtype` with "
+         "|scale| per tensor or per `axis` and dequantize back.")
+_def("lsq_grad",
+     operands=("dy", "x", "scale"),
+     attrs={**_LSQ_ATTRS, "wrt": AttrSpec("str", required=True, choices=("x", "scale"))},
+     infer=_lsq_grad_infer,
+     reference=_lsq_grad_reference,
+     flops=_per_element(5),
+     precisions=_VECTOR,
+     doc="The gradient of fake_quant_lsq with respect to x (clipped straight-through) or its "
+         "scale (LSQ's, with its 1 / sqrt(N qmax) gradient scale).")
 
 
 # ---------------------------------------------------------------------------------------------
