@@ -327,8 +327,8 @@ def _propagated(f: Function) -> Function:
     """`f` as a compiler with qdq-propagation runs it: each 8-bit mp.quantize that is the only
     use of a max_pool2d's result moved above the pool, which then computes in i8, where the
     pool is its operand's only use (else the float operand is still needed, and onnxruntime
-    leaves the pair alone).
-    A copy when anything moves (pricing never changes the function), else `f` itself."""
+    leaves the pair alone). A copy when anything moves (pricing never changes the function),
+    else `f` itself."""
     moves = [q for q in f.walk("mp.quantize")
              if FORMATS[f.types(q)[0].elem].bits == 8
              and f.op(pool := f.operands(q)[0][0]) in _QUANTIZE_COMMUTES
