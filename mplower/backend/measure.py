@@ -301,15 +301,14 @@ def mplower_class(cls: str, fmt: str, x: tuple[int, int, int, int], reps: int) -
     k = class_kernel(cls, x)
     if k.op == "mp.conv2d":
         operand, out, accum = MPLOWER_GEMMS[fmt]
-        plan = {"mp.precision": fmt, "mp.accum": accum}
+        plan = [f"mp.precision = {fmt}", f"mp.accum = {accum}"]
     else:
-        operand, out, plan = fmt, fmt, {}
+        operand, out, plan = fmt, fmt, []
     args = [(x, operand)] + ([(k.weight, operand)] if k.weight else [])
     names = ["%x", "%w"][:len(args)]
     ins = ", ".join(_ty(shape, elem) for shape, elem in args)
     y = _ty(k.out, out)
-    attrs = ", ".join([*(f"{key} = {_attr_text(v)}" for key, v in k.attrs.items()),
-                       *(f"{key} = {v}" for key, v in plan.items())])
+    attrs = ", ".join([*(f"{key} = {_attr_text(v)}" for key, v in k.attrs.items()), *plan])
     text = (f"func.func @main({', '.join(f'{n}: {_ty(s, e)}' for n, (s, e) in zip(names, args))})"
             f" -> {y} {{\n  %y = {k.op} {', '.join(names)} {{{attrs}}} : ({ins}) -> {y}\n"
             f"  return %y : {y}\n}}\n")
