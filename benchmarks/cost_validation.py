@@ -239,7 +239,10 @@ def report(rows: list[dict], target_path: Path, rounds: int) -> list[str]:
               "thread (wall time beside it). The sheet: f32 "
               f"{host.formats['f32'].dense / 1e9:.0f} GFLOP/s, i8 "
               f"{host.formats['i8'].dense / 1e9:.0f} GOP/s, bandwidth {host.bandwidth / 1e9:.0f} "
-              f"GB/s, overhead {host.overhead_s * 1e6:.2f} us, fuse {sorted(host.fuse)}."), "",
+              f"GB/s, overhead {host.overhead_s * 1e6:.2f} us, fuse {sorted(host.fuse)}; "
+              "kernel classes (G(FL)OP/s): " + "; ".join(
+                  f"{cls} " + ", ".join(f"{fmt} {r / 1e9:.3g}" for fmt, r in by.items())
+                  for cls, by in host.rates.items()) + "."), "",
              ("| model | batch | plan | measured ms (CPU) | wall ms | modeled ms | "
              "modeled / measured |"),
              "|---|---|---|---|---|---|---|"]

@@ -46,6 +46,15 @@ def test_target_measure_quick_writes_a_sheet_of_mplowers_executor_the_loader_rea
         label = f"mplower matmul {fmt} {m}x{k} @ {k}x{n}"
         assert target.formats[fmt].dense == header_rate(text, label)
     assert target.bandwidth == header_rate(text, "numpy copy of 1 MiB")
+    # Each kernel class's rate is its one-op model's figure in the header.
+    assert {c: set(r) for c, r in target.rates.items()} == {
+        "conv_depthwise": {"f32", "i8"}, "conv_grouped": {"f32", "i8"},
+        "max_pool": {"f32", "i8"}, "lrn": {"f32"}}
+    assert target.rates["conv_depthwise"]["i8"] == header_rate(
+        text, "mplower conv_depthwise (1x8x8x8 * 8x1x3x3, groups 8) i8")
+    assert target.rates["conv_grouped"]["f32"] == header_rate(
+        text, "mplower conv_grouped (1x8x8x8 * 8x2x1x1, groups 4) f32")
+    assert target.rates["lrn"]["f32"] == header_rate(text, "mplower lrn (1x8x8x8, size 5) f32")
 
 
 def test_target_measure_onnxruntime_sheet_has_its_int8_kernels_and_fusions(cli, tmp_path):
@@ -55,13 +64,20 @@ def test_target_measure_onnxruntime_sheet_has_its_int8_kernels_and_fusions(cli, 
     target = load_target(str(out))
     text = out.read_text()
     assert set(target.formats) == {"f32", "i8"}
-    assert target.fuse == frozenset({"epilogue"})  # measure.ORT_FUSE says why
+    # measure.ORT_FUSE says why (qdq-propagation: the int8 MaxPool of exported SqueezeNet).
+    assert target.fuse == frozenset({"epilogue", "qdq-propagation"})
     m, k, n = QUICK.gemm
     assert target.formats["i8"].dense == header_rate(
         text, f"onnxruntime MatMulInteger {m}x{k} @ {k}x{n}")
     # Its CPU provider has no bf16 GEMM (the exporter computes bf16 in FLOAT).
     legal = target.legalize("mp.matmul", "bf16", "f32")
     assert (legal.compute, legal.reason) == ("f32", "no-bf16-kernel")
+    # onnxruntime's class kernels: its float MaxPool is left to the roofline (CLASS_KERNELS).
+    assert {c: set(r) for c, r in target.rates.items()} == {
+        "conv_depthwise": {"f32", "i8"}, "conv_grouped": {"f32", "i8"}, "max_pool": {"i8"},
+        "lrn": {"f32"}}
+    assert target.rates["max_pool"]["i8"] == header_rate(
+        text, "onnxruntime max_pool (1x8x8x8, 3x3 stride 2) i8")
     # mplower's own int8 kernel is timed beside it, for comparison.
     assert f"#   mplower matmul i8 {m}x{k} @ {k}x{n}: " in text
 
@@ -72,12 +88,17 @@ def test_sheet_text_gives_each_measured_figure_to_the_loader() -> None:
         Measurement("onnxruntime", "gemm", "f32", "MatMul", 2.0, 100e9),
         Measurement("onnxruntime", "gemm", "i8", "MatMulInteger", 4.0, 100e9),
         Measurement("onnxruntime", "overhead", None, "chain", 64e-6, OVERHEAD_CHAIN),
+        Measurement("onnxruntime", "lrn", "f32", "LRN", 0.25, 1e9),
+        Measurement("onnxruntime", "conv_depthwise", "i8", "ConvInteger dw", 0.5, 1e9),
+        Measurement("mplower", "lrn", "f32", "mplower LRN", 1.0, 1e9),
     ])
     when = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC)
     text = measure.sheet_text(h, "onnxruntime", "box", when)
     target = parse_target(text, "box.toml")
     assert (target.name, target.bandwidth, target.overhead_s) == ("box", 40e9, 1e-6)
     assert {f: p.dense for f, p in target.formats.items()} == {"f32": 50e9, "i8": 25e9}
+    # Only the described runtime's class kernels become [rates] (mplower's is in the header).
+    assert target.rates == {"lrn": {"f32": 4e9}, "conv_depthwise": {"i8": 2e9}}
     assert target.description == "this machine (onnxruntime), measured 2026-12-01"
     assert "# date: 2026-12-01 12:00 UTC" in text.splitlines()
     assert "#   chain: 1 us" in text.splitlines()

@@ -20,11 +20,14 @@ Two runtimes can be measured, and the sheet describes one of them:
 
 numpy's BLAS matmul and the conv rates are measured too and recorded in the sheet's comment
 header beside each figure. A format's `dense` rate is its GEMM rate: the sheet holds one rate
-per format for matmul and conv alike. The bandwidth is a large copy (bytes read plus written
-per second). Every figure is the median of several timed calls after a warm-up call. What runs
-on the calling thread alone (onnxruntime on one intra-op thread, the copy) is timed in that
-thread's CPU time (`time.thread_time`), which other processes on a shared machine do not
-inflate: on the 2-core VM under load the wall time of an onnxruntime ResNet-50 call swung from
+per format for matmul and dense conv alike. The kernel classes whose kernels run far from that
+rate or from the memory bandwidth (`mplower.lowering.target.KERNEL_CLASSES`: depthwise and
+grouped conv, max pool, LRN) are each timed as a one-op model and written as `[rates.CLASS]`,
+in the op's FLOPs (its op definition's count) per second; `CLASS_KERNELS` says in which
+formats. The bandwidth is a large copy (bytes read plus written per second). Every figure is
+the median of several timed calls after a warm-up call. What runs on the calling thread alone
+(onnxruntime on one intra-op thread, the copy) is timed in that thread's CPU time
+(`time.thread_time`), which other processes on a shared machine do not inflate: on the 2-core VM under load the wall time of an onnxruntime ResNet-50 call swung from
 69 to 93 ms while its CPU time stayed at 36-37 ms. The executor and numpy's BLAS use helper
 threads, so they are timed by the wall clock.
 """
@@ -44,8 +47,19 @@ import numpy as np
 
 from mplower.backend.executor import Program
 from mplower.dialect.mp import CONTRACTIONS, VALUE_PRESERVING
+from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.parser import parse
+from mplower.ir.types import TensorType
 from mplower.lowering.policy import result_format
+from mplower.lowering.target import (
+    CONV_DEPTHWISE,
+    CONV_GROUPED,
+    FUSE_EPILOGUE,
+    FUSE_QDQ_PROPAGATION,
+    KERNEL_CLASSES,
+    LRN,
+    MAX_POOL,
+)
 
 RUNTIMES = ("mplower", "onnxruntime")
 # The formats the executor's matmul runs, each as a plan computes it: (operand type, result
@@ -60,7 +74,9 @@ MPLOWER_GEMMS = {**{f: (f, result_format("mp.matmul", f, "f32"), "f32")
 # integer ops (QuantizeLinear -> MatMulInteger/ConvInteger -> DequantizeLinear -> Add), and the
 # profiler shows each of those as a kernel of its own (24 DequantizeLinear and 24 Add kernels
 # in the exported int8 SqueezeNet). Not "elementwise" or "cast": it has no general loop fusion.
-ORT_FUSE = ("epilogue",)
+# Its QDQ propagation does move a QuantizeLinear above the MaxPool it follows (the optimized
+# int8 SqueezeNet runs its three MaxPools on int8), the "qdq-propagation" rule.
+ORT_FUSE = (FUSE_EPILOGUE, FUSE_QDQ_PROPAGATION)
 OVERHEAD_CHAIN = 64  # ops in the chain whose time per op is the per-op overhead
 EVERY_REP = math.inf  # median_time's budget here: every rep runs, as the sheet's header says
 
@@ -71,10 +87,65 @@ class Shapes:
     conv: tuple[int, int, int, int]  # batch, channels in = out, height = width, kernel
     copy_bytes: int
     reps: int
+    # The kernel classes' one-op models: (batch, channels, height = width) of the input.
+    classes: tuple[int, int, int] = (1, 128, 28)
 
 
 FULL = Shapes(gemm=(512, 768, 768), conv=(4, 64, 28, 3), copy_bytes=1 << 26, reps=7)
-QUICK = Shapes(gemm=(32, 64, 64), conv=(1, 8, 8, 3), copy_bytes=1 << 20, reps=3)
+QUICK = Shapes(gemm=(32, 64, 64), conv=(1, 8, 8, 3), copy_bytes=1 << 20, reps=3,
+               classes=(1, 8, 8))
+GROUPS = 4  # the grouped conv's groups (ShuffleNet's 1x1 group convs)
+LRN_SIZE = 5  # AlexNet's and GoogLeNet's LRN window
+
+
+@dataclass(frozen=True)
+class ClassKernel:
+    """The one-op model that times a kernel class: the mp op, its attributes, its weight's shape
+    (None without one) and the output shape, for an input of shape (batch, channels, hw, hw)."""
+
+    op: str
+    attrs: dict
+    weight: tuple[int, ...] | None
+    out: tuple[int, ...]
+
+    def flops(self, x: tuple[int, ...]) -> int:
+        """The op's FLOPs as its op definition counts them (what the cost model divides)."""
+        ins = [TensorType(x, "f32")] + ([TensorType(self.weight, "f32")] if self.weight else [])
+        return int(OPS[self.op].flops(ins, [TensorType(self.out, "f32")],
+                                      check_attrs(OPS[self.op], self.attrs)))
+
+
+def class_kernel(cls: str, x: tuple[int, int, int, int]) -> ClassKernel:
+    """The one-op model of kernel class `cls` on input shape `x`: a 3x3 depthwise conv and a
+    1x1 conv in GROUPS groups (same padding), a 3x3 stride-2 max pool, an LRN over LRN_SIZE
+    channels."""
+    n, c, h, w = x
+    if cls in (CONV_DEPTHWISE, CONV_GROUPED):
+        k, groups = (3, c) if cls == CONV_DEPTHWISE else (1, GROUPS)
+        pad = k // 2
+        return ClassKernel("mp.conv2d", {"strides": [1, 1], "padding": [pad] * 4,
+                                         "dilations": [1, 1], "groups": groups},
+                           (c, c // groups, k, k), x)
+    if cls == MAX_POOL:
+        return ClassKernel("mp.max_pool2d", {"kernel": [3, 3], "strides": [2, 2],
+                                             "padding": [0, 0, 0, 0]},
+                           None, (n, c, (h - 3) // 2 + 1, (w - 3) // 2 + 1))
+    assert cls == LRN, cls
+    return ClassKernel("mp.lrn", {"size": LRN_SIZE, "alpha": 1e-4, "beta": 0.75, "bias": 1.0},
+                       None, x)
+
+
+# The formats each runtime's sheet gives a class rate in. onnxruntime: ConvInteger and the int8
+# MaxPool (after qdq-propagation) beside their float kernels, LRN in FLOAT only; not the float
+# MaxPool, which in an exported plan follows a float Conv and so runs in onnxruntime's blocked
+# NCHWc layout, a kernel a one-op model does not reach (it runs the plain NCHW one, several
+# times slower): the sheet leaves it to the roofline. mplower: what the executor runs.
+CLASS_KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
+    "onnxruntime": {CONV_DEPTHWISE: ("f32", "i8"), CONV_GROUPED: ("f32", "i8"),
+                    MAX_POOL: ("i8",), LRN: ("f32",)},
+    "mplower": {CONV_DEPTHWISE: ("f32", "i8"), CONV_GROUPED: ("f32", "i8"),
+                MAX_POOL: ("f32", "i8"), LRN: ("f32",)},
+}
 
 
 @dataclass(frozen=True)
@@ -117,6 +188,14 @@ class HostMeasurements:
         """Each format's dense rate for `runtime`: its GEMM's."""
         return {x.fmt: x.rate for x in self.items
                 if x.runtime == runtime and x.kind == "gemm" and x.fmt is not None}
+
+    def class_rates(self, runtime: str) -> dict[str, dict[str, float]]:
+        """Each kernel class's rate per format for `runtime`, as its one-op model ran."""
+        out: dict[str, dict[str, float]] = {}
+        for x in self.items:
+            if x.runtime == runtime and x.kind in KERNEL_CLASSES and x.fmt is not None:
+                out.setdefault(x.kind, {})[x.fmt] = x.rate
+        return out
 
     def overhead_s(self, runtime: str) -> float:
         x = self.get(runtime, "overhead")
@@ -210,6 +289,32 @@ def mplower_overhead(reps: int) -> float:
     return _timed_program(text, [((1,), "f32")], reps)
 
 
+def _attr_text(value: object) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_attr_text, value)) + "]"
+    return repr(value)
+
+
+def mplower_class(cls: str, fmt: str, x: tuple[int, int, int, int], reps: int) -> float:
+    """Seconds of kernel class `cls`'s one-op model in `fmt` as the executor runs it: a conv
+    with operands in `fmt` (i8 x i8 -> i32), a pool or LRN on a tensor of `fmt`."""
+    k = class_kernel(cls, x)
+    if k.op == "mp.conv2d":
+        operand, out, accum = MPLOWER_GEMMS[fmt]
+        plan = [f"mp.precision = {fmt}", f"mp.accum = {accum}"]
+    else:
+        operand, out, plan = fmt, fmt, []
+    args = [(x, operand)] + ([(k.weight, operand)] if k.weight else [])
+    names = ["%x", "%w"][:len(args)]
+    ins = ", ".join(_ty(shape, elem) for shape, elem in args)
+    y = _ty(k.out, out)
+    attrs = ", ".join([*(f"{key} = {_attr_text(v)}" for key, v in k.attrs.items()), *plan])
+    text = (f"func.func @main({', '.join(f'{n}: {_ty(s, e)}' for n, (s, e) in zip(names, args))})"
+            f" -> {y} {{\n  %y = {k.op} {', '.join(names)} {{{attrs}}} : ({ins}) -> {y}\n"
+            f"  return %y : {y}\n}}\n")
+    return _timed_program(text, args, reps)
+
+
 def copy_seconds(nbytes: int, reps: int) -> float:
     """Seconds of a copy of `nbytes`, which streams them through memory twice (read, write)."""
     src = np.ones(nbytes // 4, np.float32)
@@ -234,14 +339,17 @@ def _ort_session(model, optimize: bool = True):
 
 
 def _ort_time(nodes, inputs: dict[str, np.ndarray], output: tuple[str, int, tuple[int, ...]],
-              reps: int, optimize: bool = True) -> float:
-    from onnx import helper
+              reps: int, optimize: bool = True,
+              initializers: dict[str, np.ndarray] | None = None) -> float:
+    from onnx import helper, numpy_helper
 
     infos = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype),
                                            list(v.shape)) for k, v in inputs.items()]
     name, onnx_type, shape = output
     graph = helper.make_graph(nodes, "measure", infos,
-                              [helper.make_tensor_value_info(name, onnx_type, list(shape))])
+                              [helper.make_tensor_value_info(name, onnx_type, list(shape))],
+                              [numpy_helper.from_array(v, k)
+                               for k, v in (initializers or {}).items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     session = _ort_session(model, optimize)
@@ -280,6 +388,36 @@ def ort_conv(fmt: str, conv: tuple[int, int, int, int], reps: int) -> float:
     w = rng.standard_normal(ws).astype(np.float32)
     node = helper.make_node("Conv", ["x", "w"], ["y"], pads=pads)
     return _ort_time([node], {"x": x, "w": w}, ("y", TensorProto.FLOAT, ys), reps)
+
+
+def ort_class(cls: str, fmt: str, x: tuple[int, int, int, int], reps: int) -> float:
+    """Seconds of kernel class `cls`'s one-op model in onnxruntime, as `mplower export` writes
+    the op: Conv (f32) or ConvInteger (i8 x i8 -> i32) with the weight an initializer, MaxPool
+    and LRN on a tensor of `fmt`."""
+    from onnx import TensorProto, helper
+
+    k = class_kernel(cls, x)
+    rng = np.random.default_rng(0)
+    i8 = fmt == "i8"
+    dtype, onnx_type = (np.int8, TensorProto.INT8) if i8 else (np.float32, TensorProto.FLOAT)
+    data = {"x": rng.integers(-127, 128, x).astype(dtype) if i8
+            else rng.standard_normal(x).astype(dtype)}
+    a = k.attrs
+    if k.op == "mp.conv2d":
+        w = k.weight
+        weight = {"w": rng.integers(-127, 128, w).astype(dtype) if i8
+                  else rng.standard_normal(w).astype(dtype)}
+        node = helper.make_node("ConvInteger" if i8 else "Conv", ["x", "w"], ["y"],
+                                group=a["groups"], pads=a["padding"], kernel_shape=list(w[2:]))
+        out_type = TensorProto.INT32 if i8 else TensorProto.FLOAT
+        return _ort_time([node], data, ("y", out_type, k.out), reps, initializers=weight)
+    if k.op == "mp.max_pool2d":
+        node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=a["kernel"],
+                                strides=a["strides"], pads=a["padding"])
+    else:
+        node = helper.make_node("LRN", ["x"], ["y"], size=a["size"], alpha=a["alpha"],
+                                beta=a["beta"], bias=a["bias"])
+    return _ort_time([node], data, ("y", onnx_type, k.out), reps)
 
 
 def ort_overhead(reps: int) -> float:
@@ -334,6 +472,15 @@ def measure_host(quick: bool = False) -> HostMeasurements:
         add("mplower", "conv", fmt, f"mplower conv2d {fmt} {conv}",
             mplower_conv(fmt, shapes.conv, reps), conv_work)
     add("mplower", "overhead", None, f"mplower {chain}", mplower_overhead(reps), OVERHEAD_CHAIN)
+    x = (shapes.classes[0], shapes.classes[1], shapes.classes[2], shapes.classes[2])
+    timers = {"mplower": mplower_class, "onnxruntime": ort_class}
+    for runtime in ("mplower", "onnxruntime") if onnxruntime_available() else ("mplower",):
+        for cls, fmts in CLASS_KERNELS[runtime].items():
+            one_op = class_kernel(cls, x)
+            what = f"{cls} ({_describe(one_op, x)})"
+            for fmt in fmts:
+                add(runtime, cls, fmt, f"{runtime} {what} {fmt}",
+                    timers[runtime](cls, fmt, x, reps), one_op.flops(x))
     if onnxruntime_available():
         for fmt, op in (("f32", "MatMul"), ("i8", "MatMulInteger")):
             add("onnxruntime", "gemm", fmt, f"onnxruntime {op} {gemm}",
@@ -344,6 +491,15 @@ def measure_host(quick: bool = False) -> HostMeasurements:
         add("onnxruntime", "overhead", None, f"onnxruntime {chain}",
             ort_overhead(reps), OVERHEAD_CHAIN)
     return out
+
+
+def _describe(k: ClassKernel, x: tuple[int, ...]) -> str:
+    shape = "x".join(map(str, x))
+    if k.op == "mp.conv2d":
+        return f"{shape} * {'x'.join(map(str, k.weight))}, groups {k.attrs['groups']}"
+    if k.op == "mp.max_pool2d":
+        return f"{shape}, 3x3 stride 2"
+    return f"{shape}, size {k.attrs['size']}"
 
 
 def machine() -> str:
@@ -386,6 +542,8 @@ def sheet_text(h: HostMeasurements, runtime: str, name: str = "host",
         (f"#   {m}x{k} @ {k}x{n} GEMM (one rate per format serves matmul and conv); bandwidth: "
          "a large copy;"),
         f"#   overhead_s: per op of a chain of one-element ops. {fusion}",
+        ("#   [rates.CLASS]: a one-op model of each kernel class, in the op's FLOPs (OPs) per "
+         "second."),
         ("#   onnxruntime and the copy are timed in the calling thread's CPU time, the "
          "executor and BLAS by the wall clock."),
         "# figures (the other runtimes' for comparison):",
@@ -404,6 +562,9 @@ def sheet_text(h: HostMeasurements, runtime: str, name: str = "host",
     ]
     for fmt, rate in rates.items():
         lines += [f"[formats.{fmt}]", f"dense = {_number(rate)}", ""]
+    for cls, by_format in h.class_rates(runtime).items():
+        lines += [f"[rates.{cls}]", *(f"{fmt} = {_number(r)}" for fmt, r in by_format.items()),
+                  ""]
     lines += ["[[kernels]]", "ops = [" + ", ".join(f'"{o}"' for o in sorted(CONTRACTIONS)) + "]",
               f"dense = [{fmts}]", ""]
     if runtime == "onnxruntime":

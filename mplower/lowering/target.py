@@ -7,20 +7,22 @@ kernel) into one the target can run, walking the fallback chains below and recor
 code for every step, so that the report can say why an op did not run as asked. `op_time` is
 the roofline time of one kernel; mplower.lowering.cost groups a function's ops into the fused
 kernels the target's compiler would launch (`fuse`) and prices each with it, using
-`gemm_efficiency` (tile and wave quantization) for matmuls and convolutions.
+`gemm_efficiency` (tile and wave quantization) for matmuls and convolutions, or the measured
+rate of the op's kernel class (`kernel_class`, a sheet's `[rates.CLASS]`) where the sheet has one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mplower.dialect.plan import DENSE
-from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.diagnostics import DiagnosticError, did_you_mean
 from mplower.ir.graph import Module
+from mplower.ir.types import TensorType
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, format_problem, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
 from mplower.numerics.formats import COMPUTE_FORMATS, FORMATS
@@ -73,7 +75,34 @@ FUSE_CAST = "cast"
 FUSE_QDQ = "qdq"
 FUSE_ELEMENTWISE = "elementwise"
 FUSE_EPILOGUE = "epilogue"
-FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE)
+# `qdq-propagation` moves a quantize above the max_pool2d whose only use it is, which then runs
+# in the quantized format (onnxruntime's QDQ propagation, TensorRT's Q/DQ propagation): a max
+# commutes with a monotone quantize.
+FUSE_QDQ_PROPAGATION = "qdq-propagation"
+FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE, FUSE_QDQ_PROPAGATION)
+
+# Kernel classes (a sheet's `[rates.CLASS]` tables, docs/targets.md): ops whose kernels a runtime
+# may run far from its format's GEMM peak or its memory bandwidth, so a sheet can give each a
+# measured rate, in the op's FLOPs (as its op definition counts them) per second. A conv2d
+# with groups is depthwise when every group has one input channel, else grouped.
+CONV_DEPTHWISE = "conv_depthwise"
+CONV_GROUPED = "conv_grouped"
+MAX_POOL = "max_pool"
+LRN = "lrn"
+KERNEL_CLASSES = (CONV_DEPTHWISE, CONV_GROUPED, MAX_POOL, LRN)
+_CLASS_OF_OP = {"mp.max_pool2d": MAX_POOL, "mp.lrn": LRN}
+
+
+def kernel_class(op: str, attrs: Mapping[str, Any], ins: Sequence[TensorType]) -> str | None:
+    """The kernel class (`KERNEL_CLASSES`) of op `op` with verified `attrs` and operand types
+    `ins`, or None for an op of no class (a dense conv2d, a matmul, elementwise ops)."""
+    if op == "mp.conv2d":
+        groups = attrs.get("groups", 1)
+        if groups == 1:
+            return None
+        return CONV_DEPTHWISE if ins and ins[0].rank == 4 and ins[0].shape[1] == groups \
+            else CONV_GROUPED
+    return _CLASS_OF_OP.get(op)
 
 # One step of each fallback chain: format -> (next format, reason). fp8 and int8 fall to bf16,
 # which keeps f32's range, before f32. f16 falls straight to f32: bf16 would drop 3 mantissa
@@ -155,6 +184,13 @@ class Target:
     tile_m: int | None = None
     tile_n: int | None = None
     sm_count: int | None = None
+    # Measured rate per kernel class and format (`[rates.CLASS]`), FLOP/s (OP/s) of the op's
+    # own count; a class or format without one is priced by its format's peak.
+    rates: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def class_rate(self, cls: str | None, fmt: str) -> float | None:
+        """The sheet's measured rate of kernel class `cls` in `fmt`, or None."""
+        return self.rates.get(cls, {}).get(fmt) if cls is not None else None
 
     def kernels(self, op: str, fmt: str) -> frozenset[str]:
         """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
@@ -288,7 +324,7 @@ def module_target(module: Module, named: str | None,
     return load_target(recorded, module=module, known_ops=known_ops)
 
 
-_TOP_KEYS = ("target", "formats", "kernels", "default")
+_TOP_KEYS = ("target", "formats", "kernels", "default", "rates")
 _TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s", "fuse", "tile_m", "tile_n",
                 "sm_count")
 _TILING_KEYS = ("tile_m", "tile_n", "sm_count")
@@ -347,7 +383,25 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         source=source,
         fuse=frozenset(fuse),
         **tiling,
+        rates=_rates(sheet, sheet.table(data, ("rates",))),
     )
+
+
+def _rates(sheet: Sheet, table: dict[str, Any]) -> dict[str, dict[str, float]]:
+    rates: dict[str, dict[str, float]] = {}
+    for cls, entry in table.items():
+        kp: KeyPath = ("rates", cls)
+        if cls not in KERNEL_CLASSES:
+            raise sheet.error(kp, f"unknown kernel class '{cls}'"
+                              f"{did_you_mean(cls, KERNEL_CLASSES)}")
+        if not isinstance(entry, dict):
+            raise sheet.error(kp, f"'rates.{cls}' must be a table")
+        for fmt in entry:
+            if (problem := format_problem(fmt, COMPUTE_FORMATS, "compute")) is not None:
+                raise sheet.error((*kp, fmt), problem)
+        rates[cls] = {fmt: sheet.number(entry, (*kp, fmt), PEAK_BOUNDS, required=True)
+                      for fmt in entry}
+    return rates
 
 
 def _integer(sheet: Sheet, table: dict[str, Any], kp: KeyPath) -> int | None:
