@@ -155,6 +155,9 @@ class Target:
     tile_m: int | None = None
     tile_n: int | None = None
     sm_count: int | None = None
+    # Board power at full load (the datasheet's TDP, cited in the sheet) for modeled energy:
+    # joules per inference = board_power_w x modeled time. None where the sheet gives none.
+    board_power_w: float | None = None
 
     def kernels(self, op: str, fmt: str) -> frozenset[str]:
         """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
@@ -284,7 +287,7 @@ def module_target(module: Module, named: str | None,
 
 _TOP_KEYS = ("target", "formats", "kernels", "default")
 _TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s", "fuse", "tile_m", "tile_n",
-                "sm_count")
+                "sm_count", "board_power_w")
 _TILING_KEYS = ("tile_m", "tile_n", "sm_count")
 # Sane figures for a machine (docs/targets.md): today's fastest parts are near 1e16 FLOP/s and
 # 1e13 bytes/s, so these leave room for decades and keep every modeled time finite and
@@ -292,7 +295,8 @@ _TILING_KEYS = ("tile_m", "tile_n", "sm_count")
 PEAK_BOUNDS = Bounds(1, 1e21, " FLOP/s")
 BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
 OVERHEAD_BOUNDS = Bounds(0, 1, " s")
-TILING_BOUNDS = Bounds(1, 1e6, "")  # tile edges and SM counts: positive, far below a million
+TILING_BOUNDS = Bounds(1, 1e6, "")
+POWER_BOUNDS = Bounds(1e-3, 1e6, " W")  # from a microcontroller to a rack  # tile edges and SM counts: positive, far below a million
 _PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
@@ -341,6 +345,7 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         source=source,
         fuse=frozenset(fuse),
         **tiling,
+        board_power_w=sheet.number(head, ("target", "board_power_w"), POWER_BOUNDS),
     )
 
 
