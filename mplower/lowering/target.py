@@ -231,6 +231,10 @@ class Target:
         """
         return max(flops / self.peak(fmt, kernel), nbytes / self.bandwidth) + self.overhead_s
 
+    def joules(self, time_s: float) -> float | None:
+        """Modeled energy of `time_s` seconds at the board power; None without one."""
+        return None if self.board_power_w is None else self.board_power_w * time_s
+
     def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
         """The fraction of peak a GEMM with an (m, n) output (`batch` of them) reaches on
         this target's tiles: tile quantization (the padding of the last tile row and column)

@@ -45,13 +45,14 @@ def candidate_of(result: Mapping[str, Any]) -> Candidate:
     return Candidate(tuple(plan["formats"].items()), plan.get("sparse", False))
 
 
-def _figures(r: Mapping[str, Any]) -> dict[str, Any]:
-    """An evaluation as the packet shows it."""
+def _figures(r: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """An evaluation as the packet shows it, its speedup against the fp32 plan `baseline`."""
     out = {"key": r["key"], "label": r["label"], "plan": r["plan"], "verdict": r["verdict"]}
     if r["verdict"] == "error":
         return {**out, "error": r["error"]}
     s = r["summary"]
-    return {**out, "lowered_ops": r["lowered_ops"], "modeled": r["modeled"],
+    modeled = {**r["modeled"], "speedup_vs_fp32": _speedup(r, baseline)}
+    return {**out, "lowered_ops": r["lowered_ops"], "modeled": modeled,
             "quality": {k: s[k] for k in ("output_rel_l2", "sqnr_db", "output_max_abs",
                                           "top1_agreement")},
             "overflow": s["overflow"], "underflow": s["underflow"], "nan": s["nan"],
@@ -94,19 +95,18 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
                        default=None)
     chosen_json = None
     if chosen is not None:
-        chosen_json = {**_figures(chosen), "sheet": "policy.toml",
-                       "speedup_vs_fp32": _speedup(chosen, baseline),
+        chosen_json = {**_figures(chosen, baseline), "sheet": "policy.toml",
                        "best_uniform": best_uniform["plan"]["sheet"] if best_uniform else None,
                        "speedup_vs_best_uniform": _speedup(chosen, best_uniform)}
         if slices:
             chosen_json["validation"] = validation(chosen, guardrails)
     rejected = None
     if outcome.best_rejected is not None:
-        rejected = {**_figures(outcome.best_rejected), "why": failure(outcome.best_rejected)}
+        rejected = {**_figures(outcome.best_rejected, baseline), "why": failure(outcome.best_rejected)}
     chosen_key = chosen["key"] if chosen else None
     candidates = []
     for r in results:
-        entry = _figures(r)
+        entry = _figures(r, baseline)
         if r["key"] == chosen_key:
             entry["rejected"] = None
         elif r["verdict"] != "pass":
@@ -120,10 +120,10 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
         "packet": "mplower-tune/1",
         "objective": objective,
         "guardrails": dict(guardrails),
-        "baseline": _figures(baseline),
+        "baseline": _figures(baseline, baseline),
         "chosen": chosen_json,
         "best_rejected": rejected,
-        "uniform": [_figures(r) for r in outcome.uniform],
+        "uniform": [_figures(r, baseline) for r in outcome.uniform],
         "items": [it.to_json() for it in outcome.items],
         "candidates": candidates,
         "evaluations": evaluations,
