@@ -129,8 +129,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise DiagnosticError.at(module.loc, f"the module has no function "
                                              f"{'@' + args.func if args.func else '@main'}") from None
     target = load_target(args.target, known_ops=OPS)
+    builtin = target.source.startswith("builtin:")
+    target_file = Path(target.source) if not builtin else builtin_sheet(target)
     if args.objective == "energy" and target.board_power_w is None:
-        raise DiagnosticError.at(Location(target.source.removeprefix("builtin:"), 0, 0),
+        raise DiagnosticError.at(Location(str(target_file), 0, 0),
                                  f"--objective energy needs the target's board power: target "
                                  f"'{target.name}' has no board_power_w")
     calib = read_npz(Path(args.data), Location(args.data, 0, 0), "calibration data")
@@ -150,7 +152,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if weights_path is not None and weights_path.is_file():
         rel = weights_path.resolve().relative_to(Path(module.path).resolve().parent)
         weights = (rel.as_posix(), weights_path.read_bytes())
-    builtin = target.source.startswith("builtin:")
     problem = Problem(
         module_text=args._source, module_name=Path(module.path).name, weights=weights,
         calib=Path(args.data).read_bytes(), target=args.target,
@@ -164,7 +165,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                  f"cannot create the output folder: {e.strerror}") from None
 
     outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
-    target_file = Path(target.source) if not builtin else builtin_sheet(target)
     inputs = {"model": sha256_file(args.input),
               "weights": sha256_file(weights_path) if weights else None,
               "data": sha256_file(args.data), "eval": sha256_file(eval_path),

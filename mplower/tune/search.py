@@ -14,7 +14,8 @@
    a single item that fails is rejected with the guardrails it broke. An item for a unit that
    is already in the plan replaces its format only when it saves more alone.
 5. The built-in uniform sheets are evaluated as comparators; when one passes with a better
-   objective than the grown plan, growth runs again from that sheet's plan.
+   objective than the grown plan and uses only the formats asked for, growth runs again from
+   that sheet's plan.
 6. With `sparse`, the best plan is tried with 2:4-pruned weights as well.
 The chosen plan is the best passing per-op plan of all those evaluated.
 """
@@ -207,7 +208,8 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
     best_uniform = max((r for r in uniform if r["verdict"] == "pass"), key=value, default=None)
     if best_uniform is not None and value(best_uniform) > value(grown):
         seed_plan = uniform_plan(ws, best_uniform["plan"]["sheet"], order)
-        if seed_plan is not None:
+        # Only a plan in the formats asked for: `--formats i8` never releases a bf16 op.
+        if seed_plan is not None and {fmt for _, fmt in seed_plan.formats} <= set(formats):
             _grow(dict(seed_plan.formats), ranked, evaluator, order)
     per_op = [r for r in evaluator.cache.results.values()
               if "formats" in r["plan"] and r["plan"]["formats"]]
