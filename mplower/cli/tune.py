@@ -219,7 +219,7 @@ def _pipeline(candidate, policy: str, args: argparse.Namespace) -> str:
     from mplower.tune.evaluation import pipeline_passes
 
     return pipeline_passes(policy, args.target, args.data,
-                           int8=any(fmt == "i8" for _, fmt in candidate.formats),
+                           int8=candidate.int8,
                            sparse=candidate.sparse, weight_only=False)
 
 

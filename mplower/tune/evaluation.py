@@ -37,6 +37,7 @@ from mplower.ir.verifier import verify
 from mplower.lowering.cost import plan_cost
 from mplower.lowering.policy import load_policy
 from mplower.lowering.target import Target, load_target
+from mplower.numerics.formats import FORMATS
 from mplower.numerics.metrics import drift, finite_or_none
 from mplower.pass_manager import PassContext, PassManager, load_passes, parse_pipeline
 from mplower.report.run import evaluate_guardrails, top1_agreement, verdict
@@ -53,11 +54,13 @@ class Candidate:
     formats: tuple[tuple[str, str], ...] = ()
     sparse: bool = False
     sheet: str | None = None
+    trace: bool = False  # also measure what each op loses itself (search step 2)
 
     def to_json(self) -> dict[str, Any]:
         if self.sheet is not None:
             return {"sheet": self.sheet}
-        return {"formats": dict(self.formats), "sparse": self.sparse}
+        out: dict[str, Any] = {"formats": dict(self.formats), "sparse": self.sparse}
+        return {**out, "trace": True} if self.trace else out
 
     @property
     def label(self) -> str:
@@ -72,10 +75,15 @@ class Candidate:
         parts = ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items()))
         return f"{len(self.formats)} ops: {parts}" + (" +2:4" if self.sparse else "")
 
-    def with_formats(self, formats: Mapping[str, str], order: Mapping[str, int]) -> Candidate:
+    def with_formats(self, formats: Mapping[str, str], order: Mapping[str, int],
+                     trace: bool = False) -> Candidate:
         items = sorted(((n, f) for n, f in formats.items() if f != F32),
                        key=lambda item: order[item[0]])
-        return Candidate(tuple(items), self.sparse)
+        return Candidate(tuple(items), self.sparse, trace=trace)
+
+    @property
+    def int8(self) -> bool:
+        return any(FORMATS[fmt].is_int for _, fmt in self.formats)
 
 
 def _glob_literal(name: str) -> str:
@@ -193,6 +201,7 @@ class Workspace:
         self.target: Target = load_target(self.target_spec)
         self.root = root
         self.module = self.parse()
+        self._calibrated: Module | None = None
         base = Program(self.module, problem.func, reference_only=True)
         self.references = []
         for batch in problem.batches:
@@ -205,10 +214,18 @@ class Workspace:
         verify(module)
         return module
 
-    def lower(self, candidate: Candidate, policy_path: Path | None = None,
-              output_path: Path | None = None) -> tuple[Module, PassContext, str]:
-        """The module lowered under `candidate` (its sheet written to `policy_path`, by default
-        inside the workspace), the context the pipeline ran with and the pipeline."""
+    def calibrated(self) -> Module:
+        """The module after `calibrate{data=...}`, computed once: the first pass of every int8
+        pipeline without pruning, whose result does not depend on the plan."""
+        if self._calibrated is None:
+            self._calibrated = copy.deepcopy(self.module)
+            PassManager(parse_pipeline(f"calibrate{{data={self.calib_path}}}")).run(
+                self._calibrated, PassContext(runner=reference_runner))
+        return self._calibrated
+
+    def lower(self, candidate: Candidate) -> tuple[Module, PassContext]:
+        """The module lowered under `candidate` by `pipeline_passes`, and the context the
+        pipeline ran with (its sheet and any pruned weights are written in the workspace)."""
         tag = digest(json.dumps(candidate.to_json(), sort_keys=True))[:16]
         if candidate.sheet is not None:
             policy = candidate.sheet
@@ -216,27 +233,35 @@ class Workspace:
             int8 = sheet.compute == "i8" or any(o.compute == "i8" for o in sheet.overrides)
             weight_only = sheet.weights is not None
         else:
-            policy_path = policy_path or self.root / f"policy-{tag}.toml"
-            policy_path.write_text(sheet_text(candidate, self.problem.guardrails), "utf-8")
-            policy = str(policy_path)
-            int8 = any(fmt == "i8" for _, fmt in candidate.formats)
-            weight_only = False
-        text = pipeline_passes(policy, self.target_spec, str(self.calib_path), int8=int8,
-                               sparse=candidate.sparse, weight_only=weight_only)
-        module = copy.deepcopy(self.module)
-        out = output_path or self.root / f"lowered-{tag}.ir"
-        ctx = PassContext(output_path=str(out), runner=reference_runner)
+            path = self.root / f"policy-{tag}.toml"
+            path.write_text(sheet_text(candidate, self.problem.guardrails), "utf-8")
+            policy, int8, weight_only = str(path), candidate.int8, False
         load_passes()
-        PassManager(parse_pipeline(text)).run(module, ctx)
-        return module, ctx, text
+        steps = parse_pipeline(pipeline_passes(policy, self.target_spec, str(self.calib_path),
+                                               int8=int8, sparse=candidate.sparse,
+                                               weight_only=weight_only))
+        if int8 and not candidate.sparse:  # calibrate comes first: start from its result
+            module, steps = copy.deepcopy(self.calibrated()), steps[1:]
+        else:
+            module = copy.deepcopy(self.module)
+        ctx = PassContext(output_path=str(self.root / f"lowered-{tag}.ir"),
+                          runner=reference_runner)
+        PassManager(steps).run(module, ctx)
+        return module, ctx
+
+    def price(self, candidate: Candidate) -> dict[str, float | None]:
+        """The modeled figures of `candidate` without running it."""
+        module, _ = self.lower(candidate)
+        return self._modeled(module.function(self.problem.func))
 
     def evaluate(self, candidate: Candidate) -> dict[str, Any]:
         """The figures of one candidate (module docstring); a pipeline or run that fails is a
         candidate with verdict `error` and the message."""
         try:
-            module, ctx, _ = self.lower(candidate)
+            module, ctx = self.lower(candidate)
             program = Program(module, self.problem.func, ctx.weights_path)
             runs = [program.run(batch, reference=False) for batch in self.problem.batches]
+            local = self._local_error(program) if candidate.trace else None
         except DiagnosticError as e:
             d = e.diagnostics[0]
             return {"plan": candidate.to_json(), "label": candidate.label, "verdict": "error",
@@ -248,11 +273,24 @@ class Workspace:
                   for s, q in per_slice.items()}
         failed = sorted({k for k, g in guardrails.items() if not g["ok"]}
                         | {k for g in slices.values() for k, v in g.items() if not v["ok"]})
-        return {"plan": candidate.to_json(), "label": candidate.label,
-                "lowered_ops": lowered_ops(f), "modeled": self._modeled(f),
-                "summary": summary, "guardrails": guardrails, "slices": slices,
-                "failed": failed,
-                "verdict": "fail" if failed else verdict(guardrails) if guardrails else "pass"}
+        out = {"plan": candidate.to_json(), "label": candidate.label,
+               "lowered_ops": lowered_ops(f), "modeled": self._modeled(f),
+               "summary": summary, "guardrails": guardrails, "slices": slices,
+               "failed": failed,
+               "verdict": "fail" if failed else verdict(guardrails) if guardrails else "pass"}
+        return {**out, "local_error": local} if local is not None else out
+
+    def _local_error(self, program: Program) -> dict[str, float]:
+        """What each converted op loses itself on the first evaluation batch, as a relative
+        error (10^(-SQNR/20) of mplower.report.quant's `local_severity`): the sensitivity of
+        every op of a plan from one traced run instead of one run per op."""
+        from mplower.report.quant import local_severity, operand_sqnr
+
+        def relative(db: float) -> float:  # NaN (a NaN output) counts as the worst
+            return 10.0 ** (-min(max(db, -400.0), 400.0) / 20.0) if not math.isnan(db) else 1e20
+
+        rows = operand_sqnr(program, self.problem.batches[0])
+        return {r["name"].removeprefix("%"): relative(local_severity(r)) for r in rows}
 
     def _modeled(self, f: Function) -> dict[str, float | None]:
         cost = plan_cost(f, self.target)

@@ -5,14 +5,17 @@
    buys time on a target that fuses (a bf16 matmul whose epilogue stays f32 still writes f32);
    each unit and format is one item: its ops that may take the format (the op's precisions,
    the target's kernels; i8 for quantizable ops only, the rest of the unit stays f32).
-2. Sensitivity and gain, once per item: the item lowered alone is evaluated; its sensitivity
-   is the output rel-L2 it causes, its gain the modeled time (or energy) it saves against fp32.
-   An item that fails a guardrail alone, or saves nothing, is rejected with that reason.
+2. Gain and sensitivity, once per item: its gain is the modeled time (or energy) it saves
+   against fp32 lowered alone (priced, not run); its sensitivity is what its ops lose
+   themselves (mplower.report.quant's local SQNR, as a relative error) in one traced run of the
+   plan that lowers every item of its format: one run per format, not one per op. An item
+   that saves nothing is rejected.
 3. Order by gain per unit of sensitivity (ties: a permutation drawn from the seed).
-4. Greedy growth with bisection on failure: add the next `step` items at once; if the grown
-   plan passes, keep it and double `step`; if it fails, halve `step` and retry the first half;
-   a single item that fails is rejected with the guardrails it broke. An item for a unit that
-   is already in the plan replaces its format only when it saves more alone.
+4. Greedy growth with bisection on failure: add the next `step` items at once (at first all
+   of them, one per unit); if the grown plan passes, keep it and double `step`; if it fails,
+   halve `step` and retry the first half; a single item that fails is rejected with the
+   guardrails it broke. An item for a unit already in the plan replaces its format only when
+   it saves more alone.
 5. The built-in uniform sheets are evaluated as comparators; when one passes with a better
    objective than the grown plan and uses only the formats asked for, growth runs again from
    that sheet's plan.
@@ -23,7 +26,7 @@ The chosen plan is the best passing per-op plan of all those evaluated.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +34,7 @@ import numpy as np
 
 from mplower.dialect.mp import QUANTIZABLE, TYPE_CARRYING
 from mplower.dialect.plan import Plan
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function
 from mplower.ir.opdef import OPS
 from mplower.lowering.cost import fused_groups
@@ -90,7 +94,9 @@ def can_take(f: Function, n: int, fmt: str, target: Target) -> bool:
         return False
     if not FORMATS[f.types(n)[0].elem].is_float or fmt not in OPS[op].precisions:
         return False
-    if FORMATS[fmt].is_int and op not in QUANTIZABLE:
+    # 8-bit formats are for the GEMMs (as the fp8 and int8 sheets have them): an fp8 GEMM
+    # writes its f32 accumulator, so an 8-bit op after it would only add a conversion.
+    if FORMATS[fmt].bits <= 8 and op not in QUANTIZABLE:
         return False
     return target.has_kernel(op, fmt)
 
@@ -164,37 +170,51 @@ def uniform_plan(ws: Workspace, sheet: str, order: dict[str, int]) -> Candidate 
 
 
 def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], sparse: bool,
-           seed: int, objective: str, log: Callable[[str], None] = lambda s: None) -> Outcome:
+           seed: int, objective: str) -> Outcome:
     f = ws.module.function(ws.problem.func)
     order = names_in_order(f)
 
     def value(r: dict[str, Any] | None) -> float:
         return objective_value(r, objective)
 
+    def cost(m: dict[str, Any]) -> float:  # what the objective minimizes per inference
+        return m["joules_per_inference"] if objective == "energy" else m["time_s"]
+
     baseline = evaluator.evaluate([Candidate()])[0]
-    uniform = [r for r in evaluator.evaluate([Candidate(sheet=s) for s in UNIFORM])
+    uniform = [r for r in evaluator.evaluate([Candidate(sheet=s)
+                                              for s in uniform_sheets(formats)])
                if r is not None]
-    energy = objective == "energy"
-
-    def cost(r: dict[str, Any]) -> float:  # what the objective minimizes per inference
-        m = r["modeled"]
-        return m["joules_per_inference"] if energy else m["time_s"]
-
     items = items_for(f, ws.target, formats)
-    alone = evaluator.evaluate([Candidate().with_formats(it.formats, order) for it in items])
+    # Gain: each item lowered alone and priced, without a run.
+    for it in items:
+        try:
+            it.gain = cost(baseline["modeled"]) - cost(ws.price(Candidate().with_formats(
+                it.formats, order)))
+        except DiagnosticError as e:
+            it.gain, it.outcome = -np.inf, f"rejected: cannot be lowered: {e.diagnostics[0].message}"
+    # Sensitivity: one traced run per format, every item of that format lowered together.
+    by_format: dict[str, dict[str, str]] = {}
+    for it in items:
+        by_format.setdefault(it.format, {}).update(it.formats)
+    kinds = list(by_format)
+    traced = evaluator.evaluate([Candidate().with_formats(by_format[k], order, trace=True)
+                                 for k in kinds])
     viable = []
-    for it, r in zip(items, alone, strict=True):
+    for it in items:
+        r = traced[kinds.index(it.format)]
         if r is None:
             it.outcome = "not evaluated: budget exhausted"
             continue
-        it.sensitivity = r.get("summary", {}).get("output_rel_l2") or 0.0
-        if r["verdict"] == "error" or "modeled" not in r:
-            it.outcome = f"rejected alone: {failure(r)}"
+        local = r.get("local_error")
+        if local is None:  # the whole format failed to lower or run: its message says why
+            it.outcome = f"rejected: the {it.format} plan {failure(r)}"
             continue
-        it.gain = cost(baseline) - cost(r)
-        if r["failed"]:
-            it.outcome = f"rejected alone: {failure(r)}"
-        elif it.gain <= 0:
+        known = [local[op] for op in it.formats if op in local]
+        worst_run = r["summary"]["output_rel_l2"]
+        it.sensitivity = max(known) if known else (worst_run if worst_run is not None else 1.0)
+        if it.outcome != "pending":
+            continue
+        if it.gain <= 0:
             it.outcome = "rejected: no modeled gain alone"
         else:
             viable.append(it)
@@ -202,7 +222,6 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
     ranked = [viable[i] for i in sorted(
         range(len(viable)),
         key=lambda i: (-viable[i].gain / max(viable[i].sensitivity, 1e-12), tie[i]))]
-    log(f"{len(items)} items, {len(ranked)} viable")
 
     grown = _grow({}, ranked, evaluator, order)
     best_uniform = max((r for r in uniform if r["verdict"] == "pass"), key=value, default=None)
@@ -215,6 +234,9 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
               if "formats" in r["plan"] and r["plan"]["formats"]]
     passing = [r for r in per_op if r["verdict"] == "pass"]
     chosen = max(passing, key=value, default=None)
+    if chosen is not None and chosen["plan"].get("trace"):  # release the plan, not the trace
+        chosen = evaluator.evaluate([Candidate(tuple(chosen["plan"]["formats"].items()))])[0] \
+            or chosen
     if sparse and chosen is not None:
         trial = Candidate(tuple(chosen["plan"]["formats"].items()), sparse=True)
         r = evaluator.evaluate([trial])[0]
@@ -228,10 +250,25 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
     return Outcome(chosen, best_rejected, baseline, uniform, items)
 
 
+def uniform_sheets(formats: Sequence[str]) -> list[str]:
+    """The built-in sheets (UNIFORM) that use only `formats` (and f32): the plans a user with
+    the same formats could have picked without a search."""
+    from mplower.lowering.policy import load_policy
+
+    out = []
+    for name in UNIFORM:
+        p = load_policy(name)
+        used = {p.compute, *(o.compute for o in p.overrides if o.compute), *(
+            [p.weights] if p.weights else [])} - {F32}
+        if used <= set(formats):
+            out.append(name)
+    return out
+
+
 def _grow(start: dict[str, str], ranked: list[Item], evaluator: Evaluator,
           order: dict[str, int]) -> dict[str, Any] | None:
-    """Greedy growth with bisection on failure (module docstring, step 4); the last passing
-    plan's result."""
+    """Greedy growth with bisection on failure (module docstring, step 4), starting with every
+    item at once; the last passing plan's result."""
     plan = dict(start)
     in_plan: dict[Unit, Item] = {}
     last = None
@@ -239,25 +276,22 @@ def _grow(start: dict[str, str], ranked: list[Item], evaluator: Evaluator,
         last = evaluator.evaluate([Candidate().with_formats(plan, order)])[0]
         if last is None or last["verdict"] != "pass":
             return None
-    i, step = 0, 1
-    while i < len(ranked) and evaluator.remaining > 0:
+    pending = list(ranked)
+    step = len(pending)
+    while pending and evaluator.remaining > 0:
         batch: list[Item] = []
-        j = i
-        while j < len(ranked) and len(batch) < step:
-            it = ranked[j]
-            j += 1
+        for it in list(pending):
             held = in_plan.get(it.unit)
             if held is not None and held.gain >= it.gain:
-                it.outcome = it.outcome if it.outcome != "pending" else (
-                    f"superseded: unit already {held.format}")
-                continue
-            if all(plan.get(op) == fmt for op, fmt in it.formats.items()):
+                it.outcome = f"superseded: unit already {held.format}"
+                pending.remove(it)
+            elif all(plan.get(op) == fmt for op, fmt in it.formats.items()):
                 it.outcome = "in the seed plan already"
-                continue
-            batch.append(it)
+                pending.remove(it)
+            elif len(batch) < step and all(b.unit != it.unit for b in batch):
+                batch.append(it)  # one item per unit in a trial; the others wait
         if not batch:
-            i = j
-            continue
+            break
         trial = dict(plan)
         for it in batch:
             held = in_plan.get(it.unit)
@@ -274,13 +308,15 @@ def _grow(start: dict[str, str], ranked: list[Item], evaluator: Evaluator,
                     held.outcome = f"accepted, then replaced by {it.format}"
                 in_plan[it.unit] = it
                 it.outcome = "accepted"
-            i, step = j, step * 2
+                pending.remove(it)
+            step *= 2
         elif len(batch) == 1:
             batch[0].outcome = f"rejected in the grown plan: {failure(r)}"
-            i, step = j, 1
+            pending.remove(batch[0])
+            step = 1
         else:
             step = max(1, len(batch) // 2)
-    for it in ranked[i:]:
+    for it in pending:
         if it.outcome == "pending":
             it.outcome = "not tried: budget exhausted"
     return last
