@@ -19,17 +19,17 @@ def plan_key(problem: Problem, candidate: Candidate) -> str:
 
 
 class EvaluationCache:
-    """Results by plan key, in the order they were first computed; `hits` counts reuses."""
+    """Results by plan key, in the order they were first computed; `hits` counts reuses.
+    `aliases` maps the key of a plan to the key of a run that answered it already (a traced
+    run answers for the same plan without the trace)."""
 
     def __init__(self) -> None:
         self.results: dict[str, dict[str, Any]] = {}
+        self.aliases: dict[str, str] = {}
         self.hits = 0
 
-    def get(self, key: str) -> dict[str, Any] | None:
-        found = self.results.get(key)
-        if found is not None:
-            self.hits += 1
-        return found
+    def resolve(self, key: str) -> str:
+        return self.aliases.get(key, key)
 
     def put(self, key: str, result: dict[str, Any]) -> None:
         self.results[key] = result

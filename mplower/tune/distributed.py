@@ -12,6 +12,7 @@ writes the same bytes as the serial run.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from mplower.tune.cache import EvaluationCache, plan_key
@@ -49,14 +50,18 @@ class Evaluator:
     def evaluate(self, candidates: Sequence[Candidate]) -> list[dict[str, Any] | None]:
         """The result of each plan, in order; None for a plan the budget no longer covers.
         Plans are evaluated at most once (the cache), fresh ones in parallel on a cluster."""
-        keys = [plan_key(self.problem, c) for c in candidates]
+        keys = [self.cache.resolve(plan_key(self.problem, c)) for c in candidates]
         fresh: dict[str, Candidate] = {}
         for k, c in zip(keys, candidates, strict=True):
             if k not in self.cache.results and k not in fresh and len(fresh) < self.remaining:
                 fresh[k] = c
         if fresh:
-            for k, result in zip(fresh, self._run(list(fresh.values())), strict=True):
+            for (k, c), result in zip(fresh.items(), self._run(list(fresh.values())),
+                                      strict=True):
                 self.cache.put(k, {"key": k, **result})
+                if c.trace:  # a traced run is also the plain run of its plan: one evaluation
+                    plain = replace(c, trace=False)
+                    self.cache.aliases[plan_key(self.problem, plain)] = k
         out = []
         for k in keys:
             out.append(self.cache.results.get(k))

@@ -234,9 +234,6 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
               if "formats" in r["plan"] and r["plan"]["formats"]]
     passing = [r for r in per_op if r["verdict"] == "pass"]
     chosen = max(passing, key=value, default=None)
-    if chosen is not None and chosen["plan"].get("trace"):  # release the plan, not the trace
-        chosen = evaluator.evaluate([Candidate(tuple(chosen["plan"]["formats"].items()))])[0] \
-            or chosen
     if sparse and chosen is not None:
         trial = Candidate(tuple(chosen["plan"]["formats"].items()), sparse=True)
         r = evaluator.evaluate([trial])[0]
