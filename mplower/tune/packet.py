@@ -95,7 +95,8 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
                        default=None)
     chosen_json = None
     if chosen is not None:
-        chosen_json = {**_figures(chosen, baseline), "sheet": "policy.toml",
+        released = {"formats": chosen["plan"]["formats"], "sparse": chosen["plan"]["sparse"]}
+        chosen_json = {**_figures(chosen, baseline), "plan": released, "sheet": "policy.toml",
                        "best_uniform": best_uniform["plan"]["sheet"] if best_uniform else None,
                        "speedup_vs_best_uniform": _speedup(chosen, best_uniform)}
         if slices:
@@ -143,30 +144,34 @@ def pareto_png(path: Path, results: list[dict[str, Any]], chosen_key: str | None
 
     key = OBJECTIVES[objective]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    groups: dict[str, list[tuple[float, float]]] = {"pass": [], "fail": [], "uniform": []}
+    points = [(r, r["summary"]["output_rel_l2"], r["modeled"][key]) for r in results
+              if "modeled" in r and r["modeled"][key] is not None]
+    nonzero = [x for _, x, _ in points if x]
+    # Exact plans (rel-L2 0: fp32, a sheet that lowers nothing) sit at the left edge.
+    edge = min(nonzero) / 10 if nonzero else 1e-6
+    groups: dict[str, list[tuple[float, float]]] = {
+        "pass": [], "fail": [], "uniform pass": [], "uniform fail": []}
     chosen_pt = None
-    for r in results:
-        if "modeled" not in r or r["modeled"][key] is None:
-            continue
-        x = r["summary"]["output_rel_l2"]
-        x = max(x, 1e-9) if x is not None else 1.0
-        pt = (x, r["modeled"][key])
+    for r, x, y in points:
+        pt = (x if x else edge, y)
         if r["key"] == chosen_key:
             chosen_pt = pt
-        kind = "uniform" if "sheet" in r["plan"] else r["verdict"]
-        groups["fail" if kind not in groups else kind].append(pt)
-    styles = {"pass": ("tab:blue", "o", "meets guardrails"),
-              "fail": ("tab:gray", "x", "rejected"),
-              "uniform": ("tab:orange", "s", "uniform built-in sheet")}
+        verdict = "pass" if r["verdict"] == "pass" else "fail"
+        groups[("uniform " if "sheet" in r["plan"] else "") + verdict].append(pt)
+    styles = {"pass": {"c": "tab:blue", "marker": "o", "label": "meets guardrails"},
+              "fail": {"c": "tab:gray", "marker": "x", "label": "rejected"},
+              "uniform pass": {"c": "tab:orange", "marker": "s",
+                                   "label": "uniform built-in sheet, meets guardrails"},
+              "uniform fail": {"facecolors": "none", "edgecolors": "tab:orange", "marker": "s",
+                                   "label": "uniform built-in sheet, rejected"}}
     for kind, pts in groups.items():
         if pts:
-            c, m, label = styles[kind]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=c, marker=m, label=label)
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], **styles[kind])
     if chosen_pt is not None:
-        ax.scatter([chosen_pt[0]], [chosen_pt[1]], s=200, facecolors="none",
+        ax.scatter([chosen_pt[0]], [chosen_pt[1]], s=220, facecolors="none",
                    edgecolors="tab:red", linewidths=2, label="chosen")
     ax.set_xscale("log")
-    ax.set_xlabel("output rel-L2 against fp32")
+    ax.set_xlabel("output rel-L2 against fp32 (exact plans at the left edge)")
     ax.set_ylabel("modeled " + key.replace("_", " ").replace(" per ", "/"))
     ax.set_title("mplower tune: every evaluated plan")
     ax.legend(loc="best", fontsize="small")
