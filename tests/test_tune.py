@@ -288,3 +288,27 @@ def test_slice_ids_of_the_wrong_length_are_a_located_error(cli, tmp_path):
     assert r.err.splitlines()[0] == (
         f"{tmp_path / 's.npz'}: error: slice ids have shape [31]; the evaluation data has "
         f"32 samples (batches x the outputs' first axis), one id each")
+
+
+def test_sparse_plan_prunes_2_4_and_reproduces_lowered_ir_and_weights(cli, tmp_path, monkeypatch):
+    ir, data = _small_bert(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    # Magnitude pruning without retraining costs accuracy; a loose limit lets it through.
+    assert _tune(cli, ir, data, out, "--sparse", "--guardrail", "max_rel_l2=0.9").rc == 0
+    packet = json.loads((out / "tune.json").read_text())
+    chosen = packet["chosen"]
+    assert chosen["plan"]["sparse"] is True
+    dense = [c for c in packet["candidates"]
+             if c["plan"].get("formats") == chosen["plan"]["formats"] and not c["plan"]["sparse"]]
+    assert dense and chosen["modeled"]["time_s"] < dense[0]["modeled"]["time_s"]
+    pipeline = packet["reproduce"]["pipeline"]
+    assert pipeline.startswith("sparsify{pattern=2:4},") and "lower-sparse{target=h100}" in pipeline
+    weights = np.load(out / "lowered.npz")
+    w = weights["attn.q.weight"]  # (K, N): every group of 4 along K keeps at most 2
+    assert (np.count_nonzero(w.reshape(-1, 4, w.shape[1]), axis=1) <= 2).all()
+    released = {p: (out / p).read_bytes() for p in ("lowered.ir", "lowered.npz")}
+    for p in released:
+        (out / p).unlink()
+    assert cli("opt", ir, f"--pass-pipeline={pipeline}", "-o", out / "lowered.ir").rc == 0
+    assert {p: (out / p).read_bytes() for p in released} == released
+    assert "sparse_2_4" in released["lowered.ir"].decode()
