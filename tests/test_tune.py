@@ -104,6 +104,9 @@ def test_tuned_plan_meets_guardrails_and_beats_every_passing_uniform_sheet(
         assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 0.02
         assert np.mean(y.argmax(1) == ref.argmax(1)) >= 0.99
     time_s = chosen["modeled"]["time_s"]
+    # Tokens per second where the model has attention: 2 x 8 tokens per call here.
+    tokens = 16 if model == "bert" else None
+    assert chosen["modeled"]["tokens_per_s"] == (tokens and pytest.approx(tokens / time_s))
     report = json.loads(cli("report", out / "lowered.ir", "--format", "json").out)
     assert report["summary"]["modeled_time_s"] == time_s
     passing = {}

@@ -358,7 +358,7 @@ def tokens_per_inference(f: Function) -> int | None:
     if not attention or not f.args:
         return None
     t = f.types(f.args[0])[0]
-    dims = t.shape if not t.elem.startswith("f") else t.shape[:-1]
+    dims = t.shape[:-1] if FORMATS[t.elem].is_float else t.shape
     return math.prod(dims) if dims else None
 
 
