@@ -272,6 +272,12 @@ def test_bad_command_line_is_a_usage_error(cli, tmp_path, flag, value, message):
     assert not (tmp_path / "o").exists()
 
 
+def test_model_from_stdin_is_a_usage_error(cli, tmp_path):
+    _, data = _mlp(tmp_path)
+    r = cli("tune", "-", "--target", "h100", "--data", data, "-o", tmp_path / "o")
+    assert r.rc == 2 and "tune reads the model from a file, not from stdin" in r.err
+
+
 def test_calibration_data_without_the_argument_is_a_located_error(cli, tmp_path):
     ir, _ = _mlp(tmp_path)
     np.savez(tmp_path / "bad.npz", y=np.zeros((32, 64), np.float32))

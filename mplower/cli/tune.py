@@ -110,17 +110,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--budget must be at least 1 evaluation")
     if args.workers < 0:
         raise UsageError("--workers must be 0 (this process) or more")
+    if args.input == "-":  # its weights are found beside it, and its hash goes in the packet
+        raise UsageError("tune reads the model from a file, not from stdin")
     started = time.perf_counter()
-
-    import numpy as np
 
     from mplower.io.npz import read_npz, weights_file
     from mplower.ir.opdef import OPS
-    from mplower.ir.printer import print_module
     from mplower.lowering.target import load_target
     from mplower.passes.calibrate import split_batches
-    from mplower.tune.evaluation import Problem
-    from mplower.tune.packet import sha256_file
+    from mplower.tune.evaluation import Problem, sheet_text
+    from mplower.tune.packet import build_packet, candidate_of, pareto_png, sha256_file, versions
 
     module = read_module(args)
     try:
@@ -169,8 +168,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
               "weights": sha256_file(weights_path) if weights else None,
               "data": sha256_file(args.data), "eval": sha256_file(eval_path),
               "slices": sha256_file(args.slices) if args.slices else None}
-    from mplower.tune.packet import build_packet, candidate_of, pareto_png, versions
-
     provenance = {"versions": versions(), "target": target.name,
                   "target_sheet_sha256": sha256_file(target_file), "seed": args.seed,
                   "formats": formats, "sparse": args.sparse, "budget": args.budget,
@@ -184,14 +181,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         command = (f"mplower opt {args.input} --pass-pipeline='{pipeline}' "
                    f"-o {out_dir / 'lowered.ir'}")
         reproduce = {"pipeline": pipeline, "command": command}
-        from mplower.tune.evaluation import sheet_text
-
         header = (f"Tuned by `mplower tune` for target {target.name}, objective "
                   f"{args.objective}, seed {args.seed}.\nlowered.ir is this sheet through:\n"
                   f"  {command}")
         sheet = sheet_text(candidate, guardrails, header)
         write_atomic(policy_path, lambda fh: fh.write(sheet), "w")
-        lowered_text = _lower(module, pipeline, out_dir / "lowered.ir", print_module)
+        lowered_text = _lower(module, pipeline, out_dir / "lowered.ir")
     packet = build_packet(outcome, results, objective=args.objective, guardrails=guardrails,
                           provenance=provenance, reproduce=reproduce, evaluations=evaluations,
                           slices=slices is not None)
@@ -202,7 +197,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     write_atomic(out_dir / "tune.json", lambda fh: fh.write(text), "w")
     pareto_png(out_dir / "pareto.png", results,
                outcome.chosen["key"] if outcome.chosen else None, args.objective)
-    sys.stdout.write(_table(packet, np))
+    sys.stdout.write(_table(packet))
     return EXIT_OK if outcome.chosen is not None else EXIT_GUARDRAIL
 
 
@@ -223,11 +218,12 @@ def _pipeline(candidate, policy: str, args: argparse.Namespace) -> str:
                            sparse=candidate.sparse, weight_only=False)
 
 
-def _lower(module, pipeline: str, out: Path, print_module) -> str:
+def _lower(module, pipeline: str, out: Path) -> str:
     """`mplower opt MODEL --pass-pipeline=PIPELINE -o OUT`'s text, as that command makes it."""
     import copy
 
     from mplower.backend.executor import reference_runner
+    from mplower.ir.printer import print_module
     from mplower.pass_manager import PassContext, PassManager, load_passes, parse_pipeline
 
     load_passes()
@@ -241,7 +237,7 @@ def _search(problem, args: argparse.Namespace, formats: list[str]):
     from tqdm import tqdm
 
     from mplower.tune.distributed import Evaluator
-    from mplower.tune.evaluation import workspace
+    from mplower.tune.evaluation import drop_workspace, workspace
     from mplower.tune.search import search
 
     bar = tqdm(total=args.budget, desc="tune", unit="plan", file=sys.stderr, leave=False,
@@ -254,13 +250,14 @@ def _search(problem, args: argparse.Namespace, formats: list[str]):
     finally:
         evaluator.close()
         bar.close()
+        drop_workspace(problem)
     results = list(evaluator.cache.results.values())
     evaluations = {"count": len(evaluator.cache), "cache_hits": evaluator.cache.hits,
                    "budget": args.budget}
     return outcome, results, evaluations, evaluator.description
 
 
-def _table(packet: dict[str, Any], np) -> str:
+def _table(packet: dict[str, Any]) -> str:
     from mplower.report.table import table
 
     def row(label: str, r: dict[str, Any] | None) -> list[str]:

@@ -149,8 +149,7 @@ class Problem:
     """Everything an evaluation needs, as plain data that pickles (what a worker receives once):
     the module's text and file name, its weights file (path relative to the module, bytes),
     calibration data bytes, the target (a built-in name, or a sheet's text), the evaluation
-    batches, slice ids per sample, guardrails, and the figures of the model the search reads
-    (tokens per inference, board power)."""
+    batches, slice ids per sample and the guardrails. `key` is their digest."""
 
     module_text: str
     module_name: str
@@ -371,6 +370,13 @@ def workspace(problem: Problem) -> Workspace:
     if ws is None:
         ws = _WORKSPACES[problem.key] = Workspace(problem)
     return ws
+
+
+def drop_workspace(problem: Problem) -> None:
+    """Forget this process's workspace of `problem` and delete its folder."""
+    ws = _WORKSPACES.pop(problem.key, None)
+    if ws is not None:
+        ws._dir.cleanup()
 
 
 def evaluate(problem: Problem, candidate: Candidate) -> dict[str, Any]:
