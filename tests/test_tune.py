@@ -321,3 +321,31 @@ def test_sparse_plan_prunes_2_4_and_reproduces_lowered_ir_and_weights(cli, tmp_p
     assert cli("opt", ir, f"--pass-pipeline={pipeline}", "-o", out / "lowered.ir").rc == 0
     assert {p: (out / p).read_bytes() for p in released} == released
     assert "sparse_2_4" in released["lowered.ir"].decode()
+
+
+def test_report_gives_modeled_energy_at_the_cited_board_power(cli, tmp_path):
+    lowered = tmp_path / "bf16.ir"
+    assert cli("opt", ROOT / "ir_examples/mlp.ir", "--pass-pipeline=assign-precision{policy=bf16},"
+               "insert-casts", "-o", lowered).rc == 0
+    s = json.loads(cli("report", lowered, "--target", "h100", "--format", "json").out)["summary"]
+    assert s["board_power_w"] == 700
+    assert s["modeled_joules_per_inference"] == 700 * s["modeled_time_s"]
+    assert s["modeled_inferences_per_joule"] == 1 / (700 * s["modeled_time_s"])
+    text = cli("report", lowered, "--target", "h100").out
+    assert (f"; {s['modeled_joules_per_inference']:.4g} J/inference, "
+            f"{s['modeled_inferences_per_joule']:.4g} inferences/J at 700 W") in text
+    generic = json.loads(cli("report", lowered, "--target", "generic", "--format", "json").out)
+    assert generic["summary"]["modeled_joules_per_inference"] is None
+    assert "J/inference" not in cli("report", lowered, "--target", "generic").out
+
+
+def test_board_power_out_of_bounds_is_a_located_error(cli, tmp_path):
+    sheet = (ROOT / "mplower/targets/h100.toml").read_text()
+    bad = tmp_path / "hot.toml"
+    bad.write_text(sheet.replace("board_power_w = 700", "board_power_w = -5"))
+    line = next(i for i, t in enumerate(bad.read_text().splitlines(), 1)
+                if t.startswith("board_power_w"))
+    r = cli("report", ROOT / "ir_examples/mlp.ir", "--target", bad)
+    assert r.rc == 1
+    assert r.err.splitlines()[0] == (f"{bad}:{line}:1: error: 'target.board_power_w' must be "
+                                     f"between 0.001 and 1e+06 W, not -5")
