@@ -349,3 +349,14 @@ def test_board_power_out_of_bounds_is_a_located_error(cli, tmp_path):
     assert r.rc == 1
     assert r.err.splitlines()[0] == (f"{bad}:{line}:1: error: 'target.board_power_w' must be "
                                      f"between 0.001 and 1e+06 W, not -5")
+
+
+def test_a_budget_spent_before_any_per_op_plan_exits_3_and_says_so(cli, tmp_path):
+    ir, data = _mlp(tmp_path)
+    r = _tune(cli, ir, data, tmp_path / "out", "--budget", "3")
+    assert r.rc == 3
+    packet = json.loads((tmp_path / "out/tune.json").read_text())
+    assert packet["evaluations"]["count"] == 3  # fp32 and the first two uniform sheets
+    assert [u["label"] for u in packet["uniform"]] == ["uniform bf16", "uniform fp16"]
+    assert r.out.endswith("no plan meets the guardrails: the budget of 3 evaluations ran out "
+                          "before a per-op plan was tried\n")

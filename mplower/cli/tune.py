@@ -271,15 +271,18 @@ def _table(packet: dict[str, Any]) -> str:
     rows = [row("fp32 (baseline)", packet["baseline"])]
     rows += [row(r["label"], r) for r in packet["uniform"]]
     chosen = packet["chosen"]
-    rows.append(row("chosen: " + chosen["label"], chosen) if chosen else
-                row("best rejected: " + packet["best_rejected"]["label"],
-                    packet["best_rejected"]) if packet["best_rejected"] else ["no plan"] * 5)
+    if chosen is not None:
+        rows.append(row("chosen: " + chosen["label"], chosen))
+    elif packet["best_rejected"] is not None:
+        rows.append(row("best rejected: " + packet["best_rejected"]["label"],
+                        packet["best_rejected"]))
     lines = table(["plan", "inferences/s", "vs fp32", "rel_l2", "verdict"], rows, "table",
                   rule=True)
     ev = packet["evaluations"]
     lines.append(f"{ev['count']} evaluations ({ev['cache_hits']} cache hits), budget "
                  f"{ev['budget']}")
     if chosen is None:
-        why = packet["best_rejected"]["why"] if packet["best_rejected"] else "nothing evaluated"
+        why = (packet["best_rejected"]["why"] if packet["best_rejected"] else
+               f"the budget of {ev['budget']} evaluations ran out before a per-op plan was tried")
         lines.append(f"no plan meets the guardrails: {why}")
     return "\n".join(lines) + "\n"
