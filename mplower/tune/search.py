@@ -20,7 +20,8 @@
    objective than the grown plan and uses only the formats asked for, growth runs again from
    that sheet's plan.
 6. With `sparse`, the best plan is tried with 2:4-pruned weights as well.
-The chosen plan is the best passing per-op plan of all those evaluated.
+The chosen plan is the best passing per-op plan of all those evaluated (ties: the smaller
+output rel-L2).
 """
 
 from __future__ import annotations
@@ -233,7 +234,10 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
     per_op = [r for r in evaluator.cache.results.values()
               if "formats" in r["plan"] and r["plan"]["formats"]]
     passing = [r for r in per_op if r["verdict"] == "pass"]
-    chosen = max(passing, key=value, default=None)
+    # Ties in the objective (ops whose lowering the model does not price: a transpose on a
+    # launch-bound kernel) go to the smaller output error, then to the first evaluated.
+    chosen = max(passing, key=lambda r: (value(r), -(r["summary"]["output_rel_l2"] or 0.0)),
+                 default=None)
     if sparse and chosen is not None:
         trial = Candidate(tuple(chosen["plan"]["formats"].items()), sparse=True)
         r = evaluator.evaluate([trial])[0]
