@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
-from mplower.backend.executor import Program, reference_runner
+from mplower.backend.executor import Program, RunResult, reference_runner
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
 from mplower.ir.parser import parse
@@ -259,8 +259,11 @@ class Workspace:
         try:
             module, ctx = self.lower(candidate)
             program = Program(module, self.problem.func, ctx.weights_path)
-            runs = [program.run(batch, reference=False) for batch in self.problem.batches]
-            local = self._local_error(program) if candidate.trace else None
+            # A traced evaluation keeps every value of its first batch's run (with the fp32
+            # reference beside it): that run is also the first of its quality figures.
+            runs = [program.run(batch, reference=candidate.trace and i == 0)
+                    for i, batch in enumerate(self.problem.batches)]
+            local = self._local_error(program, runs[0]) if candidate.trace else None
         except DiagnosticError as e:
             d = e.diagnostics[0]
             return {"plan": candidate.to_json(), "label": candidate.label, "verdict": "error",
@@ -279,16 +282,17 @@ class Workspace:
                "verdict": "fail" if failed else verdict(guardrails) if guardrails else "pass"}
         return {**out, "local_error": local} if local is not None else out
 
-    def _local_error(self, program: Program) -> dict[str, float]:
+    def _local_error(self, program: Program, first: RunResult) -> dict[str, float]:
         """What each converted op loses itself on the first evaluation batch, as a relative
         error (10^(-SQNR/20) of mplower.report.quant's `local_severity`): the sensitivity of
         every op of a plan from one traced run instead of one run per op."""
-        from mplower.report.quant import local_severity, operand_sqnr
+        from mplower.report.quant import Trace, local_severity, operand_sqnr
 
         def relative(db: float) -> float:  # NaN (a NaN output) counts as the worst
             return 10.0 ** (-min(max(db, -400.0), 400.0) / 20.0) if not math.isnan(db) else 1e20
 
-        rows = operand_sqnr(program, self.problem.batches[0])
+        traced = Trace(first.values, first.refs, dict(program.slots))
+        rows = operand_sqnr(program, self.problem.batches[0], traced)
         return {r["name"].removeprefix("%"): relative(local_severity(r)) for r in rows}
 
     def _modeled(self, f: Function) -> dict[str, float | None]:
