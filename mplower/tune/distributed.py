@@ -11,6 +11,7 @@ writes the same bytes as the serial run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -37,8 +38,13 @@ class Evaluator:
                 self._client = Client(scheduler)
                 self.description = f"dask scheduler {scheduler}"
             else:
+                # The cores are shared out: each worker's GEMM threads (numba's count) get
+                # cores / workers, so N workers do not oversubscribe the machine. Results do not
+                # depend on the thread count (docs/architecture.md, determinism).
+                threads = max(1, (os.cpu_count() or 1) // workers)
                 self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1,
-                                             processes=True, dashboard_address=None)
+                                             processes=True, dashboard_address=None,
+                                             env={"NUMBA_NUM_THREADS": str(threads)})
                 self._client = Client(self._cluster)
                 self.description = f"dask LocalCluster, {workers} workers"
             self._problem_future = self._client.scatter(problem, broadcast=True)
