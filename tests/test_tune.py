@@ -360,3 +360,16 @@ def test_a_budget_spent_before_any_per_op_plan_exits_3_and_says_so(cli, tmp_path
     assert [u["label"] for u in packet["uniform"]] == ["uniform bf16", "uniform fp16"]
     assert r.out.endswith("no plan meets the guardrails: the budget of 3 evaluations ran out "
                           "before a per-op plan was tried\n")
+
+
+def test_evaluation_data_of_the_wrong_shape_is_a_located_error_that_says_evaluation(cli,
+                                                                                     tmp_path):
+    ir, data = _mlp(tmp_path)
+    np.savez(tmp_path / "eval.npz", x=np.zeros((32, 63), np.float32))
+    r = cli("tune", ir, "--target", "h100", "--data", data, "--eval", tmp_path / "eval.npz",
+            "-o", tmp_path / "o")
+    assert r.rc == 1
+    assert r.err.splitlines()[0] == (f"{tmp_path / 'eval.npz'}: error: evaluation array 'x' has "
+                                     f"shape [32, 63]; expected one batch [32, 64] or a stack "
+                                     f"[N, 32, 64]")
+    assert not (tmp_path / "o").exists()

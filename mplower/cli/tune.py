@@ -138,7 +138,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     split_batches(f, calib, Location(args.data, 0, 0))  # located errors before any work
     eval_path = args.eval or args.data
     batches = split_batches(f, read_npz(Path(eval_path), Location(eval_path, 0, 0),
-                                        "evaluation data"), Location(eval_path, 0, 0))
+                                        "evaluation data"), Location(eval_path, 0, 0),
+                            "evaluation")
     slices = None
     if args.slices:
         rows = {t.shape[0] if t.shape else 1 for t in f.result_types}
