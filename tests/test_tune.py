@@ -373,3 +373,30 @@ def test_evaluation_data_of_the_wrong_shape_is_a_located_error_that_says_evaluat
                                      f"shape [32, 63]; expected one batch [32, 64] or a stack "
                                      f"[N, 32, 64]")
     assert not (tmp_path / "o").exists()
+
+
+def test_items_are_ranked_by_modeled_gain_per_unit_of_sensitivity(cli, tmp_path):
+    ir, data = _mlp(tmp_path)
+    assert _tune(cli, ir, data, tmp_path / "out", "--guardrail", "max_rel_l2=0.02").rc == 0
+    items = json.loads((tmp_path / "out/tune.json").read_text())["items"]
+    ranked = sorted((i for i in items if i["rank"] is not None), key=lambda i: i["rank"])
+    assert len(ranked) > 3
+    ratios = [i["modeled_gain"] / max(i["sensitivity_rel_l2"], 1e-12) for i in ranked]
+    assert ratios == sorted(ratios, reverse=True)
+    assert all(i["modeled_gain"] > 0 for i in ranked)
+    assert {i["outcome"].split(":")[0] for i in items if i["rank"] is None} <= {
+        "rejected", "not evaluated"}
+
+
+def test_policy_sheet_overrides_match_exactly_the_named_op(tmp_path):
+    from mplower.lowering.policy import load_policy
+    from mplower.tune.evaluation import Candidate, sheet_text
+
+    names = ["fc[1]*", 'odd"name\\', "fc1"]
+    sheet = tmp_path / "p.toml"
+    sheet.write_text(sheet_text(Candidate(tuple((n, "bf16") for n in names[:2])),
+                                {"max_rel_l2": 0.02}, "header\nline two"))
+    policy = load_policy(str(sheet))
+    assert policy.guardrails == {"max_rel_l2": 0.02}
+    decide = {n: policy.decide("mp.add", n, False, False).compute for n in names + ["fc1x"]}
+    assert decide == {"fc[1]*": "bf16", 'odd"name\\': "bf16", "fc1": "f32", "fc1x": "f32"}

@@ -65,11 +65,13 @@ class Item:
     formats: dict[str, str]  # op -> format: the unit's ops that take it
     gain: float = 0.0
     sensitivity: float = 0.0
+    rank: int | None = None  # position in the order of gain per sensitivity (viable items)
     outcome: str = "pending"
 
     def to_json(self) -> dict[str, Any]:
         return {"unit": self.unit.anchor, "ops": list(self.formats), "format": self.format,
-                "modeled_gain": self.gain, "sensitivity_rel_l2": self.sensitivity,
+                "modeled_gain": self.gain if np.isfinite(self.gain) else None,
+                "sensitivity_rel_l2": self.sensitivity, "rank": self.rank,
                 "outcome": self.outcome}
 
 
@@ -223,6 +225,8 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
     ranked = [viable[i] for i in sorted(
         range(len(viable)),
         key=lambda i: (-viable[i].gain / max(viable[i].sensitivity, 1e-12), tie[i]))]
+    for i, it in enumerate(ranked):
+        it.rank = i
 
     grown = _grow({}, ranked, evaluator, order)
     best_uniform = max((r for r in uniform if r["verdict"] == "pass"), key=value, default=None)
