@@ -125,8 +125,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     try:
         f = module.function(args.func)
     except KeyError:
-        raise DiagnosticError.at(module.loc, f"the module has no function "
-                                             f"{'@' + args.func if args.func else '@main'}") from None
+        name = f"@{args.func}" if args.func else "@main"
+        raise DiagnosticError.at(module.loc, f"the module has no function {name}") from None
     target = load_target(args.target, known_ops=OPS)
     builtin = target.source.startswith("builtin:")
     target_file = Path(target.source) if not builtin else builtin_sheet(target)

@@ -79,9 +79,10 @@ def validation(chosen: Mapping[str, Any], guardrails: Mapping[str, float]) -> di
         s, worst = pick(cells, key=lambda c: c[1] if c[1] is not None else 0.0)
         margin = None if worst is None else (limit - worst if k.startswith("max_")
                                              else worst - limit)
+        crossed = ">" if k.startswith("max_") else "<"
         triggers.append({"guardrail": k, "limit": limit, "validated_worst": worst,
                          "worst_slice": s, "margin": margin,
-                         "rollback_when": f"{k.split('_', 1)[1]} {'>' if k.startswith('max_') else '<'} {limit}"})
+                         "rollback_when": f"{k.split('_', 1)[1]} {crossed} {limit}"})
     return {"slices": sorted(chosen["slices"]), "matrix": matrix, "rollback_triggers": triggers}
 
 
@@ -103,7 +104,8 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
             chosen_json["validation"] = validation(chosen, guardrails)
     rejected = None
     if outcome.best_rejected is not None:
-        rejected = {**_figures(outcome.best_rejected, baseline), "why": failure(outcome.best_rejected)}
+        rejected = {**_figures(outcome.best_rejected, baseline),
+                    "why": failure(outcome.best_rejected)}
     chosen_key = chosen["key"] if chosen else None
     candidates = []
     for r in results:

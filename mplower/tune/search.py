@@ -194,7 +194,8 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
             it.gain = cost(baseline["modeled"]) - cost(ws.price(Candidate().with_formats(
                 it.formats, order)))
         except DiagnosticError as e:
-            it.gain, it.outcome = -np.inf, f"rejected: cannot be lowered: {e.diagnostics[0].message}"
+            it.gain = -np.inf
+            it.outcome = f"rejected: cannot be lowered: {e.diagnostics[0].message}"
     # Sensitivity: one traced run per format, every item of that format lowered together.
     by_format: dict[str, dict[str, str]] = {}
     for it in items:
