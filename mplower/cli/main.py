@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from mplower.cli import onnx, opt, report, run, target, train
+from mplower.cli import onnx, opt, report, run, target, train, tune
 from mplower.cli.common import (
     EXIT_INPUT,
     EXIT_OK,
@@ -44,6 +44,7 @@ COMMANDS: dict[str, tuple[Callable[[Any, str], argparse.ArgumentParser],
     "export": (onnx.add_export, onnx.cmd_export),
     "target": (target.add_target, target.cmd_target),
     "train": (train.add_train, train.cmd_train),
+    "tune": (tune.add_tune, tune.cmd_tune),
 }
 
 

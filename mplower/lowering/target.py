@@ -191,6 +191,9 @@ class Target:
     def class_rate(self, cls: str | None, fmt: str) -> float | None:
         """The sheet's measured rate of kernel class `cls` in `fmt`, or None."""
         return self.rates.get(cls, {}).get(fmt) if cls is not None else None
+    # Board power at full load (the datasheet's TDP, cited in the sheet) for modeled energy:
+    # joules per inference = board_power_w x modeled time. None where the sheet gives none.
+    board_power_w: float | None = None
 
     def kernels(self, op: str, fmt: str) -> frozenset[str]:
         """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
@@ -264,6 +267,10 @@ class Target:
         """
         return max(flops / self.peak(fmt, kernel), nbytes / self.bandwidth) + self.overhead_s
 
+    def joules(self, time_s: float) -> float | None:
+        """Modeled energy of `time_s` seconds at the board power; None without one."""
+        return None if self.board_power_w is None else self.board_power_w * time_s
+
     def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
         """The fraction of peak a GEMM with an (m, n) output (`batch` of them) reaches on
         this target's tiles: tile quantization (the padding of the last tile row and column)
@@ -326,7 +333,7 @@ def module_target(module: Module, named: str | None,
 
 _TOP_KEYS = ("target", "formats", "kernels", "default", "rates")
 _TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s", "fuse", "tile_m", "tile_n",
-                "sm_count")
+                "sm_count", "board_power_w")
 _TILING_KEYS = ("tile_m", "tile_n", "sm_count")
 # Sane figures for a machine (docs/targets.md): today's fastest parts are near 1e16 FLOP/s and
 # 1e13 bytes/s, so these leave room for decades and keep every modeled time finite and
@@ -334,7 +341,8 @@ _TILING_KEYS = ("tile_m", "tile_n", "sm_count")
 PEAK_BOUNDS = Bounds(1, 1e21, " FLOP/s")
 BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
 OVERHEAD_BOUNDS = Bounds(0, 1, " s")
-TILING_BOUNDS = Bounds(1, 1e6, "")  # tile edges and SM counts: positive, far below a million
+TILING_BOUNDS = Bounds(1, 1e6, "")
+POWER_BOUNDS = Bounds(1e-3, 1e6, " W")  # from a microcontroller to a rack  # tile edges and SM counts: positive, far below a million
 _PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
@@ -384,6 +392,7 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         fuse=frozenset(fuse),
         **tiling,
         rates=_rates(sheet, sheet.table(data, ("rates",))),
+        board_power_w=sheet.number(head, ("target", "board_power_w"), POWER_BOUNDS),
     )
 
 
