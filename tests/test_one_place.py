@@ -117,7 +117,8 @@ def test_format_lists_derive_from_the_formats_table() -> None:
     assert COMPUTE_FORMATS is formats.COMPUTE_FORMATS
     assert OPS["mp.matmul"].precisions == set(formats.COMPUTE_FORMATS)
     assert exporter.NARROW_FLOATS is formats.NARROW_FLOATS
-    assert formats.NARROW_FLOATS == {"tf32", "f16", "bf16", "f8E4M3FN", "f8E5M2"}
+    assert formats.NARROW_FLOATS == {"tf32", "f16", "bf16", "f8E4M3FN", "f8E5M2", "f6E2M3FN",
+                                     "f6E3M2FN", "f4E2M1FN", "f8E8M0FNU"}
 
 
 def _imports(path: Path) -> set[str]:
