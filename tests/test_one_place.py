@@ -112,8 +112,8 @@ def test_format_lists_derive_from_the_formats_table() -> None:
 
     assert formats.QUANT_INTS == ("i8", "ui8", "i4")
     assert formats.QUANT_STORAGE == ("i8", "ui8", "i4", "i32")
-    assert QUANT_FORMATS == ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2")
-    assert DEQUANT_FORMATS == ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2")
+    assert QUANT_FORMATS == ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2", "f4E2M1FN")
+    assert DEQUANT_FORMATS == ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2", "f4E2M1FN")
     assert COMPUTE_FORMATS is formats.COMPUTE_FORMATS
     assert OPS["mp.matmul"].precisions == set(formats.COMPUTE_FORMATS)
     assert exporter.NARROW_FLOATS is formats.NARROW_FLOATS

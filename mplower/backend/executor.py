@@ -43,7 +43,13 @@ from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import matmul
 from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize
-from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
+from mplower.numerics.rounding import (
+    ROUNDING_FORMATS,
+    Counts,
+    decode,
+    matmul_f16_accum,
+    round_to,
+)
 from mplower.numerics.windows import conv_windows, pad_hw
 from mplower.passes.insert_casts import check_materialized
 
@@ -295,7 +301,8 @@ class Program:
                 if all(r is not None for r in ref_in):  # None: no fp32 counterpart upstream
                     with np.errstate(all="ignore"):
                         ref = step.reference(ref_in)
-                    _drift(res, y, ref)
+                    if step.op != "mp.quantize":  # its values are x / scale, its reference x
+                        _drift(res, y, ref)
                 refs[step.output] = ref
             results.append(res)
         outs = [values[i] for i in self.outputs]
@@ -464,18 +471,25 @@ def _quant_kernel(op: str, attrs: dict, in_t: TensorType, out_t: TensorType) -> 
     scale = attr_array(attrs["scale"]).astype(np.float32)
     zp = attr_array(attrs["zero_point"])
     axis = attrs["axis"] if scale.size > 1 else None
+    block = attrs["block_size"]
     if op == "mp.quantize":
         elem = out_t.elem
-        return lambda xs: quantize(_f32(xs[0]), scale, zp, elem, axis)
+
+        def run_q(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+            q, counts = quantize(_f32(xs[0]), scale, zp, elem, axis, block_size=block)
+            return (decode(q, elem) if FORMATS[elem].is_float else q), counts  # f8/f4: values
+        return run_q
     if op == "mp.dequantize":
-        storage = FORMATS[in_t.elem].storage
-        out = out_t.elem
-        return lambda xs: _finish(dequantize(xs[0].astype(storage), scale, zp, axis), out)
+        # f8/f4 operands arrive as their float32 values, integers as int64.
+        fl = FORMATS[in_t.elem].is_float
+        storage, dtype, out = FORMATS[in_t.elem].storage, in_t.elem if fl else None, out_t.elem
+        return lambda xs: _finish(dequantize(xs[0] if fl else xs[0].astype(storage), scale, zp,
+                                             axis, dtype, block_size=block), out)
     qelem, out = attr_type(attrs["dtype"]), out_t.elem
 
     def fake(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        q, counts = quantize(_f32(xs[0]), scale, zp, qelem, axis)
-        y, rounded = _finish(dequantize(q, scale, zp, axis), out)  # back in x's format
+        q, counts = quantize(_f32(xs[0]), scale, zp, qelem, axis, block_size=block)
+        y, rounded = _finish(dequantize(q, scale, zp, axis, block_size=block), out)
         return y, counts + rounded if rounded is not None else counts
     return fake
 

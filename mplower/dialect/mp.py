@@ -31,7 +31,7 @@ from mplower.ir.opdef import (
     show_value,
 )
 from mplower.ir.types import ELEMENT_TYPES, ENCODINGS, TensorType, tensor, value_dtype
-from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, FORMATS, QUANT_STORAGE
+from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, FORMATS, QUANT_FLOATS, QUANT_STORAGE
 from mplower.numerics.windows import conv_windows, pad_hw
 
 # ---------------------------------------------------------------------------------------------
@@ -43,6 +43,8 @@ _NUMERIC = frozenset(n for n in ELEMENT_TYPES if n != "i1")
 _ANY = frozenset(ELEMENT_TYPES)
 _INT8 = frozenset({"i8", "ui8"})
 _QUANT_TYPES = QUANT_STORAGE
+# What mp.quantize produces and mp.dequantize reads: the integers, and the scaled floats.
+_QUANTIZED = QUANT_STORAGE + QUANT_FLOATS
 
 
 def _elem_of(ins: Sequence[TensorType], allowed: frozenset[str], what: str) -> str:
@@ -1064,7 +1066,9 @@ _def("cast",
 
 _QUANT_ATTRS = {"scale": AttrSpec("number", required=True),
                 "zero_point": AttrSpec("number", default=0),
-                "axis": AttrSpec("int", default=1)}  # ONNX's default quantization axis
+                "axis": AttrSpec("int", default=1),  # ONNX's default quantization axis
+                # > 0: one scale per block of this many elements along axis (ONNX opset 21)
+                "block_size": AttrSpec("int", default=0, min=0)}
 
 
 def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
@@ -1072,10 +1076,23 @@ def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
     if not np.all(scale > 0):
         raise OpError(f"attribute 'scale' must be positive, got {show_value(scale)}")
     fmt = FORMATS[qelem]
+    if fmt.is_float and np.any(zp != 0):
+        raise OpError(f"attribute 'zero_point' must be 0 for {qelem} (ONNX), "
+                      f"got {show_value(zp)}")
     if np.any(zp != np.round(zp)) or np.any(zp < fmt.min_value) or np.any(zp > fmt.max_finite):
         raise OpError(f"attribute 'zero_point' must hold integers in the range of {qelem} "
                       f"[{int(fmt.min_value)}, {int(fmt.max_finite)}], got {show_value(zp)}")
-    if scale.size > 1 or zp.size > 1:
+    if a["block_size"]:
+        from mplower.numerics.quant import blocked_scale_shape
+
+        axis = _axis(a["axis"], x.rank)
+        want = blocked_scale_shape(x.shape, axis, a["block_size"])
+        for name, v in (("scale", scale), ("zero_point", zp)):
+            if v.size > 1 and v.shape != want:
+                raise OpError(f"blocked attribute '{name}' (block_size {a['block_size']} on "
+                              f"axis {axis} of {x}) must have shape {'x'.join(map(str, want))}"
+                              f", got {'x'.join(map(str, v.shape)) or 'a scalar'}", operand=0)
+    elif scale.size > 1 or zp.size > 1:
         axis = _axis(a["axis"], x.rank)
         for name, v in (("scale", scale), ("zero_point", zp)):
             if v.size > 1 and v.shape != (x.shape[axis],):
@@ -1083,19 +1100,26 @@ def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
                               f"(dimension {axis} of {x}), got {v.size}", operand=0)
 
 
-def _along(v: np.ndarray, ndim: int, axis: int) -> np.ndarray:
-    """A per-axis parameter shaped to broadcast against a rank-`ndim` operand."""
+def _along(v: np.ndarray, shape: tuple[int, ...], a: dict) -> np.ndarray:
+    """A per-axis or blocked parameter shaped to broadcast against an operand of `shape`."""
     if v.size == 1:
         return v.reshape(())
-    shape = [1] * ndim
-    shape[axis % ndim] = v.size
-    return v.reshape(shape)
+    axis = a["axis"] % len(shape)
+    if a["block_size"]:  # one entry per block: repeat it over the block's elements
+        v = np.repeat(v, a["block_size"], axis=axis)
+        return v[tuple(slice(0, d) for d in shape)]
+    bshape = [1] * len(shape)
+    bshape[axis] = v.size
+    return v.reshape(bshape)
 
 
 def _quantize_values(x: np.ndarray, a: dict, qelem: str) -> np.ndarray:
-    """ONNX QuantizeLinear: saturate(round_half_even(x / scale) + zero_point), as float64."""
-    scale = _along(a["scale"], x.ndim, a["axis"]).astype(x.dtype)  # divide in x's precision
-    zp = _along(a["zero_point"], x.ndim, a["axis"])
+    """ONNX QuantizeLinear: saturate(round_half_even(x / scale) + zero_point), as float64;
+    to a float format, the f32 quotient rounded to it, saturating."""
+    scale = _along(a["scale"], x.shape, a).astype(x.dtype)  # divide in x's precision
+    if FORMATS[qelem].is_float:
+        return _convert(x / scale, qelem, saturate=True).astype(np.float64)
+    zp = _along(a["zero_point"], x.shape, a)
     q = np.rint(x / scale).astype(np.float64) + zp
     q = np.where(np.isnan(q), zp, q)  # NaN has no integer code; it quantizes to zero
     fmt = FORMATS[qelem]
@@ -1104,8 +1128,8 @@ def _quantize_values(x: np.ndarray, a: dict, qelem: str) -> np.ndarray:
 
 def _dequantize_values(q: np.ndarray, a: dict, dtype: np.dtype) -> np.ndarray:
     """ONNX DequantizeLinear: (q - zero_point) * scale, computed in the result's precision."""
-    scale = _along(a["scale"], q.ndim, a["axis"]).astype(dtype)
-    zp = _along(a["zero_point"], q.ndim, a["axis"]).astype(dtype)
+    scale = _along(a["scale"], q.shape, a).astype(dtype)
+    zp = _along(a["zero_point"], q.shape, a).astype(dtype)
     return (q.astype(dtype) - zp) * scale
 
 
@@ -1113,21 +1137,21 @@ def _quantize_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     x = ins[0]
     _elem_of(ins, _FLOATS, "a float")
     qelem = _declared("mp.quantize", declared).elem
-    if qelem not in _QUANT_TYPES:
+    if qelem not in _QUANTIZED:
         raise OpError(f"mp.quantize result element type must be one of "
-                      f"{', '.join(_QUANT_TYPES)}, got {qelem}")
+                      f"{', '.join(_QUANTIZED)}, got {qelem}")
     _check_quant(x, a, qelem)
     return [tensor(x.shape, qelem)]
 
 
 def _quantize_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     qelem = _declared("mp.quantize", rt or ()).elem
-    return [_quantize_values(_fl(xs[0]), a, qelem).astype(np.int64)]
+    return [_quantize_values(_fl(xs[0]), a, qelem).astype(value_dtype(qelem))]
 
 
 def _dequantize_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     x = ins[0]
-    _elem_of(ins, frozenset(_QUANT_TYPES), f"an integer ({', '.join(_QUANT_TYPES)})")
+    _elem_of(ins, frozenset(_QUANTIZED), f"a quantized type ({', '.join(_QUANTIZED)})")
     out = _declared("mp.dequantize", declared).elem
     if out not in _FLOATS:
         raise OpError(f"mp.dequantize result element type must be a float type, got {out}")
@@ -1161,8 +1185,10 @@ _def("quantize",
      reference=_quantize_reference,
      flops=_per_element(2),
      precisions=_ANY,
-     doc="Float to integer: saturate(round_half_even(x / scale) + zero_point), per tensor or "
-         "per `axis` (ONNX QuantizeLinear).",
+     doc="Float to integer: saturate(round_half_even(x / scale) + zero_point), per tensor, "
+         "per `axis`, or per block of `block_size` along `axis` (scale of x's shape with "
+         "ceil(D / block_size) on axis); to f8/f4: the quotient rounded, saturating, zero "
+         "point 0 (ONNX QuantizeLinear, opset 21+ blocks).",
      traits=_CONVERSION)
 _def("dequantize",
      operands=("x",),
@@ -1171,8 +1197,8 @@ _def("dequantize",
      reference=_dequantize_reference,
      flops=_per_element(2),
      precisions=_ANY,
-     doc="Integer to float: (x - zero_point) * scale, per tensor or per "
-         "`axis` (ONNX DequantizeLinear).",
+     doc="Integer or f8/f4 to float: (x - zero_point) * scale, per tensor, per `axis` or "
+         "per block of `block_size` along `axis` (ONNX DequantizeLinear).",
      traits=_CONVERSION)
 _def("fake_quant",
      operands=("x",),

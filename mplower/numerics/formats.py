@@ -106,6 +106,8 @@ FP8_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 8 and FORMATS
 # Element types of the OCP MX formats (MXFP8, MXFP6, MXFP4) and of NVFP4, and their scale type.
 MX_ELEMENT_FORMATS = ("f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN", "f4E2M1FN")
 FP4_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 4)
+# Floats a value is quantized to with a scale (ONNX QuantizeLinear's FLOAT8 and FLOAT4E2M1).
+QUANT_FLOATS = FP8_FORMATS + FP4_FORMATS
 # Formats an op computes in on a target (tensor-core inputs): every float narrower than f64,
 # and i8. The order is the order docs and diagnostics list them in.
 COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "i8")
