@@ -92,8 +92,8 @@ def T(spec: str) -> TensorType:
 
 @pytest.mark.parametrize(("attrs", "result", "message"), [
     ({"scale": DenseAttr(np.ones((4, 2), np.float32), T("4x2xf32")), "block_size": 32,
-      "axis": 1}, "4x72xi8", "blocked attribute 'scale' (block_size 32 on axis 1 of "
-     "tensor<4x72xf32>) must have shape 4x3, got 4x2"),
+      "axis": 1}, "4x72xi8", ("blocked attribute 'scale' (block_size 32 on axis 1 of "
+     "tensor<4x72xf32>) must have shape 4x3, got 4x2")),
     ({"scale": DenseAttr(np.ones(3, np.float32), T("3xf32")), "block_size": 32, "axis": 1},
      "4x72xi8", "must have shape 4x3, got 3"),
     ({"scale": 0.5, "zero_point": 1}, "4x72xf8E4M3FN",
