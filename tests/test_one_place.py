@@ -92,8 +92,9 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
     assert {OPS[n].weight_operand for n in mp.WEIGHTED} == {mp.WEIGHT_OPERAND} == {1}
     assert mp.ACCUMULATING == {"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"}
     assert mp.TYPE_CARRYING == {"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize",
-                                "mp.fake_quant", "mp.sparse_encode"}
-    assert mp.CONVERSIONS == {"mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant"}
+                                "mp.fake_quant", "mp.scaled_quant", "mp.sparse_encode"}
+    assert mp.CONVERSIONS == {"mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant",
+                              "mp.scaled_quant"}
     assert mp.DATA_MOVEMENT == {"mp.reshape", "mp.transpose", "mp.concat", "mp.slice",
                                 "mp.flatten", "mp.sparse_encode"}
     # max_pool2d picks operand values too, but a window of padding alone yields -inf, which

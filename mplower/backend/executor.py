@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from mplower.backend.scaled import ScaleStats, scaled_quant_kernel
 from mplower.backend.sparse import sparse_runner
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
 from mplower.dialect.plan import DENSE, Plan, Requested
@@ -85,6 +86,7 @@ class Step:
     loc: Location
     constant: np.ndarray | None = None  # the lowered value of an mp.constant, rounded once
     constant_counts: Counts = NO_COUNTS
+    scale_stats: list[ScaleStats] | None = None  # mp.scaled_quant: its last step's account
 
 
 @dataclass
@@ -95,6 +97,7 @@ class OpResult:
     sqnr_db: float | None = None
     max_abs: float | None = None
     nonfinite_mismatch: int | None = None  # see `drift`; None where there is no drift
+    scale: ScaleStats | None = None  # mp.scaled_quant: recipe, amax, scale, saturation
 
 
 @dataclass
@@ -208,7 +211,7 @@ class Program:
             raise DiagnosticError.at(loc, f"'{op}': {e.message}") from None
         flops = int(opdef.flops(in_types, d["types"], attrs))
         reference = _reference(opdef.reference, attrs, op, out_t)
-        constant, constant_counts = None, NO_COUNTS
+        constant, constant_counts, scale_stats = None, NO_COUNTS, None
         run: Kernel
         if op == "mp.constant":
             constant, constant_counts, ref = self._constant(attrs, out_t, loc)
@@ -226,6 +229,9 @@ class Program:
             # integer that never was one (an i8 constant or argument) is dequantized for real.
             run = _quant_kernel(op, attrs, in_types[0], out_t)
             reference = lambda xs, _q=run: xs[0] if xs[0].dtype.kind == "f" else _q(xs)[0]
+        elif op == "mp.scaled_quant":
+            run, scale_stats = scaled_quant_kernel(attrs, out_t)
+            reference = lambda xs: _f32(xs[0])  # the f32 plan has no scaling
         elif op == "mp.matmul":
             run = _matmul_kernel(plan, in_types, out_t)
         elif op == "mp.conv2d" and plan.executed["accum"] == "f16":
@@ -235,7 +241,8 @@ class Program:
                 t.elem == out_t.elem for t in in_types if FORMATS[t.elem].is_float)
             run = _generic_kernel(opdef.reference, attrs, out_t, exact)
         return Step(n, f.value_name((n, 0)), op, inputs, out, run, reference, plan.requested,
-                    plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts)
+                    plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts,
+                    scale_stats)
 
     def _constant(self, attrs: dict, t: TensorType,
                   loc: Location) -> tuple[np.ndarray, Counts, np.ndarray]:
@@ -294,7 +301,8 @@ class Program:
             else:
                 y, counts = self._execute(step, values)
                 values[step.output] = y
-            res = OpResult(step, counts if counts is not None else _nan_counts(y))
+            res = OpResult(step, counts if counts is not None else _nan_counts(y),
+                           scale=step.scale_stats[0] if step.scale_stats else None)
             if reference:
                 ref_in = [refs[i] for i in step.inputs]
                 ref = None

@@ -1211,6 +1211,68 @@ _def("fake_quant",
      traits=_CONVERSION)
 
 
+# Scaled narrow floats (issue 14): a recipe chooses the scale at run time or from calibration.
+SCALE_RECIPES = ("static", "current", "delayed", "block")
+SCALE_FORMATS = ("f32", "e8m0", "nvfp4")
+_SCALED_TYPES = ("f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN", "f4E2M1FN")
+
+
+def _scaled_quant_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    _elem_of(ins, _FLOATS, "a float")
+    elem = _declared("mp.scaled_quant", declared).elem
+    if elem not in _SCALED_TYPES:
+        raise OpError(f"mp.scaled_quant result element type must be one of "
+                      f"{', '.join(_SCALED_TYPES)}, got {elem}")
+    block, recipe, fmt = tuple(a["block"]), a["recipe"], a["scale_format"]
+    if (recipe == "block") != bool(block):
+        raise OpError("attribute 'block' (one size per axis) goes with recipe = \"block\" and "
+                      "only with it")
+    if block and len(block) != x.rank:
+        raise OpError(f"attribute 'block' = {list(block)} needs one size per axis of {x}",
+                      operand=0)
+    if fmt != "f32" and recipe != "block":
+        raise OpError(f"scale_format = \"{fmt}\" scales blocks: it needs recipe = \"block\"")
+    if fmt == "nvfp4" and elem != "f4E2M1FN":
+        raise OpError(f"scale_format = \"nvfp4\" quantizes to f4E2M1FN, not {elem}")
+    if recipe == "static" and not a["amax"] > 0:
+        raise OpError("recipe = \"static\" needs the calibrated 'amax' (> 0); run calibrate")
+    return [tensor(x.shape, elem)]
+
+
+def _scaled_quant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    """The scaled values q * s of one step (a delayed recipe's first: scale 1, or the one
+    from 'amax' when calibrated); mplower.numerics.mx defines the recipes."""
+    from mplower.numerics import mx
+
+    elem = _declared("mp.scaled_quant", rt or ()).elem
+    x = np.ascontiguousarray(_fl(xs[0]), dtype=np.float32)
+    if a["recipe"] == "block":
+        return [mx.quantize_blocked(x, elem, tuple(a["block"]), a["scale_format"]).values]
+    amax = float(np.max(np.abs(x))) if a["recipe"] == "current" and x.size else a["amax"]
+    return [mx.quantize_per_tensor(x, elem, mx.encode_factor(amax, elem, a["margin"])).values]
+
+
+_def("scaled_quant",
+     operands=("x",),
+     attrs={"recipe": AttrSpec("str", default="current", choices=SCALE_RECIPES),
+            "scale_format": AttrSpec("str", default="f32", choices=SCALE_FORMATS),
+            "block": AttrSpec("ints", default=()),
+            "amax": AttrSpec("float", default=0.0, min=0.0),
+            "margin": AttrSpec("int", default=0),
+            "history": AttrSpec("int", default=1024, min=1),
+            "amax_compute": AttrSpec("str", default="max", choices=("max", "most_recent"))},
+     infer=_scaled_quant_infer,
+     reference=_scaled_quant_reference,
+     flops=_per_element(4),
+     precisions=_ANY,
+     doc="A scaled narrow float: x quantized to the result type with a scale and held as the "
+         "scaled values q * s. `recipe`: static (scale from the calibrated `amax`), current "
+         "(the tensor's amax), delayed (Transformer Engine's amax history of `history` steps, "
+         "`amax_compute`, `margin`), block (one scale per `block`, in `scale_format` f32, "
+         "e8m0 (MX) or nvfp4).",
+     traits=_CONVERSION)
+
 # ---------------------------------------------------------------------------------------------
 # Op categories: every set of ops the lowering, the passes and the backend test for, derived
 # from the traits declared above and nowhere else written out.

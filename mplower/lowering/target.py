@@ -44,11 +44,12 @@ NO_TF32_KERNEL = "no-tf32-kernel"
 NO_BF16_KERNEL = "no-bf16-kernel"
 NO_F16_KERNEL = "no-f16-kernel"
 NO_FP8_KERNEL = "no-fp8-kernel"
+NO_FP4_KERNEL = "no-fp4-kernel"
 NO_INT8_KERNEL = "no-int8-kernel"
 NO_F16_ACCUM = "no-f16-accum"
 NO_SPARSE_KERNEL = "no-sparse-kernel"
-REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_INT8_KERNEL,
-                NO_F16_ACCUM, NO_SPARSE_KERNEL)
+REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_FP4_KERNEL,
+                NO_INT8_KERNEL, NO_F16_ACCUM, NO_SPARSE_KERNEL)
 # Reason codes of lower-sparse's dense decisions (docs/sparse.md), in the order it checks them:
 # the second operand is computed, not a constant weight (attention's q @ k^T), and a sparse
 # kernel needs the weight's zeros before the run; the target has no sparse kernel for the op at
@@ -81,6 +82,8 @@ FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE)
 FALLBACK: dict[str, tuple[str, str]] = {
     "f8E4M3FN": ("bf16", NO_FP8_KERNEL),
     "f8E5M2": ("bf16", NO_FP8_KERNEL),
+    # fp4 (MXFP4, NVFP4) to bf16, not fp8: its sheet's block scales are fp4 scales.
+    "f4E2M1FN": ("bf16", NO_FP4_KERNEL),
     "i8": ("bf16", NO_INT8_KERNEL),
     "f16": ("f32", NO_F16_KERNEL),
     "bf16": ("f32", NO_BF16_KERNEL),

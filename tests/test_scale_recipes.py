@@ -1,0 +1,99 @@
+"""Scale recipes in the IR: mp.scaled_quant, the scale-recipes pass, the policy sheets'
+[scaling] tables, and what a run reports; checked against ml_dtypes arithmetic."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mplower.backend.executor import Program
+from mplower.ir.parser import parse
+from mplower.lowering.policy import load_policy
+from mplower.lowering.scaling import Scaling
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+DELAYED = """func.func @main(%x: tensor<4x8xf32>, %w: tensor<8x2xf32>) -> tensor<4x2xf32> {
+  %a = mp.scaled_quant %x {recipe = "delayed", history = 2, margin = 1} : (tensor<4x8xf32>) -> tensor<4x8xf8E4M3FN>
+  %b = mp.scaled_quant %w {recipe = "current"} : (tensor<8x2xf32>) -> tensor<8x2xf8E4M3FN>
+  %y = mp.matmul %a, %b : (tensor<4x8xf8E4M3FN>, tensor<8x2xf8E4M3FN>) -> tensor<4x2xf32>
+  return %y : tensor<4x2xf32>
+}"""
+
+
+def te_fp8(x: np.ndarray, sf: float) -> np.ndarray:
+    """Transformer Engine's scaled cast: e4m3(x * sf) (saturating), times 1 / sf."""
+    sf32 = np.float32(sf)
+    return np.clip(x * sf32, -448, 448).astype(E4M3).astype(np.float32) * (np.float32(1) / sf32)
+
+
+def test_delayed_scaling_advances_its_history_once_per_executed_step():
+    rng = np.random.default_rng(0)
+    prog = Program(parse(DELAYED, "<test>"))
+    w = rng.standard_normal((8, 2)).astype(np.float32)
+    # amax per step 2, 8, 4, 1: L = 2, margin 1 -> scales 1, 448/2/2, 448/8/2, 448/8/2
+    expected_sf = [1.0, 112.0, 28.0, 28.0]
+    for amax, sf in zip([2.0, 8.0, 4.0, 1.0], expected_sf, strict=True):
+        x = rng.uniform(-1, 1, (4, 8)).astype(np.float32)
+        x[0, 0] = amax
+        res = prog.run([x, w])
+        a = next(r for r in res.ops if r.step.name == "%a")
+        assert a.scale.recipe == "delayed" and a.scale.amax == amax
+        assert a.scale.scale == np.float32(1) / np.float32(sf)
+        wq = te_fp8(w, 448 / np.abs(w).max())
+        assert np.allclose(res.outputs[0], te_fp8(x, sf) @ wq, rtol=1e-6, atol=1e-6)
+
+
+def test_current_scaling_saturates_nothing_where_the_plain_cast_overflows():
+    text = DELAYED.replace('recipe = "delayed", history = 2, margin = 1', 'recipe = "current"')
+    x = np.full((4, 8), 3e4, np.float32)
+    x[1] = -1e-3
+    w = np.ones((8, 2), np.float32)
+    res = Program(parse(text, "<test>")).run([x, w])
+    a = next(r for r in res.ops if r.step.name == "%a")
+    assert a.counts.overflow == 0 and a.scale.saturated == 0.0
+    plain = Program(parse(text.replace('mp.scaled_quant %x {recipe = "current"}', "mp.cast %x"),
+                          "<test>")).run([x, w])
+    assert next(r for r in plain.ops if r.step.name == "%a").counts.overflow == 24
+
+
+def test_static_recipe_without_calibration_is_a_located_error(cli, tmp_path):
+    src = tmp_path / "m.ir"
+    src.write_text(DELAYED.replace('mp.scaled_quant %x {recipe = "delayed", history = 2, '
+                                   'margin = 1}', "mp.cast %x"))
+    r = cli("opt", src, "--pass=scale-recipes{recipe=static}")
+    assert r.rc == 1
+    assert r.err.startswith(f"{src}:2:3: error: scale-recipes: %x has no calibrated range "
+                            "(mp.range) for the static recipe; run calibrate{data=...} first")
+
+
+def test_fp8_sheet_scales_by_default_and_the_pass_overrides_it(cli, tmp_path):
+    out = tmp_path / "t.ir"
+    assert cli("opt", "ir_examples/transformer.ir", "--pass=assign-precision{policy=fp8}",
+               "--pass=insert-casts", "-o", out).rc == 0
+    text = out.read_text()
+    assert text.count('mp.scaled_quant') == 11 and text.count('recipe = "current"') == 11
+    assert cli("opt", out, "--pass=scale-recipes{recipe=block block_size=32 weights=block "
+               "scale_format=e8m0}", "-o", out).rc == 0
+    assert out.read_text().count('scale_format = "e8m0"') == 11
+
+
+@pytest.mark.parametrize(("sheet", "scaling"), [
+    ("fp8", Scaling("current", "current")),
+    ("fp8-block", Scaling("block", "block", 128, 128, "f32")),
+    ("mxfp8", Scaling("block", "block", 32, 0, "e8m0")),
+    ("mxfp4", Scaling("block", "block", 32, 0, "e8m0")),
+    ("nvfp4", Scaling("block", "block", 16, 0, "nvfp4")),
+])
+def test_builtin_scaled_sheets_declare_their_recipe(sheet, scaling):
+    assert load_policy(sheet).scaling == scaling
+
+
+def test_scaling_table_problem_is_located_in_the_sheet(cli, tmp_path):
+    sheet = tmp_path / "s.toml"
+    sheet.write_text('[policy]\ncompute = "f8E4M3FN"\nallow = ["mp.matmul"]\n\n'
+                     '[scaling]\nrecipe = "block"\n')
+    r = cli("opt", "ir_examples/mlp.ir", f"--pass=assign-precision{{policy={sheet}}}")
+    assert r.rc == 1
+    assert r.err.startswith(f"{sheet}:5:2: error: [scaling]: a block recipe needs block_size")
