@@ -97,3 +97,22 @@ def test_scaling_table_problem_is_located_in_the_sheet(cli, tmp_path):
     r = cli("opt", "ir_examples/mlp.ir", f"--pass=assign-precision{{policy={sheet}}}")
     assert r.rc == 1
     assert r.err.startswith(f"{sheet}:5:2: error: [scaling]: a block recipe needs block_size")
+
+
+def test_run_report_shows_recipe_amax_scale_saturation_and_scale_bytes(cli, tmp_path):
+    lowered, report = tmp_path / "t.ir", tmp_path / "r.json"
+    assert cli("opt", "ir_examples/transformer.ir", "--pass=assign-precision{policy=mxfp8}",
+               "-o", lowered).rc == 0
+    r = cli("run", lowered, "--inputs", "ir_examples/transformer_inputs.npz", "--report",
+            report)
+    assert r.rc == 0 and "scaling (per scaled operand):" in r.out
+    import json
+
+    ops = {o["name"]: o for o in json.loads(report.read_text())["ops"]}
+    x = ops["%x_f8E4M3FN"]  # 16x64 activations, blocks of 32 along the last axis
+    assert x["scaling"]["recipe"] == "block" and x["scaling"]["scale_format"] == "e8m0"
+    assert x["scaling"]["scale_bytes_per_element"] == 1 / 32
+    assert x["scaling"]["saturated_fraction"] == x["overflow"] / (16 * 64)
+    assert x["scaling"]["flushed_fraction"] == x["underflow"] / (16 * 64)
+    inputs = np.load("ir_examples/transformer_inputs.npz")
+    assert x["scaling"]["amax"] == float(np.abs(inputs["x"]).max())
