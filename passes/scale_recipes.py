@@ -21,7 +21,7 @@ from mplower.dialect.mp import CONTRACTIONS
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Function, Module
 from mplower.lowering.calibration import constant_nodes, range_of
-from mplower.lowering.scaling import Scaling, blocks_for
+from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY, Scaling, blocks_for
 from mplower.numerics.formats import MX_ELEMENT_FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
@@ -66,6 +66,10 @@ def apply_scaling(f: Function, ctx: PassContext, scaling: Scaling) -> None:
         name = d["name"]
         node = f.create_op("mp.scaled_quant", [src], [t], attrs, after=n, name_hint=name)
         f.replace_all_uses((n, 0), (node, 0))
+        if scaling.accum_bits:  # the GEMMs it feeds accumulate as Hopper's fp8 tensor cores
+            for u, _ in users:
+                f.set_attrs(u, {ACCUM_BITS: scaling.accum_bits,
+                                PROMOTE_EVERY: scaling.promote_every})
         f.erase(n)
         f.rename(node, name)
         ctx.stat("casts-scaled")
@@ -83,6 +87,8 @@ class ScaleRecipes(Pass):
     `amax_compute`, `margin`) or block; weights: `weights` current or block. Blocks run along
     the contraction axis (`block_size`; 32 with scale_format=e8m0 is MX, 16 with nvfp4 is
     NVFP4), or for weights in square tiles of `weight_block_size` (128: DeepSeek-V3's 128x128).
+    `accum_bits` > 0 makes those GEMMs accumulate in that many bits, promoted to f32 every
+    `promote_every` elements of K (mp.accum_bits, mp.promote_every; mplower.numerics.accum).
     """
 
     name: ClassVar[str] = "scale-recipes"
@@ -101,10 +107,14 @@ class ScaleRecipes(Pass):
     history: int = option(1024, "delayed: amax history length (steps)")
     amax_compute: str = option("max", "delayed: max of the history or most_recent")
     margin: int = option(0, "scale = fmt_max / amax / 2^margin")
+    accum_bits: int = option(0, "GEMM accumulator bits (0: exact f32; ~14: Hopper fp8, "
+                                "DeepSeek-V3)")
+    promote_every: int = option(128, "promote that accumulator to f32 every this many of K")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         scaling = Scaling(self.recipe, self.weights, self.block_size, self.weight_block_size,
-                          self.scale_format, self.history, self.amax_compute, self.margin)
+                          self.scale_format, self.history, self.amax_compute, self.margin,
+                          self.accum_bits, self.promote_every)
         if (problem := scaling.problem()) is not None:
             raise DiagnosticError.at(module.loc, f"scale-recipes: {problem}")
         for f in module.functions.values():

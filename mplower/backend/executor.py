@@ -30,15 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from mplower.backend.scaled import ScaleStats, scaled_quant_kernel
+from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
 from mplower.backend.sparse import sparse_runner
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
 from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
-from mplower.ir.opdef import OPS, OpError, attr_array, attr_type, check_attrs
+from mplower.ir.opdef import OPS, OpError, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
+from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import matmul
@@ -232,6 +233,10 @@ class Program:
         elif op == "mp.scaled_quant":
             run, scale_stats = scaled_quant_kernel(attrs, out_t)
             reference = lambda xs: _f32(xs[0])  # the f32 plan has no scaling
+        elif op == "mp.matmul" and d["attrs"].get(ACCUM_BITS):
+            gemm = limited_accum_matmul(attr_int(d["attrs"][ACCUM_BITS]),
+                                        attr_int(d["attrs"].get(PROMOTE_EVERY, 128)))
+            run = lambda xs, _g=gemm, _e=out_t.elem: _finish(_g(_f32(xs[0]), _f32(xs[1])), _e)
         elif op == "mp.matmul":
             run = _matmul_kernel(plan, in_types, out_t)
         elif op == "mp.conv2d" and plan.executed["accum"] == "f16":

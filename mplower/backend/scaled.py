@@ -19,6 +19,7 @@ import numpy as np
 
 from mplower.ir.types import TensorType
 from mplower.numerics import mx
+from mplower.numerics.accum import matmul_limited_accum
 from mplower.numerics.rounding import Counts
 
 
@@ -67,3 +68,18 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType) -> tuple[
                               r.scale_bytes_per_element, r.tensor_scale)]
         return r.values, r.counts
     return run, last
+
+
+def limited_accum_matmul(bits: int, interval: int) -> Callable[[np.ndarray, np.ndarray],
+                                                                  np.ndarray]:
+    """np.matmul (batch broadcasting, 2-D and up) with the limited accumulator of
+    mplower.numerics.accum, for a GEMM annotated mp.accum_bits / mp.promote_every."""
+    def run(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError("mp.accum_bits needs matmul operands of rank 2 or more")
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a3 = np.broadcast_to(a, batch + a.shape[-2:]).reshape(-1, *a.shape[-2:])
+        b3 = np.broadcast_to(b, batch + b.shape[-2:]).reshape(-1, *b.shape[-2:])
+        y = np.stack([matmul_limited_accum(x, w, bits, interval) for x, w in zip(a3, b3)])
+        return y.reshape(batch + y.shape[-2:])
+    return run

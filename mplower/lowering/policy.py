@@ -185,7 +185,7 @@ def load_policy(spec: str, *, module: Module | None = None,
 
 _TOP_KEYS = ("policy", "override", "guardrails", "scaling")
 _SCALING_KEYS = ("recipe", "weights", "block_size", "weight_block_size", "scale_format",
-                 "history", "amax_compute", "margin")
+                 "history", "amax_compute", "margin", "accum_bits", "promote_every")
 _POLICY_KEYS = ("name", "description", "compute", "accum", "weights", "allow", "follow", "deny",
                 "keep_io_types", "keep_first_last")
 _OVERRIDE_KEYS = ("op", "name", "compute", "accum")
@@ -242,7 +242,8 @@ def _scaling(sheet: Sheet, data: dict[str, Any]) -> Scaling | None:
     sheet.check_keys(table, ("scaling",), _SCALING_KEYS)
     d = Scaling()
     ints = {k: int(sheet.number(table, ("scaling", k), Bounds(0, 2 ** 20), getattr(d, k)))
-            for k in ("block_size", "weight_block_size", "history", "margin")}
+            for k in ("block_size", "weight_block_size", "history", "margin", "accum_bits",
+                      "promote_every")}
     scaling = Scaling(**{k: sheet.string(table, ("scaling", k), getattr(d, k))
                          for k in ("recipe", "weights", "scale_format", "amax_compute")}, **ints)
     if (problem := scaling.problem()) is not None:

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 from mplower.dialect.mp import SCALE_FORMATS
 
+# Annotations of a GEMM whose accumulator keeps fewer bits than f32 (mplower.numerics.accum):
+# its significant bits, and every how many elements of K it is promoted to f32.
+ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
 ACTIVATION_RECIPES = ("static", "current", "delayed", "block")
 WEIGHT_RECIPES = ("current", "block")
 
@@ -32,6 +35,8 @@ class Scaling:
     history: int = 1024
     amax_compute: str = "max"
     margin: int = 0
+    accum_bits: int = 0  # > 0: Hopper-style limited accumulator of this many bits (~14)
+    promote_every: int = 128  # ... promoted to f32 every this many elements of K
 
     def problem(self) -> str | None:
         """Why this combination cannot be run, or None."""
@@ -54,6 +59,9 @@ class Scaling:
             return f"amax_compute must be max or most_recent, got '{self.amax_compute}'"
         if self.history < 1:
             return f"history must be at least 1, got {self.history}"
+        if not 0 <= self.accum_bits <= 24 or self.promote_every < 1:
+            return (f"accum_bits must be in 0..24 (0: exact f32) and promote_every >= 1, got "
+                    f"{self.accum_bits} and {self.promote_every}")
         return None
 
 
