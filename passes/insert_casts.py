@@ -27,7 +27,7 @@ from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
 from mplower.ir.opdef import OpError, attr_type
 from mplower.ir.types import TypeAttr
-from mplower.lowering.policy import load_policy, result_format
+from mplower.lowering.policy import module_scaling, result_format
 from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.pass_manager import Pass, PassContext, PassManager, register_pass
 
@@ -192,8 +192,7 @@ class InsertCasts(Pass):
 
     def run(self, module: Module, ctx: PassContext) -> None:
         keep = module.attrs.get("mp.keep_io_types", True) is not False
-        policy = module.attrs.get("mp.policy")
-        scaling = load_policy(policy, module=module).scaling if isinstance(policy, str) else None
+        scaling = module_scaling(module)
         for f in module.functions.values():
             insert_casts(f, ctx, keep)
             if scaling is not None:  # the sheet's [scaling]: scaled GEMM operands

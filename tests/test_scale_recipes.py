@@ -116,3 +116,34 @@ def test_run_report_shows_recipe_amax_scale_saturation_and_scale_bytes(cli, tmp_
     assert x["scaling"]["flushed_fraction"] == x["underflow"] / (16 * 64)
     inputs = np.load("ir_examples/transformer_inputs.npz")
     assert x["scaling"]["amax"] == float(np.abs(inputs["x"]).max())
+
+
+def test_b200_runs_mx_and_nvfp4_gemms_at_the_datasheet_rates_and_hopper_falls_back():
+    from mplower.lowering.target import Legal, load_target
+
+    b200, h100, h200 = load_target("b200"), load_target("h100"), load_target("h200")
+    # HGX B200 datasheet, 8 GPUs, with sparsity: FP4 144 PF, FP8/FP6 72 PF -> per GPU dense.
+    assert b200.peak("f4E2M1FN") == 144e15 / 8 / 2
+    assert b200.peak("f8E4M3FN") == b200.peak("f6E2M3FN") == 72e15 / 8 / 2
+    for fmt, scales in (("f8E4M3FN", "e8m0"), ("f6E3M2FN", "e8m0"), ("f4E2M1FN", "e8m0"),
+                        ("f4E2M1FN", "nvfp4")):
+        assert b200.legalize("mp.matmul", fmt, "f32", "dense", scales) == \
+            Legal(fmt, "f32", "dense")
+    for hopper in (h100, h200):
+        assert hopper.legalize("mp.matmul", "f8E4M3FN", "f32", "dense", "e8m0") == \
+            Legal("bf16", "f32", "dense", ("no-mx-kernel",))
+        assert hopper.legalize("mp.matmul", "f8E4M3FN", "f32", "dense", "f32") == \
+            Legal("f8E4M3FN", "f32", "dense")  # fine-grained fp8 (f32 block scales) runs
+        assert hopper.legalize("mp.matmul", "f4E2M1FN", "f32", "dense", "nvfp4") == \
+            Legal("bf16", "f32", "dense", ("no-fp4-kernel",))
+
+
+def test_legalize_reads_the_sheets_block_scales(cli, tmp_path):
+    out = tmp_path / "l.ir"
+    r = cli("opt", "ir_examples/transformer.ir", "--pass=assign-precision{policy=mxfp8}",
+            "--pass=legalize{target=h100}", "--statistics", "-o", out)
+    assert r.rc == 0 and "6 fallback:no-mx-kernel" in r.err
+    assert out.read_text().count('mp.fallback = "no-mx-kernel"') == 6
+    r = cli("opt", "ir_examples/transformer.ir", "--pass=assign-precision{policy=mxfp8}",
+            "--pass=legalize{target=b200}", "--statistics", "-o", out)
+    assert r.rc == 0 and "fallback" not in out.read_text()

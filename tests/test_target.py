@@ -70,7 +70,7 @@ dense = ["f32", "bf16"]
 # -- built-ins ---------------------------------------------------------------------------------
 
 def test_builtin_targets_are_the_documented_set():
-    assert builtin_targets() == ["a100", "cpu-avx512", "generic", "h100", "h200"]
+    assert builtin_targets() == ["a100", "b200", "cpu-avx512", "generic", "h100", "h200"]
 
 
 @pytest.mark.parametrize("name", builtin_targets())
@@ -363,4 +363,4 @@ def test_unknown_builtin_target_lists_the_builtins():
         load_target("h10")
     msg = info.value.diagnostics[0].message
     assert msg.startswith("unknown built-in target 'h10'; did you mean ")
-    assert "a100, cpu-avx512, generic, h100, h200" in msg
+    assert "a100, b200, cpu-avx512, generic, h100, h200" in msg

@@ -47,7 +47,8 @@ NOT_LISTED = "not-listed"
 
 # Formats that tensor cores take as matmul/conv inputs but do not write results in: a GEMM fed
 # tf32 or fp8 writes its accumulator's format (as cuBLAS and Transformer Engine do).
-INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2", "f4E2M1FN"})
+INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
+                                "f4E2M1FN"})
 
 
 def result_format(op: str, compute: str, accum: str | None) -> str:
@@ -181,6 +182,12 @@ def load_policy(spec: str, *, module: Module | None = None,
     path, source = locate(spec, "policy", _BUILTIN_DIR, module,
                           "give its guardrails with --guardrail KEY=VALUE instead")
     return _parse(Sheet.read(path), path.stem, source, known_ops)
+
+
+def module_scaling(module: Module) -> Scaling | None:
+    """The `[scaling]` of the sheet assign-precision recorded on `module` (mp.policy), if any."""
+    policy = module.attrs.get("mp.policy")
+    return load_policy(policy, module=module).scaling if isinstance(policy, str) else None
 
 
 _TOP_KEYS = ("policy", "override", "guardrails", "scaling")

@@ -110,7 +110,8 @@ FP4_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 4)
 QUANT_FLOATS = FP8_FORMATS + FP4_FORMATS
 # Formats an op computes in on a target (tensor-core inputs): every float narrower than f64,
 # and i8. The order is the order docs and diagnostics list them in.
-COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "f4E2M1FN", "i8")
+COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
+                   "f4E2M1FN", "i8")
 # Integer formats a value is quantized to (ONNX QuantizeLinear's integer targets): the ints
 # between the i1 mask and the i32 accumulator.
 QUANT_INTS = tuple(n for n in INT_FORMATS if 1 < FORMATS[n].bits < 32)
