@@ -91,14 +91,14 @@ def test_block_int4_quantize_dequantize_round_trips_through_onnxruntime(cli, tmp
 
 @pytest.mark.parametrize(("x_attrs", "elem", "message"), [
     ('recipe = "delayed"', "f8E4M3FN",
-     'mp.scaled_quant with recipe "delayed" computes its scales from the data at run time '
-     'and its history'),
+     ('mp.scaled_quant with recipe "delayed" computes its scales from the data at run time '
+     'and its history')),
     ('recipe = "block", block = [1, 32], scale_format = "e8m0"', "f8E4M3FN",
-     'mp.scaled_quant with recipe "block" computes its scales from the data at run time '
-     'per block'),
+     ('mp.scaled_quant with recipe "block" computes its scales from the data at run time '
+     'per block')),
     ('recipe = "static", amax = 4.0', "f4E2M1FN",
-     "'mp.scaled_quant' uses f4E2M1FN: it would be exported as FLOAT4E2M1 (ONNX opset 23), "
-     "for which onnxruntime has no CPU kernel"),
+     ("'mp.scaled_quant' uses f4E2M1FN: it would be exported as FLOAT4E2M1 (ONNX opset 23), "
+     "for which onnxruntime has no CPU kernel")),
     ('recipe = "static", amax = 4.0', "f6E2M3FN",
      "'mp.scaled_quant' uses f6E2M3FN, which has no ONNX type"),
 ])
