@@ -188,6 +188,7 @@ class InsertCasts(Pass):
         "arguments-narrowed": "function arguments given a narrower type (keep_io_types off)",
         "casts-scaled": "casts scaled by the policy sheet's [scaling] (see scale-recipes)",
         "casts-kept": "narrow-float casts the sheet's [scaling] left plain",
+        "biases-kept-wide": "conv biases the sheet's [scaling] moved into an f32 add",
     }
 
     def run(self, module: Module, ctx: PassContext) -> None:

@@ -5,8 +5,8 @@ outside the format's range. This pass replaces each cast into a GEMM's compute f
 `mp.scaled_quant` that carries a scale recipe (mplower.lowering.scaling): per tensor from
 calibrate's amax (static), from the tensor itself (current) or from Transformer Engine's amax
 history (delayed); or per block along the contraction axis (fine-grained fp8, MX with E8M0
-scales, NVFP4). Only casts whose every user is a matmul or conv are scaled, so biases,
-residuals and accumulators stay wide. insert-casts runs it with the `[scaling]` table of the
+scales, NVFP4). Only casts whose every user is a matmul or conv are scaled, and a narrow conv's
+bias is moved into an f32 add after it, so biases, residuals and accumulators stay wide. insert-casts runs it with the `[scaling]` table of the
 module's policy sheet (the built-in fp8, fp8-block, mxfp8, mxfp4 and nvfp4 sheets have one), so
 `mplower run` of such a plan is scaled without naming this pass.
 """
@@ -20,15 +20,46 @@ import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.mp import CONTRACTIONS
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Function, Module
+from mplower.ir.types import tensor
 from mplower.lowering.calibration import constant_nodes, range_of
 from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY, Scaling, blocks_for
 from mplower.numerics.formats import MX_ELEMENT_FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 
+def _wide_conv_bias(f: Function, ctx: PassContext) -> None:
+    """conv2d(x, w, cast(b)) in a narrow float -> conv2d(x, w) + reshape(b): the bias stays in
+    its own (f32) format, added after the accumulator, as a tensor core's epilogue adds it."""
+    for n in list(f.ops()):
+        if f.op(n) != "mp.conv2d" or len(f.operands(n)) != 3:
+            continue
+        x, w, b = f.operands(n)
+        if f.type_of(x).elem not in MX_ELEMENT_FORMATS or f.op(b[0]) != "mp.cast":
+            continue
+        d = f.data(n)
+        (bias,) = f.operands(b[0])
+        out, bt = d["types"][0], f.type_of(bias)
+        if out.elem != bt.elem:  # the add would mix formats
+            continue
+        conv = f.create_op("mp.conv2d", [x, w], [out], dict(d["attrs"]), before=n,
+                           name_hint=f"{d['name']}_nobias")
+        shaped = f.create_op("mp.reshape", [bias], [tensor((bt.shape[0], 1, 1), bt.elem)],
+                             before=n, name_hint=f"{d['name']}_bias")
+        add = f.create_op("mp.add", [(conv, 0), (shaped, 0)], [out], before=n,
+                          name_hint=d["name"])
+        f.replace_all_uses((n, 0), (add, 0))
+        name = d["name"]
+        f.erase(n)
+        f.rename(add, name)
+        if not f.has_uses(b[0]):
+            f.erase(b[0])
+        ctx.stat("biases-kept-wide")
+
+
 def apply_scaling(f: Function, ctx: PassContext, scaling: Scaling) -> None:
     """Replace the casts of `f` into a GEMM's narrow float format by mp.scaled_quant (and
     re-plan the mp.scaled_quant ops already there, so that the pass overrides a sheet)."""
+    _wide_conv_bias(f, ctx)
     constants = constant_nodes(f)
     errors = []
     for n in list(f.ops()):
@@ -95,6 +126,7 @@ class ScaleRecipes(Pass):
     statistics: ClassVar[dict[str, str]] = {
         "casts-scaled": "casts into a GEMM's narrow float replaced by mp.scaled_quant",
         "casts-kept": "narrow-float casts left plain (a user is not a matmul/conv)",
+        "biases-kept-wide": "conv biases moved out of a narrow-float conv into an f32 add",
     }
     examples: ClassVar[tuple[str, ...]] = (
         ("ir_examples/mlp.ir --pass='assign-precision{policy=bf16-fp8}' "

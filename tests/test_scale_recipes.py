@@ -73,7 +73,8 @@ def test_fp8_sheet_scales_by_default_and_the_pass_overrides_it(cli, tmp_path):
     assert cli("opt", "ir_examples/transformer.ir", "--pass=assign-precision{policy=fp8}",
                "--pass=insert-casts", "-o", out).rc == 0
     text = out.read_text()
-    assert text.count('mp.scaled_quant') == 11 and text.count('recipe = "current"') == 11
+    assert text.count('mp.scaled_quant') == 11
+    assert text.count('{recipe = "current", margin = 0}') == 11
     assert cli("opt", out, "--pass=scale-recipes{recipe=block block_size=32 weights=block "
                "scale_format=e8m0}", "-o", out).rc == 0
     assert out.read_text().count('scale_format = "e8m0"') == 11
@@ -147,3 +148,37 @@ def test_legalize_reads_the_sheets_block_scales(cli, tmp_path):
     r = cli("opt", "ir_examples/transformer.ir", "--pass=assign-precision{policy=mxfp8}",
             "--pass=legalize{target=b200}", "--statistics", "-o", out)
     assert r.rc == 0 and "fallback" not in out.read_text()
+
+
+CONV = """module attributes {mp.weights = "w.npz"} {
+func.func @main(%x: tensor<1x2x4x4xf32>) -> tensor<1x3x4x4xf32> {
+  %w = mp.constant {name = "w"} : () -> tensor<3x2x1x1xf32>
+  %b = mp.constant {name = "b"} : () -> tensor<3xf32>
+  %y = mp.conv2d %x, %w, %b : (tensor<1x2x4x4xf32>, tensor<3x2x1x1xf32>, tensor<3xf32>) -> tensor<1x3x4x4xf32>
+  return %y : tensor<1x3x4x4xf32>
+}
+}"""
+
+
+def test_scaled_conv_keeps_its_bias_wide_in_an_f32_add(cli, tmp_path):
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((3, 2, 1, 1)).astype(np.float32)
+    b = np.array([1e6, -3.0, 1e-6], np.float32)  # beyond fp8 at any one scale
+    np.savez(tmp_path / "w.npz", w=w, b=b)
+    (tmp_path / "m.ir").write_text(CONV)
+    out = tmp_path / "o.ir"
+    sheet = tmp_path / "s.toml"
+    sheet.write_text('[policy]\ncompute = "f8E4M3FN"\nallow = ["mp.conv2d"]\n\n'
+                     '[scaling]\nrecipe = "current"\n')
+    r = cli("opt", tmp_path / "m.ir", f"--pass=assign-precision{{policy={sheet}}}",
+            "--pass=insert-casts", "--statistics", "-o", out)
+    assert r.rc == 0 and "1 biases-kept-wide" in r.err
+    text = out.read_text()
+    assert "mp.conv2d %x_f8E4M3FN, %w_f8E4M3FN {" in text and "%b_f8E4M3FN" not in text
+    assert "mp.add %y_nobias, %y_bias" in text
+    x = rng.standard_normal((1, 2, 4, 4)).astype(np.float32)
+    y = Program(parse(text, str(out))).run([x], reference=False).outputs[0]
+    xs = te_fp8(x, 448 / np.abs(x).max())
+    ws = te_fp8(w, 448 / np.abs(w).max())
+    want = np.einsum("nchw,oc->nohw", xs, ws[:, :, 0, 0]) + b.reshape(3, 1, 1)
+    assert np.allclose(y, want, rtol=1e-6) and y[0, 0, 0, 0] > 9e5

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mplower.dialect.mp import ACCUMULATING
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
-from mplower.lowering.scaling import Scaling
+from mplower.ir.opdef import OpError
+from mplower.lowering.scaling import SCALING, Scaling
 from mplower.lowering.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
@@ -185,9 +187,15 @@ def load_policy(spec: str, *, module: Module | None = None,
 
 
 def module_scaling(module: Module) -> Scaling | None:
-    """The `[scaling]` of the sheet assign-precision recorded on `module` (mp.policy), if any."""
-    policy = module.attrs.get("mp.policy")
-    return load_policy(policy, module=module).scaling if isinstance(policy, str) else None
+    """The sheet's `[scaling]` that assign-precision recorded on `module` (mp.scaling), if any;
+    a malformed attribute is a located error."""
+    value = module.attrs.get(SCALING)
+    if value is None:
+        return None
+    try:
+        return Scaling.of(value)
+    except OpError as e:
+        raise DiagnosticError.at(module.loc, e.message) from None
 
 
 _TOP_KEYS = ("policy", "override", "guardrails", "scaling")

@@ -14,10 +14,15 @@ compute format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from mplower.dialect.mp import SCALE_FORMATS
+from mplower.ir.opdef import OpError, attr_int, attr_str
 
+# The module attribute that carries a sheet's [scaling] from assign-precision to insert-casts
+# and legalize (a dictionary of the Scaling fields), so that they need not read the sheet again.
+SCALING = "mp.scaling"
 # Annotations of a GEMM whose accumulator keeps fewer bits than f32 (mplower.numerics.accum):
 # its significant bits, and every how many elements of K it is promoted to f32.
 ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
@@ -37,6 +42,22 @@ class Scaling:
     margin: int = 0
     accum_bits: int = 0  # > 0: Hopper-style limited accumulator of this many bits (~14)
     promote_every: int = 128  # ... promoted to f32 every this many elements of K
+
+    def attr(self) -> dict[str, Any]:
+        """The dictionary attribute that `of` reads back."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def of(cls, value: Any) -> Scaling:
+        """A Scaling from its dictionary attribute; OpError on a malformed one."""
+        names = {f.name: f.type for f in fields(cls)}
+        if not isinstance(value, dict) or set(value) - set(names):
+            raise OpError(f"{SCALING} must be a dictionary of {', '.join(names)}")
+        scaling = cls(**{k: attr_int(v) if names[k] == "int" else attr_str(v)
+                         for k, v in value.items()})
+        if (problem := scaling.problem()) is not None:
+            raise OpError(f"{SCALING}: {problem}")
+        return scaling
 
     def problem(self) -> str | None:
         """Why this combination cannot be run, or None."""
