@@ -81,6 +81,8 @@ def apply_scaling(f: Function, ctx: PassContext, scaling: Scaling) -> None:
         block = blocks.pop()
         recipe = "block" if block else ("current" if weight else scaling.recipe)
         attrs = {"recipe": recipe, "margin": scaling.margin}
+        if not block and scaling.pow2:
+            attrs["pow2"] = True
         if block:
             attrs |= {"block": list(block), "scale_format": scaling.scale_format}
         if recipe in ("static", "delayed"):
@@ -139,6 +141,7 @@ class ScaleRecipes(Pass):
     history: int = option(1024, "delayed: amax history length (steps)")
     amax_compute: str = option("max", "delayed: max of the history or most_recent")
     margin: int = option(0, "scale = fmt_max / amax / 2^margin")
+    pow2: bool = option(False, "round per-tensor scales down to a power of two")
     accum_bits: int = option(0, "GEMM accumulator bits (0: exact f32; ~14: Hopper fp8, "
                                 "DeepSeek-V3)")
     promote_every: int = option(128, "promote that accumulator to f32 every this many of K")
@@ -146,7 +149,7 @@ class ScaleRecipes(Pass):
     def run(self, module: Module, ctx: PassContext) -> None:
         scaling = Scaling(self.recipe, self.weights, self.block_size, self.weight_block_size,
                           self.scale_format, self.history, self.amax_compute, self.margin,
-                          self.accum_bits, self.promote_every)
+                          self.pow2, self.accum_bits, self.promote_every)
         if (problem := scaling.problem()) is not None:
             raise DiagnosticError.at(module.loc, f"scale-recipes: {problem}")
         for f in module.functions.values():

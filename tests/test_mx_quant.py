@@ -8,7 +8,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mplower.numerics.mx import DelayedScaling, block_amax, quantize_blocked, quantize_per_tensor
+from mplower.numerics.mx import (
+    DelayedScaling,
+    block_amax,
+    encode_factor,
+    quantize_blocked,
+    quantize_per_tensor,
+)
 from mplower.numerics.rounding import Counts
 
 ML = {"f8E4M3FN": ml_dtypes.float8_e4m3fn, "f8E5M2": ml_dtypes.float8_e5m2,
@@ -150,3 +156,20 @@ def test_delayed_scaling_follows_transformer_engines_history_rule():
     assert d.scale == 224.0
     recent = DelayedScaling("f8E4M3FN", length=3, amax_compute="most_recent", margin=0)
     assert [recent.update(a) for a in [2, 8, 0, np.inf, 4]] == [224.0, 56.0, 56.0, 56.0, 112.0]
+
+
+def test_power_of_two_scale_keeps_the_plain_casts_rounding_of_values_normal_in_both():
+    # With sf = 2^k a value that is a normal fp8 number before and after scaling keeps its
+    # significand: the scaled cast rounds it exactly as the plain cast does; only the values
+    # the plain cast saturated or that leave the normal range change.
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal(4096) * np.exp2(rng.integers(-12, 12, 4096))).astype(np.float32)
+    amax = float(np.abs(x).max())
+    sf = encode_factor(amax, "f8E4M3FN", pow2=True)
+    assert sf == 2.0 ** math.floor(math.log2(448 / amax))
+    got = quantize_per_tensor(x, "f8E4M3FN", sf)
+    plain = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    both = (np.abs(x) >= 2.0 ** -6) & (np.abs(x) <= 448) & (np.abs(x * sf) >= 2.0 ** -6)
+    assert both.sum() > 1000
+    assert np.array_equal(got.values[both], plain[both])
+    assert got.counts.overflow == 0 and int((np.abs(x) > 464).sum()) > 0

@@ -34,6 +34,7 @@ ALL_OPS = [
     "rms_norm", "reduce_sum", "reduce_mean", "reduce_max", "argmax", "reshape", "transpose",
     "concat", "slice", "flatten", "max_pool2d", "avg_pool2d", "global_avg_pool", "cast",
     "quantize", "dequantize", "fake_quant", "sparse_encode", "erf", "log_softmax", "lrn",
+    "scaled_quant",
 ]
 
 
@@ -75,7 +76,7 @@ def test_flags_and_precisions():
     assert OPS["mp.quantize"].elementwise and OPS["mp.fake_quant"].elementwise
     assert not OPS["mp.matmul"].elementwise and not OPS["mp.softmax"].elementwise
     assert OPS["mp.matmul"].precisions == {"f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2",
-                                           "i8"}
+                                           "f6E2M3FN", "f6E3M2FN", "f4E2M1FN", "i8"}
     assert OPS["mp.conv2d"].precisions == OPS["mp.matmul"].precisions
     assert OPS["mp.add"].precisions == {"f32", "bf16", "f16"}
     assert OPS["mp.softmax"].precisions == {"f32", "bf16", "f16"}

@@ -49,12 +49,13 @@ def test_static_fp8_scaled_quant_exports_as_qdq_that_onnxruntime_runs_bit_for_bi
     assert np.array_equal(got, want)
 
 
-def test_current_scaling_exports_its_amax_and_scale_into_the_graph(cli, tmp_path):
-    text = """func.func @main(%x: tensor<4x64xf32>) -> tensor<4x64xf8E4M3FN> {
-  %a = mp.scaled_quant %x {recipe = "current", margin = 1} : (tensor<4x64xf32>) -> tensor<4x64xf8E4M3FN>
+@pytest.mark.parametrize("pow2", ["false", "true"])
+def test_current_scaling_exports_its_amax_and_scale_into_the_graph(cli, tmp_path, pow2):
+    text = f"""func.func @main(%x: tensor<4x64xf32>) -> tensor<4x64xf8E4M3FN> {{
+  %a = mp.scaled_quant %x {{recipe = "current", margin = 1, pow2 = {pow2}}} : (tensor<4x64xf32>) -> tensor<4x64xf8E4M3FN>
   return %a : tensor<4x64xf8E4M3FN>
-}"""
-    for amax in (1e-3, 7.0, 3e6):
+}}"""
+    for amax in (1e-3, 7.0, 3e6, 448.0 / 2 ** 20, 448.0 * 2 ** 30):
         x = np.random.default_rng(3).uniform(-1, 1, (4, 64)).astype(np.float32)
         x[0, 0] = amax
         got, want = export_and_run(cli, tmp_path, text, x)

@@ -42,9 +42,9 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType) -> tuple[
     last: list[ScaleStats] = []
     delayed = None
     if recipe == "delayed":
-        start = mx.encode_factor(attrs["amax"], elem, attrs["margin"])
+        start = mx.encode_factor(attrs["amax"], elem, attrs["margin"], pow2=attrs["pow2"])
         delayed = mx.DelayedScaling(elem, attrs["history"], attrs["amax_compute"],
-                                    attrs["margin"], scale=start)
+                                    attrs["margin"], scale=start, pow2=attrs["pow2"])
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
         x = np.ascontiguousarray(xs[0], dtype=np.float32)
@@ -59,7 +59,7 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType) -> tuple[
                 delayed.update(amax)
             else:
                 sf = mx.encode_factor(amax if recipe == "current" else attrs["amax"], elem,
-                                      attrs["margin"])
+                                      attrs["margin"], pow2=attrs["pow2"])
             r = mx.quantize_per_tensor(x, elem, sf)
             scale = float(r.scales[0])
         n = max(1, x.size)

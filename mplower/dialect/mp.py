@@ -1250,7 +1250,8 @@ def _scaled_quant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndar
     if a["recipe"] == "block":
         return [mx.quantize_blocked(x, elem, tuple(a["block"]), a["scale_format"]).values]
     amax = float(np.max(np.abs(x))) if a["recipe"] == "current" and x.size else a["amax"]
-    return [mx.quantize_per_tensor(x, elem, mx.encode_factor(amax, elem, a["margin"])).values]
+    sf = mx.encode_factor(amax, elem, a["margin"], pow2=a["pow2"])
+    return [mx.quantize_per_tensor(x, elem, sf).values]
 
 
 _def("scaled_quant",
@@ -1260,6 +1261,7 @@ _def("scaled_quant",
             "block": AttrSpec("ints", default=()),
             "amax": AttrSpec("float", default=0.0, min=0.0),
             "margin": AttrSpec("int", default=0),
+            "pow2": AttrSpec("bool", default=False),
             "history": AttrSpec("int", default=1024, min=1),
             "amax_compute": AttrSpec("str", default="max", choices=("max", "most_recent"))},
      infer=_scaled_quant_infer,
@@ -1270,7 +1272,7 @@ _def("scaled_quant",
          "scaled values q * s. `recipe`: static (scale from the calibrated `amax`), current "
          "(the tensor's amax), delayed (Transformer Engine's amax history of `history` steps, "
          "`amax_compute`, `margin`), block (one scale per `block`, in `scale_format` f32, "
-         "e8m0 (MX) or nvfp4).",
+         "e8m0 (MX) or nvfp4); `pow2` rounds a per-tensor scale down to a power of two.",
      traits=_CONVERSION)
 
 # ---------------------------------------------------------------------------------------------

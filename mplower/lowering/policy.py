@@ -200,7 +200,7 @@ def module_scaling(module: Module) -> Scaling | None:
 
 _TOP_KEYS = ("policy", "override", "guardrails", "scaling")
 _SCALING_KEYS = ("recipe", "weights", "block_size", "weight_block_size", "scale_format",
-                 "history", "amax_compute", "margin", "accum_bits", "promote_every")
+                 "history", "amax_compute", "margin", "pow2", "accum_bits", "promote_every")
 _POLICY_KEYS = ("name", "description", "compute", "accum", "weights", "allow", "follow", "deny",
                 "keep_io_types", "keep_first_last")
 _OVERRIDE_KEYS = ("op", "name", "compute", "accum")
@@ -260,7 +260,8 @@ def _scaling(sheet: Sheet, data: dict[str, Any]) -> Scaling | None:
             for k in ("block_size", "weight_block_size", "history", "margin", "accum_bits",
                       "promote_every")}
     scaling = Scaling(**{k: sheet.string(table, ("scaling", k), getattr(d, k))
-                         for k in ("recipe", "weights", "scale_format", "amax_compute")}, **ints)
+                         for k in ("recipe", "weights", "scale_format", "amax_compute")}, **ints,
+                      pow2=sheet.boolean(table, ("scaling", "pow2"), d.pow2))
     if (problem := scaling.problem()) is not None:
         raise sheet.error(("scaling",), f"[scaling]: {problem}")
     return scaling

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mplower.dialect.mp import SCALE_FORMATS
-from mplower.ir.opdef import OpError, attr_int, attr_str
+from mplower.ir.opdef import OpError, attr_bool, attr_int, attr_str
 
 # The module attribute that carries a sheet's [scaling] from assign-precision to insert-casts
 # and legalize (a dictionary of the Scaling fields), so that they need not read the sheet again.
@@ -40,6 +40,7 @@ class Scaling:
     history: int = 1024
     amax_compute: str = "max"
     margin: int = 0
+    pow2: bool = False  # per-tensor scales rounded down to a power of two
     accum_bits: int = 0  # > 0: Hopper-style limited accumulator of this many bits (~14)
     promote_every: int = 128  # ... promoted to f32 every this many elements of K
 
@@ -53,8 +54,8 @@ class Scaling:
         names = {f.name: f.type for f in fields(cls)}
         if not isinstance(value, dict) or set(value) - set(names):
             raise OpError(f"{SCALING} must be a dictionary of {', '.join(names)}")
-        scaling = cls(**{k: attr_int(v) if names[k] == "int" else attr_str(v)
-                         for k, v in value.items()})
+        read = {"int": attr_int, "bool": attr_bool, "str": attr_str}
+        scaling = cls(**{k: read[names[k]](v) for k, v in value.items()})
         if (problem := scaling.problem()) is not None:
             raise OpError(f"{SCALING}: {problem}")
         return scaling

@@ -156,14 +156,19 @@ def quantize_blocked(x: np.ndarray, elem: str, block: tuple[int, ...],
     raise ValueError(f"unknown scale format '{scale_format}'; use f32, e8m0 or nvfp4")
 
 
-def encode_factor(amax: float, elem: str, margin: int = 0,
-                  previous: float = 1.0) -> float:
+def encode_factor(amax: float, elem: str, margin: int = 0, previous: float = 1.0,
+                  pow2: bool = False) -> float:
     """Transformer Engine's scale: fmt_max / amax / 2^margin (float32), or `previous` where
-    amax is 0 or not finite (TE's `_default_sf_compute`)."""
+    amax is 0 or not finite (TE's `_default_sf_compute`). With `pow2` it is rounded down to a
+    power of two: a value that is a normal number before and after scaling then keeps the
+    significand the plain cast gives it (only its exponent moves), and decoding is exact."""
     a = np.float32(amax)
     if not (np.isfinite(a) and a > 0):
         return float(np.float32(previous))
-    return float(np.float32(np.float32(FORMATS[elem].max_finite) / a) / np.float32(2.0 ** margin))
+    sf = np.float32(np.float32(np.float32(FORMATS[elem].max_finite) / a) / np.float32(2.0 ** margin))
+    if pow2 and np.isfinite(sf) and sf > 0:
+        sf = np.float32(np.ldexp(np.float32(1), np.frexp(sf)[1] - 1))  # 2^floor(log2 sf)
+    return float(sf)
 
 
 def quantize_per_tensor(x: np.ndarray, elem: str, sf: float) -> Scaled:
@@ -191,6 +196,7 @@ class DelayedScaling:
     amax_compute: str = "max"
     margin: int = 0
     scale: float = 1.0
+    pow2: bool = False
     history: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -208,5 +214,5 @@ class DelayedScaling:
         a = self.history.max() if self.amax_compute == "max" else self.history[0]
         self.history = np.roll(self.history, -1)
         self.history[0] = 0
-        self.scale = encode_factor(float(a), self.elem, self.margin, self.scale)
+        self.scale = encode_factor(float(a), self.elem, self.margin, self.scale, self.pow2)
         return self.scale

@@ -417,7 +417,7 @@ class _Exporter:
         zero = np.zeros((), np.float32)
         if recipe != "block":
             amax = a["amax"] if w is None else float(np.max(np.abs(w))) if w.size else 0.0
-            sf = np.float32(mx.encode_factor(amax, elem, a["margin"]))
+            sf = np.float32(mx.encode_factor(amax, elem, a["margin"], pow2=a["pow2"]))
             scale = np.float32(1) / sf
             y = self._qdq("mp.scaled_quant", x, in_t, out_t, np.array(scale), zero, elem, {},
                           hint)
@@ -454,6 +454,19 @@ class _Exporter:
         ok = self.node("And", [self.node("Greater", [amax, zero], f"{hint}_positive"),
                                self.node("Not", [self.node("IsInf", [amax], f"{hint}_inf")],
                                          f"{hint}_finite")], f"{hint}_usable")
+        if a["pow2"]:  # 2^floor(log2 sf), corrected by one step where Log rounded across
+            two = self.init(np.array(2, f32), f"{hint}_two")
+            e = self.node("Floor", [self.node("Div", [
+                self.node("Log", [sf], f"{hint}_ln"),
+                self.init(np.array(np.log(2), f32), f"{hint}_ln2")], f"{hint}_log2")],
+                f"{hint}_exp")
+            p = self.node("Pow", [two, e], f"{hint}_p")
+            up = self.node("Mul", [p, two], f"{hint}_p2")
+            p = self.node("Where", [self.node("LessOrEqual", [up, sf], f"{hint}_low"), up, p],
+                          f"{hint}_p_up")
+            half = self.node("Div", [p, two], f"{hint}_p_half")
+            sf = self.node("Where", [self.node("Greater", [p, sf], f"{hint}_high"), half, p],
+                           f"{hint}_pow2")
         sf = self.node("Where", [ok, sf, one], f"{hint}_encode")
         s = self.node("Div", [one, sf], f"{hint}_scale")
         z = self.init(np.zeros((), helper.tensor_dtype_to_np_dtype(ONNX_TYPE[out_t.elem])),
