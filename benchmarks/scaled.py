@@ -59,6 +59,7 @@ PLANS = {
     "fp8 delayed": ("assign-precision{{policy=fp8}}," + CALIBRATE
                     + ",insert-casts,scale-recipes{{recipe=delayed history=16}}"),
     "fp8 current": "assign-precision{{policy=fp8}},insert-casts",
+    "fp8 current pow2": "assign-precision{{policy=fp8}},insert-casts,scale-recipes{{pow2=true}}",
     "fp8-block": "assign-precision{{policy=fp8-block}},insert-casts",
     "mxfp8": "assign-precision{{policy=mxfp8}},insert-casts",
     "mxfp4": "assign-precision{{policy=mxfp4}},insert-casts",
