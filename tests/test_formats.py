@@ -23,6 +23,11 @@ INT_REFERENCES = {
     "i8": np.int8,
     "ui8": np.uint8,
     "i4": ml_dtypes.int4,
+    "i64": np.int64,
+    "i16": np.int16,
+    "ui16": np.uint16,
+    "ui32": np.uint32,
+    "ui64": np.uint64,
 }
 
 
@@ -72,6 +77,7 @@ def test_int_format_matches_iinfo(name):
     info = ml_dtypes.iinfo(INT_REFERENCES[name])
     assert f.bits == info.bits
     assert (f.min_value, f.max_finite) == (float(info.min), float(info.max))
+    assert f.int_range == (int(info.min), int(info.max))  # exact where the floats round
     assert np.iinfo(f.storage).min <= info.min and info.max <= np.iinfo(f.storage).max
 
 

@@ -34,6 +34,9 @@ ALL_OPS = [
     "rms_norm", "reduce_sum", "reduce_mean", "reduce_max", "argmax", "reshape", "transpose",
     "concat", "slice", "flatten", "max_pool2d", "avg_pool2d", "global_avg_pool", "cast",
     "quantize", "dequantize", "fake_quant", "sparse_encode", "erf", "log_softmax", "lrn",
+    "gather", "gather_elements", "gather_nd", "where", "equal", "less", "less_equal",
+    "greater", "greater_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
+    "isnan", "isinf", "expand", "trilu", "pow", "cumsum",
     "scaled_quant",
 ]
 

@@ -28,7 +28,8 @@ DESIGN_OPS = [
     "mp.reduce_sum", "mp.reduce_mean", "mp.reduce_max", "mp.argmax", "mp.reshape",
     "mp.transpose", "mp.concat", "mp.slice", "mp.flatten", "mp.max_pool2d", "mp.avg_pool2d",
     "mp.global_avg_pool", "mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant",
-    "mp.sparse_encode",
+    "mp.sparse_encode", "mp.gather", "mp.gather_elements", "mp.gather_nd", "mp.where",
+    "mp.expand", "mp.trilu", "mp.pow", "mp.cumsum",
 ]
 
 

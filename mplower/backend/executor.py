@@ -259,7 +259,8 @@ class Program:
             raise DiagnosticError.at(loc, "mp.constant needs a 'value' or a 'name'")
         is_float = FORMATS[t.elem].is_float
         ref = raw.astype(np.float32) if is_float and t.elem != "f64" else raw
-        lowered, counts = _finish(np.ascontiguousarray(raw), t.elem)
+        # ascontiguousarray makes a 0-d array 1-d: a scalar constant keeps its shape.
+        lowered, counts = _finish(np.ascontiguousarray(raw).reshape(t.shape), t.elem)
         return lowered, counts if counts is not None else _nan_counts(lowered), ref
 
     # ---- running -------------------------------------------------------------------------

@@ -103,9 +103,10 @@ def _fl(x: np.ndarray) -> np.ndarray:
 
 
 def _num(x: np.ndarray) -> np.ndarray:
-    """Like `_fl` for floats; integers widen to int64 so that sums and products do not wrap."""
+    """Like `_fl` for floats; integers widen to int64 so that sums and products do not wrap
+    (uint64, whose values int64 cannot hold, stays)."""
     if x.dtype.kind in "iub":
-        return x.astype(np.int64, copy=False)
+        return x if x.dtype == np.uint64 else x.astype(np.int64, copy=False)
     return _fl(x)
 
 
@@ -739,7 +740,8 @@ for _name, _fn, _allowed, _doc, _traits in (
 def _argmax_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     _elem_of(ins, _NUMERIC, "a numeric")
     axis = _axis(a["axis"], ins[0].rank)
-    # ONNX returns int64; i32 is the widest integer element type mplower has.
+    # i32, as before the IR had i64 (plans and reports rely on it); the ONNX importer casts it
+    # to ONNX's INT64.
     return [tensor(_reduced_shape(ins[0].shape, (axis,), a["keepdims"]), "i32")]
 
 
@@ -1032,9 +1034,7 @@ def _convert(x: np.ndarray, elem: str, saturate: bool) -> np.ndarray:
     if fmt.is_int:
         # ONNX truncates toward zero and leaves out-of-range values undefined; mplower
         # saturates them and maps NaN to 0 so that the reference is deterministic.
-        if x.dtype.kind == "f":
-            x = np.trunc(np.nan_to_num(x.astype(np.float64), nan=0.0))
-        return np.clip(x, fmt.min_value, fmt.max_finite).astype(np.int64)
+        return _saturate_int(x, elem)
     if elem == "f64":
         return x.astype(np.float64)
     x32 = x.astype(np.float32)
@@ -1045,6 +1045,25 @@ def _convert(x: np.ndarray, elem: str, saturate: bool) -> np.ndarray:
         clipped = np.clip(x32, fmt.min_value, fmt.max_finite)
         x32 = np.where(np.isinf(x32), x32, clipped) if fmt.has_inf else clipped
     return _round_to_format(x32, elem)
+
+
+def _saturate_int(x: np.ndarray, elem: str) -> np.ndarray:
+    """Values `x` (any numeric dtype) truncated toward zero and clamped to the integer type
+    `elem`, NaN as 0, as `value_dtype(elem)`. The bounds of the 64-bit types are not floats
+    and not all of them fit one numpy integer dtype, so each source kind is clamped apart."""
+    lo, hi = FORMATS[elem].int_range
+    dtype = value_dtype(elem)
+    if x.dtype.kind == "f":
+        x = np.trunc(np.nan_to_num(x.astype(np.float64), nan=0.0, posinf=np.inf, neginf=-np.inf))
+        # float(hi) of a 64-bit type rounds up past hi: such values saturate explicitly.
+        over = x >= float(hi)
+        y = np.clip(np.where(over, 0.0, x), float(lo), float(hi)).astype(dtype)
+        y[over] = hi
+        return y
+    if x.dtype == np.uint64:  # never below any type's lowest value
+        return np.minimum(x, np.uint64(hi)).astype(dtype)
+    x = x.astype(np.int64, copy=False)
+    return np.clip(x, lo, min(hi, (1 << 63) - 1)).astype(dtype)  # ui64's hi is past int64
 
 
 def _cast_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
@@ -1274,6 +1293,342 @@ _def("scaled_quant",
          "`amax_compute`, `margin`), block (one scale per `block`, in `scale_format` f32, "
          "e8m0 (MX) or nvfp4); `pow2` rounds a per-tensor scale down to a power of two.",
      traits=_CONVERSION)
+
+# ---------------------------------------------------------------------------------------------
+# Indexing, selection and masks: what torch.onnx exporters emit around transformers (embedding
+# lookups, attention masks, causal masks, position ids). Index operands are integers of any
+# width; these ops move values or compare them, and only pow and cumsum compute.
+
+_INTS = frozenset(n for n in ELEMENT_TYPES if FORMATS[n].is_int and n != "i1")
+_MASK = frozenset({"i1"})
+
+
+def _index_elem(t: TensorType, i: int) -> None:
+    if t.elem not in _INTS:
+        raise OpError(f"operand #{i} holds indices and must have an integer element type, "
+                      f"got {t}", operand=i)
+
+
+def _checked_indices(idx: np.ndarray, dim: int) -> np.ndarray:
+    """ONNX's negative indices counted from the end; an index outside [-dim, dim) is an error,
+    as in onnxruntime (ONNX leaves it undefined)."""
+    idx = idx.astype(np.int64)
+    bad = (idx < -dim) | (idx >= dim)
+    if np.any(bad):
+        raise OpError(f"index {int(idx[bad].reshape(-1)[0])} is out of range [{-dim}, {dim})")
+    return np.where(idx < 0, idx + dim, idx)
+
+
+def _gather_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    data, idx = ins
+    _index_elem(idx, 1)
+    axis = _axis(a["axis"], data.rank)
+    return [tensor(data.shape[:axis] + idx.shape + data.shape[axis + 1:], data.elem)]
+
+
+def _gather_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    data, idx = xs
+    axis = a["axis"] % data.ndim
+    return [np.take(data, _checked_indices(idx, data.shape[axis]), axis=axis)]
+
+
+_def("gather",
+     operands=("data", "indices"),
+     attrs={"axis": AttrSpec("int", default=0)},
+     infer=_gather_infer,
+     reference=_gather_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Entries of `data` along `axis` at integer `indices` (negative from the end): an "
+         "embedding lookup (ONNX Gather).",
+     traits=_MOVES)
+
+
+def _gather_elements_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    data, idx = ins
+    _index_elem(idx, 1)
+    axis = _axis(a["axis"], data.rank)
+    if idx.rank != data.rank or any(i > d for k, (i, d) in enumerate(zip(idx.shape, data.shape))
+                                    if k != axis):
+        raise OpError(f"indices {idx} must have the rank of data {data} and no larger "
+                      f"dimension outside axis {axis}", operand=1)
+    return [tensor(idx.shape, data.elem)]
+
+
+def _gather_elements_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    data, idx = xs
+    axis = a["axis"] % data.ndim
+    idx = _checked_indices(idx, data.shape[axis])
+    # take_along_axis wants data and indices of one shape outside the axis; ONNX reads the
+    # leading corner of data where indices are smaller.
+    corner = tuple(slice(None) if k == axis else slice(0, n) for k, n in enumerate(idx.shape))
+    return [np.take_along_axis(data[corner], idx, axis=axis)]
+
+
+_def("gather_elements",
+     operands=("data", "indices"),
+     attrs={"axis": AttrSpec("int", default=0)},
+     infer=_gather_elements_infer,
+     reference=_gather_elements_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="result[i][j][k] = data[indices[i][j][k]][j][k] for axis 0, and likewise for the "
+         "others (ONNX GatherElements).",
+     traits=_MOVES)
+
+
+def _gather_nd_shape(data: TensorType, idx: TensorType, b: int) -> tuple[int, ...]:
+    if not 0 <= b < min(data.rank, idx.rank):
+        raise OpError(f"attribute 'batch_dims' = {b} must be below the ranks of data {data} "
+                      f"and indices {idx}", operand=1)
+    if data.shape[:b] != idx.shape[:b]:
+        raise OpError(f"the first {b} (batch) dimensions of data {data} and indices {idx} "
+                      f"differ", operand=1)
+    k = idx.shape[-1]
+    if not 1 <= k <= data.rank - b:
+        raise OpError(f"indices {idx} address {k} dimensions; data {data} has "
+                      f"{data.rank - b} after its {b} batch dimension(s)", operand=1)
+    return idx.shape[:-1] + data.shape[b + k:]
+
+
+def _gather_nd_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    data, idx = ins
+    _index_elem(idx, 1)
+    return [tensor(_gather_nd_shape(data, idx, a["batch_dims"]), data.elem)]
+
+
+def _gather_nd_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    data, idx = xs
+    b = a["batch_dims"]
+    batch, k = data.shape[:b], idx.shape[-1]
+    flat = data.reshape((math.prod(batch),) + data.shape[b:])
+    rows = idx.reshape(flat.shape[:1] + (-1, k))
+    coords = [_checked_indices(rows[..., i], flat.shape[1 + i]) for i in range(k)]
+    picked = flat[(np.arange(flat.shape[0])[:, None], *coords)]
+    return [picked.reshape(idx.shape[:-1] + data.shape[b + k:])]
+
+
+_def("gather_nd",
+     operands=("data", "indices"),
+     attrs={"batch_dims": AttrSpec("int", default=0, min=0)},
+     infer=_gather_nd_infer,
+     reference=_gather_nd_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Slices of `data` addressed by the last dimension of `indices`, after `batch_dims` "
+         "shared batch dimensions (ONNX GatherND): what torch.export writes for tensor "
+         "indexing.",
+     traits=_MOVES)
+
+
+def _where_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    cond, x, y = ins
+    if cond.elem != "i1":
+        raise OpError(f"operand #0 (the condition) must have element type i1, got {cond}",
+                      operand=0)
+    elem = _elem_of((x, y), _ANY, "any")
+    shape = _broadcast(cond.shape, x.shape)
+    shape = shape and _broadcast(shape, y.shape)
+    if shape is None:
+        raise OpError(f"operands are not broadcast-compatible: {cond}, {x} and {y}", operand=2)
+    return [tensor(shape, elem)]
+
+
+_def("where",
+     operands=("cond", "x", "y"),
+     attrs={},
+     infer=_where_infer,
+     reference=lambda xs, a, rt: [np.where(xs[0], xs[1], xs[2])],
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="x where cond else y, with numpy broadcasting of all three (ONNX Where): the mask "
+         "fill of attention.",
+     traits=_PICKS)
+
+
+def _compare_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
+    def infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+        t = _binary_infer(allowed, what)(ins, a, declared)[0]
+        return [t.with_elem("i1")]
+    return infer
+
+
+# Comparisons and predicates: their i1 result is what they are for, and they compare their
+# operands as they arrive (type-carrying: the precision passes never lower them).
+_PREDICATE = frozenset({Trait.ELEMENTWISE, Trait.TYPE_CARRYING})
+
+for _name, _fn, _allowed, _onnx in (
+    ("equal", np.equal, _ANY, "Equal"),
+    ("less", np.less, _NUMERIC, "Less"),
+    ("less_equal", np.less_equal, _NUMERIC, "LessOrEqual"),
+    ("greater", np.greater, _NUMERIC, "Greater"),
+    ("greater_equal", np.greater_equal, _NUMERIC, "GreaterOrEqual"),
+):
+    _def(_name,
+         operands=("a", "b"),
+         attrs={},
+         infer=_compare_infer(_allowed, "any" if _allowed is _ANY else "a numeric"),
+         reference=_binary_reference(_fn),
+         flops=_per_element(1),
+         precisions=_ANY,
+         doc=f"Elementwise comparison to an i1 mask with numpy broadcasting (ONNX {_onnx}).",
+         traits=_PREDICATE)
+
+for _name, _fn, _onnx in (("logical_and", np.logical_and, "And"),
+                          ("logical_or", np.logical_or, "Or"),
+                          ("logical_xor", np.logical_xor, "Xor")):
+    _def(_name,
+         operands=("a", "b"),
+         attrs={},
+         infer=_binary_infer(_MASK, "the i1"),
+         reference=_binary_reference(_fn),
+         flops=_per_element(1),
+         precisions=_MASK,
+         doc=f"Elementwise {_onnx.lower()} of i1 masks with numpy broadcasting (ONNX {_onnx}).",
+         traits=_ELEMENTWISE)
+
+_def("logical_not",
+     operands=("x",),
+     attrs={},
+     infer=_unary_infer(_MASK, "the i1"),
+     reference=lambda xs, a, rt: [np.logical_not(xs[0])],
+     flops=_per_element(1),
+     precisions=_MASK,
+     doc="Elementwise negation of an i1 mask (ONNX Not).",
+     traits=_ELEMENTWISE)
+
+
+def _predicate_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    _elem_of(ins, _FLOATS, "a float")
+    return [tensor(ins[0].shape, "i1")]
+
+
+def _isinf_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _fl(xs[0])
+    return [(np.isposinf(x) & a["detect_positive"]) | (np.isneginf(x) & a["detect_negative"])]
+
+
+_def("isnan",
+     operands=("x",),
+     attrs={},
+     infer=_predicate_infer,
+     reference=lambda xs, a, rt: [np.isnan(_fl(xs[0]))],
+     flops=_per_element(1),
+     precisions=_ANY,
+     doc="Elementwise NaN test to an i1 mask (ONNX IsNaN).",
+     traits=_PREDICATE)
+_def("isinf",
+     operands=("x",),
+     attrs={"detect_negative": AttrSpec("bool", default=True),
+            "detect_positive": AttrSpec("bool", default=True)},
+     infer=_predicate_infer,
+     reference=_isinf_reference,
+     flops=_per_element(1),
+     precisions=_ANY,
+     doc="Elementwise infinity test to an i1 mask, either sign or one (ONNX IsInf).",
+     traits=_PREDICATE)
+
+
+def _expand_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x, t = ins[0], _declared("mp.expand", declared)
+    if _broadcast(x.shape, t.shape) != t.shape:
+        raise OpError(f"{x} does not broadcast to the result shape {list(t.shape)}", operand=0)
+    return [tensor(t.shape, x.elem)]
+
+
+def _expand_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    return [np.broadcast_to(xs[0], _declared("mp.expand", rt or ()).shape).copy()]
+
+
+_def("expand",
+     operands=("x",),
+     attrs={},
+     infer=_expand_infer,
+     reference=_expand_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Broadcast to the shape of the result type (ONNX Expand, its shape folded at import).",
+     traits=_MOVES)
+
+
+def _trilu_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    if x.rank < 2:
+        raise OpError(f"operand #0 must have rank >= 2, got {x}", operand=0)
+    return [x]
+
+
+def _trilu_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x, k = xs[0], a["k"]
+    rows, cols = x.shape[-2:]
+    # np.triu/np.tril with a k beyond the matrix are fine; the mask keeps any dtype's zero.
+    keep = np.triu(np.ones((rows, cols), np.bool_), k) if a["upper"] else \
+        np.tril(np.ones((rows, cols), np.bool_), k)
+    return [np.where(keep, x, np.zeros((), x.dtype))]
+
+
+_def("trilu",
+     operands=("x",),
+     attrs={"upper": AttrSpec("bool", default=True), "k": AttrSpec("int", default=0)},
+     infer=_trilu_infer,
+     reference=_trilu_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Upper (or lower) triangle of the last two dimensions from diagonal `k` on, zeros "
+         "elsewhere (ONNX Trilu).",
+     traits=_MOVES)
+
+
+def _pow_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    base, exp = _num(xs[0]), _num(xs[1])
+    if base.dtype.kind in "iu":  # numpy refuses negative integer powers; ONNX truncates
+        return [np.trunc(np.power(base.astype(np.float64), exp.astype(np.float64)))]
+    return [np.power(base, exp.astype(base.dtype))]
+
+
+_def("pow",
+     operands=("a", "b"),
+     attrs={},
+     infer=_binary_infer(_NUMERIC, "a numeric"),
+     reference=_pow_reference,
+     flops=_per_element(1),
+     precisions=_VECTOR,
+     doc="Elementwise a ** b with numpy broadcasting, one element type (ONNX Pow; the "
+         "importer casts a mixed-type exponent).",
+     traits=_ELEMENTWISE)
+
+
+def _cumsum_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    elem = _elem_of(ins, _NUMERIC, "a numeric")
+    _axis(a["axis"], ins[0].rank)
+    return [tensor(ins[0].shape, elem)]
+
+
+def _cumsum_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = _num(xs[0])
+    axis = a["axis"] % x.ndim
+    if a["reverse"]:
+        x = np.flip(x, axis)
+    y = np.cumsum(x, axis=axis, dtype=x.dtype)
+    if a["exclusive"]:  # shift by one along the axis: the sum of the elements before
+        y = np.concatenate([np.zeros_like(np.take(y, [0], axis=axis)),
+                            np.take(y, range(x.shape[axis] - 1), axis=axis)], axis=axis)
+    return [np.flip(y, axis) if a["reverse"] else y]
+
+
+_def("cumsum",
+     operands=("x",),
+     attrs={"axis": AttrSpec("int", required=True),
+            "exclusive": AttrSpec("bool", default=False),
+            "reverse": AttrSpec("bool", default=False)},
+     infer=_cumsum_infer,
+     reference=_cumsum_reference,
+     flops=_per_input_element,
+     precisions=_VECTOR,
+     doc="Running sum along `axis`, optionally exclusive and/or from the end (ONNX CumSum, "
+         "its axis folded at import).",
+     traits=_SUMS)
+
 
 # ---------------------------------------------------------------------------------------------
 # Op categories: every set of ops the lowering, the passes and the backend test for, derived

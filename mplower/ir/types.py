@@ -136,7 +136,8 @@ class DenseAttr:
     """`dense<...> : tensor<...>`: the values as a numpy array in the type's logical shape.
 
     The array's dtype is `value_dtype(type.elem)`: float64 for f64, float32 for every narrower
-    float (their values are exactly representable in f32), int64 for integers, bool for i1.
+    float (their values are exactly representable in f32), int64 for integers (uint64 for
+    ui64), bool for i1.
     Equality and hashing are by type and bytes, so two identical constants CSE together.
     """
 
@@ -350,6 +351,8 @@ def value_dtype(elem: str) -> np.dtype:
         return np.dtype(np.float64)
     if elem == "i1":
         return np.dtype(np.bool_)
+    if elem == "ui64":  # the one integer type whose values int64 cannot hold
+        return np.dtype(np.uint64)
     return np.dtype(np.float32 if FORMATS[elem].is_float else np.int64)
 
 

@@ -290,6 +290,12 @@ def load_target(spec: str, *, module: Module | None = None,
     return _parse(Sheet.read(path), path.stem, source, known_ops)
 
 
+def parse_target(text: str, path: str, known_ops: Collection[str] | None = None) -> Target:
+    """The target sheet `text` (one being written, e.g. a measured one), named `path` in
+    diagnostics, checked exactly as `load_target` checks a file."""
+    return _parse(Sheet.parse(text, path), Path(path).stem, path, known_ops)
+
+
 def module_target(module: Module, named: str | None,
                   known_ops: Collection[str] | None = None) -> Target:
     """The target to price `module` on: `named` on the command line, else the module's

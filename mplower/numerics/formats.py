@@ -40,6 +40,14 @@ class Format:
     def is_int(self) -> bool:
         return self.kind == "int"
 
+    @property
+    def int_range(self) -> tuple[int, int]:
+        """(lowest, highest) integer exactly: `max_finite` is a float, which for the 64-bit
+        formats rounds 2^63 - 1 up to 2^63."""
+        signed = self.min_value < 0
+        return ((-(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1) if signed
+                else (0, (1 << self.bits) - 1))
+
 
 def _float(name, bits, storage, exp_bits, man_bits, *, has_inf=True, max_finite=None) -> Format:
     bias = (1 << (exp_bits - 1)) - 1
@@ -94,6 +102,14 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     _int("ui8", 8, np.uint8, signed=False),
     _int("i4", 4, np.int8),
     _int("i1", 1, np.bool_, signed=False),
+    # Index types: what ONNX exporters give token ids, positions, masks and shapes (INT64,
+    # and the INT16/UINT16/UINT32/UINT64 of ONNX's tests). They index and move data; the
+    # precision passes never compute in them.
+    _int("i64", 64, np.int64),
+    _int("i16", 16, np.int16),
+    _int("ui16", 16, np.uint16, signed=False),
+    _int("ui32", 32, np.uint32, signed=False),
+    _int("ui64", 64, np.uint64, signed=False),
 )}
 
 FLOAT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_float)
@@ -101,6 +117,7 @@ FLOATS = frozenset(FLOAT_FORMATS)  # for membership tests on hot paths
 # Floats narrower than f32: a value in one of these has been lowered.
 NARROW_FLOATS = frozenset(n for n in FLOAT_FORMATS if FORMATS[n].bits < 32)
 INT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_int)
+INDEX_FORMATS = ("i64", "i16", "ui16", "ui32", "ui64")
 # The 8-bit floats that hold data (E8M0 holds only scales).
 FP8_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 8 and FORMATS[n].man_bits)
 # Element types of the OCP MX formats (MXFP8, MXFP6, MXFP4) and of NVFP4, and their scale type.
@@ -113,11 +130,12 @@ QUANT_FLOATS = FP8_FORMATS + FP4_FORMATS
 COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
                    "f4E2M1FN", "i8")
 # Integer formats a value is quantized to (ONNX QuantizeLinear's integer targets): the ints
-# between the i1 mask and the i32 accumulator.
-QUANT_INTS = tuple(n for n in INT_FORMATS if 1 < FORMATS[n].bits < 32)
+# between the i1 mask and the i32 accumulator, index types aside.
+QUANT_INTS = tuple(n for n in INT_FORMATS
+                   if 1 < FORMATS[n].bits < 32 and n not in INDEX_FORMATS)
 # Integer formats that hold quantized values: those, and the i32 accumulator of an integer
 # matmul or conv, which is dequantized too (ONNX DequantizeLinear reads INT32).
-QUANT_STORAGE = QUANT_INTS + tuple(n for n in INT_FORMATS if FORMATS[n].bits == 32)
+QUANT_STORAGE = QUANT_INTS + ("i32",)
 
 
 def width_rank(name: str) -> tuple[int, int]:

@@ -54,7 +54,9 @@ ONNX_TYPE = {
     "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
     "f8E4M3FN": TensorProto.FLOAT8E4M3FN, "f8E5M2": TensorProto.FLOAT8E5M2,
     "i32": TensorProto.INT32, "i8": TensorProto.INT8, "ui8": TensorProto.UINT8,
-    "i4": TensorProto.INT4, "i1": TensorProto.BOOL,
+    "i4": TensorProto.INT4, "i1": TensorProto.BOOL, "i64": TensorProto.INT64,
+    "i16": TensorProto.INT16, "ui16": TensorProto.UINT16, "ui32": TensorProto.UINT32,
+    "ui64": TensorProto.UINT64,
 }
 # Narrow floats (NARROW_FLOATS) compute by upcasting to FLOAT, as the executor computes in f32
 # and rounds; data movement and conversions are emitted in the operand type.
@@ -65,7 +67,11 @@ _SIMPLE = {
     "mp.add": "Add", "mp.sub": "Sub", "mp.mul": "Mul", "mp.div": "Div", "mp.maximum": "Max",
     "mp.minimum": "Min", "mp.neg": "Neg", "mp.relu": "Relu", "mp.sigmoid": "Sigmoid",
     "mp.tanh": "Tanh", "mp.exp": "Exp", "mp.log": "Log", "mp.sqrt": "Sqrt", "mp.erf": "Erf",
-    "mp.global_avg_pool": "GlobalAveragePool",
+    "mp.global_avg_pool": "GlobalAveragePool", "mp.where": "Where", "mp.pow": "Pow",
+    "mp.equal": "Equal", "mp.less": "Less", "mp.less_equal": "LessOrEqual",
+    "mp.greater": "Greater", "mp.greater_equal": "GreaterOrEqual", "mp.logical_and": "And",
+    "mp.logical_or": "Or", "mp.logical_xor": "Xor", "mp.logical_not": "Not",
+    "mp.isnan": "IsNaN",
 }
 
 
@@ -337,6 +343,22 @@ class _Exporter:
         if op == "mp.lrn":
             return self.node("LRN", ins, hint, size=a["size"], alpha=a["alpha"],
                              beta=a["beta"], bias=a["bias"])
+        if op in ("mp.gather", "mp.gather_elements"):
+            return self.node("Gather" if op == "mp.gather" else "GatherElements", ins, hint,
+                             axis=a["axis"])
+        if op == "mp.gather_nd":
+            return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
+        if op == "mp.isinf":
+            return self.node("IsInf", ins, hint, detect_negative=int(a["detect_negative"]),
+                             detect_positive=int(a["detect_positive"]))
+        if op == "mp.expand":
+            return self.node("Expand", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
+        if op == "mp.trilu":
+            return self.node("Trilu", [ins[0], self.ints(a["k"], f"{hint}_k")], hint,
+                             upper=int(a["upper"]))
+        if op == "mp.cumsum":
+            return self.node("CumSum", [ins[0], self.ints(a["axis"], f"{hint}_axis")], hint,
+                             exclusive=int(a["exclusive"]), reverse=int(a["reverse"]))
         raise DiagnosticError.at(self.loc, f"'{op}' has no ONNX export")
 
     def _rms_norm(self, a: dict, ins: list[str], x_t: TensorType, hint: str) -> str:
