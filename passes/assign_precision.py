@@ -33,6 +33,7 @@ from mplower.lowering.policy import (
     load_policy,
     result_format,
 )
+from mplower.lowering.scaling import SCALING
 from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
@@ -183,4 +184,9 @@ class AssignPrecision(Pass):
             else path_from(module_folder(module), Path(policy.source)))
         if not policy.keep_io_types:
             module.attrs["mp.keep_io_types"] = False
+        # insert-casts and legalize read the sheet's [scaling] from here (lowering.scaling).
+        if policy.scaling is not None:
+            module.attrs[SCALING] = policy.scaling.attr()
+        else:
+            module.attrs.pop(SCALING, None)
 

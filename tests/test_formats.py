@@ -13,6 +13,10 @@ FLOAT_REFERENCES = {
     "bf16": ml_dtypes.bfloat16,
     "f8E4M3FN": ml_dtypes.float8_e4m3fn,
     "f8E5M2": ml_dtypes.float8_e5m2,
+    "f6E2M3FN": ml_dtypes.float6_e2m3fn,
+    "f6E3M2FN": ml_dtypes.float6_e3m2fn,
+    "f4E2M1FN": ml_dtypes.float4_e2m1fn,
+    "f8E8M0FNU": ml_dtypes.float8_e8m0fnu,
 }
 INT_REFERENCES = {
     "i32": np.int32,

@@ -60,8 +60,8 @@ EXPLANATIONS = {
     "quantizelinear_uint16": "mp.quantize/mp.dequantize take 8-bit, 4-bit and i32 codes; ui16 "
                              "is an index type of the IR",
     "with_argmax": "MaxPool's second output (Indices) has no mp op",
-    "quantizelinear_blocked": "blocked QuantizeLinear: mp.quantize takes per-tensor or "
-                              "per-axis scales only",
+    "quantizelinear_blocked_symmetric": "its codes are INT16, an index type of the IR; "
+                                        "mp.quantize takes 8-bit, 4-bit and i32 codes",
     "training_dropout": "training-mode Dropout draws a random mask; mplower imports inference "
                         "graphs",
 }

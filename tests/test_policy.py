@@ -63,7 +63,8 @@ deny = ["mp.softmax", "mp.reduce_sum"]
 
 def test_builtin_policies_are_the_documented_set():
     assert builtin_policies() == sorted(
-        ["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "w8a16", "bf16-fp8", "bf16-int8"])
+        ["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "w8a16", "bf16-fp8", "bf16-int8",
+         "fp8-block", "mxfp8", "mxfp4", "nvfp4"])
 
 
 @pytest.mark.parametrize("name", builtin_policies())

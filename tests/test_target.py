@@ -70,7 +70,7 @@ dense = ["f32", "bf16"]
 # -- built-ins ---------------------------------------------------------------------------------
 
 def test_builtin_targets_are_the_documented_set():
-    assert builtin_targets() == ["a100", "cpu-avx512", "generic", "h100", "h200"]
+    assert builtin_targets() == ["a100", "b200", "cpu-avx512", "generic", "h100", "h200"]
 
 
 @pytest.mark.parametrize("name", builtin_targets())
@@ -363,7 +363,7 @@ def test_unknown_builtin_target_lists_the_builtins():
         load_target("h10")
     msg = info.value.diagnostics[0].message
     assert msg.startswith("unknown built-in target 'h10'; did you mean ")
-    assert "a100, cpu-avx512, generic, h100, h200" in msg
+    assert "a100, b200, cpu-avx512, generic, h100, h200" in msg
 
 
 # -- kernel classes ([rates.CLASS]) ------------------------------------------------------------
@@ -395,7 +395,7 @@ def test_builtin_sheets_have_no_class_rates(name):
     ("[rates.lrn]", "[rates.lrm]", "lrm", "unknown kernel class 'lrm'; did you mean 'lrn'?"),
     ("i8 = 2e8", "ui8 = 2e8", "ui8",
      ("'ui8' is not a compute format (expected one of: f32, tf32, bf16, f16, f8E4M3FN, "
-      "f8E5M2, i8)")),
+      "f8E5M2, f6E2M3FN, f6E3M2FN, f4E2M1FN, i8)")),
     ("i8 = 2e8", "bf61 = 2e8", "bf61", "unknown format 'bf61'; did you mean 'bf16'?"),
     ("i8 = 2e8", "i8 = -2e8", "-2e8",
      "'rates.conv_depthwise.i8' must be between 1 and 1e+21 FLOP/s, not -200000000.0"),

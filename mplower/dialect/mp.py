@@ -34,7 +34,7 @@ from mplower.ir.opdef import (
     show_value,
 )
 from mplower.ir.types import ELEMENT_TYPES, ENCODINGS, TensorType, tensor, value_dtype
-from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, FORMATS, QUANT_STORAGE
+from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, FORMATS, QUANT_FLOATS, QUANT_STORAGE
 from mplower.numerics.windows import conv_windows, pad_hw
 
 # ---------------------------------------------------------------------------------------------
@@ -46,6 +46,8 @@ _NUMERIC = frozenset(n for n in ELEMENT_TYPES if n != "i1")
 _ANY = frozenset(ELEMENT_TYPES)
 _INT8 = frozenset({"i8", "ui8"})
 _QUANT_TYPES = QUANT_STORAGE
+# What mp.quantize produces and mp.dequantize reads: the integers, and the scaled floats.
+_QUANTIZED = QUANT_STORAGE + QUANT_FLOATS
 
 
 def _elem_of(ins: Sequence[TensorType], allowed: frozenset[str], what: str) -> str:
@@ -1560,7 +1562,9 @@ _def("cast",
 
 _QUANT_ATTRS = {"scale": AttrSpec("number", required=True),
                 "zero_point": AttrSpec("number", default=0),
-                "axis": AttrSpec("int", default=1)}  # ONNX's default quantization axis
+                "axis": AttrSpec("int", default=1),  # ONNX's default quantization axis
+                # > 0: one scale per block of this many elements along axis (ONNX opset 21)
+                "block_size": AttrSpec("int", default=0, min=0)}
 
 
 def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
@@ -1568,10 +1572,23 @@ def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
     if not np.all(scale > 0):
         raise OpError(f"attribute 'scale' must be positive, got {show_value(scale)}")
     fmt = FORMATS[qelem]
+    if fmt.is_float and np.any(zp != 0):
+        raise OpError(f"attribute 'zero_point' must be 0 for {qelem} (ONNX), "
+                      f"got {show_value(zp)}")
     if np.any(zp != np.round(zp)) or np.any(zp < fmt.min_value) or np.any(zp > fmt.max_finite):
         raise OpError(f"attribute 'zero_point' must hold integers in the range of {qelem} "
                       f"[{int(fmt.min_value)}, {int(fmt.max_finite)}], got {show_value(zp)}")
-    if scale.size > 1 or zp.size > 1:
+    if a.get("block_size"):  # the gradient and LSQ ops have no blocks
+        from mplower.numerics.quant import blocked_scale_shape
+
+        axis = _axis(a["axis"], x.rank)
+        want = blocked_scale_shape(x.shape, axis, a["block_size"])
+        for name, v in (("scale", scale), ("zero_point", zp)):
+            if v.size > 1 and v.shape != want:
+                raise OpError(f"blocked attribute '{name}' (block_size {a['block_size']} on "
+                              f"axis {axis} of {x}) must have shape {'x'.join(map(str, want))}"
+                              f", got {'x'.join(map(str, v.shape)) or 'a scalar'}", operand=0)
+    elif scale.size > 1 or zp.size > 1:
         axis = _axis(a["axis"], x.rank)
         for name, v in (("scale", scale), ("zero_point", zp)):
             if v.size > 1 and v.shape != (x.shape[axis],):
@@ -1579,19 +1596,26 @@ def _check_quant(x: TensorType, a: dict, qelem: str) -> None:
                               f"(dimension {axis} of {x}), got {v.size}", operand=0)
 
 
-def _along(v: np.ndarray, ndim: int, axis: int) -> np.ndarray:
-    """A per-axis parameter shaped to broadcast against a rank-`ndim` operand."""
+def _along(v: np.ndarray, shape: tuple[int, ...], a: dict) -> np.ndarray:
+    """A per-axis or blocked parameter shaped to broadcast against an operand of `shape`."""
     if v.size == 1:
         return v.reshape(())
-    shape = [1] * ndim
-    shape[axis % ndim] = v.size
-    return v.reshape(shape)
+    axis = a["axis"] % len(shape)
+    if a.get("block_size"):  # one entry per block: repeat it over the block's elements
+        v = np.repeat(v, a["block_size"], axis=axis)
+        return v[tuple(slice(0, d) for d in shape)]
+    bshape = [1] * len(shape)
+    bshape[axis] = v.size
+    return v.reshape(bshape)
 
 
 def _quantize_values(x: np.ndarray, a: dict, qelem: str) -> np.ndarray:
-    """ONNX QuantizeLinear: saturate(round_half_even(x / scale) + zero_point), as float64."""
-    scale = _along(a["scale"], x.ndim, a["axis"]).astype(x.dtype)  # divide in x's precision
-    zp = _along(a["zero_point"], x.ndim, a["axis"])
+    """ONNX QuantizeLinear: saturate(round_half_even(x / scale) + zero_point), as float64;
+    to a float format, the f32 quotient rounded to it, saturating."""
+    scale = _along(a["scale"], x.shape, a).astype(x.dtype)  # divide in x's precision
+    if FORMATS[qelem].is_float:
+        return _convert(x / scale, qelem, saturate=True).astype(np.float64)
+    zp = _along(a["zero_point"], x.shape, a)
     q = np.rint(x / scale).astype(np.float64) + zp
     q = np.where(np.isnan(q), zp, q)  # NaN has no integer code; it quantizes to zero
     fmt = FORMATS[qelem]
@@ -1600,8 +1624,8 @@ def _quantize_values(x: np.ndarray, a: dict, qelem: str) -> np.ndarray:
 
 def _dequantize_values(q: np.ndarray, a: dict, dtype: np.dtype) -> np.ndarray:
     """ONNX DequantizeLinear: (q - zero_point) * scale, computed in the result's precision."""
-    scale = _along(a["scale"], q.ndim, a["axis"]).astype(dtype)
-    zp = _along(a["zero_point"], q.ndim, a["axis"]).astype(dtype)
+    scale = _along(a["scale"], q.shape, a).astype(dtype)
+    zp = _along(a["zero_point"], q.shape, a).astype(dtype)
     return (q.astype(dtype) - zp) * scale
 
 
@@ -1609,21 +1633,21 @@ def _quantize_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     x = ins[0]
     _elem_of(ins, _FLOATS, "a float")
     qelem = _declared("mp.quantize", declared).elem
-    if qelem not in _QUANT_TYPES:
+    if qelem not in _QUANTIZED:
         raise OpError(f"mp.quantize result element type must be one of "
-                      f"{', '.join(_QUANT_TYPES)}, got {qelem}")
+                      f"{', '.join(_QUANTIZED)}, got {qelem}")
     _check_quant(x, a, qelem)
     return [tensor(x.shape, qelem)]
 
 
 def _quantize_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     qelem = _declared("mp.quantize", rt or ()).elem
-    return [_quantize_values(_fl(xs[0]), a, qelem).astype(np.int64)]
+    return [_quantize_values(_fl(xs[0]), a, qelem).astype(value_dtype(qelem))]
 
 
 def _dequantize_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     x = ins[0]
-    _elem_of(ins, frozenset(_QUANT_TYPES), f"an integer ({', '.join(_QUANT_TYPES)})")
+    _elem_of(ins, frozenset(_QUANTIZED), f"a quantized type ({', '.join(_QUANTIZED)})")
     out = _declared("mp.dequantize", declared).elem
     if out not in _FLOATS:
         raise OpError(f"mp.dequantize result element type must be a float type, got {out}")
@@ -1657,8 +1681,9 @@ def _fake_quant_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.n
     """The straight-through estimator clipped to the quantization range (PyTorch's
     fake_quantize backward): dy where round(x / scale) + zero_point is in range, else 0."""
     dy, x = _fl(xs[0]), _fl(xs[1])
-    scale = _along(a["scale"], x.ndim, a["axis"]).astype(x.dtype)
-    q = np.rint(x / scale).astype(np.float64) + _along(a["zero_point"], x.ndim, a["axis"])
+    per_axis = {"axis": a["axis"], "block_size": 0}  # fake_quant has no blocks
+    scale = _along(a["scale"], x.shape, per_axis).astype(x.dtype)
+    q = np.rint(x / scale).astype(np.float64) + _along(a["zero_point"], x.shape, per_axis)
     fmt = FORMATS[a["dtype"]]
     return [np.where((q >= fmt.min_value) & (q <= fmt.max_finite), dy, dy.dtype.type(0))]
 
@@ -1680,8 +1705,10 @@ _def("quantize",
      reference=_quantize_reference,
      flops=_per_element(2),
      precisions=_ANY,
-     doc="Float to integer: saturate(round_half_even(x / scale) + zero_point), per tensor or "
-         "per `axis` (ONNX QuantizeLinear).",
+     doc="Float to integer: saturate(round_half_even(x / scale) + zero_point), per tensor, "
+         "per `axis`, or per block of `block_size` along `axis` (scale of x's shape with "
+         "ceil(D / block_size) on axis); to f8/f4: the quotient rounded, saturating, zero "
+         "point 0 (ONNX QuantizeLinear, opset 21+ blocks).",
      traits=_CONVERSION)
 _def("dequantize",
      operands=("x",),
@@ -1690,8 +1717,8 @@ _def("dequantize",
      reference=_dequantize_reference,
      flops=_per_element(2),
      precisions=_ANY,
-     doc="Integer to float: (x - zero_point) * scale, per tensor or per "
-         "`axis` (ONNX DequantizeLinear).",
+     doc="Integer or f8/f4 to float: (x - zero_point) * scale, per tensor, per `axis` or "
+         "per block of `block_size` along `axis` (ONNX DequantizeLinear).",
      traits=_CONVERSION)
 _def("fake_quant",
      vjp=_fake_quant_vjp,
@@ -1763,8 +1790,9 @@ def _lsq_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]
     elements that share the scale and multiplied by LSQ's gradient scale 1 / sqrt(N qmax)."""
     dy, x = _fl(xs[0]), _fl(xs[1])
     b = _lsq_attrs(a, xs[2])
-    s = _along(b["scale"], x.ndim, a["axis"]).astype(x.dtype)
-    zp = _along(a["zero_point"], x.ndim, a["axis"])
+    per_axis = {"axis": a["axis"], "block_size": 0}  # LSQ scales are per tensor or per axis
+    s = _along(b["scale"], x.shape, per_axis).astype(x.dtype)
+    zp = _along(a["zero_point"], x.shape, per_axis)
     v = x / s
     q = np.rint(v).astype(np.float64) + zp
     fmt = FORMATS[a["dtype"]]
@@ -1805,6 +1833,70 @@ _def("lsq_grad",
      doc="The gradient of fake_quant_lsq with respect to x (clipped straight-through) or its "
          "scale (LSQ's, with its 1 / sqrt(N qmax) gradient scale).")
 
+
+# Scaled narrow floats (issue 14): a recipe chooses the scale at run time or from calibration.
+SCALE_RECIPES = ("static", "current", "delayed", "block")
+SCALE_FORMATS = ("f32", "e8m0", "nvfp4")
+_SCALED_TYPES = ("f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN", "f4E2M1FN")
+
+
+def _scaled_quant_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    _elem_of(ins, _FLOATS, "a float")
+    elem = _declared("mp.scaled_quant", declared).elem
+    if elem not in _SCALED_TYPES:
+        raise OpError(f"mp.scaled_quant result element type must be one of "
+                      f"{', '.join(_SCALED_TYPES)}, got {elem}")
+    block, recipe, fmt = tuple(a["block"]), a["recipe"], a["scale_format"]
+    if (recipe == "block") != bool(block):
+        raise OpError("attribute 'block' (one size per axis) goes with recipe = \"block\" and "
+                      "only with it")
+    if block and len(block) != x.rank:
+        raise OpError(f"attribute 'block' = {list(block)} needs one size per axis of {x}",
+                      operand=0)
+    if fmt != "f32" and recipe != "block":
+        raise OpError(f"scale_format = \"{fmt}\" scales blocks: it needs recipe = \"block\"")
+    if fmt == "nvfp4" and elem != "f4E2M1FN":
+        raise OpError(f"scale_format = \"nvfp4\" quantizes to f4E2M1FN, not {elem}")
+    if recipe == "static" and not a["amax"] > 0:
+        raise OpError("recipe = \"static\" needs the calibrated 'amax' (> 0); run calibrate")
+    return [tensor(x.shape, elem)]
+
+
+def _scaled_quant_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    """The scaled values q * s of one step (a delayed recipe's first: scale 1, or the one
+    from 'amax' when calibrated); mplower.numerics.mx defines the recipes."""
+    from mplower.numerics import mx
+
+    elem = _declared("mp.scaled_quant", rt or ()).elem
+    x = np.ascontiguousarray(_fl(xs[0]), dtype=np.float32)
+    if a["recipe"] == "block":
+        return [mx.quantize_blocked(x, elem, tuple(a["block"]), a["scale_format"]).values]
+    amax = float(np.max(np.abs(x))) if a["recipe"] == "current" and x.size else a["amax"]
+    sf = mx.encode_factor(amax, elem, a["margin"], pow2=a["pow2"])
+    return [mx.quantize_per_tensor(x, elem, sf).values]
+
+
+_def("scaled_quant",
+     operands=("x",),
+     attrs={"recipe": AttrSpec("str", default="current", choices=SCALE_RECIPES),
+            "scale_format": AttrSpec("str", default="f32", choices=SCALE_FORMATS),
+            "block": AttrSpec("ints", default=()),
+            "amax": AttrSpec("float", default=0.0, min=0.0),
+            "margin": AttrSpec("int", default=0),
+            "pow2": AttrSpec("bool", default=False),
+            "history": AttrSpec("int", default=1024, min=1),
+            "amax_compute": AttrSpec("str", default="max", choices=("max", "most_recent"))},
+     infer=_scaled_quant_infer,
+     reference=_scaled_quant_reference,
+     flops=_per_element(4),
+     precisions=_ANY,
+     doc="A scaled narrow float: x quantized to the result type with a scale and held as the "
+         "scaled values q * s. `recipe`: static (scale from the calibrated `amax`), current "
+         "(the tensor's amax), delayed (Transformer Engine's amax history of `history` steps, "
+         "`amax_compute`, `margin`), block (one scale per `block`, in `scale_format` f32, "
+         "e8m0 (MX) or nvfp4); `pow2` rounds a per-tensor scale down to a power of two.",
+     traits=_CONVERSION)
 
 # ---------------------------------------------------------------------------------------------
 # Indexing, selection and masks: what torch.onnx exporters emit around transformers (embedding

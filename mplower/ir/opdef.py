@@ -256,7 +256,7 @@ def attr_type(v: Any) -> str:
 
 
 def attr_array(v: Any) -> np.ndarray:
-    """A scalar or 1-D numeric attribute (`0.1`, `3 : i8`, `dense<[...]>`) as a numpy array.
+    """A numeric attribute (`0.1`, `3 : i8`, `dense<[...]>`, N-D for blocked scales) as an array.
 
     Integers come back as int64 and floats as float64 so that no value is rounded here; the
     op decides the precision it computes in.
@@ -270,9 +270,9 @@ def attr_array(v: Any) -> np.ndarray:
     elif isinstance(v, (TypedFloat, float, np.floating)):
         arr = np.asarray(attr_float(v), dtype=np.float64)
     else:
-        raise OpError(f"expected a number or 1-D dense elements, got {show_value(v)}")
-    if arr.ndim > 1 or arr.dtype.kind not in "iuf":
-        raise OpError(f"expected a number or 1-D dense elements, got {show_value(v)}")
+        raise OpError(f"expected a number or dense elements, got {show_value(v)}")
+    if arr.dtype.kind not in "iuf":
+        raise OpError(f"expected a number or dense elements, got {show_value(v)}")
     return arr.astype(np.float64 if arr.dtype.kind == "f" else np.int64, copy=False)
 
 
@@ -301,7 +301,7 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "floats": (attr_floats, "an array of numbers"),
     "type": (attr_type, "an element type"),
     "dense": (attr_dense, "dense elements"),
-    "number": (attr_array, "a number or 1-D dense elements"),
+    "number": (attr_array, "a number or dense elements"),
 }
 
 

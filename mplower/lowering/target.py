@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mplower.dialect.mp import SCALE_FORMATS
 from mplower.dialect.plan import DENSE
 from mplower.ir.diagnostics import DiagnosticError, did_you_mean
 from mplower.ir.graph import Module
@@ -46,11 +47,13 @@ NO_TF32_KERNEL = "no-tf32-kernel"
 NO_BF16_KERNEL = "no-bf16-kernel"
 NO_F16_KERNEL = "no-f16-kernel"
 NO_FP8_KERNEL = "no-fp8-kernel"
+NO_FP4_KERNEL = "no-fp4-kernel"
+NO_MX_KERNEL = "no-mx-kernel"  # no tensor-core kernel that applies E8M0 / NVFP4 block scales
 NO_INT8_KERNEL = "no-int8-kernel"
 NO_F16_ACCUM = "no-f16-accum"
 NO_SPARSE_KERNEL = "no-sparse-kernel"
-REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_INT8_KERNEL,
-                NO_F16_ACCUM, NO_SPARSE_KERNEL)
+REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_FP4_KERNEL,
+                NO_MX_KERNEL, NO_INT8_KERNEL, NO_F16_ACCUM, NO_SPARSE_KERNEL)
 # Reason codes of lower-sparse's dense decisions (docs/sparse.md), in the order it checks them:
 # the second operand is computed, not a constant weight (attention's q @ k^T), and a sparse
 # kernel needs the weight's zeros before the run; the target has no sparse kernel for the op at
@@ -110,6 +113,11 @@ def kernel_class(op: str, attrs: Mapping[str, Any], ins: Sequence[TensorType]) -
 FALLBACK: dict[str, tuple[str, str]] = {
     "f8E4M3FN": ("bf16", NO_FP8_KERNEL),
     "f8E5M2": ("bf16", NO_FP8_KERNEL),
+    # fp4 (MXFP4, NVFP4) to bf16, not fp8: its sheet's block scales are fp4 scales. fp6
+    # exists only as MXFP6.
+    "f4E2M1FN": ("bf16", NO_FP4_KERNEL),
+    "f6E2M3FN": ("bf16", NO_MX_KERNEL),
+    "f6E3M2FN": ("bf16", NO_MX_KERNEL),
     "i8": ("bf16", NO_INT8_KERNEL),
     "f16": ("f32", NO_F16_KERNEL),
     "bf16": ("f32", NO_BF16_KERNEL),
@@ -138,6 +146,10 @@ class FormatPeak:
     sparse_pattern: str = "2:4"
     csr: float | None = None
     accum: tuple[str, ...] = ()
+    # Block-scale formats its tensor cores apply in the GEMM (mp.scaled_quant's scale_format):
+    # f32 scales (per tensor, or per block applied by the kernel's epilogue as DeepGEMM does on
+    # Hopper) always; e8m0 (MX) and nvfp4 only where the hardware has them (Blackwell).
+    scales: tuple[str, ...] = ("f32",)
 
 
 @dataclass(frozen=True)
@@ -229,10 +241,13 @@ class Target:
             raise ValueError(f"target '{self.name}' has no {kernel} {fmt} kernel")
         return rate
 
-    def legalize(self, op: str, compute: str, accum: str | None, kernel: str = DENSE) -> Legal:
+    def legalize(self, op: str, compute: str, accum: str | None, kernel: str = DENSE,
+                 scale_format: str | None = None) -> Legal:
         """The closest (compute, accum, kernel) to the request that the target runs.
 
-        The compute format walks `FALLBACK` until `op` has a dense kernel in it; a sparse
+        The compute format walks `FALLBACK` until `op` has a dense kernel in it; a narrow
+        float whose operands carry `scale_format` block scales the target's kernels for that
+        format do not apply (`scales`) falls back to bf16 (`no-mx-kernel`); a sparse
         kernel missing in the resulting format falls back to dense; an integer compute format
         accumulates in i32 and a float one never does; an accumulator the target lacks for
         the format walks `ACCUM_FALLBACK`. `accum` is None for ops that do not accumulate.
@@ -247,6 +262,13 @@ class Target:
         while not self.has_kernel(op, compute):
             compute, code = FALLBACK[compute]  # f32 always has a dense kernel (load checks it)
             reasons.append(code)
+        if scale_format is not None and FORMATS[compute].is_float and FORMATS[compute].bits <= 8 \
+                and scale_format not in self.formats[compute].scales:
+            compute = "bf16"
+            reasons.append(NO_MX_KERNEL)
+            while not self.has_kernel(op, compute):
+                compute, code = FALLBACK[compute]
+                reasons.append(code)
         if kernel != DENSE and not self.has_kernel(op, compute, kernel):
             kernel = DENSE
             reasons.append(NO_SPARSE_KERNEL)
@@ -341,9 +363,9 @@ _TILING_KEYS = ("tile_m", "tile_n", "sm_count")
 PEAK_BOUNDS = Bounds(1, 1e21, " FLOP/s")
 BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
 OVERHEAD_BOUNDS = Bounds(0, 1, " s")
-TILING_BOUNDS = Bounds(1, 1e6, "")
-POWER_BOUNDS = Bounds(1e-3, 1e6, " W")  # from a microcontroller to a rack  # tile edges and SM counts: positive, far below a million
-_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum")
+TILING_BOUNDS = Bounds(1, 1e6, "")  # tile edges and SM counts: positive, far below a million
+POWER_BOUNDS = Bounds(1e-3, 1e6, " W")  # from a microcontroller to a rack
+_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum", "scales")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
 
@@ -442,12 +464,16 @@ def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:
             raise sheet.error((*kp, "accum"), f"{fmt} cannot accumulate in {acc}", value=acc)
     if base not in accum:
         raise sheet.error((*kp, "accum"), f"the accumulators of {fmt} must include {base}")
+    scales = sheet.strings(entry, (*kp, "scales")) or ("f32",)
+    for sf in scales:
+        sheet.choice(sf, (*kp, "scales"), SCALE_FORMATS, "scale format")
     return FormatPeak(
         dense=sheet.number(entry, (*kp, "dense"), PEAK_BOUNDS, required=True),
         sparse=sparse,
         sparse_pattern=pattern,
         csr=sheet.number(entry, (*kp, "csr"), PEAK_BOUNDS),
         accum=accum,
+        scales=scales,
     )
 
 

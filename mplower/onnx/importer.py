@@ -1520,14 +1520,21 @@ def _as_int64(imp: _Importer, idx: Run) -> Run:
 # ---- quantization ----------------------------------------------------------------------------
 
 
-def _quant_params(imp: _Importer, node: onnx.NodeProto, rank: int):
+def _quant_params(imp: _Importer, node: onnx.NodeProto, rank: int, blocked: bool = False):
+    """(attributes, scale, zero point, axis); `blocked`: the caller takes block_size, whose
+    scale and zero point have the input's rank (mp.quantize's blocked form)."""
     a = _attrs(node)
-    if a.get("block_size", 0):
-        raise imp.error("blocked quantization (block_size) is supported for "
-                        "DequantizeLinear only")
+    if a.get("block_size", 0) and not blocked:
+        raise imp.error("blocked quantization (block_size) to float8 is not supported")
     scale = imp.const(1, "the scale")
     zp = imp.const(2, "the zero point")
     axis = int(a.get("axis", 1))
+    if a.get("block_size", 0):
+        if not -rank <= axis < rank:
+            raise imp.error(f"axis {axis} is out of range for rank {rank}")
+        if scale.ndim != rank or (zp is not None and zp.shape != scale.shape):
+            raise imp.error("blocked scale and zero point must have the rank of the input")
+        return a, scale, zp, axis % rank
     if scale.ndim > 1 or (zp is not None and zp.ndim > 1):
         raise imp.error("scale and zero point must be scalars or 1-D (per axis)")
     if scale.size > 1:
@@ -1557,7 +1564,10 @@ def _along(arr: np.ndarray, rank: int, axis: int) -> np.ndarray:
 @handler("QuantizeLinear")
 def _quantize(imp: _Importer, node: onnx.NodeProto) -> list:
     x = imp.run_input(0)
-    a, scale, zp, axis = _quant_params(imp, node, x.type.rank)
+    zp0 = imp.const(2, "the zero point")  # its type is the quantized type
+    q_elem = None if zp0 is None else ELEM_OF_ONNX.get(helper.np_dtype_to_tensor_dtype(zp0.dtype))
+    integer = q_elem is None or (q_elem in FORMATS and FORMATS[q_elem].is_int)
+    a, scale, zp, axis = _quant_params(imp, node, x.type.rank, blocked=integer)
     if zp is not None:
         qtype = helper.np_dtype_to_tensor_dtype(zp.dtype)
     else:
@@ -1574,6 +1584,13 @@ def _quantize(imp: _Importer, node: onnx.NodeProto) -> list:
         q = imp.emit("mp.div", [x, s], hint=f"{node.output[0]}_scaled")
         attrs = {} if a.get("saturate", 1) else {"saturate": False}
         return [imp.emit("mp.cast", [q], attrs, declared=q.type.with_elem(elem),
+                         onnx_type=qtype)]
+    if a.get("block_size", 0):  # one scale per block along axis (ONNX opset 21)
+        attrs = {"scale": DenseAttr(scale.astype(np.float32), tensor(scale.shape, "f32")),
+                 "axis": axis, "block_size": int(a["block_size"])}
+        if zp is not None:
+            attrs["zero_point"] = DenseAttr(zp.astype(np.int64), tensor(zp.shape, elem))
+        return [imp.emit("mp.quantize", [x], attrs, declared=x.type.with_elem(elem),
                          onnx_type=qtype)]
     attrs = {"scale": _number_attr(scale.astype(np.float32), "f32")}
     if zp is not None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
+from mplower.backend.scaled import ScaleStats
 from mplower.dialect.plan import DENSE, Requested
 from mplower.lowering.policy import keep_f32_overrides
 from mplower.numerics.metrics import drift as result_drift
@@ -128,7 +129,18 @@ def op_entry(r: OpResult) -> dict[str, Any]:
         "rel_l2": finite_or_none(r.rel_l2), "sqnr_db": finite_or_none(r.sqnr_db),
         "max_abs": finite_or_none(r.max_abs), "nonfinite_mismatch": r.nonfinite_mismatch,
         "flops": s.flops,
+        **({"scaling": scaling_entry(r.scale)} if r.scale is not None else {}),
     }
+
+
+def scaling_entry(st: ScaleStats) -> dict[str, Any]:
+    """What an mp.scaled_quant's recipe did in the run: its amax and scale, the fraction of the
+    values that saturated or flushed to zero, and the bytes of scales per element."""
+    return {"recipe": st.recipe, "scale_format": st.scale_format,
+            "amax": finite_or_none(st.amax), "scale": finite_or_none(st.scale),
+            "tensor_scale": finite_or_none(st.tensor_scale),
+            "saturated_fraction": st.saturated, "flushed_fraction": st.flushed,
+            "scale_bytes_per_element": st.scale_bytes_per_element}
 
 
 def build_report(result: RunResult, guardrails: dict[str, float],
@@ -203,6 +215,15 @@ def render(report: dict[str, Any], fmt: str) -> str:
                    "activation_local_sqnr_db", "local_sqnr_db"]
         qrows = [[q["name"], q["op"], *(num(q[k], ".1f") for k in qheader[2:])] for q in quant]
         lines += ["", "quantization error (worst first):", *table(qheader, qrows, fmt)]
+    scaled = [o for o in report["ops"] if "scaling" in o]
+    if scaled:
+        sheader = ["name", "recipe", "scale_format", "amax", "scale", "saturated", "flushed",
+                   "scale_bytes/elem"]
+        srows = [[o["name"], c["recipe"], c["scale_format"], num(c["amax"], ".4g"),
+                  num(c["scale"], ".4g"), f"{c['saturated_fraction']:.2%}",
+                  f"{c['flushed_fraction']:.2%}", f"{c['scale_bytes_per_element']:.4g}"]
+                 for o in scaled for c in [o["scaling"]]]
+        lines += ["", "scaling (per scaled operand):", *table(sheader, srows, fmt)]
     b = report.get("bisect")
     if b is not None:
         kept = ", ".join(b["ops"]) or "nothing"
