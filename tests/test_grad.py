@@ -328,3 +328,121 @@ def test_grad_of_an_op_without_a_rule_is_a_located_error():
                       (1, 3, 2))
     assert str(e.value.diagnostics[0].loc) == "<stdin>:2:3"
     assert e.value.diagnostics[0].message == "grad: mp.lrn has no gradient rule"
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops imported transformers add (issue 16): gathers scatter their cotangent back with an
+# add, masks and indices carry none.
+
+
+def const(name: str, values, elem: str) -> str:
+    arr = np.asarray(values)
+    text = np.array2string(arr, separator=", ").replace("True", "true").replace("False", "false")
+    return op(f"%{name} = mp.constant {{value = dense<{text}> : {t(arr.shape, elem)}}} : () -> "
+              f"{t(arr.shape, elem)}")
+
+
+def test_gather_rule_adds_the_rows_an_index_picks_twice_as_jax():
+    idx = np.array([[0, 2], [2, -1]])  # 2 twice, and -1 (the last) counted from the end
+    body = const("i", idx, "i64") + "\n" + op(
+        f"%y = mp.gather %x, %i {{axis = 1}} : ({t((3, 4))}, {t((2, 2), 'i64')}) -> "
+        f"{t((3, 2, 2))}")
+    check({"x": (3, 4)}, body, (3, 2, 2), lambda x: jnp.take(x, idx % 4, axis=1))
+
+
+def test_gather_elements_rule_matches_jax():
+    idx = np.array([[0, 2, 2, 1], [2, 2, -3, 0]])
+    body = const("i", idx, "i32") + "\n" + op(
+        f"%y = mp.gather_elements %x, %i {{axis = 0}} : ({t((3, 4))}, {t((2, 4), 'i32')}) -> "
+        f"{t((2, 4))}")
+    check({"x": (3, 4)}, body, (2, 4), lambda x: jnp.take_along_axis(x, idx % 3, axis=0))
+
+
+@pytest.mark.parametrize("batch_dims", [0, 1])
+def test_gather_nd_rule_matches_jax_with_and_without_batch_dims(batch_dims):
+    if batch_dims == 0:
+        idx, out = np.array([[1, 2], [0, -1], [1, 2]]), (3, 2)  # (1, 2) twice
+        fn = lambda x: x[idx[:, 0] % 2, idx[:, 1] % 3]
+    else:
+        idx, out = np.array([[[1], [1]], [[0], [2]]]), (2, 2, 2)
+        fn = lambda x: x[np.arange(2)[:, None], idx[..., 0]]
+    body = const("i", idx, "i64") + "\n" + op(
+        f"%y = mp.gather_nd %x, %i {{batch_dims = {batch_dims}}} : ({t((2, 3, 2))}, "
+        f"{t(idx.shape, 'i64')}) -> {t(out)}")
+    check({"x": (2, 3, 2)}, body, out, fn)
+
+
+def test_where_rule_masks_the_cotangent_to_each_branch_and_sums_broadcasts():
+    body = "\n".join([
+        op(f"%c = mp.greater %m, %x : ({t((2, 3))}, {t((2, 3))}) -> {t((2, 3), 'i1')}"),
+        op(f"%y = mp.where %c, %x, %z : ({t((2, 3), 'i1')}, {t((2, 3))}, {t((1, 3))}) -> "
+           f"{t((2, 3))}")])
+    check({"m": (2, 3), "x": (2, 3), "z": (1, 3)}, body, (2, 3),
+          lambda m, x, z: jnp.where(m > x, x, z))
+
+
+def test_masks_and_indices_carry_no_gradient_through_predicates_logic_and_argmax():
+    # Every i1/i32 value is a constant to grad: d/dm of m is zero wherever it only decides.
+    x = np.array([[0.5, -1.0, np.inf], [2.0, np.nan, -0.25]], F32)
+    s = t((2, 3))
+    b = t((2, 3), "i1")
+    body = "\n".join([
+        op(f"%nan = mp.isnan %x : ({s}) -> {b}"),
+        op(f"%inf = mp.isinf %x {{detect_negative = false}} : ({s}) -> {b}"),
+        op(f"%bad = mp.logical_or %nan, %inf : ({b}, {b}) -> {b}"),
+        op(f"%ok = mp.logical_not %bad : ({b}) -> {b}"),
+        op(f"%le = mp.less_equal %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%lt = mp.less %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%ge = mp.greater_equal %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%eq = mp.equal %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%one = mp.logical_xor %le, %lt : ({b}, {b}) -> {b}"),
+        op(f"%two = mp.logical_and %ge, %eq : ({b}, {b}) -> {b}"),
+        op(f"%all = mp.logical_and %one, %two : ({b}, {b}) -> {b}"),
+        op(f"%keep = mp.logical_and %ok, %all : ({b}, {b}) -> {b}"),
+        op(f"%safe = mp.where %keep, %x, %m : ({b}, {s}, {s}) -> {s}"),
+        op(f"%am = mp.argmax %safe {{axis = 1, keepdims = true}} : ({s}) -> {t((2, 1), 'i32')}"),
+        op(f"%y = mp.gather_elements %safe, %am {{axis = 1}} : ({s}, {t((2, 1), 'i32')}) -> "
+           f"{t((2, 1))}")])
+
+    def fn(x, m):
+        safe = jnp.where(~(jnp.isnan(x) | jnp.isposinf(x)), x, m)
+        return jnp.take_along_axis(safe, jnp.argmax(safe, 1, keepdims=True), 1)
+    check({"x": (2, 3), "m": (2, 3)}, body, (2, 1), fn, values={"x": x})
+
+
+def test_expand_rule_sums_the_cotangent_back_to_the_input_shape():
+    check({"x": (3, 1)}, op(f"%y = mp.expand %x : ({t((3, 1))}) -> {t((2, 3, 4))}"), (2, 3, 4),
+          lambda x: jnp.broadcast_to(x, (2, 3, 4)))
+
+
+@pytest.mark.parametrize("upper,k,fn", [("true", 0, lambda x: jnp.triu(x, 0)),
+                                         ("false", 1, lambda x: jnp.tril(x, 1))])
+def test_trilu_rule_keeps_the_same_triangle_of_the_cotangent(upper, k, fn):
+    check({"x": (2, 3, 4)}, op(f"%y = mp.trilu %x {{upper = {upper}, k = {k}}} : "
+                               f"({t((2, 3, 4))}) -> {t((2, 3, 4))}"), (2, 3, 4), fn)
+
+
+def test_pow_rule_matches_jax_for_base_and_broadcast_exponent():
+    check({"a": (2, 3), "b": (3,)},
+          op(f"%y = mp.pow %a, %b : ({t((2, 3))}, {t((3,))}) -> {t((2, 3))}"), (2, 3),
+          jnp.power, positive=("a",))
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cumsum_rule_is_the_cumsum_the_other_way(exclusive, reverse):
+    def fn(x):
+        x = jnp.flip(x, 1) if reverse else x
+        y = jnp.cumsum(x, axis=1)
+        if exclusive:
+            y = jnp.concatenate([jnp.zeros_like(y[:, :1]), y[:, :-1]], axis=1)
+        return jnp.flip(y, 1) if reverse else y
+    flags = f"exclusive = {str(exclusive).lower()}, reverse = {str(reverse).lower()}"
+    check({"x": (2, 5)}, op(f"%y = mp.cumsum %x {{axis = -1, {flags}}} : ({t((2, 5))}) -> "
+                            f"{t((2, 5))}"), (2, 5), fn)
+
+
+def test_slice_rule_puts_strided_and_reversed_picks_back_in_place():
+    check({"x": (5, 6, 3)},
+          op(f"%y = mp.slice %x {{starts = [4, 1, 1], ends = [-10, 6, 3], steps = [-2, 2, 1]}}"
+             f" : ({t((5, 6, 3))}) -> {t((3, 3, 2))}"), (3, 3, 2), lambda x: x[4::-2, 1::2, 1:])
