@@ -17,6 +17,7 @@ from mplower.backend.executor import Program
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
+from mplower.ir.verifier import verify
 from mplower.pass_manager import PassManager, parse_pipeline
 
 jax = pytest.importorskip("jax")
@@ -446,3 +447,54 @@ def test_slice_rule_puts_strided_and_reversed_picks_back_in_place():
     check({"x": (5, 6, 3)},
           op(f"%y = mp.slice %x {{starts = [4, 1, 1], ends = [-10, 6, 3], steps = [-2, 2, 1]}}"
              f" : ({t((5, 6, 3))}) -> {t((3, 3, 2))}"), (3, 3, 2), lambda x: x[4::-2, 1::2, 1:])
+
+
+M, U, V = t((3, 4)), t((2, 4)), t((3,))
+SCATTERS = "\n".join([
+    f"func.func @main(%x: {M}, %u: {U}, %v: {V}) -> ({M}, {M}) {{",
+    const("i", [[0, 2, 2, -1], [0, 0, 1, 2]], "i64"),
+    const("j", [[2, 1], [-1, 0], [2, 1]], "i64"),
+    op(f"%0 = mp.scatter_elements_add %x, %i, %u {{axis = 0}} : ({M}, {t((2, 4), 'i64')}, {U})"
+       f" -> {M}"),
+    op(f"%1 = mp.scatter_nd_add %x, %j, %v : ({M}, {t((3, 2), 'i64')}, {V}) -> {M}"),
+    op(f"return %0, %1 : {M}, {M}"), "}"])
+
+def test_scatter_adds_sum_repeated_indices_and_match_onnxruntime():
+    from mplower.ir.diagnostics import Location
+    from mplower.onnx.exporter import check_and_serialize, export_module
+    ort = pytest.importorskip("onnxruntime")
+    module = parse(SCATTERS)
+    rng = np.random.default_rng(0)
+    x, u, v = (rng.standard_normal(s).astype(F32) for s in ((3, 4), (2, 4), (3,)))
+    ours = Program(module).run([x, u, v], reference=False).outputs
+    # Column 0 gets both of its updates in row 0; (2, 1) is addressed twice (once as -1 = 2).
+    assert ours[0][0, 0] == F32(x[0, 0] + u[0, 0] + u[1, 0])
+    assert ours[1][2, 1] == F32(F32(x[2, 1] + v[0]) + v[2])
+    assert ours[1][2, 0] == F32(x[2, 0] + v[1])
+    exported = export_module(module).model
+    assert [n.op_type for n in exported.graph.node if n.op_type.startswith("Scatter")] == \
+        ["ScatterElements", "ScatterND"]
+    session = ort.InferenceSession(check_and_serialize(exported, Location("t", 0, 0)),
+                                   providers=["CPUExecutionProvider"])
+    theirs = session.run(None, dict(zip((i.name for i in session.get_inputs()), (x, u, v))))
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("line,message", [
+    (f"%0 = mp.scatter_elements_add %x, %i, %x : ({M}, {t((2, 4), 'i64')}, {M}) -> {M}",
+     ("'mp.scatter_elements_add' updates tensor<3x4xf32> must have the shape of indices "
+      "tensor<2x4xi64>")),
+    (f"%0 = mp.scatter_nd_add %x, %j, %u : ({M}, {t((3, 2), 'i64')}, {U}) -> {M}",
+     ("'mp.scatter_nd_add' updates tensor<2x4xf32> must have shape [3] (what gather_nd of "
+      "tensor<3x4xf32> at tensor<3x2xi64> gives)")),
+])
+def test_scatter_add_with_updates_of_the_wrong_shape_is_a_located_error(line, message):
+    text = "\n".join([f"func.func @main(%x: {M}, %u: {U}) -> {M} {{",
+                      const("i", [[0, 2, 2, -1], [0, 0, 1, 2]], "i64"),
+                      const("j", [[2, 1], [-1, 0], [2, 1]], "i64"),
+                      op(line), op(f"return %0 : {M}"), "}"])
+    with pytest.raises(DiagnosticError) as e:
+        verify(parse(text))
+    assert str(e.value.diagnostics[0].loc) == "<stdin>:7:3"  # after two multi-line constants
+    assert e.value.diagnostics[0].message == message
