@@ -429,6 +429,14 @@ def test_pow_rule_matches_jax_for_base_and_broadcast_exponent():
           jnp.power, positive=("a",))
 
 
+def test_pow_rule_gives_the_exponent_a_zero_gradient_at_a_zero_base_as_jax():
+    a = np.array([[1.5, 0.0, 1.5], [0.5, 0.0, 0.5]], F32)
+    b = np.array([0.0, 2.0, -1.0], F32)  # 0^2 at the zero base; x^0 and x^-1 elsewhere
+    check({"a": (2, 3), "b": (3,)},
+          op(f"%y = mp.pow %a, %b : ({t((2, 3))}, {t((3,))}) -> {t((2, 3))}"), (2, 3),
+          jnp.power, values={"a": a, "b": b})
+
+
 @pytest.mark.parametrize("exclusive", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_cumsum_rule_is_the_cumsum_the_other_way(exclusive, reverse):

@@ -2154,11 +2154,18 @@ def _pow_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [np.power(base, exp.astype(base.dtype))]
 
 
-# d(a^b)/da = b a^(b-1); d(a^b)/db = a^b log a (NaN for a negative base, as in JAX).
-_pow_vjp = _binary_vjp(lambda g, a, b, y, dy: (
-    lambda: _mul(g, dy, b, g.emit("mp.pow", [a, g.emit("mp.sub", [
-        b, g.splat(1.0, (), g.type_of(b).elem)])])),
-    lambda: _mul(g, dy, y, g.emit("mp.log", [a]))))
+def _pow_vjp_rule(g: GradBuilder, a: Value, b: Value, y: Value, dy: Value) -> tuple:
+    """d(a^b)/da = b a^(b-1) and d(a^b)/db = a^b log a, with JAX's exception: at a = 0 the
+    log is taken of 1, so db is 0 there, not 0 * -inf (a negative base gives NaN, as in JAX)."""
+    one = g.splat(1.0, (), g.type_of(a).elem)
+
+    def db() -> Value:
+        a_zero = g.emit("mp.equal", [a, g.splat(0.0, (), g.type_of(a).elem)])
+        return _mul(g, dy, y, g.emit("mp.log", [g.emit("mp.where", [a_zero, one, a])]))
+    return (lambda: _mul(g, dy, b, g.emit("mp.pow", [a, g.emit("mp.sub", [b, one])])), db)
+
+
+_pow_vjp = _binary_vjp(_pow_vjp_rule)
 
 _def("pow",
      vjp=_pow_vjp,
