@@ -489,6 +489,21 @@ def test_scatter_adds_sum_repeated_indices_and_match_onnxruntime():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
 
 
+
+def test_scatter_add_rules_pass_the_cotangent_to_data_and_gather_it_for_updates():
+    i = np.array([[0, 2, 2, -1], [0, 0, 1, 2]])
+    j = np.array([[1, 2], [0, 1], [1, 2]])  # the pair (1, 2) twice
+
+    def scatter_elements(x, u):
+        return jnp.asarray(x).at[i % 3, np.arange(4)].add(u)
+    check({"x": (3, 4), "u": (2, 4)}, const("i", i, "i64") + "\n" + op(
+        f"%y = mp.scatter_elements_add %x, %i, %u {{axis = 0}} : ({M}, {t((2, 4), 'i64')}, {U})"
+        f" -> {M}"), (3, 4), scatter_elements)
+    check({"x": (2, 3, 4), "v": (3, 4)}, const("j", j, "i32") + "\n" + op(
+        f"%y = mp.scatter_nd_add %x, %j, %v : ({t((2, 3, 4))}, {t((3, 2), 'i32')}, "
+        f"{t((3, 4))}) -> {t((2, 3, 4))}"), (2, 3, 4),
+        lambda x, v: jnp.asarray(x).at[j[:, 0], j[:, 1]].add(v))
+
 @pytest.mark.parametrize("line,message", [
     (f"%0 = mp.scatter_elements_add %x, %i, %x : ({M}, {t((2, 4), 'i64')}, {M}) -> {M}",
      ("'mp.scatter_elements_add' updates tensor<3x4xf32> must have the shape of indices "

@@ -2239,7 +2239,10 @@ def _scatter_elements_add_reference(xs: list, a: dict, rt: tuple | None) -> list
     return [out]
 
 
+# The cotangent passes to data as it is and to each update from where it was added.
 _def("scatter_elements_add",
+     vjp=lambda g, xs, y, dy, a, needs: [
+         dy, None, g.emit("mp.gather_elements", [dy, xs[1]], {"axis": a["axis"]})],
      operands=("data", "indices", "updates"),
      attrs={"axis": AttrSpec("int", default=0)},
      infer=_scatter_elements_add_infer,
@@ -2275,6 +2278,8 @@ def _scatter_nd_add_reference(xs: list, a: dict, rt: tuple | None) -> list[np.nd
 
 
 _def("scatter_nd_add",
+     vjp=lambda g, xs, y, dy, a, needs: [
+         dy, None, g.emit("mp.gather_nd", [dy, xs[1]], {"batch_dims": a["batch_dims"]})],
      operands=("data", "indices", "updates"),
      attrs={"batch_dims": AttrSpec("int", default=0, min=0)},
      infer=_scatter_nd_add_infer,
