@@ -323,12 +323,28 @@ def test_reduce_max_rule_shares_the_gradient_among_tied_maxima_as_jax():
 
 
 def test_grad_of_an_op_without_a_rule_is_a_located_error():
+    # The backward ops have no rules of their own (no second derivatives).
     with pytest.raises(DiagnosticError) as e:
-        differentiate({"x": (1, 3, 2)},
-                      op(f"%y = mp.lrn %x {{size = 3}} : ({t((1, 3, 2))}) -> {t((1, 3, 2))}"),
-                      (1, 3, 2))
+        differentiate({"d": (2, 3), "x": (2, 3)},
+                      op(f"%y = mp.relu_grad %d, %x : ({t((2, 3))}, {t((2, 3))}) -> "
+                         f"{t((2, 3))}"), (2, 3))
     assert str(e.value.diagnostics[0].loc) == "<stdin>:2:3"
-    assert e.value.diagnostics[0].message == "grad: mp.lrn has no gradient rule"
+    assert e.value.diagnostics[0].message == "grad: mp.relu_grad has no gradient rule"
+
+
+def _lrn(x, size, alpha, beta, bias):
+    """ONNX LRN: channel c sums squares over c - floor((size-1)/2) .. c + ceil((size-1)/2)."""
+    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+    sq = jnp.pad(x * x, ((0, 0), (lo, hi)) + ((0, 0),) * (x.ndim - 2))
+    window = sum(sq[:, m:m + x.shape[1]] for m in range(size))
+    return x / (bias + alpha / size * window) ** beta
+
+
+@pytest.mark.parametrize("size", [3, 4])  # an even size has a lopsided window
+def test_lrn_rule_matches_jax(size):
+    attrs = f"{{size = {size}, alpha = 0.5, beta = 0.75, bias = 1.5}}"
+    check({"x": (2, 5, 2)}, op(f"%y = mp.lrn %x {attrs} : ({t((2, 5, 2))}) -> {t((2, 5, 2))}"),
+          (2, 5, 2), lambda x: _lrn(x, size, 0.5, 0.75, 1.5))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,3 +537,8 @@ def test_scatter_add_with_updates_of_the_wrong_shape_is_a_located_error(line, me
         verify(parse(text))
     assert str(e.value.diagnostics[0].loc) == "<stdin>:7:3"  # after two multi-line constants
     assert e.value.diagnostics[0].message == message
+
+
+def test_lrn_rule_of_size_one_matches_jax():
+    check({"x": (1, 3, 2)}, op(f"%y = mp.lrn %x {{size = 1}} : ({t((1, 3, 2))}) -> "
+                               f"{t((1, 3, 2))}"), (1, 3, 2), lambda x: _lrn(x, 1, 1e-4, 0.75, 1.0))

@@ -871,10 +871,15 @@ def _lrn_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(x.shape, _elem_of(ins, _FLOATS, "a float"))]
 
 
+def _lrn_window(size: int) -> tuple[int, int]:
+    """How many channels before and after c ONNX LRN's window of `size` reads."""
+    return (size - 1) // 2, size - 1 - (size - 1) // 2
+
+
 def _lrn_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _fl(xs[0])
     size = a["size"]
-    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2  # channels before / after c
+    lo, hi = _lrn_window(size)
     sq = np.square(x.astype(np.float64))
     pads = [(0, 0)] * x.ndim
     pads[1] = (lo, hi)
@@ -883,8 +888,47 @@ def _lrn_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [(x / scale ** a["beta"]).astype(x.dtype)]
 
 
+def _channel_window_sum(g: GradBuilder, v: Value, before: int, after: int) -> Value:
+    """For each channel c, the sum of v over channels c - before .. c + after (clipped): the
+    zero-padded channel axis sliced once per window position, the slices added."""
+    t = g.type_of(v)
+    channels = t.shape[1]
+
+    def zeros(k: int) -> list[Value]:
+        return [g.splat(0.0, t.shape[:1] + (k,) + t.shape[2:], t.elem)] if k else []
+    parts = [*zeros(before), v, *zeros(after)]
+    padded = g.emit("mp.concat", parts, {"axis": 1}) if len(parts) > 1 else v
+    total = None
+    for m in range(before + after + 1):
+        starts = [0, m] + [0] * (t.rank - 2)
+        part = g.emit("mp.slice", [padded], {"starts": starts,
+                                             "ends": [t.shape[0], m + channels, *t.shape[2:]]})
+        total = part if total is None else g.emit("mp.add", [total, part])
+    return total
+
+
+def _lrn_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+             needs: Sequence[bool]) -> list[Value | None]:
+    """With s = bias + alpha/size * window_sum(x^2), y = x s^-beta:
+    dx = dy s^-beta - 2 alpha beta / size * x * window_sum'(dy x s^(-beta-1)), where
+    window_sum' sums over the channels whose window holds c (the window mirrored)."""
+    x = xs[0]
+    elem = g.type_of(x).elem
+    size, beta = a["size"], a["beta"]
+    lo, hi = _lrn_window(size)
+    sq = _channel_window_sum(g, g.emit("mp.mul", [x, x]), lo, hi)
+    s = g.emit("mp.add", [_times(g, sq, a["alpha"] / size), g.splat(a["bias"], (), elem)])
+    s_beta = g.emit("mp.pow", [s, g.splat(-beta, (), elem)])
+    direct = g.emit("mp.mul", [dy, s_beta])
+    back = _mul(g, dy, x, g.emit("mp.div", [s_beta, s]))
+    spread = _channel_window_sum(g, back, hi, lo)
+    cross = _times(g, g.emit("mp.mul", [x, spread]), -2 * a["alpha"] * beta / size)
+    return [g.emit("mp.add", [direct, cross])]
+
+
 # LRN: a square and an add per window element, then scale, power and divide.
 _def("lrn",
+     vjp=_lrn_vjp,
      operands=("x",),
      attrs={"size": AttrSpec("int", required=True, min=1),
             "alpha": AttrSpec("float", default=1e-4),
