@@ -365,6 +365,10 @@ def test_gather_rule_adds_the_rows_an_index_picks_twice_as_jax():
         f"%y = mp.gather %x, %i {{axis = 1}} : ({t((3, 4))}, {t((2, 2), 'i64')}) -> "
         f"{t((3, 2, 2))}")
     check({"x": (3, 4)}, body, (3, 2, 2), lambda x: jnp.take(x, idx % 4, axis=1))
+    # A scalar index along a negative axis: the row (here column) of a single lookup.
+    body = const("i", np.array(-2), "i32") + "\n" + op(
+        f"%y = mp.gather %x, %i {{axis = -1}} : ({t((3, 4))}, {t((), 'i32')}) -> {t((3,))}")
+    check({"x": (3, 4)}, body, (3,), lambda x: x[:, 2])
 
 
 def test_gather_elements_rule_matches_jax():
