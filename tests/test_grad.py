@@ -17,6 +17,7 @@ from mplower.backend.executor import Program
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
+from mplower.ir.verifier import verify
 from mplower.pass_manager import PassManager, parse_pipeline
 
 jax = pytest.importorskip("jax")
@@ -322,9 +323,226 @@ def test_reduce_max_rule_shares_the_gradient_among_tied_maxima_as_jax():
 
 
 def test_grad_of_an_op_without_a_rule_is_a_located_error():
+    # The backward ops have no rules of their own (no second derivatives).
     with pytest.raises(DiagnosticError) as e:
-        differentiate({"x": (1, 3, 2)},
-                      op(f"%y = mp.lrn %x {{size = 3}} : ({t((1, 3, 2))}) -> {t((1, 3, 2))}"),
-                      (1, 3, 2))
+        differentiate({"d": (2, 3), "x": (2, 3)},
+                      op(f"%y = mp.relu_grad %d, %x : ({t((2, 3))}, {t((2, 3))}) -> "
+                         f"{t((2, 3))}"), (2, 3))
     assert str(e.value.diagnostics[0].loc) == "<stdin>:2:3"
-    assert e.value.diagnostics[0].message == "grad: mp.lrn has no gradient rule"
+    assert e.value.diagnostics[0].message == "grad: mp.relu_grad has no gradient rule"
+
+
+def _lrn(x, size, alpha, beta, bias):
+    """ONNX LRN: channel c sums squares over c - floor((size-1)/2) .. c + ceil((size-1)/2)."""
+    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+    sq = jnp.pad(x * x, ((0, 0), (lo, hi)) + ((0, 0),) * (x.ndim - 2))
+    window = sum(sq[:, m:m + x.shape[1]] for m in range(size))
+    return x / (bias + alpha / size * window) ** beta
+
+
+@pytest.mark.parametrize("size", [3, 4])  # an even size has a lopsided window
+def test_lrn_rule_matches_jax(size):
+    attrs = f"{{size = {size}, alpha = 0.5, beta = 0.75, bias = 1.5}}"
+    check({"x": (2, 5, 2)}, op(f"%y = mp.lrn %x {attrs} : ({t((2, 5, 2))}) -> {t((2, 5, 2))}"),
+          (2, 5, 2), lambda x: _lrn(x, size, 0.5, 0.75, 1.5))
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops imported transformers add (issue 16): gathers scatter their cotangent back with an
+# add, masks and indices carry none.
+
+
+def const(name: str, values, elem: str) -> str:
+    arr = np.asarray(values)
+    text = np.array2string(arr, separator=", ").replace("True", "true").replace("False", "false")
+    return op(f"%{name} = mp.constant {{value = dense<{text}> : {t(arr.shape, elem)}}} : () -> "
+              f"{t(arr.shape, elem)}")
+
+
+def test_gather_rule_adds_the_rows_an_index_picks_twice_as_jax():
+    idx = np.array([[0, 2], [2, -1]])  # 2 twice, and -1 (the last) counted from the end
+    body = const("i", idx, "i64") + "\n" + op(
+        f"%y = mp.gather %x, %i {{axis = 1}} : ({t((3, 4))}, {t((2, 2), 'i64')}) -> "
+        f"{t((3, 2, 2))}")
+    check({"x": (3, 4)}, body, (3, 2, 2), lambda x: jnp.take(x, idx % 4, axis=1))
+    # A scalar index along a negative axis: the row (here column) of a single lookup.
+    body = const("i", np.array(-2), "i32") + "\n" + op(
+        f"%y = mp.gather %x, %i {{axis = -1}} : ({t((3, 4))}, {t((), 'i32')}) -> {t((3,))}")
+    check({"x": (3, 4)}, body, (3,), lambda x: x[:, 2])
+
+
+def test_gather_elements_rule_matches_jax():
+    idx = np.array([[0, 2, 2, 1], [2, 2, -3, 0]])
+    body = const("i", idx, "i32") + "\n" + op(
+        f"%y = mp.gather_elements %x, %i {{axis = 0}} : ({t((3, 4))}, {t((2, 4), 'i32')}) -> "
+        f"{t((2, 4))}")
+    check({"x": (3, 4)}, body, (2, 4), lambda x: jnp.take_along_axis(x, idx % 3, axis=0))
+
+
+@pytest.mark.parametrize("batch_dims", [0, 1])
+def test_gather_nd_rule_matches_jax_with_and_without_batch_dims(batch_dims):
+    if batch_dims == 0:
+        idx, out = np.array([[1, 2], [0, -1], [1, 2]]), (3, 2)  # (1, 2) twice
+        fn = lambda x: x[idx[:, 0] % 2, idx[:, 1] % 3]
+    else:
+        idx, out = np.array([[[1], [1]], [[0], [2]]]), (2, 2, 2)
+        fn = lambda x: x[np.arange(2)[:, None], idx[..., 0]]
+    body = const("i", idx, "i64") + "\n" + op(
+        f"%y = mp.gather_nd %x, %i {{batch_dims = {batch_dims}}} : ({t((2, 3, 2))}, "
+        f"{t(idx.shape, 'i64')}) -> {t(out)}")
+    check({"x": (2, 3, 2)}, body, out, fn)
+
+
+def test_where_rule_masks_the_cotangent_to_each_branch_and_sums_broadcasts():
+    body = "\n".join([
+        op(f"%c = mp.greater %m, %x : ({t((2, 3))}, {t((2, 3))}) -> {t((2, 3), 'i1')}"),
+        op(f"%y = mp.where %c, %x, %z : ({t((2, 3), 'i1')}, {t((2, 3))}, {t((1, 3))}) -> "
+           f"{t((2, 3))}")])
+    check({"m": (2, 3), "x": (2, 3), "z": (1, 3)}, body, (2, 3),
+          lambda m, x, z: jnp.where(m > x, x, z))
+
+
+def test_masks_and_indices_carry_no_gradient_through_predicates_logic_and_argmax():
+    # Every i1/i32 value is a constant to grad: d/dm of m is zero wherever it only decides.
+    x = np.array([[0.5, -1.0, np.inf], [2.0, np.nan, -0.25]], F32)
+    s = t((2, 3))
+    b = t((2, 3), "i1")
+    body = "\n".join([
+        op(f"%nan = mp.isnan %x : ({s}) -> {b}"),
+        op(f"%inf = mp.isinf %x {{detect_negative = false}} : ({s}) -> {b}"),
+        op(f"%bad = mp.logical_or %nan, %inf : ({b}, {b}) -> {b}"),
+        op(f"%ok = mp.logical_not %bad : ({b}) -> {b}"),
+        op(f"%le = mp.less_equal %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%lt = mp.less %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%ge = mp.greater_equal %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%eq = mp.equal %m, %m : ({s}, {s}) -> {b}"),
+        op(f"%one = mp.logical_xor %le, %lt : ({b}, {b}) -> {b}"),
+        op(f"%two = mp.logical_and %ge, %eq : ({b}, {b}) -> {b}"),
+        op(f"%all = mp.logical_and %one, %two : ({b}, {b}) -> {b}"),
+        op(f"%keep = mp.logical_and %ok, %all : ({b}, {b}) -> {b}"),
+        op(f"%safe = mp.where %keep, %x, %m : ({b}, {s}, {s}) -> {s}"),
+        op(f"%am = mp.argmax %safe {{axis = 1, keepdims = true}} : ({s}) -> {t((2, 1), 'i32')}"),
+        op(f"%y = mp.gather_elements %safe, %am {{axis = 1}} : ({s}, {t((2, 1), 'i32')}) -> "
+           f"{t((2, 1))}")])
+
+    def fn(x, m):
+        safe = jnp.where(~(jnp.isnan(x) | jnp.isposinf(x)), x, m)
+        return jnp.take_along_axis(safe, jnp.argmax(safe, 1, keepdims=True), 1)
+    check({"x": (2, 3), "m": (2, 3)}, body, (2, 1), fn, values={"x": x})
+
+
+def test_expand_rule_sums_the_cotangent_back_to_the_input_shape():
+    check({"x": (3, 1)}, op(f"%y = mp.expand %x : ({t((3, 1))}) -> {t((2, 3, 4))}"), (2, 3, 4),
+          lambda x: jnp.broadcast_to(x, (2, 3, 4)))
+
+
+@pytest.mark.parametrize("upper,k,fn", [("true", 0, lambda x: jnp.triu(x, 0)),
+                                         ("false", 1, lambda x: jnp.tril(x, 1))])
+def test_trilu_rule_keeps_the_same_triangle_of_the_cotangent(upper, k, fn):
+    check({"x": (2, 3, 4)}, op(f"%y = mp.trilu %x {{upper = {upper}, k = {k}}} : "
+                               f"({t((2, 3, 4))}) -> {t((2, 3, 4))}"), (2, 3, 4), fn)
+
+
+def test_pow_rule_matches_jax_for_base_and_broadcast_exponent():
+    check({"a": (2, 3), "b": (3,)},
+          op(f"%y = mp.pow %a, %b : ({t((2, 3))}, {t((3,))}) -> {t((2, 3))}"), (2, 3),
+          jnp.power, positive=("a",))
+
+
+def test_pow_rule_gives_the_exponent_a_zero_gradient_at_a_zero_base_as_jax():
+    a = np.array([[1.5, 0.0, 1.5], [0.5, 0.0, 0.5]], F32)
+    b = np.array([0.0, 2.0, -1.0], F32)  # 0^2 at the zero base; x^0 and x^-1 elsewhere
+    check({"a": (2, 3), "b": (3,)},
+          op(f"%y = mp.pow %a, %b : ({t((2, 3))}, {t((3,))}) -> {t((2, 3))}"), (2, 3),
+          jnp.power, values={"a": a, "b": b})
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cumsum_rule_is_the_cumsum_the_other_way(exclusive, reverse):
+    def fn(x):
+        x = jnp.flip(x, 1) if reverse else x
+        y = jnp.cumsum(x, axis=1)
+        if exclusive:
+            y = jnp.concatenate([jnp.zeros_like(y[:, :1]), y[:, :-1]], axis=1)
+        return jnp.flip(y, 1) if reverse else y
+    flags = f"exclusive = {str(exclusive).lower()}, reverse = {str(reverse).lower()}"
+    check({"x": (2, 5)}, op(f"%y = mp.cumsum %x {{axis = -1, {flags}}} : ({t((2, 5))}) -> "
+                            f"{t((2, 5))}"), (2, 5), fn)
+
+
+def test_slice_rule_puts_strided_and_reversed_picks_back_in_place():
+    check({"x": (5, 6, 3)},
+          op(f"%y = mp.slice %x {{starts = [4, 1, 1], ends = [-10, 6, 3], steps = [-2, 2, 1]}}"
+             f" : ({t((5, 6, 3))}) -> {t((3, 3, 2))}"), (3, 3, 2), lambda x: x[4::-2, 1::2, 1:])
+
+
+M, U, V = t((3, 4)), t((2, 4)), t((3,))
+SCATTERS = "\n".join([
+    f"func.func @main(%x: {M}, %u: {U}, %v: {V}) -> ({M}, {M}) {{",
+    const("i", [[0, 2, 2, -1], [0, 0, 1, 2]], "i64"),
+    const("j", [[2, 1], [-1, 0], [2, 1]], "i64"),
+    op(f"%0 = mp.scatter_elements_add %x, %i, %u {{axis = 0}} : ({M}, {t((2, 4), 'i64')}, {U})"
+       f" -> {M}"),
+    op(f"%1 = mp.scatter_nd_add %x, %j, %v : ({M}, {t((3, 2), 'i64')}, {V}) -> {M}"),
+    op(f"return %0, %1 : {M}, {M}"), "}"])
+
+def test_scatter_adds_sum_repeated_indices_and_match_onnxruntime():
+    from mplower.ir.diagnostics import Location
+    from mplower.onnx.exporter import check_and_serialize, export_module
+    ort = pytest.importorskip("onnxruntime")
+    module = parse(SCATTERS)
+    rng = np.random.default_rng(0)
+    x, u, v = (rng.standard_normal(s).astype(F32) for s in ((3, 4), (2, 4), (3,)))
+    ours = Program(module).run([x, u, v], reference=False).outputs
+    # Column 0 gets both of its updates in row 0; (2, 1) is addressed twice (once as -1 = 2).
+    assert ours[0][0, 0] == F32(x[0, 0] + u[0, 0] + u[1, 0])
+    assert ours[1][2, 1] == F32(F32(x[2, 1] + v[0]) + v[2])
+    assert ours[1][2, 0] == F32(x[2, 0] + v[1])
+    exported = export_module(module).model
+    assert [n.op_type for n in exported.graph.node if n.op_type.startswith("Scatter")] == \
+        ["ScatterElements", "ScatterND"]
+    session = ort.InferenceSession(check_and_serialize(exported, Location("t", 0, 0)),
+                                   providers=["CPUExecutionProvider"])
+    theirs = session.run(None, dict(zip((i.name for i in session.get_inputs()), (x, u, v))))
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+
+
+
+def test_scatter_add_rules_pass_the_cotangent_to_data_and_gather_it_for_updates():
+    i = np.array([[0, 2, 2, -1], [0, 0, 1, 2]])
+    j = np.array([[1, 2], [0, 1], [1, 2]])  # the pair (1, 2) twice
+
+    def scatter_elements(x, u):
+        return jnp.asarray(x).at[i % 3, np.arange(4)].add(u)
+    check({"x": (3, 4), "u": (2, 4)}, const("i", i, "i64") + "\n" + op(
+        f"%y = mp.scatter_elements_add %x, %i, %u {{axis = 0}} : ({M}, {t((2, 4), 'i64')}, {U})"
+        f" -> {M}"), (3, 4), scatter_elements)
+    check({"x": (2, 3, 4), "v": (3, 4)}, const("j", j, "i32") + "\n" + op(
+        f"%y = mp.scatter_nd_add %x, %j, %v : ({t((2, 3, 4))}, {t((3, 2), 'i32')}, "
+        f"{t((3, 4))}) -> {t((2, 3, 4))}"), (2, 3, 4),
+        lambda x, v: jnp.asarray(x).at[j[:, 0], j[:, 1]].add(v))
+
+@pytest.mark.parametrize("line,message", [
+    (f"%0 = mp.scatter_elements_add %x, %i, %x : ({M}, {t((2, 4), 'i64')}, {M}) -> {M}",
+     ("'mp.scatter_elements_add' updates tensor<3x4xf32> must have the shape of indices "
+      "tensor<2x4xi64>")),
+    (f"%0 = mp.scatter_nd_add %x, %j, %u : ({M}, {t((3, 2), 'i64')}, {U}) -> {M}",
+     ("'mp.scatter_nd_add' updates tensor<2x4xf32> must have shape [3] (what gather_nd of "
+      "tensor<3x4xf32> at tensor<3x2xi64> gives)")),
+])
+def test_scatter_add_with_updates_of_the_wrong_shape_is_a_located_error(line, message):
+    text = "\n".join([f"func.func @main(%x: {M}, %u: {U}) -> {M} {{",
+                      const("i", [[0, 2, 2, -1], [0, 0, 1, 2]], "i64"),
+                      const("j", [[2, 1], [-1, 0], [2, 1]], "i64"),
+                      op(line), op(f"return %0 : {M}"), "}"])
+    with pytest.raises(DiagnosticError) as e:
+        verify(parse(text))
+    assert str(e.value.diagnostics[0].loc) == "<stdin>:7:3"  # after two multi-line constants
+    assert e.value.diagnostics[0].message == message
+
+
+def test_lrn_rule_of_size_one_matches_jax():
+    check({"x": (1, 3, 2)}, op(f"%y = mp.lrn %x {{size = 1}} : ({t((1, 3, 2))}) -> "
+                               f"{t((1, 3, 2))}"), (1, 3, 2), lambda x: _lrn(x, 1, 1e-4, 0.75, 1.0))

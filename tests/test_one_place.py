@@ -91,7 +91,7 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
     assert mp.WEIGHTED == ("mp.matmul", "mp.conv2d")
     assert {OPS[n].weight_operand for n in mp.WEIGHTED} == {mp.WEIGHT_OPERAND} == {1}
     assert mp.ACCUMULATING == {"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean",
-                               "mp.cumsum"}
+                               "mp.cumsum", "mp.scatter_elements_add", "mp.scatter_nd_add"}
     # Comparisons and predicates carry their i1 result: the precision passes never lower them.
     assert mp.TYPE_CARRYING == {"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize",
                                 "mp.fake_quant", "mp.scaled_quant", "mp.sparse_encode", "mp.equal",

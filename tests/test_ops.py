@@ -39,7 +39,7 @@ ALL_OPS = [
     "isnan", "isinf", "expand", "trilu", "pow", "cumsum",
     # the backward ops of the gradient rules (passes/grad.py)
     "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad", "reduce_max_grad",
-    "fake_quant_lsq", "lsq_grad",
+    "fake_quant_lsq", "lsq_grad", "scatter_elements_add", "scatter_nd_add",
     "scaled_quant",
 ]
 

@@ -33,7 +33,14 @@ from mplower.ir.opdef import (
     ops_with,
     show_value,
 )
-from mplower.ir.types import ELEMENT_TYPES, ENCODINGS, TensorType, tensor, value_dtype
+from mplower.ir.types import (
+    ELEMENT_TYPES,
+    ENCODINGS,
+    DenseAttr,
+    TensorType,
+    tensor,
+    value_dtype,
+)
 from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, FORMATS, QUANT_FLOATS, QUANT_STORAGE
 from mplower.numerics.windows import conv_windows, pad_hw
 
@@ -240,6 +247,11 @@ def _times(g: GradBuilder, v: Value, k: float) -> Value:
 
 def _one_minus(g: GradBuilder, v: Value) -> Value:
     return g.emit("mp.sub", [g.splat(1.0, (), g.type_of(v).elem), v])
+
+
+def _zeros_like(g: GradBuilder, v: Value) -> Value:
+    t = g.type_of(v)
+    return g.splat(0.0, t.shape, t.elem)
 
 
 def _no_rule(op: str, why: str) -> OpError:
@@ -861,10 +873,15 @@ def _lrn_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(x.shape, _elem_of(ins, _FLOATS, "a float"))]
 
 
+def _lrn_window(size: int) -> tuple[int, int]:
+    """How many channels before and after c ONNX LRN's window of `size` reads."""
+    return (size - 1) // 2, size - 1 - (size - 1) // 2
+
+
 def _lrn_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _fl(xs[0])
     size = a["size"]
-    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2  # channels before / after c
+    lo, hi = _lrn_window(size)
     sq = np.square(x.astype(np.float64))
     pads = [(0, 0)] * x.ndim
     pads[1] = (lo, hi)
@@ -873,8 +890,47 @@ def _lrn_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [(x / scale ** a["beta"]).astype(x.dtype)]
 
 
+def _channel_window_sum(g: GradBuilder, v: Value, before: int, after: int) -> Value:
+    """For each channel c, the sum of v over channels c - before .. c + after (clipped): the
+    zero-padded channel axis sliced once per window position, the slices added."""
+    t = g.type_of(v)
+    channels = t.shape[1]
+
+    def zeros(k: int) -> list[Value]:
+        return [g.splat(0.0, t.shape[:1] + (k,) + t.shape[2:], t.elem)] if k else []
+    parts = [*zeros(before), v, *zeros(after)]
+    padded = g.emit("mp.concat", parts, {"axis": 1}) if len(parts) > 1 else v
+    total = None
+    for m in range(before + after + 1):
+        starts = [0, m] + [0] * (t.rank - 2)
+        part = g.emit("mp.slice", [padded], {"starts": starts,
+                                             "ends": [t.shape[0], m + channels, *t.shape[2:]]})
+        total = part if total is None else g.emit("mp.add", [total, part])
+    return total
+
+
+def _lrn_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+             needs: Sequence[bool]) -> list[Value | None]:
+    """With s = bias + alpha/size * window_sum(x^2), y = x s^-beta:
+    dx = dy s^-beta - 2 alpha beta / size * x * window_sum'(dy x s^(-beta-1)), where
+    window_sum' sums over the channels whose window holds c (the window mirrored)."""
+    x = xs[0]
+    elem = g.type_of(x).elem
+    size, beta = a["size"], a["beta"]
+    lo, hi = _lrn_window(size)
+    sq = _channel_window_sum(g, g.emit("mp.mul", [x, x]), lo, hi)
+    s = g.emit("mp.add", [_times(g, sq, a["alpha"] / size), g.splat(a["bias"], (), elem)])
+    s_beta = g.emit("mp.pow", [s, g.splat(-beta, (), elem)])
+    direct = g.emit("mp.mul", [dy, s_beta])
+    back = _mul(g, dy, x, g.emit("mp.div", [s_beta, s]))
+    spread = _channel_window_sum(g, back, hi, lo)
+    cross = _times(g, g.emit("mp.mul", [x, spread]), -2 * a["alpha"] * beta / size)
+    return [g.emit("mp.add", [direct, cross])]
+
+
 # LRN: a square and an add per window element, then scale, power and divide.
 _def("lrn",
+     vjp=_lrn_vjp,
      operands=("x",),
      attrs={"size": AttrSpec("int", required=True, min=1),
             "alpha": AttrSpec("float", default=1e-4),
@@ -1243,13 +1299,21 @@ def _slice_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
 
 def _slice_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
                needs: Sequence[bool]) -> list[Value | None]:
-    """dY put back in place between zero blocks, one axis at a time."""
+    """dY put back in place between zero blocks, one axis at a time; a strided axis adds its
+    entries at the positions it picked."""
     tx = g.type_of(xs[0])
     d = dy
     for axis, s in enumerate(_slices(tx.shape, a)):
-        if s.step != 1:
-            raise _no_rule("mp.slice", "steps other than 1")
         shape = g.type_of(d).shape
+        if s.step != 1:
+            picked = np.arange(tx.shape[axis], dtype=np.int32)[s]
+            line = tensor((1,) * axis + (picked.size,) + (1,) * (tx.rank - axis - 1), "i32")
+            pos = g.emit("mp.constant", [], {"value": DenseAttr(picked.reshape(line.shape),
+                                                                line)}, result=line)
+            pos = g.emit("mp.expand", [pos], result=tensor(shape, "i32"))
+            full = g.splat(0.0, shape[:axis] + (tx.shape[axis],) + shape[axis + 1:], tx.elem)
+            d = g.emit("mp.scatter_elements_add", [full, pos, d], {"axis": axis})
+            continue
         parts = []
         for lo, hi in ((0, s.start), (s.stop, tx.shape[axis])):
             if hi > lo:
@@ -1936,7 +2000,25 @@ def _gather_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [np.take(data, _checked_indices(idx, data.shape[axis]), axis=axis)]
 
 
+def _gather_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+                needs: Sequence[bool]) -> list[Value | None]:
+    """dY scattered back with an add, so rows picked twice (a token that occurs twice) sum:
+    the index block flattened to one axis, then broadcast over the data's other axes as
+    scatter_elements_add's one-index-per-update wants."""
+    td, ti = g.type_of(xs[0]), g.type_of(xs[1])
+    axis = a["axis"] % td.rank
+    n = ti.size
+    rows = td.shape[:axis] + (n,) + td.shape[axis + 1:]
+    d = g.emit("mp.reshape", [dy], result=tensor(rows, td.elem))
+    line = (1,) * axis + (n,) + (1,) * (td.rank - axis - 1)
+    idx = g.emit("mp.reshape", [xs[1]], result=tensor(line, ti.elem))
+    idx = g.emit("mp.expand", [idx], result=tensor(rows, ti.elem))
+    return [g.emit("mp.scatter_elements_add", [g.splat(0.0, td.shape, td.elem), idx, d],
+                   {"axis": axis}), None]
+
+
 _def("gather",
+     vjp=_gather_vjp,
      operands=("data", "indices"),
      attrs={"axis": AttrSpec("int", default=0)},
      infer=_gather_infer,
@@ -1970,6 +2052,9 @@ def _gather_elements_reference(xs: list, a: dict, rt: tuple | None) -> list[np.n
 
 
 _def("gather_elements",
+     vjp=lambda g, xs, y, dy, a, needs: [g.emit(
+         "mp.scatter_elements_add", [_zeros_like(g, xs[0]), xs[1], dy], {"axis": a["axis"]}),
+         None],
      operands=("data", "indices"),
      attrs={"axis": AttrSpec("int", default=0)},
      infer=_gather_elements_infer,
@@ -2013,6 +2098,9 @@ def _gather_nd_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray
 
 
 _def("gather_nd",
+     vjp=lambda g, xs, y, dy, a, needs: [g.emit(
+         "mp.scatter_nd_add", [_zeros_like(g, xs[0]), xs[1], dy],
+         {"batch_dims": a["batch_dims"]}), None],
      operands=("data", "indices"),
      attrs={"batch_dims": AttrSpec("int", default=0, min=0)},
      infer=_gather_nd_infer,
@@ -2038,7 +2126,17 @@ def _where_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
     return [tensor(shape, elem)]
 
 
+def _where_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
+               needs: Sequence[bool]) -> list[Value | None]:
+    """dY to x where the condition holds and to y elsewhere, each summed back to its shape."""
+    zero = g.splat(0.0, (), g.type_of(dy).elem)
+    branches = ([dy, zero], [zero, dy])
+    return [None] + [_sum_to(g, g.emit("mp.where", [xs[0], *pick]), g.type_of(x).shape)
+                     if need else None for x, pick, need in zip(xs[1:], branches, needs[1:])]
+
+
 _def("where",
+     vjp=_where_vjp,
      operands=("cond", "x", "y"),
      attrs={},
      infer=_where_infer,
@@ -2145,6 +2243,7 @@ def _expand_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
 
 _def("expand",
+     vjp=lambda g, xs, y, dy, a, needs: [_sum_to(g, dy, g.type_of(xs[0]).shape)],
      operands=("x",),
      attrs={},
      infer=_expand_infer,
@@ -2172,6 +2271,7 @@ def _trilu_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
 
 _def("trilu",
+     vjp=lambda g, xs, y, dy, a, needs: [g.emit("mp.trilu", [dy], a)],
      operands=("x",),
      attrs={"upper": AttrSpec("bool", default=True), "k": AttrSpec("int", default=0)},
      infer=_trilu_infer,
@@ -2190,7 +2290,21 @@ def _pow_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     return [np.power(base, exp.astype(base.dtype))]
 
 
+def _pow_vjp_rule(g: GradBuilder, a: Value, b: Value, y: Value, dy: Value) -> tuple:
+    """d(a^b)/da = b a^(b-1) and d(a^b)/db = a^b log a, with JAX's exception: at a = 0 the
+    log is taken of 1, so db is 0 there, not 0 * -inf (a negative base gives NaN, as in JAX)."""
+    one = g.splat(1.0, (), g.type_of(a).elem)
+
+    def db() -> Value:
+        a_zero = g.emit("mp.equal", [a, g.splat(0.0, (), g.type_of(a).elem)])
+        return _mul(g, dy, y, g.emit("mp.log", [g.emit("mp.where", [a_zero, one, a])]))
+    return (lambda: _mul(g, dy, b, g.emit("mp.pow", [a, g.emit("mp.sub", [b, one])])), db)
+
+
+_pow_vjp = _binary_vjp(_pow_vjp_rule)
+
 _def("pow",
+     vjp=_pow_vjp,
      operands=("a", "b"),
      attrs={},
      infer=_binary_infer(_NUMERIC, "a numeric"),
@@ -2221,6 +2335,9 @@ def _cumsum_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
 
 _def("cumsum",
+     # Each x feeds the sums after it (after and at, inclusive): the cumsum the other way.
+     vjp=lambda g, xs, y, dy, a, needs: [g.emit("mp.cumsum", [dy], {**a,
+                                                                    "reverse": not a["reverse"]})],
      operands=("x",),
      attrs={"axis": AttrSpec("int", required=True),
             "exclusive": AttrSpec("bool", default=False),
@@ -2231,6 +2348,83 @@ _def("cumsum",
      precisions=_VECTOR,
      doc="Running sum along `axis`, optionally exclusive and/or from the end (ONNX CumSum, "
          "its axis folded at import).",
+     traits=_SUMS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scatter-adds: the gradients of the gathers (and of strided slices). Indices picked twice add
+# up, as a gradient needs; ONNX ScatterElements and ScatterND with reduction = "add".
+
+
+def _scatter_elements_add_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    data, idx, updates = ins
+    elem = _elem_of((data, updates), _NUMERIC, "a numeric")
+    if updates.shape != idx.shape:
+        raise OpError(f"updates {updates} must have the shape of indices {idx}", operand=2)
+    _gather_elements_infer((data, idx), a, ())
+    return [tensor(data.shape, elem)]
+
+
+def _scatter_elements_add_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    data, idx, updates = xs
+    axis = a["axis"] % data.ndim
+    where = list(np.indices(idx.shape, sparse=True))
+    where[axis] = _checked_indices(idx, data.shape[axis])
+    out = data.copy()
+    np.add.at(out, tuple(where), updates)
+    return [out]
+
+
+# The cotangent passes to data as it is and to each update from where it was added.
+_def("scatter_elements_add",
+     vjp=lambda g, xs, y, dy, a, needs: [
+         dy, None, g.emit("mp.gather_elements", [dy, xs[1]], {"axis": a["axis"]})],
+     operands=("data", "indices", "updates"),
+     attrs={"axis": AttrSpec("int", default=0)},
+     infer=_scatter_elements_add_infer,
+     reference=_scatter_elements_add_reference,
+     flops=lambda ins, a: ins[2].size,
+     precisions=_VECTOR,
+     doc="data with each update added at its own position but along `axis` at its index: "
+         "the gradient of gather and gather_elements (ONNX ScatterElements, reduction add).",
+     traits=_SUMS)
+
+
+def _scatter_nd_add_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    data, idx, updates = ins
+    elem = _elem_of((data, updates), _NUMERIC, "a numeric")
+    _index_elem(idx, 1)
+    want = _gather_nd_shape(data, idx, a["batch_dims"])
+    if updates.shape != want:
+        raise OpError(f"updates {updates} must have shape {list(want)} (what gather_nd of "
+                      f"{data} at {idx} gives)", operand=2)
+    return [tensor(data.shape, elem)]
+
+
+def _scatter_nd_add_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    data, idx, updates = xs
+    b = a["batch_dims"]
+    k = idx.shape[-1]
+    flat = data.reshape((math.prod(data.shape[:b]),) + data.shape[b:]).copy()
+    rows = idx.reshape(flat.shape[:1] + (-1, k))
+    coords = [_checked_indices(rows[..., i], flat.shape[1 + i]) for i in range(k)]
+    np.add.at(flat, (np.arange(flat.shape[0])[:, None], *coords),
+              updates.reshape(rows.shape[:2] + data.shape[b + k:]))
+    return [flat.reshape(data.shape)]
+
+
+_def("scatter_nd_add",
+     vjp=lambda g, xs, y, dy, a, needs: [
+         dy, None, g.emit("mp.gather_nd", [dy, xs[1]], {"batch_dims": a["batch_dims"]})],
+     operands=("data", "indices", "updates"),
+     attrs={"batch_dims": AttrSpec("int", default=0, min=0)},
+     infer=_scatter_nd_add_infer,
+     reference=_scatter_nd_add_reference,
+     flops=lambda ins, a: ins[2].size,
+     precisions=_VECTOR,
+     doc="data with each slice of `updates` added where gather_nd with the same `indices` and "
+         "`batch_dims` reads it: its gradient (ONNX ScatterND, reduction add, for "
+         "batch_dims = 0).",
      traits=_SUMS)
 
 

@@ -348,6 +348,10 @@ class _Exporter:
                              axis=a["axis"])
         if op == "mp.gather_nd":
             return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
+        if op == "mp.scatter_elements_add":
+            return self.node("ScatterElements", ins, hint, axis=a["axis"], reduction="add")
+        if op == "mp.scatter_nd_add" and a["batch_dims"] == 0:  # ScatterND has no batch dims
+            return self.node("ScatterND", ins, hint, reduction="add")
         if op == "mp.isinf":
             return self.node("IsInf", ins, hint, detect_negative=int(a["detect_negative"]),
                              detect_positive=int(a["detect_positive"]))
