@@ -235,6 +235,50 @@ def test_slices_give_a_validation_matrix_checked_against_numpy(cli, tmp_path):
                        "rollback_when": "rel_l2 > 0.02"}
 
 
+def test_rtol_atol_guardrail_holds_elementwise_on_every_slice_checked_against_numpy(
+        cli, tmp_path):
+    ir, data = _mlp(tmp_path)
+    x = np.load(data)["x"]
+    ref = _mlp_reference(tmp_path, x)
+    labels = ref.argmax(1) % 3
+    np.savez(tmp_path / "slices.npz", slice=labels)
+    out = tmp_path / "out"
+    tol = ["rtol=0.01", "atol=0.001"]
+    assert _tune(cli, ir, data, out, "--formats", "bf16,f16", "--slices",
+                 tmp_path / "slices.npz", *(a for g in tol for a in ("--guardrail", g))).rc == 0
+    packet = json.loads((out / "tune.json").read_text())
+    assert packet["guardrails"] == {"rtol": 0.01, "atol": 0.001}
+    saved = tmp_path / "y.npz"
+    assert cli("run", out / "lowered.ir", "--inputs", data, "--save-outputs", saved).rc == 0
+    y = np.load(saved)["output_0"].astype(np.float64)
+
+    def worst(rows):
+        return np.max(np.abs(y[rows] - ref[rows]) / (0.001 + 0.01 * np.abs(ref[rows])))
+
+    g = packet["chosen"]["guardrails"]["max_allclose_ratio"]
+    assert g == {"limit": 1.0, "value": pytest.approx(worst(slice(None)), rel=1e-2), "ok": True,
+                 "rtol": 0.01, "atol": 0.001}
+    assert np.allclose(y, ref, 0.01, 0.001)
+    matrix = packet["chosen"]["validation"]["matrix"]["max_allclose_ratio"]
+    for s, cell in matrix.items():
+        assert cell["value"] == pytest.approx(worst(labels == int(s)), rel=1e-2)
+    trigger = packet["chosen"]["validation"]["rollback_triggers"][0]
+    assert trigger["rollback_when"] == "allclose_ratio > 1.0"
+    # The uniform bf16 sheet fails the same check, in numpy too.
+    bf16 = next(u for u in packet["uniform"] if u["label"] == "uniform bf16")
+    assert bf16["failed"] == ["max_allclose_ratio"]
+    assert bf16["guardrails"]["max_allclose_ratio"]["value"] > 1
+    assert _uniform_time_if_passing(cli, ir, data, "bf16", [], tmp_path) is not None
+    assert cli("run", tmp_path / "uniform-bf16.ir", "--inputs", data,
+               "--save-outputs", tmp_path / "bf16.npz").rc == 0
+    assert not np.allclose(np.load(tmp_path / "bf16.npz")["output_0"], ref, 0.01, 0.001)
+    # The released sheet carries the tolerance, and `mplower run --check` applies it.
+    sheet = (out / "policy.toml").read_text()
+    assert sheet.endswith("[guardrails]\nrtol = 0.01\natol = 0.001\n")
+    run = cli("run", out / "lowered.ir", "--inputs", data, "--check")
+    assert run.rc == 0 and run.out.startswith("verdict: pass (max_allclose_ratio ")
+
+
 def test_energy_objective_reports_joules_at_the_cited_board_power(cli, tmp_path):
     ir, data = _mlp(tmp_path)
     out = tmp_path / "out"
@@ -264,6 +308,8 @@ def test_energy_objective_on_a_target_without_board_power_is_a_located_error(cli
     ("--formats", "bf16,f33", "--formats takes narrow compute formats of"),
     ("--budget", "0", "--budget must be at least 1 evaluation"),
     ("--guardrail", "max_rel_l3=0.1", "--guardrail takes KEY=VALUE"),
+    ("--guardrail", "rtol=-0.01", "--guardrail rtol must be between 0 and 1000, not -0.01"),
+    ("--guardrail", "atol=nan", "--guardrail atol must be a finite number, not nan"),
 ])
 def test_bad_command_line_is_a_usage_error(cli, tmp_path, flag, value, message):
     ir, data = _mlp(tmp_path)

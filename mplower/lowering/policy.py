@@ -36,6 +36,10 @@ GUARDRAIL_BOUNDS = {
     "max_overflow": Bounds(0, 2 ** 53, " values"),
     "max_overflow_rate": Bounds(0, 1),
     "min_top1_agreement": Bounds(0, 1),
+    # Elementwise, as numpy.allclose: |y - y_ref| <= atol + rtol |y_ref| (mplower.report.run);
+    # an absolute tolerance beyond f32's largest value admits everything.
+    "rtol": Bounds(0, 1e3),
+    "atol": Bounds(0, 3.4028234663852886e38),
 }
 GUARDRAILS = tuple(GUARDRAIL_BOUNDS)  # the keys, in the order docs and messages list them
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)

@@ -38,9 +38,9 @@ from mplower.lowering.cost import plan_cost
 from mplower.lowering.policy import load_policy
 from mplower.lowering.target import Target, load_target
 from mplower.numerics.formats import FORMATS
-from mplower.numerics.metrics import drift, finite_or_none
+from mplower.numerics.metrics import allclose_ratio, drift, finite_or_none
 from mplower.pass_manager import PassContext, PassManager, load_passes, parse_pipeline
-from mplower.report.run import evaluate_guardrails, top1_agreement, verdict
+from mplower.report.run import evaluate_guardrails, tolerance, top1_agreement, verdict
 
 F32 = "f32"
 
@@ -321,7 +321,8 @@ class Workspace:
         written = sum(math.prod(o.step.out_type.shape) for o in runs[0].ops) * len(runs)
         counts = {k: sum(getattr(o.counts, k) for r in runs for o in r.ops)
                   for k in ("overflow", "underflow", "nan")}
-        summary = {**_output_figures(ys, refs), **counts,
+        tol = tolerance(self.problem.guardrails)
+        summary = {**_output_figures(ys, refs, tol), **counts,
                    "overflow_rate": counts["overflow"] / written if written else 0.0}
         per_slice: dict[str, dict[str, Any]] = {}
         if self.problem.slices is not None:
@@ -329,19 +330,24 @@ class Workspace:
             for s in sorted(set(ids.tolist()), key=lambda v: (str(type(v)), v)):
                 rows = ids == s
                 per_slice[str(s)] = _output_figures([y[rows] for y in ys],
-                                                    [r[rows] for r in refs])
+                                                    [r[rows] for r in refs], tol)
         return summary, per_slice
 
 
-def _output_figures(ys: list[np.ndarray], refs: list[np.ndarray]) -> dict[str, Any]:
-    """The run report's output figures (mplower.report.run.output_drift) on these arrays."""
+def _output_figures(ys: list[np.ndarray], refs: list[np.ndarray],
+                    tol: tuple[float, float] | None) -> dict[str, Any]:
+    """The run report's output figures (mplower.report.run.output_drift) on these arrays, and
+    `allclose_ratio` under the tolerance `tol` (rtol, atol) where the guardrails give one."""
+    close = {} if tol is None else {"allclose_ratio": finite_or_none(
+        max((allclose_ratio(y, r, *tol) for y, r in zip(ys, refs)), default=None))}
     if not ys:
         return {"output_rel_l2": None, "output_max_abs": None, "sqnr_db": None,
-                "top1_agreement": None}
+                "top1_agreement": None, **close}
     d = drift(np.concatenate([y.astype(np.float64).ravel() for y in ys]),
               np.concatenate([r.astype(np.float64).ravel() for r in refs]))
     return {"output_rel_l2": finite_or_none(d.rel_l2), "output_max_abs": finite_or_none(d.max_abs),
-            "sqnr_db": finite_or_none(d.sqnr_db), "top1_agreement": top1_agreement(ys[0], refs[0])}
+            "sqnr_db": finite_or_none(d.sqnr_db), "top1_agreement": top1_agreement(ys[0], refs[0]),
+            **close}
 
 
 def lowered_ops(f: Function) -> int:

@@ -66,12 +66,14 @@ def _speedup(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> float 
     return b["modeled"]["time_s"] / a["modeled"]["time_s"]
 
 
-def validation(chosen: Mapping[str, Any], guardrails: Mapping[str, float]) -> dict[str, Any]:
+def validation(chosen: Mapping[str, Any]) -> dict[str, Any]:
     """The guardrail x slice matrix of the chosen plan, and the rollback triggers: per
     guardrail its limit, the worst value validated over all slices and its margin."""
-    matrix = {k: {s: chosen["slices"][s][k] for s in chosen["slices"]} for k in guardrails}
+    # By the checks as reported: `rtol` and `atol` are one, `max_allclose_ratio` (limit 1).
+    checks = {k: g["limit"] for k, g in chosen["guardrails"].items()}
+    matrix = {k: {s: chosen["slices"][s][k] for s in chosen["slices"]} for k in checks}
     triggers = []
-    for k, limit in guardrails.items():
+    for k, limit in checks.items():
         cells = [(s, c["value"]) for s, c in matrix[k].items() if c["value"] is not None]
         if not cells:
             cells = [("all", chosen["guardrails"][k]["value"])]
@@ -101,7 +103,7 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
                        "best_uniform": best_uniform["plan"]["sheet"] if best_uniform else None,
                        "speedup_vs_best_uniform": _speedup(chosen, best_uniform)}
         if slices:
-            chosen_json["validation"] = validation(chosen, guardrails)
+            chosen_json["validation"] = validation(chosen)
     rejected = None
     if outcome.best_rejected is not None:
         rejected = {**_figures(outcome.best_rejected, baseline),
