@@ -36,7 +36,9 @@ from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import encode, round_to
 
 REFERENCE = {"bf16": ml_dtypes.bfloat16, "f16": np.float16,
-             "f8E4M3FN": ml_dtypes.float8_e4m3fn, "f8E5M2": ml_dtypes.float8_e5m2}
+             "f8E4M3FN": ml_dtypes.float8_e4m3fn, "f8E5M2": ml_dtypes.float8_e5m2,
+             "f6E2M3FN": ml_dtypes.float6_e2m3fn, "f6E3M2FN": ml_dtypes.float6_e3m2fn,
+             "f4E2M1FN": ml_dtypes.float4_e2m1fn, "f8E8M0FNU": ml_dtypes.float8_e8m0fnu}
 
 
 def median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -132,9 +134,33 @@ def tf32_float64(x: np.ndarray) -> np.ndarray:
     return r.astype(np.float32)
 
 
-def sweep(chunk_bits: int = 24) -> str:
+def expected_counts(x: np.ndarray, want: np.ndarray, ref: type | None) -> tuple[int, int, int]:
+    """(overflow, underflow, nan) of rounding `x` to `want`, from the reference type's facts.
+
+    Without inf and NaN (the MX elements) a value overflows when it rounds beyond max finite,
+    i.e. from the midpoint between max and the next power of two up (max's mantissa is odd, so
+    that tie rounds away), and a NaN input is counted as a NaN. E8M0 (unsigned) overflows for
+    positive values that come out NaN.
+    """
+    x_nan, w_nan = np.isnan(x), np.isnan(want)
+    underflow = ~x_nan & (x != 0) & (want == 0)
+    if ref is not None and not np.isnan(np.array(np.nan).astype(ref)):
+        info = ml_dtypes.finfo(ref)
+        edge = (float(info.max) + 2.0 ** info.maxexp) / 2
+        with np.errstate(invalid="ignore"):
+            overflow = ~x_nan & (np.abs(x.astype(np.float64)) >= edge)
+        return int(overflow.sum()), int(underflow.sum()), int(x_nan.sum())
+    if ref is not None and not ml_dtypes.finfo(ref).min < 0:
+        with np.errstate(invalid="ignore"):
+            overflow = (x > 0) & w_nan
+        return int(overflow.sum()), int(underflow.sum()), int(w_nan.sum())
+    overflow = ~x_nan & ((np.isinf(want) & ~np.isinf(x)) | w_nan)
+    return int(overflow.sum()), int(underflow.sum()), int(w_nan.sum())
+
+
+def sweep(chunk_bits: int = 24, fmts: list[str] | None = None) -> str:
     warnings.simplefilter("ignore")
-    fmts = [*REFERENCE, "tf32"]
+    fmts = fmts or [*REFERENCE, "tf32"]
     # value: non-NaN bits or NaN-ness differ; nan_bits: both NaN, patterns differ;
     # codes: encode() differs from the reference's bit pattern; counts: Counts differ.
     bad = {f: {"value": 0, "nan_bits": 0, "codes": 0, "counts": 0} for f in fmts}
@@ -143,7 +169,6 @@ def sweep(chunk_bits: int = 24) -> str:
     for c in range(n_chunks):
         x = np.arange(c << chunk_bits, (c + 1) << chunk_bits, dtype=np.uint64).astype(
             np.uint32).view(np.float32)
-        x_nan = np.isnan(x)
         for fmt in fmts:
             got, counts = round_to(x, fmt)
             if fmt == "tf32":
@@ -158,9 +183,7 @@ def sweep(chunk_bits: int = 24) -> str:
             bad[fmt]["value"] += int(np.count_nonzero((g_nan != w_nan) | (~w_nan & (gb != wb))))
             if fmt != "tf32":  # the float64 reference does not model NaN payloads
                 bad[fmt]["nan_bits"] += int(np.count_nonzero(g_nan & w_nan & (gb != wb)))
-            overflow = ~x_nan & ((np.isinf(want) & ~np.isinf(x)) | w_nan)
-            underflow = ~x_nan & (x != 0) & (want == 0)
-            expected = (int(overflow.sum()), int(underflow.sum()), int(w_nan.sum()))
+            expected = expected_counts(x, want, REFERENCE.get(fmt))
             bad[fmt]["counts"] += (counts.overflow, counts.underflow, counts.nan) != expected
         elapsed = time.perf_counter() - t0
         total = sum(sum(v.values()) for v in bad.values())
@@ -187,9 +210,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per figure (median)")
     ap.add_argument("--sweep", action="store_true",
                     help="check all 2^32 float32 patterns instead of timing (many minutes)")
+    ap.add_argument("--formats", nargs="+", choices=[*REFERENCE, "tf32"],
+                    help="sweep only these formats (default: all)")
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args()
-    report = sweep() if args.sweep else speed(args.size, args.repeat)
+    report = sweep(fmts=args.formats) if args.sweep else speed(args.size, args.repeat)
     print(report)
     if args.out:
         with open(args.out, "w") as f:

@@ -166,7 +166,7 @@ def formats_markdown() -> str:
             cells = [f.exp_bits, f.man_bits, _num(f.max_finite), _num(f.min_normal),
                      _num(f.min_subnormal), _num(f.eps), _yes(f.has_inf), _yes(f.has_nan)]
         else:
-            span = f"{int(f.min_value)} .. {int(f.max_finite)}"
+            span = "{} .. {}".format(*f.int_range)
             cells = ["—", "—", span, "—", "—", "—", "no", "no"]
         row = [f"`{f.name}`", f.kind, f.bits, *cells, f"`{f.storage.name}`"]
         lines.append("| " + " | ".join(str(c) for c in row) + " |")

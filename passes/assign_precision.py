@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import networkx as nx
+import numpy as np
 from mplower.passes.range_analysis import hazard
 
 from mplower.dialect.mp import ACCUMULATING, COMPUTE_HEAVY, TYPE_CARRYING
@@ -25,13 +26,15 @@ from mplower.dialect.plan import Plan
 from mplower.io.atomic import module_folder, path_from
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS
+from mplower.ir.types import DenseAttr, float_fits
 from mplower.lowering.policy import (
     Decision,
     Policy,
     load_policy,
     result_format,
 )
-from mplower.numerics.formats import FLOATS, NARROW_FLOATS
+from mplower.lowering.scaling import SCALING
+from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 
@@ -62,6 +65,28 @@ def guarded(f: Function, n: int, decision: Decision) -> Decision:
     return Decision(safe, "f32" if op in ACCUMULATING else None, f"overflow-guard: {found[0]}")
 
 
+def fill_guarded(f: Function, n: int, decision: Decision) -> Decision:
+    """`decision`, or a format that holds the op's inline constants: a mask fill of float32's
+    lowest value (-3.4e38, what exporters write for torch.finfo(float32).min) would become
+    -inf in f16 and bf16. As autocast runs an op with an f32 operand in f32, the op keeps bf16
+    where bf16 holds the constant, else f32; the reason names the constant."""
+    compute = decision.compute
+    if compute not in NARROW_FLOATS:
+        return decision
+    amax = 0.0
+    for _, u, _r in f.operand_edges(n):
+        value = f.data(u)["attrs"].get("value") if f.op(u) == "mp.constant" else None
+        if isinstance(value, DenseAttr) and FORMATS[value.type.elem].is_float:
+            finite = value.array[np.isfinite(value.array)]
+            amax = max(amax, float(np.max(np.abs(finite))) if finite.size else 0.0)
+    if float_fits(amax, compute):
+        return decision
+    safe = "bf16" if (compute != "bf16" and "bf16" in OPS[f.op(n)].precisions
+                      and float_fits(amax, "bf16")) else "f32"
+    return Decision(safe, decision.accum and "f32",
+                    f"fill-overflow: constant {amax:.4g} overflows {compute}")
+
+
 def plan_function(f: Function, policy: Policy,
                   overflow_guard: bool = False) -> dict[int, Decision]:
     """The policy's decision for every op that takes one, in program order; `overflow_guard`
@@ -82,7 +107,10 @@ def plan_function(f: Function, policy: Policy,
         op = d["op"]
         if op == RETURN:
             continue
-        if op in TYPE_CARRYING or op not in OPS or not d["types"]:
+        if op in TYPE_CARRYING or op not in OPS or not d["types"] or not any(
+                t.elem in FLOATS for t in (*f.operand_types(n), *d["types"])):
+            # Conversions carry their type; index computations (token ids, positions, masks
+            # as integers or i1) have no float to lower.
             out_format[n] = d["types"][0].elem if d["types"] else "f32"
             continue
         # TVM's FOLLOW rule: lowered when every float input that is not a constant is.
@@ -96,6 +124,7 @@ def plan_function(f: Function, policy: Policy,
         if decision.compute not in OPS[op].precisions:
             decision = Decision("f32", decision.accum and "f32",
                                 f"{op} has no {decision.compute} form")
+        decision = fill_guarded(f, n, decision)
         if overflow_guard:
             decision = guarded(f, n, decision)
         plan[n] = decision
@@ -155,4 +184,9 @@ class AssignPrecision(Pass):
             else path_from(module_folder(module), Path(policy.source)))
         if not policy.keep_io_types:
             module.attrs["mp.keep_io_types"] = False
+        # insert-casts and legalize read the sheet's [scaling] from here (lowering.scaling).
+        if policy.scaling is not None:
+            module.attrs[SCALING] = policy.scaling.attr()
+        else:
+            module.attrs.pop(SCALING, None)
 

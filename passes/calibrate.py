@@ -49,14 +49,15 @@ def channel_axes(f: Function, constants: set[int]) -> dict[Value, int]:
     return out
 
 
-def split_batches(f: Function, arrays: dict[str, np.ndarray],
-                  loc: Location) -> list[list[np.ndarray]]:
-    """Per batch, the arrays of every argument in order (one batch or a stack of batches)."""
+def split_batches(f: Function, arrays: dict[str, np.ndarray], loc: Location,
+                  what: str = "calibration") -> list[list[np.ndarray]]:
+    """Per batch, the arrays of every argument in order (one batch or a stack of batches);
+    `what` names the data in messages (`mplower tune` reads evaluation data too)."""
     names = [f.data(a)["name"] for a in f.args]
     missing = [n for n in names if n not in arrays]
     if missing:
         have = ", ".join(sorted(arrays)) or "none"
-        raise DiagnosticError.at(loc, f"calibration data lacks argument(s) "
+        raise DiagnosticError.at(loc, f"{what} data lacks argument(s) "
                                       f"{', '.join(missing)} (it has: {have})")
     per_arg = []
     for a, name in zip(f.args, names):
@@ -68,11 +69,11 @@ def split_batches(f: Function, arrays: dict[str, np.ndarray],
             per_arg.append(list(arr))
         else:
             raise DiagnosticError.at(loc, (
-                f"calibration array '{name}' has shape {list(arr.shape)}; expected one batch "
+                f"{what} array '{name}' has shape {list(arr.shape)}; expected one batch "
                 f"{list(shape)} or a stack [N, {', '.join(map(str, shape))}]"))
     counts = {len(b) for b in per_arg}
     if len(counts) != 1:
-        raise DiagnosticError.at(loc, f"calibration arrays hold different numbers of batches: "
+        raise DiagnosticError.at(loc, f"{what} arrays hold different numbers of batches: "
                                       f"{dict(zip(names, (len(b) for b in per_arg)))}")
     return [list(batch) for batch in zip(*per_arg)]
 

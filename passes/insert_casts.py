@@ -4,7 +4,9 @@ Every op annotated with a float `mp.precision` gets its float operands in that f
 float results in the format it writes (mplower.lowering.policy.result_format: the compute format, or
 the accumulator for tf32/fp8 matmuls). Wherever a value crosses into a different format one
 `mp.cast` is inserted right after its producer and shared by every consumer that needs that
-format (TVM's cast cache), so there is exactly one cast per (value, format). Ops without an
+format (TVM's cast cache), so there is exactly one cast per (value, format). When the module's
+policy sheet has a `[scaling]` table, the casts into a GEMM's fp8/fp4 operands then become
+scaled quantization (mplower.passes.scale_recipes). Ops without an
 annotation keep the operand types they had. With the module's `keep_io_types` (the default;
 `mp.keep_io_types = false` comes from a sheet that says otherwise) the function signature is
 untouched and returned values are cast back; otherwise arguments used only in one narrower
@@ -17,13 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from mplower.passes.scale_recipes import apply_scaling
+
 from mplower.dialect.mp import TYPE_CARRYING
 from mplower.dialect.plan import ACCUM, PRECISION
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
 from mplower.ir.opdef import OpError, attr_type
 from mplower.ir.types import TypeAttr
-from mplower.lowering.policy import result_format
+from mplower.lowering.policy import module_scaling, result_format
 from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.pass_manager import Pass, PassContext, PassManager, register_pass
 
@@ -182,9 +186,15 @@ class InsertCasts(Pass):
         "casts-inserted": "mp.cast ops created",
         "results-narrowed": "op results given a narrower type",
         "arguments-narrowed": "function arguments given a narrower type (keep_io_types off)",
+        "casts-scaled": "casts scaled by the policy sheet's [scaling] (see scale-recipes)",
+        "casts-kept": "narrow-float casts the sheet's [scaling] left plain",
+        "biases-kept-wide": "conv biases the sheet's [scaling] moved into an f32 add",
     }
 
     def run(self, module: Module, ctx: PassContext) -> None:
         keep = module.attrs.get("mp.keep_io_types", True) is not False
+        scaling = module_scaling(module)
         for f in module.functions.values():
             insert_casts(f, ctx, keep)
+            if scaling is not None:  # the sheet's [scaling]: scaled GEMM operands
+                apply_scaling(f, ctx, scaling)

@@ -2,7 +2,8 @@
 
 Each annotated op's (compute, accumulator, kernel) goes through the target's fallback chains
 (mplower.lowering.target.Target.legalize: fp8 -> bf16 -> f32, i8 -> bf16 -> f32, f16 accumulation ->
-f32, sparse -> dense). A fallback rewrites `mp.precision`/`mp.accum`/`mp.kernel`, keeps what
+f32, sparse -> dense; a GEMM whose sheet gives it MX or NVFP4 block scales the target cannot
+apply -> bf16 with `no-mx-kernel`, fp4 without fp4 kernels -> bf16 with `no-fp4-kernel`). A fallback rewrites `mp.precision`/`mp.accum`/`mp.kernel`, keeps what
 was asked in `mp.requested` (a dictionary attribute, mplower.dialect.plan.Requested) and appends
 the reason code to `mp.reason`; `strict=true` makes it an error instead, as TensorRT's "obey"
 precision constraints do.
@@ -14,10 +15,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.dialect.mp import CONTRACTIONS
 from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
 from mplower.ir.opdef import OPS
+from mplower.lowering.policy import module_scaling
 from mplower.lowering.target import load_target
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
@@ -44,6 +47,11 @@ class Legalize(Pass):
 
     def run(self, module: Module, ctx: PassContext) -> None:
         target = load_target(self.target, known_ops=OPS)
+        # Block scales the sheet's [scaling] gives GEMM operands (MX, NVFP4) need kernels that
+        # apply them; f32 scales run anywhere.
+        scaling = module_scaling(module)
+        block_scales = scaling.scale_format if scaling is not None and \
+            scaling.scale_format != "f32" else None
         errors = []
         checked = 0
         for f in module.functions.values():
@@ -57,7 +65,8 @@ class Legalize(Pass):
                 ctx.stat("ops-checked")
                 checked += 1
                 try:
-                    legal = target.legalize(op, compute, accum, kernel)
+                    legal = target.legalize(op, compute, accum, kernel,
+                                            block_scales if op in CONTRACTIONS else None)
                 except ValueError as e:
                     errors.append(Diagnostic(f.data(n)["loc"], f"'{op}': {e}"))
                     continue

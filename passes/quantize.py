@@ -28,6 +28,10 @@ are laid out on one axis: W (K, N) -> reshape (K/g, g, N) -> transpose (g, K/g, 
 (g, K/g * N), quantized along axis 1, and the same steps back. Conv weights are per output
 channel.
 
+After quantization-aware training (prepare-qat, mplower train) an operand produced by an
+integer `mp.fake_quant` keeps that op's scale and zero point (the grid the network was trained
+on) and the fake_quant goes away; the other operands are quantized from calibration as above.
+
 Which ops: where the module carries a precision plan (assign-precision), exactly the matmuls
 and convs the plan puts in i8 (w8a8) or in any format narrower than f32 (weight-only); without
 a plan, every matmul and conv that has a weight or a calibrated activation. Weights are read
@@ -46,6 +50,7 @@ from mplower.dialect.mp import QUANTIZABLE
 from mplower.dialect.plan import PRECISION, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Function, Module, Value
+from mplower.ir.opdef import OPS, attr_type, check_attrs
 from mplower.ir.types import TensorType, tensor
 from mplower.lowering.calibration import (
     CALIB,
@@ -119,6 +124,38 @@ def weight_qparams(w: np.ndarray, axis: int | None, qmax: int, elem: str) -> QPa
     others = tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w.astype(np.float64)).max(axis=others, initial=0.0)
     return QParams(elem, _safe(amax / qmax), axis=axis)
+
+
+def weight_axis(op: str, operand: int, rank: int, per_channel: bool) -> int | None:
+    """The per-channel axis of a weight operand: a conv's output channels (OIHW axis 0), a
+    matmul's output columns (`x @ W`: W's last axis; `W @ x`: W's rows); None per tensor."""
+    if not per_channel or rank < 2:
+        return None
+    return 0 if op == "mp.conv2d" else (rank - 1 if operand == 1 else rank - 2)
+
+
+FAKE_QUANTS = ("mp.fake_quant", "mp.fake_quant_lsq")
+
+
+def qat_params(f: Function, v: Value, consts: ConstantValues) -> tuple[Value, QParams] | None:
+    """For a value that an integer mp.fake_quant (or mp.fake_quant_lsq, whose scale operand is
+    a constant) produced (prepare-qat, then training): the value it fake-quantizes and its
+    parameters, which `quantize` keeps (the grid the network was trained on); None for any
+    other value."""
+    d = f.data(v[0])
+    if d["op"] not in FAKE_QUANTS:
+        return None
+    a = check_attrs(OPS[d["op"]], d["attrs"])
+    elem = attr_type(a["dtype"])
+    operands = f.operands(v[0])
+    if not FORMATS[elem].is_int or (len(operands) > 1 and operands[1] not in consts):
+        return None
+    # fake_quant_lsq quantizes with |scale| (mplower.dialect.mp._lsq_attrs).
+    scale = np.asarray(a["scale"] if len(operands) == 1 else np.abs(consts.get(operands[1])),
+                       np.float32).reshape(-1)
+    axis = a["axis"] % f.type_of(v).rank if scale.size > 1 else None
+    return operands[0], QParams(elem, scale, int(np.asarray(a["zero_point"]).reshape(-1)[0]),
+                                         axis)
 
 
 def quantized_targets(f: Function, scheme: str) -> list[int]:
@@ -225,7 +262,7 @@ def _error(f: Function, n: int, message: str) -> Diagnostic:
 def missing_range(f: Function, n: int, consts: ConstantValues) -> Diagnostic | None:
     """A diagnostic for the first activation operand of `n` without a calibrated range."""
     for i, v in enumerate(f.operands(n)[:2]):
-        if v not in consts and range_of(f, v) is None:
+        if v not in consts and range_of(f, v) is None and qat_params(f, v, consts) is None:
             return _error(f, n, f"operand #{i} {f.value_name(v)} has no calibrated range "
                                 f"(mp.range); run calibrate{{data=...}} first")
     return None
@@ -244,18 +281,17 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
     shift: float | None = None
     shift_value: Value | None = None
     for i, v in enumerate(ins[:2]):
-        rank = f.type_of(v).rank
+        trained = qat_params(f, v, rw.consts)
+        if trained is not None:  # keep the grid of quantization-aware training
+            v, fixed = trained
+            sources[i] = v
+            rw.ctx.stat("qat-grids-kept")
         if is_weight[i]:
-            axis = None
-            if per_channel:
-                axis = 0 if op == "mp.conv2d" else (rank - 1 if i == 1 else rank - 2)
-                if rank < 2:
-                    axis = None
-            params.append(weight_qparams(rw.consts.get(v), axis, 127, "i8"))
+            params.append(fixed if trained is not None else weight_qparams(
+                rw.consts.get(v), weight_axis(op, i, f.type_of(v).rank, per_channel), 127, "i8"))
             rw.ctx.stat("weights-quantized")
             continue
-        lo, hi = range_of(f, v)
-        qp = activation_qparams(lo, hi, symmetric)
+        qp = fixed if trained is not None else activation_qparams(*range_of(f, v), symmetric)
         # A zero point: shift instead where the correction is a constant (x @ W, not conv,
         # whose zero padding would see the shift).
         if qp.zero_point and op == "mp.matmul" and i == 0 and is_weight[1]:
@@ -282,6 +318,7 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
             reason="quantize w8a8: QDQ form (an activation zero point is not 0; "
                    "the integer kernel takes none)").write(f, n)
         rw.ctx.stat("ops-qdq")
+        _erase_unused_fake_quants(f, ins[:2])
         return
     # The quantized kernel: integer operands, i32 result, one dequantize with the product scale
     # (at most one operand, the weight, has one scale per output channel).
@@ -325,6 +362,19 @@ def quantize_w8a8(rw: _Rewriter, n: int, per_channel: bool, symmetric: bool) -> 
     plan._replace(precision="i8", accum="i32",
                   reason="quantize w8a8" if plan.reason is None else plan.reason).write(f, kernel)
     rw.ctx.stat("ops-quantized")
+    _erase_unused_fake_quants(f, ins[:2])
+
+
+def _erase_unused_fake_quants(f: Function, values: list[Value]) -> None:
+    """The fake_quant ops whose grid the quantized op took over, once nothing else uses them
+    (and an LSQ scale constant with them)."""
+    for v in values:
+        if f.op(v[0]) in FAKE_QUANTS and not f.has_uses(v[0]):
+            scales = [u for u, _ in f.operands(v[0])[1:]]
+            f.erase(v[0])
+            for u in scales:
+                if f.op(u) == "mp.constant" and not f.has_uses(u):
+                    f.erase(u)
 
 
 def quantize_weight_only(rw: _Rewriter, n: int, elem: str, per_channel: bool,
@@ -406,6 +456,7 @@ class Quantize(Pass):
         "dequantize-ops": "mp.dequantize ops inserted",
         "groups-not-dividing": "weight-only ops quantized per channel: group does not divide K",
         "skipped-no-weight": "weight-only: matmul/conv without a constant weight operand",
+        "qat-grids-kept": "operands quantized on the grid of their mp.fake_quant (prepare-qat)",
     }
     examples: ClassVar[tuple[str, ...]] = (
         "ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz}' --pass=quantize",

@@ -8,12 +8,13 @@ propagated from its operands':
 
 * exact (the image of the operand box): relu, neg, exp, log, sqrt, rsqrt, sigmoid, tanh, gelu,
   maximum, minimum, casts, quantize round trips, data movement (reshape, transpose, flatten,
-  concat; slice and max_pool give a subset), reduce_max, and matmul/conv against known
+  concat, expand, where's two branches, trilu with its zeros; slice, gather and max_pool give a
+  subset), reduce_max, and matmul/conv against known
   weights, bounded per output channel as sum_k max(lo w_k, hi w_k) (the exact extremes over
   a box of inputs; conv padding counts as a zero input);
 * conservative (interval arithmetic, exact only for independent operands): add, sub, mul,
   div (unbounded if the divisor's interval holds 0), matmul of two activations, reduce_sum
-  (n [lo, hi]), reduce_mean and the pools ([lo, hi]), softmax ((0, 1], with tiny =
+  (n [lo, hi]), cumsum (1 to n times [lo, hi]), reduce_mean and the pools ([lo, hi]), softmax ((0, 1], with tiny =
   exp(lo - hi) / n), layer_norm and rms_norm (|z| <= sqrt(n - 1) resp. sqrt(n), times gamma,
   plus beta);
 * anything else is unbounded, which flags nothing.
@@ -127,7 +128,8 @@ _UNARY: dict[str, Callable[[Interval], Interval]] = {
 # Ops whose result holds operand values only (or a subset of them).
 _PASS_THROUGH = frozenset({"mp.reshape", "mp.transpose", "mp.flatten", "mp.slice",
                            "mp.reduce_max", "mp.cast", "mp.dequantize", "mp.fake_quant",
-                           "mp.sparse_encode", "mp.max_pool2d"})
+                           "mp.sparse_encode", "mp.max_pool2d", "mp.gather",
+                           "mp.gather_elements", "mp.gather_nd", "mp.expand"})
 _AVERAGING = frozenset({"mp.reduce_mean", "mp.avg_pool2d", "mp.global_avg_pool"})
 
 
@@ -164,6 +166,13 @@ def propagate(op: str, ins: list[Interval], attrs: dict, in_types: list[TensorTy
         return ins[0]
     if op == "mp.concat":
         return _union(ins)
+    if op == "mp.where":  # either branch, whatever the mask
+        return _union(ins[1:])
+    if op == "mp.trilu":  # the operand's values and the zeros it writes
+        return Interval(min(ins[0].lo, 0.0), max(ins[0].hi, 0.0), ins[0].tiny)
+    if op == "mp.cumsum":  # a partial sum of 1 to n elements
+        n = in_types[0].shape[attrs["axis"]]
+        return _from(min(ins[0].lo, n * ins[0].lo), max(ins[0].hi, n * ins[0].hi))
     if op == "mp.gelu":
         lo, hi = ins[0].lo, ins[0].hi
         vals = [_gelu(lo), _gelu(hi)] + ([_GELU_MIN] if lo < _GELU_MIN_AT < hi else [])

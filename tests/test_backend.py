@@ -484,3 +484,19 @@ def test_a_sample_gives_the_same_bits_alone_and_anywhere_in_a_batch(name, batch,
     reordered = batched(name, batch, 6, policy).run([x[::-1]])
     assert bits(reordered.outputs[0]) == bits(whole.outputs[0][::-1])
     assert bits(reordered.reference[0]) == bits(whole.reference[0][::-1])
+
+
+def test_scalar_constants_and_rounded_scalars_keep_rank_zero():
+    # np.ascontiguousarray turns a 0-d array into a 1-d one; a loss is a scalar.
+    from mplower.backend.executor import Program
+    from mplower.ir.parser import parse
+
+    module = parse("""func.func @main(%x: tensor<f32>) -> (tensor<f32>, tensor<bf16>) {
+  %c = mp.constant {value = dense<0.5> : tensor<f32>} : () -> tensor<f32>
+  %y = mp.mul %x, %c : (tensor<f32>, tensor<f32>) -> tensor<f32>
+  %b = mp.cast %y : (tensor<f32>) -> tensor<bf16>
+  return %y, %b : tensor<f32>, tensor<bf16>
+}
+""")
+    y, b = Program(module).run([np.float32(3.0)], reference=False).outputs
+    assert (y.shape, b.shape, float(y), float(b)) == ((), (), 1.5, 1.5)

@@ -223,3 +223,97 @@ def test_builtin_gpu_sheets_declare_fusions_tiles_and_sm_counts():
         t = load_target(name)
         assert (t.tile_m, t.tile_n, t.sm_count) == (128, 128, sms)
         assert t.fuse == {"cast", "qdq", "elementwise", "epilogue"}
+
+
+# -- kernel classes and qdq-propagation --------------------------------------------------------
+CLASS_SHEET = """
+[target]
+bandwidth = 1e12
+overhead_s = 1e-6
+fuse = [{fuse}]
+
+[formats.f32]
+dense = 1e12
+
+[formats.i8]
+dense = 4e12
+
+[[kernels]]
+ops = ["mp.conv2d"]
+dense = ["f32", "i8"]
+
+[default]
+dense = ["f32"]
+{rates}
+"""
+DEPTHWISE = """
+func.func @main(%x: tensor<1x8x16x16xi8>) -> tensor<1x8x16x16xi32> {
+  %w = mp.constant {value = dense<1> : tensor<8x1x3x3xi8>} : () -> tensor<8x1x3x3xi8>
+  %y = mp.conv2d %x, %w {padding = [1, 1, 1, 1], groups = 8, mp.precision = i8, mp.accum = i32} : (tensor<1x8x16x16xi8>, tensor<8x1x3x3xi8>) -> tensor<1x8x16x16xi32>
+  return %y : tensor<1x8x16x16xi32>
+}"""
+DW_FLOPS = 2 * 8 * 16 * 16 * 9  # 2 * N * Cout * H * W * (Cin / groups) * KH * KW
+
+
+def _class_target(tmp_path, rates: str = "", fuse: str = ""):
+    path = tmp_path / "t.toml"
+    path.write_text(CLASS_SHEET.format(rates=rates, fuse=fuse).lstrip("\n"))
+    return load_target(str(path))
+
+
+def test_a_depthwise_conv_runs_at_its_kernel_class_rate_not_the_gemm_peak(tmp_path):
+    f = parse(DEPTHWISE).function()
+    (peak,) = fused_groups(f, _class_target(tmp_path))
+    slow = _class_target(tmp_path, "[rates.conv_depthwise]\ni8 = 1e6\nf32 = 2e6")
+    (group,) = fused_groups(f, slow)
+    # Priced at the class rate: compute-bound at 4608 OP / 1e6 OP/s, plus the launch.
+    assert (group.flops, group.bound) == (DW_FLOPS, "compute")
+    assert group.time_s == pytest.approx(DW_FLOPS / 1e6 + 1e-6, rel=1e-12)
+    assert peak.time_s < group.time_s  # the i8 GEMM peak would make it launch-bound
+    # The fp32 baseline's depthwise conv runs at the f32 class rate.
+    assert plan_cost(f, slow).fp32_time_s == pytest.approx(DW_FLOPS / 2e6 + 1e-6, rel=1e-12)
+    assert plan_cost(f, slow).speedup_vs_fp32 == pytest.approx(
+        (DW_FLOPS / 2e6 + 1e-6) / (DW_FLOPS / 1e6 + 1e-6), rel=1e-12)
+
+
+POOL_THEN_QUANTIZE = """
+func.func @main(%x: tensor<1x4x9x9xf32>) -> tensor<1x4x4x4xui8> {
+  %r = mp.relu %x : (tensor<1x4x9x9xf32>) -> tensor<1x4x9x9xf32>
+  %p = mp.max_pool2d %r {kernel = [3, 3], strides = [2, 2], padding = [0, 0, 0, 0]} : (tensor<1x4x9x9xf32>) -> tensor<1x4x4x4xf32>
+  %q = mp.quantize %p {scale = 0.5 : f32, zero_point = 0 : i32} : (tensor<1x4x4x4xf32>) -> tensor<1x4x4x4xui8>
+  return %q : tensor<1x4x4x4xui8>
+}"""
+POOL_FLOPS = 4 * 4 * 4 * 9  # one compare per window element
+
+
+def test_qdq_propagation_moves_the_quantize_above_a_max_pool_which_runs_in_i8(tmp_path):
+    from mplower.ir.printer import print_module
+
+    module = parse(POOL_THEN_QUANTIZE)
+    before = print_module(module)
+    rates = "[rates.max_pool]\ni8 = 1e6"
+    plain = {g.op: g for g in fused_groups(module.function(), _class_target(tmp_path, rates))}
+    moved = {g.op: g for g in fused_groups(module.function(), _class_target(
+        tmp_path, rates, '"qdq-propagation"'))}
+    # Without the rule the pool computes in f32 at f32's peak; with it, in i8 at the class rate,
+    # reading the quantize's u8 output (324 bytes) and writing u8 (64 bytes).
+    assert plain["mp.max_pool2d"].compute == "f32"
+    assert plain["mp.quantize"].members == ("%q",)
+    pool = moved["mp.max_pool2d"]
+    assert (pool.compute, pool.flops, pool.bytes_read, pool.bytes_written) == (
+        "i8", POOL_FLOPS, 4 * 9 * 9, 4 * 4 * 4)
+    assert pool.time_s == pytest.approx(POOL_FLOPS / 1e6 + 1e-6, rel=1e-12)
+    # The quantize now reads the relu's f32 output and keeps its name in the report.
+    assert (moved["mp.quantize"].members, moved["mp.quantize"].bytes_read) == (
+        ("%q",), 4 * 4 * 9 * 9)
+    assert print_module(module) == before  # pricing never changes the function
+
+
+def test_qdq_propagation_leaves_a_pool_whose_operand_has_another_use(tmp_path):
+    module = parse(POOL_THEN_QUANTIZE.replace(
+        "-> tensor<1x4x4x4xui8> {", "-> (tensor<1x4x4x4xui8>, tensor<1x4x9x9xf32>) {").replace(
+        "return %q : tensor<1x4x4x4xui8>",
+        "return %q, %r : tensor<1x4x4x4xui8>, tensor<1x4x9x9xf32>"))
+    groups = fused_groups(module.function(), _class_target(
+        tmp_path, "[rates.max_pool]\ni8 = 1e6", '"qdq-propagation"'))
+    assert [g.compute for g in groups if g.op == "mp.max_pool2d"] == ["f32"]

@@ -13,12 +13,21 @@ FLOAT_REFERENCES = {
     "bf16": ml_dtypes.bfloat16,
     "f8E4M3FN": ml_dtypes.float8_e4m3fn,
     "f8E5M2": ml_dtypes.float8_e5m2,
+    "f6E2M3FN": ml_dtypes.float6_e2m3fn,
+    "f6E3M2FN": ml_dtypes.float6_e3m2fn,
+    "f4E2M1FN": ml_dtypes.float4_e2m1fn,
+    "f8E8M0FNU": ml_dtypes.float8_e8m0fnu,
 }
 INT_REFERENCES = {
     "i32": np.int32,
     "i8": np.int8,
     "ui8": np.uint8,
     "i4": ml_dtypes.int4,
+    "i64": np.int64,
+    "i16": np.int16,
+    "ui16": np.uint16,
+    "ui32": np.uint32,
+    "ui64": np.uint64,
 }
 
 
@@ -68,6 +77,7 @@ def test_int_format_matches_iinfo(name):
     info = ml_dtypes.iinfo(INT_REFERENCES[name])
     assert f.bits == info.bits
     assert (f.min_value, f.max_finite) == (float(info.min), float(info.max))
+    assert f.int_range == (int(info.min), int(info.max))  # exact where the floats round
     assert np.iinfo(f.storage).min <= info.min and info.max <= np.iinfo(f.storage).max
 
 

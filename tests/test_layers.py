@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = ("numerics", "ir", "dialect", "io", "lowering", "passes", "backend", "report", "onnx",
-          "cli")
+          "tune", "train", "cli")
 # Modules that are not in a folder of their own name: their layer.
 MODULE_LAYER = {"mplower.pass_manager": "passes", "mplower.docgen": "cli",
                 "mplower.__main__": "cli"}

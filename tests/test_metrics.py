@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mplower.lowering.policy import GUARDRAILS
-from mplower.numerics.metrics import channel_sqnr_db, drift, sqnr_db
+from mplower.numerics.metrics import allclose_ratio, channel_sqnr_db, drift, sqnr_db
 from mplower.report.run import SCHEMA_PATH, evaluate_guardrails
 from mplower.report.table import table
 
@@ -79,19 +79,66 @@ def test_drift_matches_numpy_on_finite_values():
     assert d.nonfinite_mismatch == 0
 
 
+SUMMARY = {"output_rel_l2": 0.5, "sqnr_db": 12.0, "overflow": 3, "overflow_rate": 0.25,
+           "top1_agreement": 0.75, "allclose_ratio": 0.125}
+
+
 def test_every_guardrail_limits_the_summary_figure_it_names():
-    summary = {"output_rel_l2": 0.5, "sqnr_db": 12.0, "overflow": 3, "overflow_rate": 0.25,
-               "top1_agreement": 0.75}
     limits = dict.fromkeys(GUARDRAILS, 1.0)
-    got = {k: g["value"] for k, g in evaluate_guardrails(limits, summary).items()}
+    got = {k: g["value"] for k, g in evaluate_guardrails(limits, SUMMARY).items()}
+    # rtol and atol are one check, reported as max_allclose_ratio
     assert got == {"max_rel_l2": 0.5, "min_sqnr_db": 12.0, "max_overflow": 3,
-                   "max_overflow_rate": 0.25, "min_top1_agreement": 0.75}
+                   "max_overflow_rate": 0.25, "min_top1_agreement": 0.75,
+                   "max_allclose_ratio": 0.125}
 
 
-def test_report_schema_allows_exactly_the_guardrail_keys():
+def test_report_schema_allows_exactly_the_reported_guardrail_keys():
     schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
     guardrails = schema["properties"]["summary"]["properties"]["guardrails"]
-    assert tuple(guardrails["propertyNames"]["enum"]) == GUARDRAILS
+    reported = evaluate_guardrails(dict.fromkeys(GUARDRAILS, 1.0), SUMMARY)
+    assert tuple(guardrails["propertyNames"]["enum"]) == tuple(reported)
+
+
+@pytest.mark.parametrize("limits,entry", [
+    ({"rtol": 0.01, "atol": 0.001},
+     {"limit": 1.0, "value": 0.125, "ok": True, "rtol": 0.01, "atol": 0.001}),
+    ({"rtol": 0.01}, {"limit": 1.0, "value": 0.125, "ok": True, "rtol": 0.01, "atol": 0.0}),
+    ({"atol": 0.5}, {"limit": 1.0, "value": 0.125, "ok": True, "rtol": 0.0, "atol": 0.5}),
+])
+def test_rtol_and_atol_are_one_allclose_guardrail_the_missing_one_zero(limits, entry):
+    assert evaluate_guardrails(limits, SUMMARY) == {"max_allclose_ratio": entry}
+    failing = evaluate_guardrails(limits, {**SUMMARY, "allclose_ratio": 1.5})
+    assert failing["max_allclose_ratio"]["ok"] is False
+
+
+@pytest.mark.parametrize("rtol,atol", [(0.01, 0.001), (1e-3, 0.0), (0.0, 1e-4), (0.05, 1e-6)])
+def test_allclose_ratio_is_the_scale_at_which_numpy_allclose_starts_to_hold(rtol, atol):
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((7, 9)) * np.logspace(-3, 2, 9)
+    y = ref * (1 + rng.standard_normal(ref.shape) * 1e-3) + rng.standard_normal(ref.shape) * 1e-5
+    v = allclose_ratio(y, ref, rtol, atol)
+    want = np.max(np.abs(y - ref) / (atol + rtol * np.abs(ref)))  # written out, float64
+    assert v == want
+    assert np.allclose(y, ref, rtol * v * (1 + 1e-9), atol * v * (1 + 1e-9))
+    assert not np.allclose(y, ref, rtol * v * (1 - 1e-9), atol * v * (1 - 1e-9))
+    assert (v <= 1) == np.allclose(y, ref, rtol, atol)
+
+
+@pytest.mark.parametrize("y,ref,rtol,atol,want", [
+    ([np.inf, -np.inf, 1.0], [np.inf, -np.inf, 1.0], 0.01, 0.0, 0.0),  # same infinities: exact
+    ([np.inf], [-np.inf], 0.01, 0.001, math.inf),
+    ([np.inf], [1.0], 0.01, 0.001, math.inf),
+    ([1.0], [np.inf], 0.01, 0.001, math.inf),
+    ([np.nan], [np.nan], 0.01, 0.001, math.inf),  # numpy.allclose: NaN is never close
+    ([0.0, 2.0], [0.0, 2.0], 0.0, 0.0, 0.0),  # zero tolerance: exact passes
+    ([1e-30], [0.0], 0.01, 0.0, math.inf),  # zero tolerance at ref 0: any difference fails
+    (np.float32(1.5), np.float32(1.0), 0.25, 0.25, 1.0),  # 0-d arrays, exactly at the limit
+])
+def test_allclose_ratio_of_special_values_agrees_with_numpy_allclose(y, ref, rtol, atol, want):
+    v = allclose_ratio(np.asarray(y), np.asarray(ref), rtol, atol)
+    assert v == want
+    assert (v <= 1) == bool(np.allclose(np.asarray(y, np.float64), np.asarray(ref, np.float64),
+                                        rtol, atol))
 
 
 def test_table_aligns_text_and_escapes_markdown_cells():

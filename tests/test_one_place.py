@@ -90,17 +90,26 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
     assert mp.QUANTIZABLE == {"mp.matmul", "mp.conv2d"}
     assert mp.WEIGHTED == ("mp.matmul", "mp.conv2d")
     assert {OPS[n].weight_operand for n in mp.WEIGHTED} == {mp.WEIGHT_OPERAND} == {1}
-    assert mp.ACCUMULATING == {"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean"}
+    assert mp.ACCUMULATING == {"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean",
+                               "mp.cumsum", "mp.scatter_elements_add", "mp.scatter_nd_add"}
+    # Comparisons and predicates carry their i1 result: the precision passes never lower them.
     assert mp.TYPE_CARRYING == {"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize",
-                                "mp.fake_quant", "mp.sparse_encode"}
-    assert mp.CONVERSIONS == {"mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant"}
+                                "mp.fake_quant", "mp.scaled_quant", "mp.sparse_encode", "mp.equal",
+                                "mp.less", "mp.less_equal", "mp.greater", "mp.greater_equal",
+                                "mp.isnan", "mp.isinf"}
+    assert mp.CONVERSIONS == {"mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant",
+                              "mp.scaled_quant"}
     assert mp.DATA_MOVEMENT == {"mp.reshape", "mp.transpose", "mp.concat", "mp.slice",
-                                "mp.flatten", "mp.sparse_encode"}
+                                "mp.flatten", "mp.sparse_encode", "mp.gather",
+                                "mp.gather_elements", "mp.gather_nd", "mp.expand", "mp.trilu"}
     # max_pool2d picks operand values too, but a window of padding alone yields -inf, which
     # f8E4M3FN cannot hold: its results are rounded, so it is not value-preserving.
     assert mp.VALUE_PRESERVING == {"mp.reshape", "mp.transpose", "mp.slice", "mp.concat",
                                    "mp.flatten", "mp.maximum", "mp.minimum", "mp.relu",
-                                   "mp.neg", "mp.reduce_max"}
+                                   "mp.neg", "mp.reduce_max", "mp.gather",
+                                   "mp.gather_elements", "mp.gather_nd", "mp.expand",
+                                   "mp.trilu", "mp.where",
+                                   "mp.relu_grad", "mp.fake_quant_grad"}
     assert "mp.max_pool2d" not in mp.VALUE_PRESERVING
     assert ops_with(Trait.PURE) == set(OPS)
 
@@ -112,12 +121,13 @@ def test_format_lists_derive_from_the_formats_table() -> None:
 
     assert formats.QUANT_INTS == ("i8", "ui8", "i4")
     assert formats.QUANT_STORAGE == ("i8", "ui8", "i4", "i32")
-    assert QUANT_FORMATS == ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2")
-    assert DEQUANT_FORMATS == ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2")
+    assert QUANT_FORMATS == ("i8", "ui8", "i4", "f8E4M3FN", "f8E5M2", "f4E2M1FN")
+    assert DEQUANT_FORMATS == ("i8", "ui8", "i4", "i32", "f8E4M3FN", "f8E5M2", "f4E2M1FN")
     assert COMPUTE_FORMATS is formats.COMPUTE_FORMATS
     assert OPS["mp.matmul"].precisions == set(formats.COMPUTE_FORMATS)
     assert exporter.NARROW_FLOATS is formats.NARROW_FLOATS
-    assert formats.NARROW_FLOATS == {"tf32", "f16", "bf16", "f8E4M3FN", "f8E5M2"}
+    assert formats.NARROW_FLOATS == {"tf32", "f16", "bf16", "f8E4M3FN", "f8E5M2", "f6E2M3FN",
+                                     "f6E3M2FN", "f4E2M1FN", "f8E8M0FNU"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -4,7 +4,7 @@ The node tests are regenerated offline from the installed onnx package
 (`onnx.backend.test.case.node.collect_testcases()` written out by
 `onnx.backend.test.cmd_tools.generate_data`) into a cache folder, once per onnx version, and
 read back from disk as any runtime's test runner reads them. Every test whose op types the
-importer claims and whose tensor types the IR has (INT64 included: the importer folds it) runs
+importer claims and whose tensor types the IR has runs
 through `mplower.onnx.backend` in fp32 and is compared with ONNX's own `assert_similar_outputs`
 at the test's tolerances. The nine `light_*` models shipped in the onnx wheel run through
 `onnx.backend.test.BackendTest`, exactly as for other runtimes (inputs from its dummy-data
@@ -47,18 +47,21 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "conformance.md"
 BEGIN, END = "<!-- BEGIN GENERATED: conformance -->", "<!-- END GENERATED: conformance -->"
 LIGHT_MODELS = ("bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50",
                 "shufflenet", "squeezenet", "vgg19", "zfnet512")
-# Tensor types a claimed test may use: the IR's element types, and INT64 (shapes, axes and
-# indices), which the importer folds into constants or produces from ArgMax.
-CLAIMED_TYPES = frozenset(ELEM_OF_ONNX) | {TensorProto.INT64}
+# Tensor types a claimed test may use: the IR's element types (INT64 and the other index
+# types included since issue 16).
+CLAIMED_TYPES = frozenset(ELEM_OF_ONNX)
 MIN_PASS_RATE = 0.95
 # Why each known failure fails, for docs/conformance.md (the run supplies the symptom).
 EXPLANATIONS = {
     "INT4": "mp.cast saturates out-of-range integers (-9 -> -8); ONNX's test data wraps them "
             "modulo 16 (-9 -> 7)",
-    "int64": "runtime INT64 data: the IR's widest integer type is i32",
+    "quantizelinear_int16": "mp.quantize/mp.dequantize take 8-bit, 4-bit and i32 codes; i16 "
+                            "is an index type of the IR",
+    "quantizelinear_uint16": "mp.quantize/mp.dequantize take 8-bit, 4-bit and i32 codes; ui16 "
+                             "is an index type of the IR",
     "with_argmax": "MaxPool's second output (Indices) has no mp op",
-    "quantizelinear_blocked": "blocked QuantizeLinear: mp.quantize takes per-tensor or "
-                              "per-axis scales only",
+    "quantizelinear_blocked_symmetric": "its codes are INT16, an index type of the IR; "
+                                        "mp.quantize takes 8-bit, 4-bit and i32 codes",
     "training_dropout": "training-mode Dropout draws a random mask; mplower imports inference "
                         "graphs",
 }
@@ -242,6 +245,7 @@ def render(outcomes: list[Outcome], light: dict[str, tuple[bool, str]]) -> str:
         if o.status == "fail":
             why = next((w for k, w in EXPLANATIONS.items() if k in o.name), "")
             out.append(f"| `{o.name}` | {_cell(o.cause)} | {why} |")
+    out += ["", *_operator_table(outcomes)]
     npass = sum(ok for ok, _ in light.values())
     light_summary = (f"Light models (onnx.backend.test.BackendTest, fp32): **{npass} of "
                      f"{len(light)} match** their expected outputs within ONNX's tolerances.")
@@ -251,6 +255,27 @@ def render(outcomes: list[Outcome], light: dict[str, tuple[bool, str]]) -> str:
         out.append(f"| {name} | {'pass' if ok else 'fail: ' + _cell(cause)} |")
     out += ["", END]
     return "\n".join(out)
+
+
+def _operator_table(outcomes: list[Outcome]) -> list[str]:
+    """The ai.onnx operators of the installed onnx against the importer's rules, each imported
+    one with the pass count of the claimed node tests that use it (alone or expanded)."""
+    ops = sorted({s.name for s in onnx.defs.get_all_schemas() if s.domain in ("", "ai.onnx")
+                  and not s.deprecated})
+    tests: dict[str, Counter] = defaultdict(Counter)
+    for o in outcomes:
+        if o.status != "unclaimed":
+            for op in o.group.removeprefix("expanded: ").split("+"):
+                tests[op][o.status] += 1
+    imported = [op for op in ops if op in HANDLERS]
+    head = (f"ONNX operators (ai.onnx, onnx {onnx.__version__}): **{len(imported)} of "
+            f"{len(ops)} imported**; node tests that use each (alone or in an expanded graph), "
+            f"passed of claimed:")
+    out = [head, ""]
+    out.append(", ".join(f"{op} {tests[op]['pass']}/{tests[op]['pass'] + tests[op]['fail']}"
+                         for op in imported))
+    out += ["", "Not imported: " + ", ".join(op for op in ops if op not in HANDLERS) + "."]
+    return out
 
 
 def _cell(text: str) -> str:

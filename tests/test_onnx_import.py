@@ -251,10 +251,27 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
 
 
 def test_opset_outside_the_supported_range_is_refused():
+    from mplower.onnx.importer import MAX_OPSET
+
     model = make_model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2])], [vi("y", [2])],
-                       opset=8)
-    with pytest.raises(DiagnosticError, match="opset 8; mplower imports opsets 9 to"):
-        import_model(model, "old.onnx")
+                       opset=MAX_OPSET + 1)
+    with pytest.raises(DiagnosticError, match=f"opset {MAX_OPSET + 1}; mplower imports "
+                                              f"opsets 1 to {MAX_OPSET}"):
+        import_model(model, "new.onnx")
+
+
+def test_softmax_at_opset_6_imports_and_legacy_axis_broadcasting_is_refused():
+    # Opsets before 9 used to be refused whole (issue 16: Softmax-6, And-7 node tests).
+    x = _rng.normal(size=(2, 3, 4)).astype(np.float32)
+    model = make_model([helper.make_node("Softmax", ["x"], ["y"], axis=1)], [vi("x", [2, 3, 4])],
+                       [vi("y", [2, 3, 4])], opset=6)
+    np.testing.assert_allclose(run_mplower(model, {"x": x})[0], run_ort(model, {"x": x})[0],
+                               rtol=1e-6)
+    legacy = make_model([helper.make_node("Add", ["x", "b"], ["y"], broadcast=1, axis=1)],
+                        [vi("x", [2, 3, 4]), vi("b", [3])], [vi("y", [2, 3, 4])], opset=6)
+    with pytest.raises(DiagnosticError, match=r"node 'y' \(Add\): legacy broadcasting along an "
+                                              r"axis \(opset < 7\)"):
+        import_model(legacy, "old.onnx")
 
 
 def test_a_reshape_target_from_a_graph_input_names_that_input():

@@ -34,6 +34,13 @@ ALL_OPS = [
     "rms_norm", "reduce_sum", "reduce_mean", "reduce_max", "argmax", "reshape", "transpose",
     "concat", "slice", "flatten", "max_pool2d", "avg_pool2d", "global_avg_pool", "cast",
     "quantize", "dequantize", "fake_quant", "sparse_encode", "erf", "log_softmax", "lrn",
+    "gather", "gather_elements", "gather_nd", "where", "equal", "less", "less_equal",
+    "greater", "greater_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
+    "isnan", "isinf", "expand", "trilu", "pow", "cumsum",
+    # the backward ops of the gradient rules (passes/grad.py)
+    "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad", "reduce_max_grad",
+    "fake_quant_lsq", "lsq_grad", "scatter_elements_add", "scatter_nd_add",
+    "scaled_quant",
 ]
 
 
@@ -75,7 +82,7 @@ def test_flags_and_precisions():
     assert OPS["mp.quantize"].elementwise and OPS["mp.fake_quant"].elementwise
     assert not OPS["mp.matmul"].elementwise and not OPS["mp.softmax"].elementwise
     assert OPS["mp.matmul"].precisions == {"f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2",
-                                           "i8"}
+                                           "f6E2M3FN", "f6E3M2FN", "f4E2M1FN", "i8"}
     assert OPS["mp.conv2d"].precisions == OPS["mp.matmul"].precisions
     assert OPS["mp.add"].precisions == {"f32", "bf16", "f16"}
     assert OPS["mp.softmax"].precisions == {"f32", "bf16", "f16"}
@@ -126,7 +133,7 @@ def test_check_attrs_is_idempotent():
     op = OPS["mp.quantize"]
     once = check_attrs(op, {"scale": dense([0.5, 0.25], "f32"), "zero_point": TypedInt(3, "i8")})
     twice = check_attrs(op, once)
-    assert set(once) == set(twice) == {"scale", "zero_point", "axis"}
+    assert set(once) == set(twice) == {"scale", "zero_point", "axis", "block_size"}
     np.testing.assert_array_equal(twice["scale"], [0.5, 0.25])
     assert twice["zero_point"].dtype == np.int64 and int(twice["zero_point"]) == 3
 
@@ -154,8 +161,8 @@ def test_check_attrs_is_idempotent():
                  "must be one of i8, ui8, i4, i32; got f16", id="type-choices"),
     pytest.param("reduce_sum", {"keepdims": 2}, "attribute 'keepdims' must be true or false, "
                  "got 2", id="bool-kind"),
-    pytest.param("quantize", {"scale": "0.1"}, "attribute 'scale' must be a number or 1-D "
-                 "dense elements", id="number-kind"),
+    pytest.param("quantize", {"scale": "0.1"}, "attribute 'scale' must be a number or dense "
+                 "elements", id="number-kind"),
     pytest.param("layer_norm", {"epsilon": -1.0}, "attribute 'epsilon' must be >= 0.0",
                  id="min-float"),
 ])
@@ -330,7 +337,8 @@ INVALID = [
     ("global-pool-rank", "global_avg_pool", ["2x3xf32"], {}, [],
      "operand #0 must have rank >= 3", 0),
     ("quantize-result", "quantize", ["4xf32"], {"scale": 0.1}, ["4xf32"],
-     "mp.quantize result element type must be one of i8, ui8, i4, i32, got f32", None),
+     ("mp.quantize result element type must be one of i8, ui8, i4, i32, f8E4M3FN, f8E5M2, "
+     "f4E2M1FN, got f32"), None),
     ("quantize-scale", "quantize", ["4xf32"], {"scale": -0.1}, ["4xi8"],
      "attribute 'scale' must be positive, got -0.1", None),
     ("quantize-zero-point", "quantize", ["4xf32"], {"scale": 0.1, "zero_point": 300}, ["4xi8"],
@@ -341,7 +349,8 @@ INVALID = [
     ("quantize-int-input", "quantize", ["4xi8"], {"scale": 0.1}, ["4xi8"],
      "operand #0 must have a float element type", 0),
     ("dequantize-float-input", "dequantize", ["4xf32"], {"scale": 0.1}, ["4xf32"],
-     "operand #0 must have an integer (i8, ui8, i4, i32) element type", 0),
+     ("operand #0 must have a quantized type (i8, ui8, i4, i32, f8E4M3FN, f8E5M2, f4E2M1FN) "
+     "element type"), 0),
     ("dequantize-result", "dequantize", ["4xi8"], {"scale": 0.1}, ["4xi32"],
      "mp.dequantize result element type must be a float type, got i32", None),
     ("sparse-encode-plain", "sparse_encode", ["4x4xf32"], {}, ["4x4xf32"],

@@ -28,7 +28,8 @@ DESIGN_OPS = [
     "mp.reduce_sum", "mp.reduce_mean", "mp.reduce_max", "mp.argmax", "mp.reshape",
     "mp.transpose", "mp.concat", "mp.slice", "mp.flatten", "mp.max_pool2d", "mp.avg_pool2d",
     "mp.global_avg_pool", "mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant",
-    "mp.sparse_encode",
+    "mp.sparse_encode", "mp.gather", "mp.gather_elements", "mp.gather_nd", "mp.where",
+    "mp.expand", "mp.trilu", "mp.pow", "mp.cumsum",
 ]
 
 
@@ -62,7 +63,8 @@ deny = ["mp.softmax", "mp.reduce_sum"]
 
 def test_builtin_policies_are_the_documented_set():
     assert builtin_policies() == sorted(
-        ["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "w8a16", "bf16-fp8", "bf16-int8"])
+        ["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "w8a16", "bf16-fp8", "bf16-int8",
+         "fp8-block", "mxfp8", "mxfp4", "nvfp4"])
 
 
 @pytest.mark.parametrize("name", builtin_policies())

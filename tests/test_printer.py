@@ -31,7 +31,7 @@ from mplower.ir.types import (
     quote,
     tensor,
 )
-from mplower.numerics.formats import FLOAT_FORMATS
+from mplower.numerics.formats import FLOAT_FORMATS, FORMATS
 
 F23 = tensor((2, 3), "f32")
 
@@ -72,16 +72,33 @@ def test_attribute_spelling(value, text):
     assert attr_to_str(value) == text
 
 
-@pytest.mark.parametrize("elem", FLOAT_FORMATS)
+@pytest.mark.parametrize("elem", [f for f in FLOAT_FORMATS if FORMATS[f].has_nan])
 def test_non_finite_bit_patterns_read_back_at_their_width(elem):
     nan = float_bits_text(math.nan, elem)
     assert math.isnan(float_from_bits(int(nan, 16), elem))
     for inf in (math.inf, -math.inf):
         value = float_from_bits(int(float_bits_text(inf, elem), 16), elem)
-        if elem == "f8E4M3FN":
+        if elem in ("f8E4M3FN", "f8E8M0FNU"):
             assert math.isnan(value)
         else:
             assert value == inf
+
+
+@pytest.mark.parametrize("elem", ["f6E2M3FN", "f6E3M2FN", "f4E2M1FN", "f8E8M0FNU"])
+def test_mx_bit_patterns_read_as_ml_dtypes_reads_them(elem):
+    import ml_dtypes
+
+    ref = {"f6E2M3FN": ml_dtypes.float6_e2m3fn, "f6E3M2FN": ml_dtypes.float6_e3m2fn,
+           "f4E2M1FN": ml_dtypes.float4_e2m1fn, "f8E8M0FNU": ml_dtypes.float8_e8m0fnu}[elem]
+    for code in range(1 << (8 if elem == "f8E8M0FNU" else FORMATS[elem].bits)):
+        want = float(np.array(code, np.uint8).view(ref).astype(np.float64))
+        got = float_from_bits(code, elem)
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (elem, code)
+    # What a conversion does to the values these formats cannot hold (ml_dtypes):
+    for x in (math.nan, math.inf, -math.inf):
+        want = float(np.array(x, np.float32).astype(ref).astype(np.float64))
+        got = float_from_bits(int(float_bits_text(x, elem), 16), elem)
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (elem, x)
 
 
 def test_float_from_bits_agrees_with_numpy_for_f16_and_f32():

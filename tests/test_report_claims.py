@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mplower
 from mplower.report.run import evaluate_guardrails, render
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "ir_examples"
@@ -34,18 +35,40 @@ def light_model(name: str) -> Path:
     return path
 
 
-def test_fp8_sheet_fails_a_light_resnet50_that_saturates_millions_of_values(cli, tmp_path):
+def unscaled_fp8_sheet(tmp_path: Path) -> Path:
+    """The built-in fp8 sheet without its [scaling] table: fp8 as a plain saturating cast."""
+    text = (Path(mplower.__file__).parent / "policies" / "fp8.toml").read_text()
+    head, _, rest = text.partition("[scaling]")
+    sheet = tmp_path / "fp8_unscaled.toml"
+    sheet.write_text(head + rest[rest.index("[guardrails]"):])
+    return sheet
+
+
+def logits_sqnr(report: dict) -> float:
+    """SQNR of the final softmax's input (its output is flat for the shipped weights)."""
+    ops = [o for o in report["ops"] if o["op"] != "mp.constant"]
+    assert ops[-1]["op"] == "mp.softmax"
+    return ops[-2]["sqnr_db"]
+
+
+def test_fp8_sheet_scales_a_light_resnet50_that_the_plain_cast_saturates(cli, tmp_path):
     ir = tmp_path / "r50.ir"
     assert cli("import", light_model("resnet50"), "-o", ir).rc == 0
-    low = tmp_path / "r50_fp8.ir"
-    assert cli("opt", ir, "--pass-pipeline=assign-precision{policy=fp8},insert-casts",
-               "-o", low).rc == 0
-    rc, report = run_json(cli, low, "--check")
-    s = report["summary"]
-    # The output is still within the rel_l2 limit: only the overflow guardrail sees it.
-    assert s["guardrails"]["max_rel_l2"]["ok"] is True
-    assert s["guardrails"]["max_overflow"] == {"limit": 0, "value": 2641664, "ok": False}
-    assert s["overflow"] == 2641664 and s["verdict"] == "fail" and rc == 3
+    reports = {}
+    for name, sheet in (("plain", unscaled_fp8_sheet(tmp_path)), ("scaled", "fp8")):
+        low = tmp_path / f"r50_{name}.ir"
+        assert cli("opt", ir, f"--pass-pipeline=assign-precision{{policy={sheet}}},"
+                   "insert-casts", "-o", low).rc == 0
+        reports[name] = run_json(cli, low, "--check")
+    rc, plain = reports["plain"]
+    # The plain cast: within the rel_l2 limit, only the overflow guardrail sees the 2.6M
+    # saturated values (activations up to 1e10; issue 14).
+    assert plain["summary"]["guardrails"]["max_rel_l2"]["ok"] is True
+    assert plain["summary"]["overflow"] == 2641664 and rc == 3
+    rc, scaled = reports["scaled"]
+    assert scaled["summary"]["overflow"] == 0 and scaled["summary"]["verdict"] == "pass"
+    assert rc == 0
+    assert logits_sqnr(scaled) >= logits_sqnr(plain) + 20
 
 
 BIG = """module attributes {mp.weights = "w.npz"} {

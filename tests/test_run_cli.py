@@ -222,6 +222,28 @@ def test_guardrails_come_from_a_custom_policy_sheet(cli, tmp_path) -> None:
     assert cli("run", ir, "--check", "--guardrail", "max_rel_l2=0.05").rc == 0  # flag wins
 
 
+def test_rtol_atol_guardrail_reports_the_worst_allclose_ratio_of_the_outputs(
+        cli, tmp_path, lowered) -> None:
+    inputs = EXAMPLES / "transformer_inputs.npz"
+    assert cli("run", EXAMPLES / "transformer.ir", "--inputs", inputs,
+               "--save-outputs", tmp_path / "ref.npz").rc == 0
+    ref = np.load(tmp_path / "ref.npz")["output_0"]
+    res = cli("run", lowered, "--inputs", inputs, "--guardrail", "rtol=0.01", "--guardrail",
+              "atol=0.0001", "--format", "json", "--save-outputs", tmp_path / "y.npz", "--check")
+    report = json.loads(res.out)
+    validate(report)
+    y = np.load(tmp_path / "y.npz")["output_0"]
+    worst = np.max(np.abs(y.astype(np.float64) - ref) / (1e-4 + 0.01 * np.abs(ref.astype(float))))
+    g = report["summary"]["guardrails"]["max_allclose_ratio"]  # beside the bf16 sheet's own
+    assert g == {"limit": 1.0, "value": pytest.approx(worst, rel=1e-12),
+                 "ok": bool(np.allclose(y, ref, 0.01, 1e-4)), "rtol": 0.01, "atol": 0.0001}
+    assert report["summary"]["allclose_ratio"] == g["value"]
+    assert res.rc == (0 if report["summary"]["verdict"] == "pass" else 3)
+    text = cli("run", lowered, "--inputs", inputs, "--guardrail", "rtol=0.01",
+               "--guardrail", "atol=0.0001").out.splitlines()[0]
+    assert text.startswith("verdict: ") and "max_allclose_ratio " in text and " <= 1 " in text
+
+
 @pytest.mark.parametrize("flag", ["max_rel_l2", "max_rel=0.1", "max_rel_l2=abc",
                                   "max_rel_l2=nan"])
 def test_bad_guardrail_flag_is_a_usage_error(cli, model, flag) -> None:

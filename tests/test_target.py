@@ -70,7 +70,7 @@ dense = ["f32", "bf16"]
 # -- built-ins ---------------------------------------------------------------------------------
 
 def test_builtin_targets_are_the_documented_set():
-    assert builtin_targets() == ["a100", "cpu-avx512", "generic", "h100", "h200"]
+    assert builtin_targets() == ["a100", "b200", "cpu-avx512", "generic", "h100", "h200"]
 
 
 @pytest.mark.parametrize("name", builtin_targets())
@@ -363,4 +363,61 @@ def test_unknown_builtin_target_lists_the_builtins():
         load_target("h10")
     msg = info.value.diagnostics[0].message
     assert msg.startswith("unknown built-in target 'h10'; did you mean ")
-    assert "a100, cpu-avx512, generic, h100, h200" in msg
+    assert "a100, b200, cpu-avx512, generic, h100, h200" in msg
+
+
+# -- kernel classes ([rates.CLASS]) ------------------------------------------------------------
+RATES = MINIMAL + """
+[rates.conv_depthwise]
+f32 = 3e9
+i8 = 2e8
+
+[rates.lrn]
+f32 = 6e8
+"""
+
+
+def test_rates_tables_give_a_measured_rate_per_kernel_class_and_format(tmp_path):
+    target = load_target(str(write_sheet(tmp_path, RATES)))
+    assert target.rates == {"conv_depthwise": {"f32": 3e9, "i8": 2e8}, "lrn": {"f32": 6e8}}
+    assert target.class_rate("conv_depthwise", "i8") == 2e8
+    assert target.class_rate("lrn", "bf16") is None  # priced by bf16's peak
+    assert target.class_rate("max_pool", "f32") is None and target.class_rate(None, "f32") is None
+
+
+@pytest.mark.parametrize("name", builtin_targets())
+def test_builtin_sheets_have_no_class_rates(name):
+    # Datasheets give no per-kernel figures: only a measured sheet has them.
+    assert load_target(name).rates == {}
+
+
+@pytest.mark.parametrize(("old", "new", "needle", "message"), [
+    ("[rates.lrn]", "[rates.lrm]", "lrm", "unknown kernel class 'lrm'; did you mean 'lrn'?"),
+    ("i8 = 2e8", "ui8 = 2e8", "ui8",
+     ("'ui8' is not a compute format (expected one of: f32, tf32, bf16, f16, f8E4M3FN, "
+      "f8E5M2, f6E2M3FN, f6E3M2FN, f4E2M1FN, i8)")),
+    ("i8 = 2e8", "bf61 = 2e8", "bf61", "unknown format 'bf61'; did you mean 'bf16'?"),
+    ("i8 = 2e8", "i8 = -2e8", "-2e8",
+     "'rates.conv_depthwise.i8' must be between 1 and 1e+21 FLOP/s, not -200000000.0"),
+    ("i8 = 2e8", "i8 = nan", "nan", "'rates.conv_depthwise.i8' must be a finite number, not nan"),
+    ("i8 = 2e8", 'i8 = "fast"', "fast", "'rates.conv_depthwise.i8' must be a number"),
+    ("[rates.lrn]\nf32 = 6e8", "[rates]\nlrn = 6e8", "lrn = ", "'rates.lrn' must be a table"),
+])
+def test_bad_rates_entries_are_located_errors(tmp_path, old, new, needle, message):
+    path = write_sheet(tmp_path, RATES.replace(old, new))
+    diag = load_error(path).diagnostics[0]
+    assert (diag.message, diag.loc.file, diag.loc.line) == (message, str(path),
+                                                            line_of(path, needle))
+
+
+def test_kernel_class_of_a_conv_follows_its_groups():
+    from mplower.ir.types import TensorType
+    from mplower.lowering.target import kernel_class
+
+    x = [TensorType((1, 8, 4, 4), "f32")]
+    assert kernel_class("mp.conv2d", {"groups": 1}, x) is None  # a GEMM: the format's peak
+    assert kernel_class("mp.conv2d", {"groups": 8}, x) == "conv_depthwise"
+    assert kernel_class("mp.conv2d", {"groups": 4}, x) == "conv_grouped"
+    assert kernel_class("mp.max_pool2d", {}, x) == "max_pool"
+    assert kernel_class("mp.lrn", {}, x) == "lrn"
+    assert kernel_class("mp.matmul", {}, x) is None

@@ -340,7 +340,10 @@ def test_precision_sheet_json_of_an_empty_function_is_strict(cli, tmp_path) -> N
     ("min_top1_agreement = 1.5",
      "'guardrails.min_top1_agreement' must be between 0 and 1, not 1.5"),
     ("min_sqnr_db = 1e9", "'guardrails.min_sqnr_db' must be between 0 and 1000 dB, not 1000000000.0"),
-], ids=["nan", "inf", "int-beyond-2^53", "int-beyond-f64", "fraction-above-1", "sqnr-1e9"])
+    ("rtol = -0.01", "'guardrails.rtol' must be between 0 and 1000, not -0.01"),
+    ("atol = 1e39", "'guardrails.atol' must be between 0 and 3.40282e+38, not 1e+39"),
+], ids=["nan", "inf", "int-beyond-2^53", "int-beyond-f64", "fraction-above-1", "sqnr-1e9",
+        "negative-rtol", "atol-beyond-f32"])
 def test_absurd_guardrail_in_a_policy_sheet_is_a_located_error(tmp_path, line, message) -> None:
     path = tmp_path / "p.toml"
     path.write_text(f'[policy]\ncompute = "bf16"\n\n[guardrails]\n{line}\n')

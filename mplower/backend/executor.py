@@ -32,20 +32,28 @@ from typing import Any
 
 import numpy as np
 
+from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
 from mplower.backend.sparse import sparse_runner
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
 from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
-from mplower.ir.opdef import OPS, OpError, attr_array, attr_type, check_attrs
+from mplower.ir.opdef import OPS, OpError, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
+from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import matmul
 from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize
-from mplower.numerics.rounding import ROUNDING_FORMATS, Counts, matmul_f16_accum, round_to
+from mplower.numerics.rounding import (
+    ROUNDING_FORMATS,
+    Counts,
+    decode,
+    matmul_f16_accum,
+    round_to,
+)
 from mplower.numerics.windows import conv_windows, pad_hw
 from mplower.passes.insert_casts import check_materialized
 
@@ -81,6 +89,7 @@ class Step:
     loc: Location
     constant: np.ndarray | None = None  # the lowered value of an mp.constant, rounded once
     constant_counts: Counts = NO_COUNTS
+    scale_stats: list[ScaleStats] | None = None  # mp.scaled_quant: its last step's account
     attrs: dict = field(default_factory=dict)  # checked attributes
     in_types: list[TensorType] = field(default_factory=list)
 
@@ -93,6 +102,7 @@ class OpResult:
     sqnr_db: float | None = None
     max_abs: float | None = None
     nonfinite_mismatch: int | None = None  # see `drift`; None where there is no drift
+    scale: ScaleStats | None = None  # mp.scaled_quant: recipe, amax, scale, saturation
 
 
 @dataclass
@@ -115,7 +125,9 @@ def _f32(x: np.ndarray) -> np.ndarray:
 def _finish(y: np.ndarray, elem: str, saturate: bool = False) -> tuple[np.ndarray, Counts | None]:
     """A computed result in the values of `elem`: rounded (with counts) or converted."""
     if elem in ROUNDING_FORMATS and elem != "f32":
-        return round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
+        # np.ascontiguousarray makes a 0-d array 1-d: the rounded scalar gets its shape back.
+        rounded, counts = round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
+        return rounded.reshape(np.shape(y)), counts
     if FORMATS[elem].is_float:
         return y.astype(value_dtype(elem), copy=False), None
     return y.astype(value_dtype(elem), copy=False), NO_COUNTS
@@ -206,7 +218,7 @@ class Program:
             raise DiagnosticError.at(loc, f"'{op}': {e.message}") from None
         flops = int(opdef.flops(in_types, d["types"], attrs))
         reference = _reference(opdef.reference, attrs, op, out_t)
-        constant, constant_counts = None, NO_COUNTS
+        constant, constant_counts, scale_stats = None, NO_COUNTS, None
         run: Kernel
         if op == "mp.constant":
             constant, constant_counts, ref = self._constant(attrs, out_t, loc)
@@ -224,6 +236,13 @@ class Program:
             # integer that never was one (an i8 constant or argument) is dequantized for real.
             run = _quant_kernel(op, attrs, in_types[0], out_t)
             reference = lambda xs, _q=run: xs[0] if xs[0].dtype.kind == "f" else _q(xs)[0]
+        elif op == "mp.scaled_quant":
+            run, scale_stats = scaled_quant_kernel(attrs, out_t)
+            reference = lambda xs: _f32(xs[0])  # the f32 plan has no scaling
+        elif op == "mp.matmul" and d["attrs"].get(ACCUM_BITS):
+            gemm = limited_accum_matmul(attr_int(d["attrs"][ACCUM_BITS]),
+                                        attr_int(d["attrs"].get(PROMOTE_EVERY, 128)))
+            run = lambda xs, _g=gemm, _e=out_t.elem: _finish(_g(_f32(xs[0]), _f32(xs[1])), _e)
         elif op == "mp.matmul":
             run = _matmul_kernel(plan, in_types, out_t)
         elif op == "mp.conv2d" and plan.executed["accum"] == "f16":
@@ -234,7 +253,7 @@ class Program:
             run = _generic_kernel(opdef.reference, attrs, out_t, exact)
         return Step(n, f.value_name((n, 0)), op, inputs, out, run, reference, plan.requested,
                     plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts,
-                    attrs, in_types)
+                    scale_stats, attrs, in_types)
 
     def _constant(self, attrs: dict, t: TensorType,
                   loc: Location) -> tuple[np.ndarray, Counts, np.ndarray]:
@@ -246,7 +265,8 @@ class Program:
             raise DiagnosticError.at(loc, "mp.constant needs a 'value' or a 'name'")
         is_float = FORMATS[t.elem].is_float
         ref = raw.astype(np.float32) if is_float and t.elem != "f64" else raw
-        lowered, counts = _finish(np.ascontiguousarray(raw), t.elem)
+        # ascontiguousarray makes a 0-d array 1-d: a scalar constant keeps its shape.
+        lowered, counts = _finish(np.ascontiguousarray(raw).reshape(t.shape), t.elem)
         return lowered, counts if counts is not None else _nan_counts(lowered), ref
 
     # ---- running -------------------------------------------------------------------------
@@ -293,14 +313,16 @@ class Program:
             else:
                 y, counts = self._execute(step, values)
                 values[step.output] = y
-            res = OpResult(step, counts if counts is not None else _nan_counts(y))
+            res = OpResult(step, counts if counts is not None else _nan_counts(y),
+                           scale=step.scale_stats[0] if step.scale_stats else None)
             if reference:
                 ref_in = [refs[i] for i in step.inputs]
                 ref = None
                 if all(r is not None for r in ref_in):  # None: no fp32 counterpart upstream
                     with np.errstate(all="ignore"):
                         ref = step.reference(ref_in)
-                    _drift(res, y, ref)
+                    if step.op != "mp.quantize":  # its values are x / scale, its reference x
+                        _drift(res, y, ref)
                 refs[step.output] = ref
             results.append(res)
         outs = [values[i] for i in self.outputs]
@@ -433,10 +455,10 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
 
 def _dequantize_scale(dq: Step, channels: int) -> np.ndarray | None:
     """The per-channel float32 scale of an f32 dequantize of a conv's i32 result (axis 1 or a
-    scalar, zero point 0), or None."""
+    scalar, zero point 0, no blocks), or None."""
     scale = attr_array(dq.attrs["scale"]).astype(np.float32)
     zp = attr_array(dq.attrs["zero_point"])
-    if dq.out_type.elem != "f32" or np.any(zp != 0):
+    if dq.out_type.elem != "f32" or np.any(zp != 0) or dq.attrs.get("block_size"):
         return None
     if scale.size == 1:
         return np.full(channels, scale.reshape(()), np.float32)
@@ -584,18 +606,25 @@ def _quant_kernel(op: str, attrs: dict, in_t: TensorType, out_t: TensorType) -> 
     scale = attr_array(attrs["scale"]).astype(np.float32)
     zp = attr_array(attrs["zero_point"])
     axis = attrs["axis"] if scale.size > 1 else None
+    block = attrs["block_size"]
     if op == "mp.quantize":
         elem = out_t.elem
-        return lambda xs: quantize(_f32(xs[0]), scale, zp, elem, axis)
+
+        def run_q(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+            q, counts = quantize(_f32(xs[0]), scale, zp, elem, axis, block_size=block)
+            return (decode(q, elem) if FORMATS[elem].is_float else q), counts  # f8/f4: values
+        return run_q
     if op == "mp.dequantize":
-        storage = FORMATS[in_t.elem].storage
-        out = out_t.elem
-        return lambda xs: _finish(dequantize(xs[0].astype(storage), scale, zp, axis), out)
+        # f8/f4 operands arrive as their float32 values, integers as int64.
+        fl = FORMATS[in_t.elem].is_float
+        storage, dtype, out = FORMATS[in_t.elem].storage, in_t.elem if fl else None, out_t.elem
+        return lambda xs: _finish(dequantize(xs[0] if fl else xs[0].astype(storage), scale, zp,
+                                             axis, dtype, block_size=block), out)
     qelem, out = attr_type(attrs["dtype"]), out_t.elem
 
     def fake(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        q, counts = quantize(_f32(xs[0]), scale, zp, qelem, axis)
-        y, rounded = _finish(dequantize(q, scale, zp, axis), out)  # back in x's format
+        q, counts = quantize(_f32(xs[0]), scale, zp, qelem, axis, block_size=block)
+        y, rounded = _finish(dequantize(q, scale, zp, axis, block_size=block), out)
         return y, counts + rounded if rounded is not None else counts
     return fake
 

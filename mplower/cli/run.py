@@ -58,6 +58,8 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="R.json", help="write the JSON report here")
     p.add_argument("--format", choices=("table", "json", "markdown"), default="table",
                    help="format of the report printed on stdout")
+    p.add_argument("--plot", metavar="DRIFT.png",
+                   help="write a bar chart of each op's drift (rel_l2) and overflow count")
     p.add_argument("--check", action="store_true", help="exit 3 if a guardrail fails")
     p.add_argument("--bisect", action="store_true",
                    help="name the smallest set of ops whose return to f32 meets the guardrails")
@@ -91,7 +93,10 @@ def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.n
         return rng.standard_normal(shape).astype(np.float64 if elem == "f64" else np.float32)
     if elem == "i1":
         return rng.integers(0, 2, shape).astype(np.bool_)
-    return rng.integers(int(f.min_value), int(f.max_finite) + 1, shape, dtype=np.int64)
+    from mplower.ir.types import value_dtype
+
+    lo, hi = f.int_range
+    return rng.integers(lo, hi, shape, dtype=value_dtype(elem), endpoint=True)
 
 
 def _load(args: argparse.Namespace):
@@ -175,6 +180,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
     shown = render(report, args.format)
+    if args.plot:  # drawn before anything is written: a failing plot leaves no file behind
+        from mplower.report.drift_plot import plot_drift
+
+        png = plot_drift(report, f"@{program.function.name}").png
     if args.save_outputs:
         from mplower.io.npz import save_npz
 
@@ -182,6 +191,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.report:
         text = render(report, "json").encode()
         write_atomic(args.report, lambda fh: fh.write(text))
+    if args.plot:
+        write_atomic(args.plot, lambda fh: fh.write(png))
     sys.stdout.write(shown)
     if args.check and report["summary"]["verdict"] != "pass":
         return EXIT_GUARDRAIL

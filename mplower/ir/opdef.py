@@ -14,7 +14,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -65,6 +65,28 @@ Infer = Callable[[Sequence[TensorType], Mapping[str, Any], Sequence[TensorType]]
 # cast, quantize, dequantize) need the declared result types and raise OpError without them.
 Reference = Callable[..., list[np.ndarray]]
 Flops = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], int]
+Value = tuple[int, int]  # (producer node, result index), as in mplower.ir.graph
+
+
+class GradBuilder(Protocol):
+    """What a vector-Jacobian rule builds the backward graph with (passes/grad.py has one)."""
+
+    def emit(self, op: str, operands: Sequence[Value], attrs: Mapping[str, Any] | None = None,
+             result: TensorType | None = None) -> Value:
+        """A new op on `operands`; its result type is inferred unless `result` is given."""
+
+    def type_of(self, value: Value) -> TensorType: ...
+
+    def splat(self, value: float, shape: tuple[int, ...], elem: str) -> Value:
+        """A constant tensor of one value."""
+
+
+# vjp(builder, operands, result, cotangent of the result, checked attrs, which operands need a
+# cotangent) -> the cotangent of each operand (None where not needed or not differentiable).
+# Rules build the backward graph from ops of the same dialect, so every pass, the executor and
+# the report apply to it as to the forward graph.
+Vjp = Callable[[GradBuilder, Sequence[Value], Value, Value, dict, Sequence[bool]],
+               list["Value | None"]]
 
 
 class Trait(enum.Enum):
@@ -111,6 +133,7 @@ class OpDef:
     doc: str = ""
     # Operand names for docs and diagnostics; "bias?" is optional, "inputs..." variadic.
     operand_names: tuple[str, ...] = ()
+    vjp: Vjp | None = None  # None: the op has no gradient rule (grad reports it)
 
     # Cached: DCE, CSE and canonicalize ask these once per op of every function they run on.
     @cached_property
@@ -233,7 +256,7 @@ def attr_type(v: Any) -> str:
 
 
 def attr_array(v: Any) -> np.ndarray:
-    """A scalar or 1-D numeric attribute (`0.1`, `3 : i8`, `dense<[...]>`) as a numpy array.
+    """A numeric attribute (`0.1`, `3 : i8`, `dense<[...]>`, N-D for blocked scales) as an array.
 
     Integers come back as int64 and floats as float64 so that no value is rounded here; the
     op decides the precision it computes in.
@@ -247,9 +270,9 @@ def attr_array(v: Any) -> np.ndarray:
     elif isinstance(v, (TypedFloat, float, np.floating)):
         arr = np.asarray(attr_float(v), dtype=np.float64)
     else:
-        raise OpError(f"expected a number or 1-D dense elements, got {show_value(v)}")
-    if arr.ndim > 1 or arr.dtype.kind not in "iuf":
-        raise OpError(f"expected a number or 1-D dense elements, got {show_value(v)}")
+        raise OpError(f"expected a number or dense elements, got {show_value(v)}")
+    if arr.dtype.kind not in "iuf":
+        raise OpError(f"expected a number or dense elements, got {show_value(v)}")
     return arr.astype(np.float64 if arr.dtype.kind == "f" else np.int64, copy=False)
 
 
@@ -278,7 +301,7 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "floats": (attr_floats, "an array of numbers"),
     "type": (attr_type, "an element type"),
     "dense": (attr_dense, "dense elements"),
-    "number": (attr_array, "a number or 1-D dense elements"),
+    "number": (attr_array, "a number or dense elements"),
 }
 
 

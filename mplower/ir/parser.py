@@ -435,7 +435,7 @@ class _Builder:
             raise self.error(tok, f"bad element in dense literal of {t}: only numbers are "
                                   f"allowed")
         if fmt.is_int:
-            lo, hi = int(fmt.min_value), int(fmt.max_finite)
+            lo, hi = fmt.int_range
             if isinstance(v, int) and lo <= v <= hi:
                 return v
             etok = self._element_token(tok, index)

@@ -136,7 +136,8 @@ class DenseAttr:
     """`dense<...> : tensor<...>`: the values as a numpy array in the type's logical shape.
 
     The array's dtype is `value_dtype(type.elem)`: float64 for f64, float32 for every narrower
-    float (their values are exactly representable in f32), int64 for integers, bool for i1.
+    float (their values are exactly representable in f32), int64 for integers (uint64 for
+    ui64), bool for i1.
     Equality and hashing are by type and bytes, so two identical constants CSE together.
     """
 
@@ -197,12 +198,20 @@ def format_float(x: float, single: bool = False, elem: str = "f32") -> str:
 
 def float_bits_text(x: float, elem: str) -> str:
     """NaN or an infinity as MLIR writes it: the bit pattern at the width of `elem` (`0x7E00`
-    for an f16 NaN). A format without infinities (f8E4M3FN) turns them into NaN, as a
-    conversion to it does."""
+    for an f16 NaN). A format without infinities (f8E4M3FN, f8E8M0FNU) turns them into NaN,
+    one without NaN either (the MX elements f6E2M3FN, f6E3M2FN, f4E2M1FN) into ±max and NaN
+    into -0, as a conversion to it does (ml_dtypes; mplower.numerics.rounding)."""
     fmt = FORMATS.get(elem)
     if fmt is None or not fmt.is_float:
         fmt = FORMATS["f32"]
     e, m = fmt.exp_bits, fmt.man_bits
+    width = (e + m + 4) // 4
+    if fmt.min_value > 0:  # E8M0: unsigned, 0xFF is its NaN
+        return f"0x{(1 << e) - 1:0{width}X}"
+    if not fmt.has_nan:
+        top = (1 << (e + m)) - 1  # the largest finite, all exponent and mantissa bits set
+        bits = (1 << (e + m)) if math.isnan(x) else top | ((1 << (e + m)) if x < 0 else 0)
+        return f"0x{bits:0{width}X}"
     bits = ((1 << e) - 1) << m
     if math.isnan(x) or not fmt.has_inf:
         bits |= (1 << (m - 1)) if fmt.has_inf else (1 << m) - 1
@@ -218,11 +227,14 @@ def float_from_bits(bits: int, elem: str) -> float:
     """
     fmt = FORMATS[elem]
     e, m = fmt.exp_bits, fmt.man_bits
-    if not 0 <= bits < 1 << (1 + e + m):
+    unsigned = fmt.min_value > 0  # E8M0: 2^(bits - 127), 0xFF is NaN
+    if not 0 <= bits < 1 << (e + m + (not unsigned)):
         raise ValueError(f"hexadecimal float constant out of range for {elem}")
+    if unsigned:
+        return math.nan if bits == (1 << e) - 1 else math.ldexp(1.0, bits - ((1 << (e - 1)) - 1))
     sign = -1.0 if bits >> (e + m) else 1.0
     exp, man = (bits >> m) & ((1 << e) - 1), bits & ((1 << m) - 1)
-    if exp == (1 << e) - 1 and (fmt.has_inf or man == (1 << m) - 1):
+    if fmt.has_nan and exp == (1 << e) - 1 and (fmt.has_inf or man == (1 << m) - 1):
         return sign * math.inf if fmt.has_inf and man == 0 else math.nan
     bias = (1 << (e - 1)) - 1
     if exp == 0:
@@ -339,6 +351,8 @@ def value_dtype(elem: str) -> np.dtype:
         return np.dtype(np.float64)
     if elem == "i1":
         return np.dtype(np.bool_)
+    if elem == "ui64":  # the one integer type whose values int64 cannot hold
+        return np.dtype(np.uint64)
     return np.dtype(np.float32 if FORMATS[elem].is_float else np.int64)
 
 

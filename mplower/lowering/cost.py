@@ -3,10 +3,15 @@
 A target's compiler does not launch one kernel per op. This module groups a function's ops into
 the fused kernels the target says its compiler builds (`Target.fuse`, docs/targets.md) and
 prices each group with the roofline of `Target.op_time`: max(FLOPs / peak, bytes / bandwidth)
-plus one launch, where the bytes are those crossing the group's boundary only and a GEMM's peak
-is scaled by `Target.gemm_efficiency` (tile and wave quantization).
+plus one launch, where the bytes are those crossing the group's boundary only, a GEMM's peak
+is scaled by `Target.gemm_efficiency` (tile and wave quantization), and an op of a kernel class
+the target has a measured rate for (`Target.class_rate`: depthwise conv, max pool, ...) runs at
+that rate instead of its format's peak.
 
 How ops are grouped:
+- With `qdq-propagation`, an 8-bit quantize that is the only use of a max_pool2d's result moves
+  above the pool when the pool is its operand's only use (on a copy of the function); the pool
+  then runs in i8.
 - Ops whose operands are all constants (weight quantizes, casts and reshapes of weights) are
   folded when the model is deployed: free per inference. A kernel reading such a weight reads
   it in the narrowest format along that chain (an i8 weight stays i8 in memory).
@@ -28,6 +33,7 @@ same model, so a speedup compares like with like.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -44,8 +50,10 @@ from mplower.lowering.target import (
     FUSE_ELEMENTWISE,
     FUSE_EPILOGUE,
     FUSE_QDQ,
+    FUSE_QDQ_PROPAGATION,
     KERNEL_FOR_ENCODING,
     Target,
+    kernel_class,
 )
 from mplower.numerics.formats import FORMATS
 
@@ -252,9 +260,10 @@ class _Model:
             outs = [self.type_of((n, r)) for r in range(len(f.types(n)))]
             op = f.op(n)
             if op in OPS:
-                work = int(OPS[op].flops(ins, outs, check_attrs(OPS[op], f.attrs_of(n))))
+                attrs = check_attrs(OPS[op], f.attrs_of(n))
+                work = int(OPS[op].flops(ins, outs, attrs))
                 flops += work
-                seconds += work / self._rate(n, outs)
+                seconds += work / self._rate(n, ins, outs, attrs)
             for v in f.operands(n):
                 v = self.resolve(v)
                 if v[0] in inside or v in seen:
@@ -276,11 +285,17 @@ class _Model:
                      "f32" if self.fp32 else compute_format(f, anchor), flops, read, written,
                      bound, max(seconds, memory) + launch)
 
-    def _rate(self, n: int, outs: list[TensorType]) -> float:
-        """FLOP/s op `n` reaches: its format's peak on its kernel, times the GEMM efficiency."""
+    def _rate(self, n: int, ins: list[TensorType], outs: list[TensorType],
+              attrs: dict) -> float:
+        """FLOP/s op `n` reaches: the target's measured rate of its kernel class on a dense
+        kernel, else its format's peak on its kernel, times the GEMM efficiency."""
         f, target = self.f, self.target
         fmt = "f32" if self.fp32 else compute_format(f, n)
         kernel = DENSE if self.fp32 else Plan.at(f, n).kernel_or_dense
+        if kernel == DENSE:
+            rate = target.class_rate(kernel_class(f.op(n), attrs, ins), fmt)
+            if rate is not None:
+                return rate
         try:
             peak = target.peak(fmt, kernel)
         except ValueError:  # a format the target has no rate for (e.g. i1): price it as f32
@@ -303,9 +318,43 @@ def _gemm_shape(op: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
     return shape[-2], shape[-1], batch
 
 
+# Ops a quantize of their result commutes with (a monotone map, per tensor or per channel, and
+# the op only selects values within each channel): qdq-propagation moves the quantize above them.
+_QUANTIZE_COMMUTES = frozenset({"mp.max_pool2d"})
+
+
+def _propagated(f: Function) -> Function:
+    """`f` as a compiler with qdq-propagation runs it: each 8-bit mp.quantize that is the only
+    use of a max_pool2d's result moved above the pool, which then computes in i8, where the
+    pool is its operand's only use (else the float operand is still needed, and onnxruntime
+    leaves the pair alone). A copy when anything moves (pricing never changes the function),
+    else `f` itself."""
+    moves = [q for q in f.walk("mp.quantize")
+             if FORMATS[f.types(q)[0].elem].bits == 8
+             and f.op(pool := f.operands(q)[0][0]) in _QUANTIZE_COMMUTES
+             and len(f.uses((pool, 0))) == 1 and len(f.uses(f.operands(pool)[0])) == 1]
+    if not moves:
+        return f
+    g = copy.deepcopy(f)
+    for q in moves:
+        pool = g.operands(q)[0][0]
+        (x,), elem, name = g.operands(pool), g.types(q)[0].elem, g.data(q)["name"]
+        moved = g.create_op("mp.quantize", [x], [TensorType(g.type_of(x).shape, elem)],
+                            dict(g.attrs_of(q)), before=pool, name_hint=name)
+        g.set_operand(pool, 0, (moved, 0))
+        g.set_result_type(pool, 0, TensorType(g.types(pool)[0].shape, elem))
+        Plan.at(g, pool)._replace(precision="i8").write(g, pool)  # i8 or u8 data alike
+        g.replace_all_uses((q, 0), (pool, 0))
+        g.erase(q)
+        g.rename(moved, name)  # the report finds the quantize's row under its own name
+    return g
+
+
 def fused_groups(f: Function, target: Target, *, fp32: bool = False) -> list[Group]:
     """The fused kernels `target` would launch for `f`, in program order, each priced; with
     `fp32`, those of the fp32 plan of `f` (every op in f32, no conversions)."""
+    if not fp32 and FUSE_QDQ_PROPAGATION in target.fuse:
+        f = _propagated(f)
     model = _Model(f, target, fp32)
     return [model.price(i, nodes) for i, nodes in enumerate(model.groups())]
 

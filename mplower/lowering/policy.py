@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mplower.dialect.mp import ACCUMULATING
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
+from mplower.ir.opdef import OpError
+from mplower.lowering.scaling import SCALING, Scaling
 from mplower.lowering.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
@@ -33,6 +36,10 @@ GUARDRAIL_BOUNDS = {
     "max_overflow": Bounds(0, 2 ** 53, " values"),
     "max_overflow_rate": Bounds(0, 1),
     "min_top1_agreement": Bounds(0, 1),
+    # Elementwise, as numpy.allclose: |y - y_ref| <= atol + rtol |y_ref| (mplower.report.run);
+    # an absolute tolerance beyond f32's largest value admits everything.
+    "rtol": Bounds(0, 1e3),
+    "atol": Bounds(0, 3.4028234663852886e38),
 }
 GUARDRAILS = tuple(GUARDRAIL_BOUNDS)  # the keys, in the order docs and messages list them
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
@@ -46,7 +53,8 @@ NOT_LISTED = "not-listed"
 
 # Formats that tensor cores take as matmul/conv inputs but do not write results in: a GEMM fed
 # tf32 or fp8 writes its accumulator's format (as cuBLAS and Transformer Engine do).
-INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2"})
+INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
+                                "f4E2M1FN"})
 
 
 def result_format(op: str, compute: str, accum: str | None) -> str:
@@ -115,6 +123,7 @@ class Policy:
     guardrails: dict[str, float] = field(hash=False)
     source: str = ""  # the sheet's absolute path, or "builtin:NAME"
     description: str = ""
+    scaling: Scaling | None = None  # [scaling]: how insert-casts scales the GEMM operands
 
     def decide(self, op: str, result_name: str, inputs_lowered: bool,
                is_first_or_last: bool) -> Decision:
@@ -181,7 +190,21 @@ def load_policy(spec: str, *, module: Module | None = None,
     return _parse(Sheet.read(path), path.stem, source, known_ops)
 
 
-_TOP_KEYS = ("policy", "override", "guardrails")
+def module_scaling(module: Module) -> Scaling | None:
+    """The sheet's `[scaling]` that assign-precision recorded on `module` (mp.scaling), if any;
+    a malformed attribute is a located error."""
+    value = module.attrs.get(SCALING)
+    if value is None:
+        return None
+    try:
+        return Scaling.of(value)
+    except OpError as e:
+        raise DiagnosticError.at(module.loc, e.message) from None
+
+
+_TOP_KEYS = ("policy", "override", "guardrails", "scaling")
+_SCALING_KEYS = ("recipe", "weights", "block_size", "weight_block_size", "scale_format",
+                 "history", "amax_compute", "margin", "pow2", "accum_bits", "promote_every")
 _POLICY_KEYS = ("name", "description", "compute", "accum", "weights", "allow", "follow", "deny",
                 "keep_io_types", "keep_first_last")
 _OVERRIDE_KEYS = ("op", "name", "compute", "accum")
@@ -227,7 +250,25 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
                     for k in guardrails_table},
         source=source,
         description=sheet.string(head, ("policy", "description"), ""),
+        scaling=_scaling(sheet, data),
     )
+
+
+def _scaling(sheet: Sheet, data: dict[str, Any]) -> Scaling | None:
+    table = sheet.table(data, ("scaling",))
+    if not table:
+        return None
+    sheet.check_keys(table, ("scaling",), _SCALING_KEYS)
+    d = Scaling()
+    ints = {k: int(sheet.number(table, ("scaling", k), Bounds(0, 2 ** 20), getattr(d, k)))
+            for k in ("block_size", "weight_block_size", "history", "margin", "accum_bits",
+                      "promote_every")}
+    scaling = Scaling(**{k: sheet.string(table, ("scaling", k), getattr(d, k))
+                         for k in ("recipe", "weights", "scale_format", "amax_compute")}, **ints,
+                      pow2=sheet.boolean(table, ("scaling", "pow2"), d.pow2))
+    if (problem := scaling.problem()) is not None:
+        raise sheet.error(("scaling",), f"[scaling]: {problem}")
+    return scaling
 
 
 def _override(sheet: Sheet, table: dict[str, Any], kp: KeyPath,

@@ -7,20 +7,23 @@ kernel) into one the target can run, walking the fallback chains below and recor
 code for every step, so that the report can say why an op did not run as asked. `op_time` is
 the roofline time of one kernel; mplower.lowering.cost groups a function's ops into the fused
 kernels the target's compiler would launch (`fuse`) and prices each with it, using
-`gemm_efficiency` (tile and wave quantization) for matmuls and convolutions.
+`gemm_efficiency` (tile and wave quantization) for matmuls and convolutions, or the measured
+rate of the op's kernel class (`kernel_class`, a sheet's `[rates.CLASS]`) where the sheet has one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mplower.dialect.mp import SCALE_FORMATS
 from mplower.dialect.plan import DENSE
-from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.diagnostics import DiagnosticError, did_you_mean
 from mplower.ir.graph import Module
+from mplower.ir.types import TensorType
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, format_problem, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
 from mplower.numerics.formats import COMPUTE_FORMATS, FORMATS
@@ -44,11 +47,13 @@ NO_TF32_KERNEL = "no-tf32-kernel"
 NO_BF16_KERNEL = "no-bf16-kernel"
 NO_F16_KERNEL = "no-f16-kernel"
 NO_FP8_KERNEL = "no-fp8-kernel"
+NO_FP4_KERNEL = "no-fp4-kernel"
+NO_MX_KERNEL = "no-mx-kernel"  # no tensor-core kernel that applies E8M0 / NVFP4 block scales
 NO_INT8_KERNEL = "no-int8-kernel"
 NO_F16_ACCUM = "no-f16-accum"
 NO_SPARSE_KERNEL = "no-sparse-kernel"
-REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_INT8_KERNEL,
-                NO_F16_ACCUM, NO_SPARSE_KERNEL)
+REASON_CODES = (NO_TF32_KERNEL, NO_BF16_KERNEL, NO_F16_KERNEL, NO_FP8_KERNEL, NO_FP4_KERNEL,
+                NO_MX_KERNEL, NO_INT8_KERNEL, NO_F16_ACCUM, NO_SPARSE_KERNEL)
 # Reason codes of lower-sparse's dense decisions (docs/sparse.md), in the order it checks them:
 # the second operand is computed, not a constant weight (attention's q @ k^T), and a sparse
 # kernel needs the weight's zeros before the run; the target has no sparse kernel for the op at
@@ -73,7 +78,34 @@ FUSE_CAST = "cast"
 FUSE_QDQ = "qdq"
 FUSE_ELEMENTWISE = "elementwise"
 FUSE_EPILOGUE = "epilogue"
-FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE)
+# `qdq-propagation` moves a quantize above the max_pool2d whose only use it is, which then runs
+# in the quantized format (onnxruntime's QDQ propagation, TensorRT's Q/DQ propagation): a max
+# commutes with a monotone quantize.
+FUSE_QDQ_PROPAGATION = "qdq-propagation"
+FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE, FUSE_QDQ_PROPAGATION)
+
+# Kernel classes (a sheet's `[rates.CLASS]` tables, docs/targets.md): ops whose kernels a runtime
+# may run far from its format's GEMM peak or its memory bandwidth, so a sheet can give each a
+# measured rate, in the op's FLOPs (as its op definition counts them) per second. A conv2d
+# with groups is depthwise when every group has one input channel, else grouped.
+CONV_DEPTHWISE = "conv_depthwise"
+CONV_GROUPED = "conv_grouped"
+MAX_POOL = "max_pool"
+LRN = "lrn"
+KERNEL_CLASSES = (CONV_DEPTHWISE, CONV_GROUPED, MAX_POOL, LRN)
+_CLASS_OF_OP = {"mp.max_pool2d": MAX_POOL, "mp.lrn": LRN}
+
+
+def kernel_class(op: str, attrs: Mapping[str, Any], ins: Sequence[TensorType]) -> str | None:
+    """The kernel class (`KERNEL_CLASSES`) of op `op` with verified `attrs` and operand types
+    `ins`, or None for an op of no class (a dense conv2d, a matmul, elementwise ops)."""
+    if op == "mp.conv2d":
+        groups = attrs.get("groups", 1)
+        if groups == 1:
+            return None
+        return CONV_DEPTHWISE if ins and ins[0].rank == 4 and ins[0].shape[1] == groups \
+            else CONV_GROUPED
+    return _CLASS_OF_OP.get(op)
 
 # One step of each fallback chain: format -> (next format, reason). fp8 and int8 fall to bf16,
 # which keeps f32's range, before f32. f16 falls straight to f32: bf16 would drop 3 mantissa
@@ -81,6 +113,11 @@ FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE)
 FALLBACK: dict[str, tuple[str, str]] = {
     "f8E4M3FN": ("bf16", NO_FP8_KERNEL),
     "f8E5M2": ("bf16", NO_FP8_KERNEL),
+    # fp4 (MXFP4, NVFP4) to bf16, not fp8: its sheet's block scales are fp4 scales. fp6
+    # exists only as MXFP6.
+    "f4E2M1FN": ("bf16", NO_FP4_KERNEL),
+    "f6E2M3FN": ("bf16", NO_MX_KERNEL),
+    "f6E3M2FN": ("bf16", NO_MX_KERNEL),
     "i8": ("bf16", NO_INT8_KERNEL),
     "f16": ("f32", NO_F16_KERNEL),
     "bf16": ("f32", NO_BF16_KERNEL),
@@ -109,6 +146,10 @@ class FormatPeak:
     sparse_pattern: str = "2:4"
     csr: float | None = None
     accum: tuple[str, ...] = ()
+    # Block-scale formats its tensor cores apply in the GEMM (mp.scaled_quant's scale_format):
+    # f32 scales (per tensor, or per block applied by the kernel's epilogue as DeepGEMM does on
+    # Hopper) always; e8m0 (MX) and nvfp4 only where the hardware has them (Blackwell).
+    scales: tuple[str, ...] = ("f32",)
 
 
 @dataclass(frozen=True)
@@ -155,6 +196,16 @@ class Target:
     tile_m: int | None = None
     tile_n: int | None = None
     sm_count: int | None = None
+    # Measured rate per kernel class and format (`[rates.CLASS]`), FLOP/s (OP/s) of the op's
+    # own count; a class or format without one is priced by its format's peak.
+    rates: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def class_rate(self, cls: str | None, fmt: str) -> float | None:
+        """The sheet's measured rate of kernel class `cls` in `fmt`, or None."""
+        return self.rates.get(cls, {}).get(fmt) if cls is not None else None
+    # Board power at full load (the datasheet's TDP, cited in the sheet) for modeled energy:
+    # joules per inference = board_power_w x modeled time. None where the sheet gives none.
+    board_power_w: float | None = None
 
     def kernels(self, op: str, fmt: str) -> frozenset[str]:
         """The kernel kinds (`KERNELS`) the target has for `op` computing in `fmt`."""
@@ -190,10 +241,13 @@ class Target:
             raise ValueError(f"target '{self.name}' has no {kernel} {fmt} kernel")
         return rate
 
-    def legalize(self, op: str, compute: str, accum: str | None, kernel: str = DENSE) -> Legal:
+    def legalize(self, op: str, compute: str, accum: str | None, kernel: str = DENSE,
+                 scale_format: str | None = None) -> Legal:
         """The closest (compute, accum, kernel) to the request that the target runs.
 
-        The compute format walks `FALLBACK` until `op` has a dense kernel in it; a sparse
+        The compute format walks `FALLBACK` until `op` has a dense kernel in it; a narrow
+        float whose operands carry `scale_format` block scales the target's kernels for that
+        format do not apply (`scales`) falls back to bf16 (`no-mx-kernel`); a sparse
         kernel missing in the resulting format falls back to dense; an integer compute format
         accumulates in i32 and a float one never does; an accumulator the target lacks for
         the format walks `ACCUM_FALLBACK`. `accum` is None for ops that do not accumulate.
@@ -208,6 +262,13 @@ class Target:
         while not self.has_kernel(op, compute):
             compute, code = FALLBACK[compute]  # f32 always has a dense kernel (load checks it)
             reasons.append(code)
+        if scale_format is not None and FORMATS[compute].is_float and FORMATS[compute].bits <= 8 \
+                and scale_format not in self.formats[compute].scales:
+            compute = "bf16"
+            reasons.append(NO_MX_KERNEL)
+            while not self.has_kernel(op, compute):
+                compute, code = FALLBACK[compute]
+                reasons.append(code)
         if kernel != DENSE and not self.has_kernel(op, compute, kernel):
             kernel = DENSE
             reasons.append(NO_SPARSE_KERNEL)
@@ -227,6 +288,10 @@ class Target:
         reads and writes, in the formats and encodings it actually runs with.
         """
         return max(flops / self.peak(fmt, kernel), nbytes / self.bandwidth) + self.overhead_s
+
+    def joules(self, time_s: float) -> float | None:
+        """Modeled energy of `time_s` seconds at the board power; None without one."""
+        return None if self.board_power_w is None else self.board_power_w * time_s
 
     def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
         """The fraction of peak a GEMM with an (m, n) output (`batch` of them) reaches on
@@ -268,6 +333,12 @@ def load_target(spec: str, *, module: Module | None = None,
     return _parse(Sheet.read(path), path.stem, source, known_ops)
 
 
+def parse_target(text: str, path: str, known_ops: Collection[str] | None = None) -> Target:
+    """The target sheet `text` (one being written, e.g. a measured one), named `path` in
+    diagnostics, checked exactly as `load_target` checks a file."""
+    return _parse(Sheet.parse(text, path), Path(path).stem, path, known_ops)
+
+
 def module_target(module: Module, named: str | None,
                   known_ops: Collection[str] | None = None) -> Target:
     """The target to price `module` on: `named` on the command line, else the module's
@@ -282,9 +353,9 @@ def module_target(module: Module, named: str | None,
     return load_target(recorded, module=module, known_ops=known_ops)
 
 
-_TOP_KEYS = ("target", "formats", "kernels", "default")
+_TOP_KEYS = ("target", "formats", "kernels", "default", "rates")
 _TARGET_KEYS = ("name", "description", "bandwidth", "overhead_s", "fuse", "tile_m", "tile_n",
-                "sm_count")
+                "sm_count", "board_power_w")
 _TILING_KEYS = ("tile_m", "tile_n", "sm_count")
 # Sane figures for a machine (docs/targets.md): today's fastest parts are near 1e16 FLOP/s and
 # 1e13 bytes/s, so these leave room for decades and keep every modeled time finite and
@@ -293,7 +364,8 @@ PEAK_BOUNDS = Bounds(1, 1e21, " FLOP/s")
 BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
 OVERHEAD_BOUNDS = Bounds(0, 1, " s")
 TILING_BOUNDS = Bounds(1, 1e6, "")  # tile edges and SM counts: positive, far below a million
-_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum")
+POWER_BOUNDS = Bounds(1e-3, 1e6, " W")  # from a microcontroller to a rack
+_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum", "scales")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
 
@@ -341,7 +413,26 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         source=source,
         fuse=frozenset(fuse),
         **tiling,
+        rates=_rates(sheet, sheet.table(data, ("rates",))),
+        board_power_w=sheet.number(head, ("target", "board_power_w"), POWER_BOUNDS),
     )
+
+
+def _rates(sheet: Sheet, table: dict[str, Any]) -> dict[str, dict[str, float]]:
+    rates: dict[str, dict[str, float]] = {}
+    for cls, entry in table.items():
+        kp: KeyPath = ("rates", cls)
+        if cls not in KERNEL_CLASSES:
+            raise sheet.error(kp, f"unknown kernel class '{cls}'"
+                              f"{did_you_mean(cls, KERNEL_CLASSES)}")
+        if not isinstance(entry, dict):
+            raise sheet.error(kp, f"'rates.{cls}' must be a table")
+        for fmt in entry:
+            if (problem := format_problem(fmt, COMPUTE_FORMATS, "compute")) is not None:
+                raise sheet.error((*kp, fmt), problem)
+        rates[cls] = {fmt: sheet.number(entry, (*kp, fmt), PEAK_BOUNDS, required=True)
+                      for fmt in entry}
+    return rates
 
 
 def _integer(sheet: Sheet, table: dict[str, Any], kp: KeyPath) -> int | None:
@@ -373,12 +464,16 @@ def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:
             raise sheet.error((*kp, "accum"), f"{fmt} cannot accumulate in {acc}", value=acc)
     if base not in accum:
         raise sheet.error((*kp, "accum"), f"the accumulators of {fmt} must include {base}")
+    scales = sheet.strings(entry, (*kp, "scales")) or ("f32",)
+    for sf in scales:
+        sheet.choice(sf, (*kp, "scales"), SCALE_FORMATS, "scale format")
     return FormatPeak(
         dense=sheet.number(entry, (*kp, "dense"), PEAK_BOUNDS, required=True),
         sparse=sparse,
         sparse_pattern=pattern,
         csr=sheet.number(entry, (*kp, "csr"), PEAK_BOUNDS),
         accum=accum,
+        scales=scales,
     )
 
 

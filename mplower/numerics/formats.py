@@ -3,12 +3,14 @@
 Every fact about a format (its width, exponent and mantissa split, range, epsilon, whether it
 has inf/NaN, the numpy dtype that stores it) lives here and nowhere else. Float figures follow
 IEEE 754 for f64/f32/f16, the bfloat16 and TF32 definitions, and the OCP 8-bit floating point
-specification (OFP8, 2023) for f8E4M3FN and f8E5M2; they are checked against ml_dtypes' finfo in
-tests/test_formats.py.
+specification (OFP8, 2023) for f8E4M3FN and f8E5M2, and the OCP Microscaling Formats (MX) v1.0
+specification (2023, section 5) for the element types f6E2M3FN, f6E3M2FN, f4E2M1FN and the scale
+type f8E8M0FNU; they are checked against ml_dtypes' finfo in tests/test_formats.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +40,14 @@ class Format:
     def is_int(self) -> bool:
         return self.kind == "int"
 
+    @property
+    def int_range(self) -> tuple[int, int]:
+        """(lowest, highest) integer exactly: `max_finite` is a float, which for the 64-bit
+        formats rounds 2^63 - 1 up to 2^63."""
+        signed = self.min_value < 0
+        return ((-(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1) if signed
+                else (0, (1 << self.bits) - 1))
+
 
 def _float(name, bits, storage, exp_bits, man_bits, *, has_inf=True, max_finite=None) -> Format:
     bias = (1 << (exp_bits - 1)) - 1
@@ -50,6 +60,21 @@ def _float(name, bits, storage, exp_bits, man_bits, *, has_inf=True, max_finite=
         max_finite=max_finite, min_value=-max_finite, min_normal=min_normal,
         min_subnormal=min_normal * 2.0 ** -man_bits, eps=2.0 ** -man_bits,
     )
+
+
+def _mx_element(name, bits, exp_bits, man_bits) -> Format:
+    """An MX element type (OCP MX v1.0, 5.3): no inf, no NaN, every exponent code is finite."""
+    bias = (1 << (exp_bits - 1)) - 1
+    max_finite = (2.0 - 2.0 ** -man_bits) * 2.0 ** ((1 << exp_bits) - 1 - bias)
+    return dataclasses.replace(_float(name, bits, np.uint8, exp_bits, man_bits, has_inf=False,
+                                      max_finite=max_finite), has_nan=False)
+
+
+# E8M0 (OCP MX v1.0, 5.4.1): an unsigned biased exponent, 2^-127 .. 2^127, no zero, 0xFF = NaN.
+# Its smallest value is positive, so min_value is that value, not -max_finite.
+_E8M0 = Format(name="f8E8M0FNU", kind="float", bits=8, storage=np.dtype(np.uint8), exp_bits=8,
+               man_bits=0, has_nan=True, max_finite=2.0 ** 127, min_value=2.0 ** -127,
+               min_normal=2.0 ** -127, min_subnormal=2.0 ** -127, eps=1.0)
 
 
 def _int(name, bits, storage, signed=True) -> Format:
@@ -68,11 +93,23 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     # E4M3FN gives up inf and all but one NaN encoding to reach 448 (OFP8 spec, table 1).
     _float("f8E4M3FN", 8, np.uint8, 4, 3, has_inf=False, max_finite=448.0),
     _float("f8E5M2", 8, np.uint8, 5, 2),
+    _mx_element("f6E2M3FN", 6, 2, 3),
+    _mx_element("f6E3M2FN", 6, 3, 2),
+    _mx_element("f4E2M1FN", 4, 2, 1),
+    _E8M0,
     _int("i32", 32, np.int32),
     _int("i8", 8, np.int8),
     _int("ui8", 8, np.uint8, signed=False),
     _int("i4", 4, np.int8),
     _int("i1", 1, np.bool_, signed=False),
+    # Index types: what ONNX exporters give token ids, positions, masks and shapes (INT64,
+    # and the INT16/UINT16/UINT32/UINT64 of ONNX's tests). They index and move data; the
+    # precision passes never compute in them.
+    _int("i64", 64, np.int64),
+    _int("i16", 16, np.int16),
+    _int("ui16", 16, np.uint16, signed=False),
+    _int("ui32", 32, np.uint32, signed=False),
+    _int("ui64", 64, np.uint64, signed=False),
 )}
 
 FLOAT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_float)
@@ -80,16 +117,25 @@ FLOATS = frozenset(FLOAT_FORMATS)  # for membership tests on hot paths
 # Floats narrower than f32: a value in one of these has been lowered.
 NARROW_FLOATS = frozenset(n for n in FLOAT_FORMATS if FORMATS[n].bits < 32)
 INT_FORMATS = tuple(n for n, f in FORMATS.items() if f.is_int)
-FP8_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 8)
+INDEX_FORMATS = ("i64", "i16", "ui16", "ui32", "ui64")
+# The 8-bit floats that hold data (E8M0 holds only scales).
+FP8_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 8 and FORMATS[n].man_bits)
+# Element types of the OCP MX formats (MXFP8, MXFP6, MXFP4) and of NVFP4, and their scale type.
+MX_ELEMENT_FORMATS = ("f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN", "f4E2M1FN")
+FP4_FORMATS = tuple(n for n in FLOAT_FORMATS if FORMATS[n].bits == 4)
+# Floats a value is quantized to with a scale (ONNX QuantizeLinear's FLOAT8 and FLOAT4E2M1).
+QUANT_FLOATS = FP8_FORMATS + FP4_FORMATS
 # Formats an op computes in on a target (tensor-core inputs): every float narrower than f64,
 # and i8. The order is the order docs and diagnostics list them in.
-COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "i8")
+COMPUTE_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
+                   "f4E2M1FN", "i8")
 # Integer formats a value is quantized to (ONNX QuantizeLinear's integer targets): the ints
-# between the i1 mask and the i32 accumulator.
-QUANT_INTS = tuple(n for n in INT_FORMATS if 1 < FORMATS[n].bits < 32)
+# between the i1 mask and the i32 accumulator, index types aside.
+QUANT_INTS = tuple(n for n in INT_FORMATS
+                   if 1 < FORMATS[n].bits < 32 and n not in INDEX_FORMATS)
 # Integer formats that hold quantized values: those, and the i32 accumulator of an integer
 # matmul or conv, which is dequantized too (ONNX DequantizeLinear reads INT32).
-QUANT_STORAGE = QUANT_INTS + tuple(n for n in INT_FORMATS if FORMATS[n].bits == 32)
+QUANT_STORAGE = QUANT_INTS + ("i32",)
 
 
 def width_rank(name: str) -> tuple[int, int]:

@@ -62,6 +62,23 @@ def drift(y: np.ndarray, ref: np.ndarray) -> Drift:
                  mismatch)
 
 
+def allclose_ratio(y: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> float:
+    """The worst |y - ref| / (atol + rtol |ref|) over all elements, in float64: `y` meets
+    numpy.allclose(y, ref, rtol, atol) exactly when this is at most 1, and the figure says by
+    how much it passes or fails. As numpy's, an element where both are the same infinity is
+    exact and NaN is never close; where the tolerance is 0 (atol = 0, ref = 0) only an exact
+    element passes. A non-finite ratio is inf."""
+    r = np.asarray(ref, np.float64).ravel()
+    y64 = np.asarray(y, np.float64).ravel()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.abs(y64 - r) / (atol + rtol * np.abs(r))
+    ratio[y64 == r] = 0.0  # equal infinities, and 0/0 where the tolerance is 0
+    if not ratio.size:
+        return 0.0
+    worst = float(np.max(ratio))  # NaN propagates: a NaN element fails
+    return worst if math.isfinite(worst) else math.inf
+
+
 def sqnr_db(y: np.ndarray | None, ref: np.ndarray | None) -> float | None:
     """10 log10(|ref|^2 / |y - ref|^2) of a converted value against its float original; None
     where the two are not comparable. Unlike `drift`, any non-finite difference is -inf: a

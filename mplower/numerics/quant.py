@@ -2,9 +2,11 @@
 
 `quantize` computes q = saturate(round(x / scale) + zero_point): the division in float32, round
 half to even, saturation to the integer range of the target format from FORMATS (i8, ui8, i4;
-i4 values are stored in int8). Scale and zero point are per tensor (scalars) or per axis (1-D,
-of length x.shape[axis]). The f8 formats are accepted as ONNX accepts them: zero point 0, the
-float32 quotient rounded once by the f8 rounding kernel, saturating unless `saturate=False`,
+i4 values are stored in int8). Scale and zero point are per tensor (scalars), per axis (1-D,
+of length x.shape[axis]) or, with `block_size` B > 0, per block of B consecutive elements along
+`axis` (ONNX opset 21 blocked quantization: x's rank, x's shape but ceil(D / B) along axis,
+`blocked_scale_shape`). The f8 and f4 formats are accepted as ONNX accepts them: zero point 0,
+the float32 quotient rounded once by the rounding kernel, saturating unless `saturate=False`,
 and returned as uint8 bit patterns. `dequantize` computes (q - zero_point) * scale in float32;
 for i32 (biases) ONNX requires a zero zero point, and so do we.
 
@@ -23,14 +25,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mplower.numerics.formats import FORMATS, FP8_FORMATS, QUANT_INTS, QUANT_STORAGE
+from mplower.numerics.formats import FORMATS, QUANT_FLOATS, QUANT_INTS, QUANT_STORAGE
 from mplower.numerics.rounding import SERIAL_BELOW, Counts, decode, encode_counted
 from mplower.numerics.workers import run_blocks
 
 # The numerics quantize to fp8 too (the ONNX frontend's float8 QDQ); mp.quantize itself holds
 # integers only (QUANT_STORAGE).
-QUANT_FORMATS = QUANT_INTS + FP8_FORMATS
-DEQUANT_FORMATS = QUANT_STORAGE + FP8_FORMATS
+QUANT_FORMATS = QUANT_INTS + QUANT_FLOATS
+DEQUANT_FORMATS = QUANT_STORAGE + QUANT_FLOATS
 
 _CHUNK = 1 << 16
 # Channel runs shorter than this (per-axis on a trailing axis) switch channel every few
@@ -154,6 +156,27 @@ def _scale_table(s: np.ndarray, zp: np.ndarray, post: int):
     return np.repeat(s, post), np.repeat(zp, post), s.size * post, True
 
 
+def blocked_scale_shape(shape: tuple[int, ...], axis: int, block_size: int) -> tuple[int, ...]:
+    """The shape of a blocked scale (ONNX opset 21): x's, with ceil(D / block_size) on axis."""
+    axis %= len(shape)
+    return tuple(-(-d // block_size) if i == axis else d for i, d in enumerate(shape))
+
+
+def _unblock(shape: tuple[int, ...], v, axis: int, block_size: int, name: str,
+             what: str) -> np.ndarray:
+    """A blocked scale or zero point repeated over its blocks: one entry per element."""
+    v = np.asarray(v)
+    if v.size == 1:
+        return v
+    want = blocked_scale_shape(shape, axis, block_size)
+    if v.shape != want:
+        raise ValueError(f"{what}: a blocked {name} for shape {list(shape)} with block_size "
+                         f"{block_size} on axis {axis % len(shape)} must have shape "
+                         f"{list(want)}, got {list(v.shape)}")
+    full = np.repeat(v, block_size, axis=axis % len(shape))
+    return np.ascontiguousarray(full[tuple(slice(0, d) for d in shape)])
+
+
 def _channels(shape: tuple[int, ...], scale, zero_point, axis: int | None,
               what: str) -> tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]:
     """Validate a per-tensor or per-axis scale / zero point against data of `shape`.
@@ -168,7 +191,10 @@ def _channels(shape: tuple[int, ...], scale, zero_point, axis: int | None,
     if s.dtype != np.float32:
         raise TypeError(f"{what}: scale must be float32 (as in ONNX), got {s.dtype}")
     broadcast = [1] * len(shape)
-    if axis is None:
+    if axis is None and s.size > 1 and s.shape == tuple(shape):
+        # One scale per element (an unblocked blocked scale): every element its own channel.
+        post, broadcast = 1, list(shape)
+    elif axis is None:
         if s.size != 1:
             raise ValueError(f"{what}: a per-tensor scale must be a scalar, got shape "
                              f"{s.shape}; pass axis= for per-axis scales")
@@ -193,12 +219,13 @@ def _channels(shape: tuple[int, ...], scale, zero_point, axis: int | None,
 
 
 def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | int | None,
-             dtype: str, axis: int | None = None,
-             saturate: bool = True) -> tuple[np.ndarray, Counts]:
+             dtype: str, axis: int | None = None, saturate: bool = True,
+             block_size: int = 0) -> tuple[np.ndarray, Counts]:
     """ONNX QuantizeLinear of float32 `x` to `dtype`; returns (q, counts).
 
-    q is stored in FORMATS[dtype].storage (int8 for i8 and i4, uint8 for ui8 and the f8 bit
-    patterns). `saturate` only matters for the f8 formats, as in ONNX: integers always saturate.
+    q is stored in FORMATS[dtype].storage (int8 for i8 and i4, uint8 for ui8 and the f8/f4 bit
+    patterns). `saturate` only matters for the float formats, as in ONNX: integers always
+    saturate.
     """
     if dtype not in QUANT_FORMATS:
         raise ValueError(f"quantize: unsupported dtype '{dtype}'; "
@@ -206,6 +233,11 @@ def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | 
     x = np.asarray(x, order="C")
     if x.dtype != np.float32:
         raise TypeError(f"quantize expects float32 data, got {x.dtype}")
+    if block_size:
+        scale = _unblock(x.shape, scale, axis or 0, block_size, "scale", "quantize")
+        zero_point = None if zero_point is None else _unblock(
+            x.shape, zero_point, axis or 0, block_size, "zero_point", "quantize")
+        axis = None
     s, zp, post, broadcast = _channels(x.shape, scale, zero_point, axis, "quantize")
     f = FORMATS[dtype]
     if f.is_float:
@@ -232,24 +264,31 @@ def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | 
 
 def dequantize(q: np.ndarray, scale: np.ndarray | float,
                zero_point: np.ndarray | int | None = None, axis: int | None = None,
-               dtype: str | None = None) -> np.ndarray:
+               dtype: str | None = None, block_size: int = 0) -> np.ndarray:
     """ONNX DequantizeLinear: (q - zero_point) * scale in float32.
 
     The integer format is read from q's dtype (int8, uint8, int32); pass `dtype` for uint8
-    arrays that hold f8 bit patterns ("f8E4M3FN", "f8E5M2").
+    arrays that hold f8/f4 bit patterns ("f8E4M3FN", "f8E5M2", "f4E2M1FN"), or float32 arrays
+    that hold their values (as the executor keeps them).
     """
     q = np.asarray(q, order="C")
+    if block_size:
+        scale = _unblock(q.shape, scale, axis or 0, block_size, "scale", "dequantize")
+        zero_point = None if zero_point is None else _unblock(
+            q.shape, zero_point, axis or 0, block_size, "zero_point", "dequantize")
+        axis = None
     s, zp, post, broadcast = _channels(q.shape, scale, zero_point, axis, "dequantize")
     if dtype is not None and dtype not in DEQUANT_FORMATS:
         raise ValueError(f"dequantize: unsupported dtype '{dtype}'; "
                          f"supported: {', '.join(DEQUANT_FORMATS)}")
-    if dtype is not None and q.dtype != FORMATS[dtype].storage:
+    values = dtype is not None and FORMATS[dtype].is_float and q.dtype == np.float32
+    if dtype is not None and q.dtype != FORMATS[dtype].storage and not values:
         raise TypeError(f"dequantize: {dtype} values are stored as {FORMATS[dtype].storage}, "
                         f"got {q.dtype}")
     if dtype is not None and FORMATS[dtype].is_float:
         if np.any(zp != 0):
             raise ValueError(f"dequantize: the zero point of {dtype} must be 0 (ONNX)")
-        return decode(q, dtype) * s.reshape(broadcast)
+        return (q if values else decode(q, dtype)) * s.reshape(broadcast)
     if q.dtype not in (np.int8, np.uint8, np.int32):
         raise TypeError(f"dequantize expects int8, uint8 or int32 values, got {q.dtype}")
     if q.dtype == np.int32 and np.any(zp != 0):

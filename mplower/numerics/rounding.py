@@ -20,10 +20,23 @@ saturate semantics; the same rule is applied to f16, bf16 and tf32 so that satur
 numpy float16 keeps the top 10 payload bits (setting the lowest one if they are all zero);
 bf16, tf32 and both fp8 formats produce the canonical quiet NaN, keeping the sign.
 
+The MX element types f6E2M3FN, f6E3M2FN and f4E2M1FN have neither inf nor NaN (OCP MX v1.0,
+5.3): beyond the range a value always clamps to ±max finite (ml_dtypes does the same), and a NaN
+becomes a zero of the opposite sign (ml_dtypes' choice; the spec leaves it to the
+implementation). The scale type f8E8M0FNU (MX 5.4.1) is an unsigned power of two, 2^-127 ..
+2^127, with 0xFF as NaN and no zero: as in ml_dtypes, a value rounds to the nearer power of two
+with ties upward (the implicit leading one is the "kept" bit), zero, negative values (-0
+included), NaN and +inf become NaN, and positive values below 2^-127 become 2^-127 (or 2^-126
+for those strictly between the two). With `saturate=True`, E8M0 clamps values beyond 2^127 and
++inf to 2^127. These four run on their own kernel (`_round_one_mx`) so that the one of the
+other formats keeps its tight loop.
+
 Counts: `overflow` is the number of non-NaN inputs that the format could not hold and changed:
 finite values that became ±inf/NaN or were clamped, and ±inf that became NaN (f8E4M3FN) or was
 clamped (saturate). ±inf stored as ±inf is not an overflow. `underflow` is the number of non-zero
-inputs (f32 subnormals included) whose result is ±0. `nan` is the number of NaNs in the result.
+inputs (f32 subnormals included) whose result is ±0. `nan` is the number of NaNs in the result,
+except for the formats without NaN, where it is the number of NaN inputs (each one lost to a
+zero), so that a NaN never disappears from the counts.
 
 `matmul_f16_accum` emulates an fp16 accumulator: see its docstring for the summation order.
 """
@@ -40,8 +53,10 @@ from mplower.numerics.formats import FORMATS
 from mplower.numerics.workers import run_blocks
 
 # Formats round_to handles; f32 is accepted as the identity so callers need no special case.
-ROUNDING_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2")
-ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2")
+# The MX formats (see the module docstring) run on `_round_one_mx`.
+MX_ROUNDING_FORMATS = ("f6E2M3FN", "f6E3M2FN", "f4E2M1FN", "f8E8M0FNU")
+ROUNDING_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2") + MX_ROUNDING_FORMATS
+ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2") + MX_ROUNDING_FORMATS
 
 # Elements per parallel chunk: big enough to amortise scheduling, small enough to balance.
 _CHUNK = 1 << 16
@@ -185,21 +200,107 @@ def _round_serial(src, dst, pa, codes):
     return _round_span(src, dst, p, codes)
 
 
+@njit(cache=True)
+def _round_one_mx(u, p):
+    """`_round_one` for the MX element formats and E8M0 (module docstring); also returns
+    whether the result counts as a NaN (a NaN input for the formats without NaN)."""
+    (shift, half, low, max_bits, sub_thr, m_bits, rebias, max_enc, sign_shift, e8m0,
+     ovf_abs, ovf_enc) = p
+    sign = _U32(u & _U32(0x80000000))
+    a = _U32(u ^ sign)
+    is_nan = a > _U32(_F32_INF)
+    if e8m0:
+        # Ties upward: ml_dtypes' nearest-even keeps the implicit one, which is always odd.
+        r = _U32(_U32(a + half) & _U32(~low))
+        # Below 2^-126 ml_dtypes rounds as if E8M0 had subnormals, then reads code 0 as 2^-127.
+        r = (_U32(0x00800000) if a > _U32(0x00400000) else _U32(0x00400000)) \
+            if a < _U32(0x00800000) else r
+        bad = is_nan or sign != _U32(0) or a == _U32(0)
+        over = r > max_bits and not bad
+        r = ovf_abs if over else r
+        enc = _U32(r >> shift)
+        enc = ovf_enc if over else enc
+        nan = bad or r > max_bits
+        r = _U32(_F32_INF | _F32_QNAN) if nan else r
+        enc = _U32(0xFF) if nan else enc
+        return r, enc, over, False, nan
+    r = _U32(_U32(a + half + _U32((a >> shift) & _U32(1))) & _U32(~low))
+    enc = _U32(_U32(r >> shift) - rebias)
+    big = _U32(m_bits).view(np.float32)
+    s = np.float32(_U32(a).view(np.float32) + big)
+    is_sub = a < sub_thr
+    r = np.float32(s - big).view(np.uint32) if is_sub else r
+    enc = _U32(s.view(np.uint32) - m_bits) if is_sub else enc
+    over = r > max_bits and not is_nan  # ±inf included: there is no inf to keep
+    r = max_bits if over else r
+    enc = max_enc if over else enc
+    r = _U32(0) if is_nan else r
+    enc = _U32(0) if is_nan else enc
+    sign = _U32(sign ^ _U32(0x80000000)) if is_nan else sign
+    under = a != _U32(0) and r == _U32(0) and not is_nan
+    return _U32(sign | r), _U32(_U32(sign >> sign_shift) | enc), over, under, is_nan
+
+
+@njit(cache=True, nogil=True)
+def _round_serial_mx(src, dst, pa, codes):
+    p = (pa[0], pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], pa[8], pa[9] != 0, pa[10],
+         pa[11])
+    over = _U32(0)
+    under = _U32(0)
+    nan = _U32(0)
+    for i in range(src.size):
+        r, e, o, un, n = _round_one_mx(src[i], p)
+        dst[i] = e if codes else r
+        over = _U32(over + o)
+        under = _U32(under + un)
+        nan = _U32(nan + n)
+    return over, under, nan
+
+
+@njit(cache=True, nogil=True)
+def _round_blocks_mx(src, dst, pa, codes, counts, c0, c1):
+    for c in range(c0, c1):
+        lo = c * _CHUNK
+        counts[c, 0], counts[c, 1], counts[c, 2] = _round_serial_mx(
+            src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], pa, codes)
+
+
+@functools.cache
+def _params_mx(fmt: str, saturate: bool) -> tuple:
+    f = FORMATS[fmt]
+    m = f.man_bits
+    shift = 23 - m
+    bias = (1 << (f.exp_bits - 1)) - 1
+    max_bits = _f32_bits(f.max_finite)
+    max_enc = (max_bits >> shift) - ((127 - bias) << m)
+    if fmt == "f8E8M0FNU":
+        half, ovf_abs, ovf_enc = 1 << 22, (max_bits if saturate else _F32_INF), 0xFE
+        return tuple(np.uint32(v) for v in (
+            shift, half, (1 << shift) - 1, max_bits, 0, 0, 0, 0xFE, 0, 1, ovf_abs, ovf_enc))
+    return tuple(np.uint32(v) for v in (
+        shift, (1 << (shift - 1)) - 1, (1 << shift) - 1, max_bits, _f32_bits(f.min_normal),
+        _f32_bits(f.min_subnormal * 2.0 ** 23), (127 - bias) << m, max_enc, 32 - f.bits, 0,
+        0, 0))
+
+
 @functools.cache
 def _param_array(fmt: str, saturate: bool) -> np.ndarray:
-    return np.array(_params(fmt, saturate), dtype=np.uint32)
+    params = _params_mx if fmt in MX_ROUNDING_FORMATS else _params
+    return np.array(params(fmt, saturate), dtype=np.uint32)
 
 
 def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) -> Counts:
     # Views are taken here, outside the parallel kernel (numba can drop writes made through an
     # array view created inside a prange body).
     src, dst = x.reshape(-1).view(np.uint32), out.reshape(-1)
+    mx = fmt in MX_ROUNDING_FORMATS
     if x.size < SERIAL_BELOW:
-        over, under, nan = _round_serial(src, dst, _param_array(fmt, saturate), codes)
+        serial = _round_serial_mx if mx else _round_serial
+        over, under, nan = serial(src, dst, _param_array(fmt, saturate), codes)
         return Counts(int(over), int(under), int(nan))
     counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
-    run_blocks(_round_blocks, counts.shape[0], src, dst, _param_array(fmt, saturate), codes,
-               counts)
+    run_blocks(_round_blocks_mx if mx else _round_blocks, counts.shape[0], src, dst,
+               _param_array(fmt, saturate), codes, counts)
     total = counts.sum(axis=0)
     return Counts(int(total[0]), int(total[1]), int(total[2]))
 
@@ -251,7 +352,8 @@ def encode_counted(x: np.ndarray, fmt: str,
 
 
 def encode(x: np.ndarray, fmt: str, saturate: bool = False) -> np.ndarray:
-    """Packed bit patterns of float32 `x` in `fmt`: uint16 for bf16/f16, uint8 for fp8.
+    """Packed bit patterns of float32 `x` in `fmt`: uint16 for bf16/f16, uint8 for the rest (the
+    6- and 4-bit formats in the low bits, as ml_dtypes stores them).
 
     Same rounding as `round_to`; equal to `x.astype(T).view(uint)` for the reference type T.
     """
@@ -264,6 +366,9 @@ def _decode_table(fmt: str) -> np.ndarray:
     m = f.man_bits
     bias = (1 << (f.exp_bits - 1)) - 1
     codes = np.arange(1 << f.bits, dtype=np.int64)
+    if fmt == "f8E8M0FNU":  # unsigned: code c is 2^(c - 127), and 0xFF is NaN
+        return np.where(codes == 0xFF, _F32_INF | _F32_QNAN, codes << 23 | (codes == 0) << 22
+                        ).astype(np.uint32)
     sign = (codes >> (f.bits - 1)) << 31
     e = (codes >> m) & ((1 << f.exp_bits) - 1)
     man = codes & ((1 << m) - 1)
@@ -278,7 +383,7 @@ def _decode_table(fmt: str) -> np.ndarray:
         bits = np.where(top, _F32_INF | man << (23 - m), bits)
     elif f.has_inf:  # ml_dtypes: inf, or the canonical quiet NaN
         bits = np.where(top, np.where(man == 0, _F32_INF, _F32_INF | _F32_QNAN), bits)
-    else:  # f8E4M3FN: only S.1111.111 is NaN, the rest of the top binade is finite
+    elif f.has_nan:  # f8E4M3FN: only S.1111.111 is NaN, the rest of the top binade is finite
         bits = np.where(top & (man == (1 << m) - 1), _F32_INF | _F32_QNAN, bits)
     return (bits | sign).astype(np.uint32)
 

@@ -32,18 +32,31 @@ from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType
-from mplower.numerics.formats import FORMATS, NARROW_FLOATS, QUANT_INTS, QUANT_STORAGE
+from mplower.numerics.formats import (
+    FORMATS,
+    NARROW_FLOATS,
+    QUANT_FLOATS,
+    QUANT_INTS,
+    QUANT_STORAGE,
+)
 from mplower.passes.insert_casts import check_materialized
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
 IR_VERSION = 10  # the IR version of opset 21; onnxruntime 1.18+ reads it
+# Element types ONNX has but onnxruntime cannot run: an export that nothing here can run or
+# check is an error, not a file (FLOAT4E2M1, opset 23: onnxruntime 1.32's CPU provider has no
+# QuantizeLinear, DequantizeLinear or Cast kernel for it).
+_NO_RUNTIME = {"f4E2M1FN": "FLOAT4E2M1 (ONNX opset 23), for which onnxruntime has no CPU kernel "
+                           "(QuantizeLinear, DequantizeLinear, Cast)"}
 
 ONNX_TYPE = {
     "f64": TensorProto.DOUBLE, "f32": TensorProto.FLOAT, "tf32": TensorProto.FLOAT,
     "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
     "f8E4M3FN": TensorProto.FLOAT8E4M3FN, "f8E5M2": TensorProto.FLOAT8E5M2,
     "i32": TensorProto.INT32, "i8": TensorProto.INT8, "ui8": TensorProto.UINT8,
-    "i4": TensorProto.INT4, "i1": TensorProto.BOOL,
+    "i4": TensorProto.INT4, "i1": TensorProto.BOOL, "i64": TensorProto.INT64,
+    "i16": TensorProto.INT16, "ui16": TensorProto.UINT16, "ui32": TensorProto.UINT32,
+    "ui64": TensorProto.UINT64,
 }
 # Narrow floats (NARROW_FLOATS) compute by upcasting to FLOAT, as the executor computes in f32
 # and rounds; data movement and conversions are emitted in the operand type.
@@ -54,7 +67,11 @@ _SIMPLE = {
     "mp.add": "Add", "mp.sub": "Sub", "mp.mul": "Mul", "mp.div": "Div", "mp.maximum": "Max",
     "mp.minimum": "Min", "mp.neg": "Neg", "mp.relu": "Relu", "mp.sigmoid": "Sigmoid",
     "mp.tanh": "Tanh", "mp.exp": "Exp", "mp.log": "Log", "mp.sqrt": "Sqrt", "mp.erf": "Erf",
-    "mp.global_avg_pool": "GlobalAveragePool",
+    "mp.global_avg_pool": "GlobalAveragePool", "mp.where": "Where", "mp.pow": "Pow",
+    "mp.equal": "Equal", "mp.less": "Less", "mp.less_equal": "LessOrEqual",
+    "mp.greater": "Greater", "mp.greater_equal": "GreaterOrEqual", "mp.logical_and": "And",
+    "mp.logical_or": "Or", "mp.logical_xor": "Xor", "mp.logical_not": "Not",
+    "mp.isnan": "IsNaN",
 }
 
 
@@ -222,6 +239,14 @@ class _Exporter:
         attrs = check_attrs(opdef, d["attrs"])
         out_t = d["types"][0]
         self._note_type(out_t)
+        q_elem = attr_type(attrs["dtype"]) if op == "mp.fake_quant" else None
+        for elem in (out_t.elem, q_elem, *(t.elem for t in f.operand_types(n))):
+            if elem in _NO_RUNTIME:
+                raise self.error(n, f"'{op}' uses {elem}: it would be exported as "
+                                    f"{_NO_RUNTIME[elem]}; not exported")
+            if elem is not None and elem not in ONNX_TYPE:
+                raise self.error(n, f"'{op}' uses {elem}, which has no ONNX type (ONNX has "
+                                    f"FLOAT8 and FLOAT4E2M1, no 6-bit float); not exported")
         ins = [self.names[v] for v in f.operands(n)]
         in_types = f.operand_types(n)
         hint = d["name"]
@@ -233,6 +258,9 @@ class _Exporter:
                               "accumulation")
         if op == "mp.sparse_encode":
             self.notes.append("sparse encodings are exported as dense tensors")
+        if op == "mp.scaled_quant":
+            self.names[(n, 0)] = self._scaled_quant(n, attrs, ins[0], in_types[0], out_t, hint)
+            return
         if op in CONVERSIONS:
             self.names[(n, 0)] = self._conversion(n, op, attrs, ins[0], in_types[0], out_t,
                                                   hint)
@@ -315,6 +343,26 @@ class _Exporter:
         if op == "mp.lrn":
             return self.node("LRN", ins, hint, size=a["size"], alpha=a["alpha"],
                              beta=a["beta"], bias=a["bias"])
+        if op in ("mp.gather", "mp.gather_elements"):
+            return self.node("Gather" if op == "mp.gather" else "GatherElements", ins, hint,
+                             axis=a["axis"])
+        if op == "mp.gather_nd":
+            return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
+        if op == "mp.scatter_elements_add":
+            return self.node("ScatterElements", ins, hint, axis=a["axis"], reduction="add")
+        if op == "mp.scatter_nd_add" and a["batch_dims"] == 0:  # ScatterND has no batch dims
+            return self.node("ScatterND", ins, hint, reduction="add")
+        if op == "mp.isinf":
+            return self.node("IsInf", ins, hint, detect_negative=int(a["detect_negative"]),
+                             detect_positive=int(a["detect_positive"]))
+        if op == "mp.expand":
+            return self.node("Expand", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
+        if op == "mp.trilu":
+            return self.node("Trilu", [ins[0], self.ints(a["k"], f"{hint}_k")], hint,
+                             upper=int(a["upper"]))
+        if op == "mp.cumsum":
+            return self.node("CumSum", [ins[0], self.ints(a["axis"], f"{hint}_axis")], hint,
+                             exclusive=int(a["exclusive"]), reverse=int(a["reverse"]))
         raise DiagnosticError.at(self.loc, f"'{op}' has no ONNX export")
 
     def _rms_norm(self, a: dict, ins: list[str], x_t: TensorType, hint: str) -> str:
@@ -335,7 +383,11 @@ class _Exporter:
         scale = attr_array(a["scale"]).astype(np.float32)
         zp = attr_array(a.get("zero_point", 0))
         axis = {}
-        if max(scale.size, zp.size) > 1:  # per axis: ONNX wants both as 1-D of one length
+        if a.get("block_size"):  # ONNX 21 blocked: both of x's rank, ceil(D / B) on axis
+            shape = scale.shape if scale.size > 1 else zp.shape
+            scale, zp = (np.broadcast_to(v, shape) for v in (scale, zp))
+            axis = {"axis": a["axis"], "block_size": a["block_size"]}
+        elif max(scale.size, zp.size) > 1:  # per axis: ONNX wants both as 1-D of one length
             n = max(scale.size, zp.size)
             scale, zp = (np.broadcast_to(v.reshape(-1), (n,)) for v in (scale, zp))
             axis = {"axis": a["axis"]}
@@ -345,20 +397,108 @@ class _Exporter:
             q_elem = out_t.elem
         else:
             q_elem = attr_type(a["dtype"])
-        if q_elem not in (QUANT_STORAGE if op == "mp.dequantize" else QUANT_INTS):
+        if q_elem not in (QUANT_STORAGE if op == "mp.dequantize" else QUANT_INTS) + QUANT_FLOATS:
             raise self.error(n, f"{op} to {q_elem} has no ONNX QuantizeLinear form")
+        return self._qdq(op, x, in_t, out_t, scale, zp, q_elem, axis, hint)
+
+    def _qdq(self, op: str, x: str, in_t: TensorType, out_t: TensorType, scale: np.ndarray,
+             zp: np.ndarray, q_elem: str, axis: dict, hint: str) -> str:
+        """QuantizeLinear and/or DequantizeLinear with constant scale and zero point."""
         s = self.init(scale, f"{hint}_scale")
         z = self.init(zp.astype(helper.tensor_dtype_to_np_dtype(ONNX_TYPE[q_elem])),
                       f"{hint}_zero_point")
-        if op in ("mp.quantize", "mp.fake_quant"):
+        if op in ("mp.quantize", "mp.fake_quant", "mp.scaled_quant"):
             q = self.node("QuantizeLinear", [self.as_float(x, in_t), s, z],
                           hint if op == "mp.quantize" else f"{hint}_q", **axis)
             if op == "mp.quantize":
                 return q
             x = q
-        wide = out_t.elem in NARROW_FLOATS and out_t.elem != "tf32"
+        wide = out_t.elem in NARROW_FLOATS and out_t.elem != "tf32" and op != "mp.scaled_quant"
         y = self.node("DequantizeLinear", [x, s, z], f"{hint}_f32" if wide else hint, **axis)
         return self.node("Cast", [y], hint, to=ONNX_TYPE[out_t.elem]) if wide else y
+
+    def _scaled_quant(self, n: int, a: dict, x: str, in_t: TensorType, out_t: TensorType,
+                      hint: str) -> str:
+        """A QuantizeLinear/DequantizeLinear pair with the recipe's scales: constants for the
+        static recipe and for a constant operand (a weight, whose scales are computed now),
+        computed in the graph from the tensor's amax for the current recipe. The result is the
+        FLOAT tensor of the scaled values, which the consuming GEMM reads as it is."""
+        from mplower.numerics import mx
+
+        elem, recipe = out_t.elem, a["recipe"]
+        src = self.f.operands(n)[0][0]
+        weight = self.f.op(src) == "mp.constant"
+        if recipe == "current" and not weight:
+            y = self._current_scaled(a, x, in_t, out_t, hint)
+            self.wide[y] = y
+            return y
+        if recipe != "static" and not weight:
+            raise self.error(n, (
+                f"mp.scaled_quant with recipe \"{recipe}\" computes its scales from the data "
+                f"at run time{' and its history' if recipe == 'delayed' else ' per block'}, "
+                f"which the exported graph cannot; export recipe \"static\" (calibrate, "
+                f"then scale-recipes{{recipe=static}}) or \"current\""))
+        w = self._constant(src, check_attrs(OPS["mp.constant"], self.f.attrs_of(src)),
+                           in_t).astype(np.float32) if weight else None
+        zero = np.zeros((), np.float32)
+        if recipe != "block":
+            amax = a["amax"] if w is None else float(np.max(np.abs(w))) if w.size else 0.0
+            sf = np.float32(mx.encode_factor(amax, elem, a["margin"], pow2=a["pow2"]))
+            scale = np.float32(1) / sf
+            y = self._qdq("mp.scaled_quant", x, in_t, out_t, np.array(scale), zero, elem, {},
+                          hint)
+        else:
+            block = tuple(a["block"])
+            r = mx.quantize_blocked(w, elem, block, a["scale_format"])
+            axes = [i for i, b in enumerate(block) if b > 1] or [w.ndim - 1]
+            axis = axes[0]
+            scales = r.scales  # one per block; a 2-D block repeats along its other axes
+            for i in axes[1:]:
+                scales = np.repeat(scales, block[i], axis=i)[
+                    tuple(slice(0, d) if j == i else slice(None) for j, d in enumerate(w.shape))]
+            y = self._qdq("mp.scaled_quant", x, in_t, out_t, scales.astype(np.float32),
+                          np.zeros(scales.shape, np.float32), elem,
+                          {"axis": axis, "block_size": block[axis]}, hint)
+        self.wide[y] = y  # already FLOAT: the GEMM needs no Cast
+        return y
+
+    def _current_scaled(self, a: dict, x: str, in_t: TensorType, out_t: TensorType,
+                        hint: str) -> str:
+        """Current scaling in the graph: sf = fmt_max / amax / 2^margin (1 where amax is 0 or
+        not finite), QuantizeLinear / DequantizeLinear with the scale 1 / sf."""
+        x = self.as_float(x, in_t)
+        f32 = np.float32
+        amax = self.node("ReduceMax", [self.node("Abs", [x], f"{hint}_abs")], f"{hint}_amax",
+                         keepdims=0)
+        top = self.init(np.array(FORMATS[out_t.elem].max_finite, f32), f"{hint}_fmax")
+        sf = self.node("Div", [top, amax], f"{hint}_sf")
+        if a["margin"]:
+            sf = self.node("Div", [sf, self.init(np.array(2.0 ** a["margin"], f32),
+                                                 f"{hint}_margin")], f"{hint}_sf_margin")
+        zero, one = self.init(np.array(0, f32), f"{hint}_zero"), self.init(
+            np.array(1, f32), f"{hint}_one")
+        ok = self.node("And", [self.node("Greater", [amax, zero], f"{hint}_positive"),
+                               self.node("Not", [self.node("IsInf", [amax], f"{hint}_inf")],
+                                         f"{hint}_finite")], f"{hint}_usable")
+        if a["pow2"]:  # 2^floor(log2 sf), corrected by one step where Log rounded across
+            two = self.init(np.array(2, f32), f"{hint}_two")
+            e = self.node("Floor", [self.node("Div", [
+                self.node("Log", [sf], f"{hint}_ln"),
+                self.init(np.array(np.log(2), f32), f"{hint}_ln2")], f"{hint}_log2")],
+                f"{hint}_exp")
+            p = self.node("Pow", [two, e], f"{hint}_p")
+            up = self.node("Mul", [p, two], f"{hint}_p2")
+            p = self.node("Where", [self.node("LessOrEqual", [up, sf], f"{hint}_low"), up, p],
+                          f"{hint}_p_up")
+            half = self.node("Div", [p, two], f"{hint}_p_half")
+            sf = self.node("Where", [self.node("Greater", [p, sf], f"{hint}_high"), half, p],
+                           f"{hint}_pow2")
+        sf = self.node("Where", [ok, sf, one], f"{hint}_encode")
+        s = self.node("Div", [one, sf], f"{hint}_scale")
+        z = self.init(np.zeros((), helper.tensor_dtype_to_np_dtype(ONNX_TYPE[out_t.elem])),
+                      f"{hint}_zero_point")
+        q = self.node("QuantizeLinear", [x, s, z], f"{hint}_q")
+        return self.node("DequantizeLinear", [q, s, z], hint)
 
     def _cast(self, a: dict, x: str, in_t: TensorType, out_t: TensorType, hint: str) -> str:
         src, dst = in_t.elem, out_t.elem

@@ -1,14 +1,17 @@
 """ONNX models to mplower modules: static shapes, folded constants, the mp op set.
 
-`import_model` reads an ONNX model (opset 9 to the newest the installed onnx knows), keeps the
+`import_model` reads an ONNX model (any opset the installed onnx knows), keeps the
 graph outputs asked for and only the nodes that feed them, fixes every dynamic input dimension
 (`input_shapes`, else a dynamic leading batch dimension becomes 1), runs ONNX's own checker and
 shape inference, and then walks the nodes in order. A node whose inputs are all known at import
-time is folded (onnx's ReferenceEvaluator computes it), so integer shape arithmetic, Reshape
-targets, Slice bounds and weight generators (ConstantOfShape) become plain constants; the IR has
-no i64 and never needs one. Every other node becomes mp ops whose result types come from the op
-definitions themselves, so the module verifies by construction. Large constants are named
-weights (written to an .npz by the caller), small ones inline `dense<>`.
+time is folded (onnx's ReferenceEvaluator computes it), so the shape subgraphs of exporters
+(Shape, Gather on shapes, Unsqueeze, Concat, ConstantOfShape, Range, Trilu of a constant, Where
+and Equal on constants), Reshape targets, Slice bounds and weight generators become plain
+constants, and the module holds no op whose operands are all constants. Index tensors (INT64
+token ids, an attention mask) that are graph inputs stay real i64 values. Every other node
+becomes mp ops whose result types come from the op definitions themselves, so the module
+verifies by construction. Large constants are named weights (written to an .npz by the
+caller), small ones inline `dense<>`.
 
 An op type the importer has no rule for is collected, and one diagnostic lists every such type
 with its count before anything is converted. Values that the IR carries as attributes (a Reshape
@@ -40,7 +43,7 @@ from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.ir.verifier import verify
 from mplower.numerics.formats import FORMATS, QUANT_STORAGE
 
-MIN_OPSET = 9
+MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
 
 # ONNX element types the IR has a type for, both ways.
@@ -49,6 +52,8 @@ ELEM_OF_ONNX = {
     TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT8E4M3FN: "f8E4M3FN",
     TensorProto.FLOAT8E5M2: "f8E5M2", TensorProto.INT32: "i32", TensorProto.INT8: "i8",
     TensorProto.UINT8: "ui8", TensorProto.INT4: "i4", TensorProto.BOOL: "i1",
+    TensorProto.INT64: "i64", TensorProto.INT16: "i16", TensorProto.UINT16: "ui16",
+    TensorProto.UINT32: "ui32", TensorProto.UINT64: "ui64",
 }
 ONNX_OF_ELEM = {e: t for t, e in ELEM_OF_ONNX.items()}
 # Constants of at most this many elements, and splats of any size, are written inline as
@@ -73,7 +78,7 @@ class Run:
 
     value: tuple[int, int]
     type: TensorType
-    onnx_type: int  # the ONNX element type it stands for (ArgMax: INT64 held as i32)
+    onnx_type: int  # the ONNX element type it stands for
 
 
 @dataclass(frozen=True)
@@ -561,18 +566,11 @@ class _Importer:
         arr = np.asarray(arr)
         onnx_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
         elem = ELEM_OF_ONNX.get(onnx_type)
-        if onnx_type == TensorProto.INT64:
-            info = np.iinfo(np.int32)
-            if arr.size and (arr.min() < info.min or arr.max() > info.max):
-                raise self.error(f"int64 constant '{hint}' does not fit in i32, the widest "
-                                 f"integer type of the IR")
-            elem = "i32"
         if elem is None:
             raise self.error(f"constant '{hint}' has element type {onnx_type_name(onnx_type)}, "
                              f"which the IR has no type for")
         t = tensor(arr.shape, elem)
-        values = arr.astype(value_dtype(elem)) if FORMATS[elem].is_float or elem == "i1" \
-            else arr.astype(np.int64)
+        values = arr.astype(value_dtype(elem))
         dense = DenseAttr(np.ascontiguousarray(values), t)
         if self.inline or arr.size <= INLINE_LIMIT or dense.is_splat:
             attrs: dict[str, Any] = {"value": dense}
@@ -619,6 +617,11 @@ class _Importer:
         for x, v in zip(node.input, ins):
             if x and v is None:
                 raise self.error(f"input '{x}' is not defined before this node")
+        names = {a.name for a in node.attribute}
+        if {"broadcast", "axis"} <= names:  # before opset 7: broadcast B from an axis of A
+            raise self.error("legacy broadcasting along an axis (opset < 7) is not numpy "
+                             "broadcasting; convert the model to opset 7 or later "
+                             "(onnx.version_converter)")
         present = [v for v in ins if v is not None]
         if node.op_type not in _NO_FOLD and all(isinstance(v, Const) for v in present) \
                 and present:
@@ -864,11 +867,16 @@ _FAST_FOLD: dict[str, Callable[[_Importer, onnx.NodeProto, list], list[np.ndarra
 }
 
 
-@handler("Cast")
+@handler("Cast", "CastLike")
 def _cast(imp: _Importer, node: onnx.NodeProto) -> list:
     x = imp.run_input(0)
     a = _attrs(node)
-    to = a["to"]
+    if node.op_type == "Cast":
+        to = a["to"]
+    else:  # the element type of the second input (the expanded function graphs use it)
+        like = imp.need(1)
+        to = like.onnx_type if isinstance(like, (Run, Unbound)) else \
+            helper.np_dtype_to_tensor_dtype(like.array.dtype)
     elem = ELEM_OF_ONNX.get(to)
     if elem is None:
         raise imp.error(f"Cast to {onnx_type_name(to)}: the IR has no such element type")
@@ -1406,7 +1414,7 @@ def _concat(imp: _Importer, node: onnx.NodeProto) -> list:
     vals = [imp.run_input(i) for i in range(len(node.input)) if node.input[i]]
     for v in vals[1:]:
         _same_onnx(imp, vals[0], v)
-    axis = int(_attrs(node)["axis"])
+    axis = int(_attrs(node).get("axis", 1))  # required from opset 4 on; 1 before
     return [imp.emit("mp.concat", vals, {"axis": axis}, onnx_type=vals[0].onnx_type)]
 
 
@@ -1489,8 +1497,8 @@ def _argmax(imp: _Importer, node: onnx.NodeProto) -> list:
         raise imp.error(f"axis {axis} is out of range for {x.type}")
     axis %= x.type.rank
     if not a.get("select_last_index", 0):
-        return [imp.emit("mp.argmax", [x], {"axis": axis, "keepdims": keep},
-                         onnx_type=TensorProto.INT64)]
+        idx = imp.emit("mp.argmax", [x], {"axis": axis, "keepdims": keep})
+        return [_as_int64(imp, idx)]
     # The last maximum is the first one of the reversed axis, counted from the end.
     n = x.type.shape[axis]
     starts = [0] * x.type.rank
@@ -1501,20 +1509,32 @@ def _argmax(imp: _Importer, node: onnx.NodeProto) -> list:
                                      "steps": tuple(steps)}, hint=f"{node.input[0]}_reversed")
     idx = imp.emit("mp.argmax", [rev], {"axis": axis, "keepdims": keep})
     last = imp.constant(np.array(n - 1, np.int32), "last_index")
-    return [imp.emit("mp.sub", [last, idx], onnx_type=TensorProto.INT64)]
+    return [_as_int64(imp, imp.emit("mp.sub", [last, idx]))]
+
+
+def _as_int64(imp: _Importer, idx: Run) -> Run:
+    """mp.argmax's i32 index as the INT64 ONNX's ArgMax returns."""
+    return imp.emit("mp.cast", [idx], declared=idx.type.with_elem("i64"))
 
 
 # ---- quantization ----------------------------------------------------------------------------
 
 
-def _quant_params(imp: _Importer, node: onnx.NodeProto, rank: int):
+def _quant_params(imp: _Importer, node: onnx.NodeProto, rank: int, blocked: bool = False):
+    """(attributes, scale, zero point, axis); `blocked`: the caller takes block_size, whose
+    scale and zero point have the input's rank (mp.quantize's blocked form)."""
     a = _attrs(node)
-    if a.get("block_size", 0):
-        raise imp.error("blocked quantization (block_size) is supported for "
-                        "DequantizeLinear only")
+    if a.get("block_size", 0) and not blocked:
+        raise imp.error("blocked quantization (block_size) to float8 is not supported")
     scale = imp.const(1, "the scale")
     zp = imp.const(2, "the zero point")
     axis = int(a.get("axis", 1))
+    if a.get("block_size", 0):
+        if not -rank <= axis < rank:
+            raise imp.error(f"axis {axis} is out of range for rank {rank}")
+        if scale.ndim != rank or (zp is not None and zp.shape != scale.shape):
+            raise imp.error("blocked scale and zero point must have the rank of the input")
+        return a, scale, zp, axis % rank
     if scale.ndim > 1 or (zp is not None and zp.ndim > 1):
         raise imp.error("scale and zero point must be scalars or 1-D (per axis)")
     if scale.size > 1:
@@ -1544,7 +1564,10 @@ def _along(arr: np.ndarray, rank: int, axis: int) -> np.ndarray:
 @handler("QuantizeLinear")
 def _quantize(imp: _Importer, node: onnx.NodeProto) -> list:
     x = imp.run_input(0)
-    a, scale, zp, axis = _quant_params(imp, node, x.type.rank)
+    zp0 = imp.const(2, "the zero point")  # its type is the quantized type
+    q_elem = None if zp0 is None else ELEM_OF_ONNX.get(helper.np_dtype_to_tensor_dtype(zp0.dtype))
+    integer = q_elem is None or (q_elem in FORMATS and FORMATS[q_elem].is_int)
+    a, scale, zp, axis = _quant_params(imp, node, x.type.rank, blocked=integer)
     if zp is not None:
         qtype = helper.np_dtype_to_tensor_dtype(zp.dtype)
     else:
@@ -1561,6 +1584,13 @@ def _quantize(imp: _Importer, node: onnx.NodeProto) -> list:
         q = imp.emit("mp.div", [x, s], hint=f"{node.output[0]}_scaled")
         attrs = {} if a.get("saturate", 1) else {"saturate": False}
         return [imp.emit("mp.cast", [q], attrs, declared=q.type.with_elem(elem),
+                         onnx_type=qtype)]
+    if a.get("block_size", 0):  # one scale per block along axis (ONNX opset 21)
+        attrs = {"scale": DenseAttr(scale.astype(np.float32), tensor(scale.shape, "f32")),
+                 "axis": axis, "block_size": int(a["block_size"])}
+        if zp is not None:
+            attrs["zero_point"] = DenseAttr(zp.astype(np.int64), tensor(zp.shape, elem))
+        return [imp.emit("mp.quantize", [x], attrs, declared=x.type.with_elem(elem),
                          onnx_type=qtype)]
     attrs = {"scale": _number_attr(scale.astype(np.float32), "f32")}
     if zp is not None:
@@ -1627,3 +1657,148 @@ def _dequantize(imp: _Importer, node: onnx.NodeProto) -> list:
         attrs["axis"] = axis
     return [imp.emit("mp.dequantize", [x], attrs, declared=x.type.with_elem(out_elem),
                      onnx_type=out_type)]
+
+
+# ---- indexing, masks and the rest of what transformer exporters emit --------------------------
+
+
+@handler("Gather", "GatherElements")
+def _gather(imp: _Importer, node: onnx.NodeProto) -> list:
+    data, idx = imp.run_input(0), imp.run_input(1)
+    op = "mp.gather" if node.op_type == "Gather" else "mp.gather_elements"
+    axis = int(_attrs(node).get("axis", 0))
+    return [imp.emit(op, [data, idx], {"axis": axis}, onnx_type=data.onnx_type)]
+
+
+@handler("GatherND")
+def _gather_nd(imp: _Importer, node: onnx.NodeProto) -> list:
+    data, idx = imp.run_input(0), imp.run_input(1)
+    attrs = {"batch_dims": int(_attrs(node).get("batch_dims", 0))}
+    return [imp.emit("mp.gather_nd", [data, idx], attrs, onnx_type=data.onnx_type)]
+
+
+@handler("Where")
+def _where(imp: _Importer, node: onnx.NodeProto) -> list:
+    cond, x, y = (imp.run_input(i) for i in range(3))
+    _same_onnx(imp, x, y)
+    return [imp.emit("mp.where", [cond, x, y], onnx_type=x.onnx_type)]
+
+
+_COMPARE = {"Equal": "mp.equal", "Less": "mp.less", "LessOrEqual": "mp.less_equal",
+            "Greater": "mp.greater", "GreaterOrEqual": "mp.greater_equal",
+            "And": "mp.logical_and", "Or": "mp.logical_or", "Xor": "mp.logical_xor"}
+
+
+@handler(*_COMPARE)
+def _compare(imp: _Importer, node: onnx.NodeProto) -> list:
+    a, b = imp.run_input(0), imp.run_input(1)
+    _same_onnx(imp, a, b)
+    return [imp.emit(_COMPARE[node.op_type], [a, b], onnx_type=TensorProto.BOOL)]
+
+
+@handler("Not")
+def _not(imp: _Importer, node: onnx.NodeProto) -> list:
+    return [imp.emit("mp.logical_not", [imp.run_input(0)], onnx_type=TensorProto.BOOL)]
+
+
+@handler("IsNaN", "IsInf")
+def _is_special(imp: _Importer, node: onnx.NodeProto) -> list:
+    x = imp.run_input(0)
+    if node.op_type == "IsNaN":
+        return [imp.emit("mp.isnan", [x], onnx_type=TensorProto.BOOL)]
+    a = _attrs(node)
+    attrs = {"detect_negative": bool(a.get("detect_negative", 1)),
+             "detect_positive": bool(a.get("detect_positive", 1))}
+    return [imp.emit("mp.isinf", [x], attrs, onnx_type=TensorProto.BOOL)]
+
+
+@handler("Expand")
+def _expand(imp: _Importer, node: onnx.NodeProto) -> list:
+    x = imp.run_input(0)
+    target = tuple(int(d) for d in imp.const(1, "the shape").reshape(-1))
+    try:  # ONNX broadcasts both ways: a 1 in the target keeps x's dimension
+        shape = np.broadcast_shapes(x.type.shape, target)
+    except ValueError:
+        raise imp.error(f"{x.type} does not broadcast with the shape {list(target)}") from None
+    if shape == x.type.shape:
+        return [x]
+    return [imp.emit("mp.expand", [x], declared=tensor(shape, x.type.elem),
+                     onnx_type=x.onnx_type)]
+
+
+@handler("Pow")
+def _pow(imp: _Importer, node: onnx.NodeProto) -> list:
+    a, b = imp.run_input(0), imp.need_tensor(1)
+    dtype = helper.tensor_dtype_to_np_dtype(a.onnx_type)
+    if isinstance(b, Const):  # a mixed-type exponent (x ** 3 of GELU-tanh is INT64 or FLOAT)
+        b = imp.constant(b.array.astype(dtype), node.input[1])
+    elif b.onnx_type != a.onnx_type:
+        b = imp.emit("mp.cast", [b], declared=b.type.with_elem(a.type.elem), hint=node.input[1])
+    return [imp.emit("mp.pow", [a, b], onnx_type=a.onnx_type)]
+
+
+@handler("Trilu")
+def _trilu(imp: _Importer, node: onnx.NodeProto) -> list:
+    x = imp.run_input(0)
+    k = imp.const(1, "k")
+    attrs = {"upper": bool(_attrs(node).get("upper", 1)),
+             "k": int(k.reshape(-1)[0]) if k is not None else 0}
+    return [imp.emit("mp.trilu", [x], attrs, onnx_type=x.onnx_type)]
+
+
+@handler("CumSum")
+def _cumsum(imp: _Importer, node: onnx.NodeProto) -> list:
+    x = imp.run_input(0)
+    a = _attrs(node)
+    attrs = {"axis": int(imp.const(1, "the axis").reshape(-1)[0]),
+             "exclusive": bool(a.get("exclusive", 0)), "reverse": bool(a.get("reverse", 0))}
+    return [imp.emit("mp.cumsum", [x], attrs, onnx_type=x.onnx_type)]
+
+
+@handler("Split")
+def _split(imp: _Importer, node: onnx.NodeProto) -> list:
+    """One mp.slice per output: the executor and the exporter run single-result ops, and a
+    slice per part is what a runtime's Split does anyway (a view per output)."""
+    x = imp.run_input(0)
+    a = _attrs(node)
+    r = x.type.rank
+    axis = int(a.get("axis", 0))
+    if not -r <= axis < r:
+        raise imp.error(f"axis {axis} is out of range for rank {r}")
+    axis %= r
+    dim, parts = x.type.shape[axis], len(node.output)
+    sizes = imp.const(1, "the split sizes") if imp.opset >= 13 else a.get("split")
+    if sizes is not None and len(np.reshape(sizes, -1)):
+        sizes = [int(s) for s in np.reshape(sizes, -1)]
+        if len(sizes) != parts or sum(sizes) != dim or min(sizes) < 0:
+            raise imp.error(f"split sizes {sizes} do not cut dimension {axis} ({dim}) into "
+                            f"{parts} outputs")
+    else:  # equal parts, the last one smaller (opset 18 num_outputs)
+        step = -(-dim // parts)
+        sizes = [max(0, min(step, dim - k * step)) for k in range(parts)]
+    outs, start = [], 0
+    for name, size in zip(node.output, sizes):
+        starts, ends = [0] * r, list(x.type.shape)
+        starts[axis], ends[axis] = start, start + size
+        start += size
+        if not name:
+            outs.append(None)
+            continue
+        outs.append(x if size == dim else imp.emit(
+            "mp.slice", [x], {"starts": tuple(starts), "ends": tuple(ends),
+                              "steps": (1,) * r}, hint=name, onnx_type=x.onnx_type))
+    return outs
+
+
+@handler("Range")
+def _range(imp: _Importer, node: onnx.NodeProto) -> list:
+    """Position ids: the shape of a Range's result is its values, so it exists only as a
+    constant (the walk folds a Range of constants; here one bound is a runtime value)."""
+    start, limit, delta = (imp.const(i, what) for i, what in
+                           enumerate(("Range's start", "Range's limit", "Range's delta")))
+    return [Const(np.arange(start, limit, delta).astype(start.dtype))]
+
+
+@handler("Size")
+def _size(imp: _Importer, node: onnx.NodeProto) -> list:
+    return [Const(np.array(math.prod(_shape_of(imp.need(0))), np.int64))]

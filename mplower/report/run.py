@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import OpResult, RunResult
+from mplower.backend.scaled import ScaleStats
 from mplower.dialect.plan import DENSE, Requested
 from mplower.lowering.policy import keep_f32_overrides
+from mplower.numerics.metrics import allclose_ratio, finite_or_none
 from mplower.numerics.metrics import drift as result_drift
-from mplower.numerics.metrics import finite_or_none
 from mplower.report.table import table
 
 # The JSON Schema of the report, shipped as package data (tests validate every report with it).
@@ -38,10 +39,7 @@ def output_drift(result: RunResult) -> dict[str, float | None]:
     """
     none = {"output_rel_l2": None, "output_max_abs": None, "sqnr_db": None,
             "nonfinite_mismatch": None, "top1_agreement": None}
-    if result.reference is None:
-        return none
-    pairs = [(np.asarray(y), np.asarray(r)) for y, r in zip(result.outputs, result.reference)
-             if r is not None and (np.asarray(y).dtype.kind == "f") == (r.dtype.kind == "f")]
+    pairs = _output_pairs(result)
     if not pairs:
         return none
     d = result_drift(np.concatenate([a.astype(np.float64).ravel() for a, _ in pairs]),
@@ -49,6 +47,14 @@ def output_drift(result: RunResult) -> dict[str, float | None]:
     top1 = top1_agreement(*pairs[0])
     return {"output_rel_l2": d.rel_l2, "output_max_abs": d.max_abs, "sqnr_db": d.sqnr_db,
             "nonfinite_mismatch": d.nonfinite_mismatch, "top1_agreement": top1}
+
+
+def _output_pairs(result: RunResult) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(output, reference) of every output that has a comparable reference (see output_drift)."""
+    if result.reference is None:
+        return []
+    return [(np.asarray(y), np.asarray(r)) for y, r in zip(result.outputs, result.reference)
+            if r is not None and (np.asarray(y).dtype.kind == "f") == (r.dtype.kind == "f")]
 
 
 def nonfinite_weights(result: RunResult) -> list[dict[str, Any]]:
@@ -95,11 +101,24 @@ def top1_agreement(y: np.ndarray, ref: np.ndarray) -> float | None:
 # A guardrail `max_X` / `min_X` (mplower.lowering.policy.GUARDRAILS) limits the summary's `X`,
 # except that the summary names the outputs' rel-L2 `output_rel_l2`.
 _SUMMARY_FIELD = {"max_rel_l2": "output_rel_l2"}
+# `rtol` and `atol` are one elementwise check (numpy.allclose), reported as `max_allclose_ratio`:
+# the worst |y - ref| / (atol + rtol |ref|) (summary `allclose_ratio`), which passes at 1.
+ALLCLOSE = "max_allclose_ratio"
+
+
+def tolerance(limits: dict[str, float]) -> tuple[float, float] | None:
+    """(rtol, atol) when the guardrails hold either (the other is then 0), else None."""
+    if "rtol" not in limits and "atol" not in limits:
+        return None
+    return limits.get("rtol", 0.0), limits.get("atol", 0.0)
 
 
 def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, limit in limits.items():
+        if key in ("rtol", "atol"):
+            rtol, atol = tolerance(limits)
+            key, limit = ALLCLOSE, 1.0
         v = summary[_SUMMARY_FIELD.get(key, key[len("max_"):])]
         if v is None:
             ok = False
@@ -108,6 +127,8 @@ def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> di
         else:
             ok = v >= limit
         out[key] = {"limit": limit, "value": finite_or_none(v) if isinstance(v, float) else v, "ok": ok}
+        if key == ALLCLOSE:
+            out[key].update(rtol=rtol, atol=atol)
     return out
 
 
@@ -128,7 +149,18 @@ def op_entry(r: OpResult) -> dict[str, Any]:
         "rel_l2": finite_or_none(r.rel_l2), "sqnr_db": finite_or_none(r.sqnr_db),
         "max_abs": finite_or_none(r.max_abs), "nonfinite_mismatch": r.nonfinite_mismatch,
         "flops": s.flops,
+        **({"scaling": scaling_entry(r.scale)} if r.scale is not None else {}),
     }
+
+
+def scaling_entry(st: ScaleStats) -> dict[str, Any]:
+    """What an mp.scaled_quant's recipe did in the run: its amax and scale, the fraction of the
+    values that saturated or flushed to zero, and the bytes of scales per element."""
+    return {"recipe": st.recipe, "scale_format": st.scale_format,
+            "amax": finite_or_none(st.amax), "scale": finite_or_none(st.scale),
+            "tensor_scale": finite_or_none(st.tensor_scale),
+            "saturated_fraction": st.saturated, "flushed_fraction": st.flushed,
+            "scale_bytes_per_element": st.scale_bytes_per_element}
 
 
 def build_report(result: RunResult, guardrails: dict[str, float],
@@ -151,6 +183,10 @@ def build_report(result: RunResult, guardrails: dict[str, float],
     # Over every value the ops wrote (constants too, as `overflow` counts their rounding).
     written = sum(math.prod(r.step.out_type.shape) for r in result.ops)
     summary["overflow_rate"] = summary["overflow"] / written if written else 0.0
+    if (tol := tolerance(guardrails)) is not None:
+        pairs = _output_pairs(result)
+        summary["allclose_ratio"] = finite_or_none(
+            max(allclose_ratio(y, r, *tol) for y, r in pairs)) if pairs else None
     summary["guardrails"] = evaluate_guardrails(guardrails, summary)
     summary["verdict"] = verdict(summary["guardrails"])
     for key in ("output_rel_l2", "output_max_abs", "sqnr_db"):
@@ -203,6 +239,15 @@ def render(report: dict[str, Any], fmt: str) -> str:
                    "activation_local_sqnr_db", "local_sqnr_db"]
         qrows = [[q["name"], q["op"], *(num(q[k], ".1f") for k in qheader[2:])] for q in quant]
         lines += ["", "quantization error (worst first):", *table(qheader, qrows, fmt)]
+    scaled = [o for o in report["ops"] if "scaling" in o]
+    if scaled:
+        sheader = ["name", "recipe", "scale_format", "amax", "scale", "saturated", "flushed",
+                   "scale_bytes/elem"]
+        srows = [[o["name"], c["recipe"], c["scale_format"], num(c["amax"], ".4g"),
+                  num(c["scale"], ".4g"), f"{c['saturated_fraction']:.2%}",
+                  f"{c['flushed_fraction']:.2%}", f"{c['scale_bytes_per_element']:.4g}"]
+                 for o in scaled for c in [o["scaling"]]]
+        lines += ["", "scaling (per scaled operand):", *table(sheader, srows, fmt)]
     b = report.get("bisect")
     if b is not None:
         kept = ", ".join(b["ops"]) or "nothing"

@@ -88,6 +88,9 @@ def precision_sheet(module: Module, target: Target, func: str | None = None,
             "fp32_modeled_time_s": fp32_total,
             "modeled_speedup_vs_fp32": fp32_total / total if total else 1.0,
             "modeled_inferences_per_s": 1.0 / total if total else float("inf"),
+            "board_power_w": target.board_power_w,
+            "modeled_joules_per_inference": (joules := target.joules(total)),
+            "modeled_inferences_per_joule": 1.0 / joules if joules else None,
         },
         **({"sparse": sparse} if sparse is not None else {}),
     }
@@ -132,6 +135,10 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
     footer = (f"{s['ops']} ops, {s['lowered_ops']} lowered; modeled {s['modeled_time_s'] * 1e6:.3f}"
               f" us on {sheet['target']} ({s['modeled_inferences_per_s']:.1f} inferences/s), "
               f"{s['modeled_speedup_vs_fp32']:.2f}x the f32 plan")
+    if s["modeled_joules_per_inference"] is not None:
+        footer += (f"; {s['modeled_joules_per_inference']:.4g} J/inference, "
+                   f"{s['modeled_inferences_per_joule']:.4g} inferences/J at "
+                   f"{s['board_power_w']:g} W")
     sparse = sparse_lines(sheet["sparse"], fmt) if "sparse" in sheet else []
     gap = "\n" if fmt == "markdown" else ""  # a blank line ends a markdown table
     return ("\n".join(table(header, rows, fmt, rule=True)) + f"\n{gap}{footer}\n"

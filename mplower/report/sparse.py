@@ -11,14 +11,13 @@ table (`mplower report`, and the run report).
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from mplower.backend.measure import median_time
 from mplower.backend.sparse import compress, multiply
 from mplower.dialect.mp import WEIGHTED
 from mplower.dialect.plan import Plan
@@ -59,18 +58,6 @@ class RealityCheck:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def median_time(fn: Callable[[], object], reps: int = 5, budget_s: float = 0.5) -> float:
-    """Median wall time of `fn` after one warm-up call; fewer reps if they exceed `budget_s`."""
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def reality_check(kernel: str, w: np.ndarray, rows: int, compute: str, target: Target,

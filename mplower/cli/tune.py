@@ -1,0 +1,289 @@
+"""`mplower tune`: search per-op formats for the best modeled objective that meets guardrails.
+
+Reads the model, its calibration (`--data`) and evaluation (`--eval`, default the calibration
+data) batches and optional slice ids, checks everything before any work (a located diagnostic
+and exit 1 for bad input, exit 2 for a bad command line), runs the search of
+mplower.tune.search serially or on dask.distributed, and writes OUT_DIR/policy.toml,
+lowered.ir (+ weights), tune.json and pareto.png, each atomically. Exit 0 when a plan meets
+the guardrails; 3 when none does (tune.json and pareto.png then name the best rejected plan and
+why, and no sheet or lowered module is written). Progress (tqdm) goes to stderr, a short
+table to stdout. docs/tune.md walks through it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mplower.cli.common import (
+    EXIT_GUARDRAIL,
+    EXIT_OK,
+    UsageError,
+    read_module,
+    write_atomic,
+)
+from mplower.ir.diagnostics import DiagnosticError, Location
+
+DEFAULT_FORMATS = "bf16,f16,f8E4M3FN,i8"
+DEFAULT_GUARDRAILS = {"max_rel_l2": 0.01}
+
+
+def add_tune(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="the fastest plan that meets the guardrails",
+                       description="Search per-op and per-fused-kernel formats (and int8 with "
+                                   "calibration, 2:4 sparsity) for the highest modeled "
+                                   "throughput that meets every guardrail on the evaluation "
+                                   "inputs; write OUT_DIR/policy.toml, lowered.ir, tune.json "
+                                   "and pareto.png. Exit 3 when no plan meets them.")
+    p.add_argument("input", help="IR file")
+    p.add_argument("--target", required=True, help="built-in target name or target sheet")
+    p.add_argument("--data", required=True, metavar="CALIB.npz",
+                   help="calibration batches keyed by argument name (one batch or a stack)")
+    p.add_argument("--eval", metavar="EVAL.npz",
+                   help="evaluation batches (default: the calibration data)")
+    p.add_argument("--guardrail", action="append", default=[], metavar="KEY=VALUE",
+                   help="a guardrail every chosen plan meets (repeatable; default "
+                        "max_rel_l2=0.01)")
+    p.add_argument("--formats", default=DEFAULT_FORMATS,
+                   help=f"compute formats to try (default {DEFAULT_FORMATS})")
+    p.add_argument("--sparse", action="store_true", help="also try 2:4-pruned weights")
+    p.add_argument("--budget", type=int, default=200, metavar="N",
+                   help="at most N plan evaluations (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search's tie-breaks")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, default=0, metavar="N",
+                       help="evaluate on a dask LocalCluster of N workers (0: in this process)")
+    where.add_argument("--scheduler", metavar="ADDRESS",
+                       help="evaluate on a running dask cluster (tcp://host:port)")
+    p.add_argument("--slices", metavar="S.npz",
+                   help="one slice id per evaluation sample; every guardrail holds per slice")
+    p.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
+                   help="rank plans by modeled inferences/s or inferences/joule")
+    p.add_argument("--func", default=None, help="function to tune (default: main or the only one)")
+    p.add_argument("-o", dest="output", required=True, metavar="OUT_DIR", help="output folder")
+    return p
+
+
+def _formats(text: str) -> list[str]:
+    from mplower.lowering.target import COMPUTE_FORMATS
+
+    out = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in out if f not in COMPUTE_FORMATS or f == "f32"]
+    if not out or bad:
+        raise UsageError(f"--formats takes narrow compute formats of "
+                         f"{', '.join(f for f in COMPUTE_FORMATS if f != 'f32')}; "
+                         f"got '{text}'")
+    return list(dict.fromkeys(out))
+
+
+def _slices(path: str, n_samples: int):
+    """The slice id of every evaluation sample, from the only array of `path` (or `slice`)."""
+    import numpy as np
+
+    from mplower.io.npz import read_npz
+
+    loc = Location(path, 0, 0)
+    arrays = read_npz(Path(path), loc, "slice ids")
+    if len(arrays) != 1 and "slice" not in arrays:
+        raise DiagnosticError.at(loc, f"slice ids: expected one array (or one named 'slice'), "
+                                      f"found {', '.join(sorted(arrays)) or 'none'}")
+    ids = np.asarray(arrays.get("slice", next(iter(arrays.values()))))
+    if ids.dtype.kind not in "iub":
+        raise DiagnosticError.at(loc, f"slice ids must be integers or booleans, got {ids.dtype}")
+    if ids.shape != (n_samples,):
+        raise DiagnosticError.at(loc, f"slice ids have shape {list(ids.shape)}; the evaluation "
+                                      f"data has {n_samples} samples (batches x the outputs' "
+                                      f"first axis), one id each")
+    return ids.astype(np.int64)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from mplower.cli.run import _guardrail_flags
+
+    formats = _formats(args.formats)
+    guardrails = _guardrail_flags(args.guardrail) or dict(DEFAULT_GUARDRAILS)
+    if args.budget < 1:
+        raise UsageError("--budget must be at least 1 evaluation")
+    if args.workers < 0:
+        raise UsageError("--workers must be 0 (this process) or more")
+    if args.input == "-":  # its weights are found beside it, and its hash goes in the packet
+        raise UsageError("tune reads the model from a file, not from stdin")
+    started = time.perf_counter()
+
+    from mplower.io.npz import read_npz, weights_file
+    from mplower.ir.opdef import OPS
+    from mplower.lowering.target import load_target
+    from mplower.passes.calibrate import split_batches
+    from mplower.tune.evaluation import Problem, sheet_text
+    from mplower.tune.packet import build_packet, candidate_of, pareto_png, sha256_file, versions
+
+    module = read_module(args)
+    try:
+        f = module.function(args.func)
+    except KeyError:
+        name = f"@{args.func}" if args.func else "@main"
+        raise DiagnosticError.at(module.loc, f"the module has no function {name}") from None
+    target = load_target(args.target, known_ops=OPS)
+    builtin = target.source.startswith("builtin:")
+    target_file = Path(target.source) if not builtin else builtin_sheet(target)
+    if args.objective == "energy" and target.board_power_w is None:
+        raise DiagnosticError.at(Location(str(target_file), 0, 0),
+                                 f"--objective energy needs the target's board power: target "
+                                 f"'{target.name}' has no board_power_w")
+    calib = read_npz(Path(args.data), Location(args.data, 0, 0), "calibration data")
+    split_batches(f, calib, Location(args.data, 0, 0))  # located errors before any work
+    eval_path = args.eval or args.data
+    batches = split_batches(f, read_npz(Path(eval_path), Location(eval_path, 0, 0),
+                                        "evaluation data"), Location(eval_path, 0, 0),
+                            "evaluation")
+    slices = None
+    if args.slices:
+        rows = {t.shape[0] if t.shape else 1 for t in f.result_types}
+        if len(rows) != 1:
+            raise DiagnosticError.at(f.loc, "--slices needs outputs with one sample axis "
+                                            "(the same first dimension)")
+        slices = _slices(args.slices, len(batches) * rows.pop())
+    weights_path = weights_file(module, None)
+    weights = None
+    if weights_path is not None and weights_path.is_file():
+        rel = weights_path.resolve().relative_to(Path(module.path).resolve().parent)
+        weights = (rel.as_posix(), weights_path.read_bytes())
+    problem = Problem(
+        module_text=args._source, module_name=Path(module.path).name, weights=weights,
+        calib=Path(args.data).read_bytes(), target=args.target,
+        target_text=None if builtin else Path(target.source).read_text(encoding="utf-8"),
+        batches=batches, slices=slices, guardrails=guardrails, func=args.func)
+    out_dir = Path(args.output)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiagnosticError.at(Location(str(out_dir), 0, 0),
+                                 f"cannot create the output folder: {e.strerror}") from None
+
+    outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
+    inputs = {"model": sha256_file(args.input),
+              "weights": sha256_file(weights_path) if weights else None,
+              "data": sha256_file(args.data), "eval": sha256_file(eval_path),
+              "slices": sha256_file(args.slices) if args.slices else None}
+    provenance = {"versions": versions(), "target": target.name,
+                  "target_sheet_sha256": sha256_file(target_file), "seed": args.seed,
+                  "formats": formats, "sparse": args.sparse, "budget": args.budget,
+                  "input_sha256": inputs}
+    reproduce = None
+    lowered_text = None
+    if outcome.chosen is not None:
+        candidate = candidate_of(outcome.chosen)
+        policy_path = out_dir / "policy.toml"
+        pipeline = _pipeline(candidate, str(policy_path), args)
+        command = (f"mplower opt {args.input} --pass-pipeline='{pipeline}' "
+                   f"-o {out_dir / 'lowered.ir'}")
+        reproduce = {"pipeline": pipeline, "command": command}
+        header = (f"Tuned by `mplower tune` for target {target.name}, objective "
+                  f"{args.objective}, seed {args.seed}.\nlowered.ir is this sheet through:\n"
+                  f"  {command}")
+        sheet = sheet_text(candidate, guardrails, header)
+        write_atomic(policy_path, lambda fh: fh.write(sheet), "w")
+        lowered_text = _lower(module, pipeline, out_dir / "lowered.ir")
+    packet = build_packet(outcome, results, objective=args.objective, guardrails=guardrails,
+                          provenance=provenance, reproduce=reproduce, evaluations=evaluations,
+                          slices=slices is not None)
+    packet["timing"] = {"wall_s": time.perf_counter() - started, "evaluator": evaluator_text}
+    text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
+    if lowered_text is not None:
+        write_atomic(out_dir / "lowered.ir", lambda fh: fh.write(lowered_text), "w")
+    write_atomic(out_dir / "tune.json", lambda fh: fh.write(text), "w")
+    pareto_png(out_dir / "pareto.png", results,
+               outcome.chosen["key"] if outcome.chosen else None, args.objective)
+    sys.stdout.write(_table(packet))
+    return EXIT_OK if outcome.chosen is not None else EXIT_GUARDRAIL
+
+
+def builtin_sheet(target) -> Path:
+    """The file of a built-in target sheet (its provenance hash is of these bytes)."""
+    from mplower.lowering import target as targets
+    from mplower.lowering.tomlsheet import locate
+
+    return locate(target.source.removeprefix("builtin:"), "target", targets._BUILTIN_DIR,
+                  None, "")[0]
+
+
+def _pipeline(candidate, policy: str, args: argparse.Namespace) -> str:
+    from mplower.tune.evaluation import pipeline_passes
+
+    return pipeline_passes(policy, args.target, args.data,
+                           int8=candidate.int8,
+                           sparse=candidate.sparse, weight_only=False)
+
+
+def _lower(module, pipeline: str, out: Path) -> str:
+    """`mplower opt MODEL --pass-pipeline=PIPELINE -o OUT`'s text, as that command makes it."""
+    import copy
+
+    from mplower.backend.executor import reference_runner
+    from mplower.ir.printer import print_module
+    from mplower.pass_manager import PassContext, PassManager, load_passes, parse_pipeline
+
+    load_passes()
+    lowered = copy.deepcopy(module)
+    PassManager(parse_pipeline(pipeline)).run(
+        lowered, PassContext(output_path=str(out), runner=reference_runner))
+    return print_module(lowered)
+
+
+def _search(problem, args: argparse.Namespace, formats: list[str]):
+    from tqdm import tqdm
+
+    from mplower.tune.distributed import Evaluator
+    from mplower.tune.evaluation import drop_workspace, workspace
+    from mplower.tune.search import search
+
+    bar = tqdm(total=args.budget, desc="tune", unit="plan", file=sys.stderr, leave=False,
+               disable=None)
+    evaluator = Evaluator(problem, args.budget, workers=args.workers, scheduler=args.scheduler,
+                          progress=bar.update)
+    try:
+        outcome = search(workspace(problem), evaluator, formats=formats, sparse=args.sparse,
+                         seed=args.seed, objective=args.objective)
+    finally:
+        evaluator.close()
+        bar.close()
+        drop_workspace(problem)
+    results = list(evaluator.cache.results.values())
+    evaluations = {"count": len(evaluator.cache), "cache_hits": evaluator.cache.hits,
+                   "budget": args.budget}
+    return outcome, results, evaluations, evaluator.description
+
+
+def _table(packet: dict[str, Any]) -> str:
+    from mplower.report.table import table
+
+    def row(label: str, r: dict[str, Any] | None) -> list[str]:
+        if r is None or "modeled" not in r:
+            return [label, "-", "-", "-", r["verdict"] if r else "-"]
+        m, q = r["modeled"], r["quality"]
+        rel = q["output_rel_l2"]
+        return [label, f"{m['inferences_per_s']:.4g}", f"{m['speedup_vs_fp32']:.3f}x",
+                "-" if rel is None else f"{rel:.3g}", r["verdict"]]
+
+    rows = [row("fp32 (baseline)", packet["baseline"])]
+    rows += [row(r["label"], r) for r in packet["uniform"]]
+    chosen = packet["chosen"]
+    if chosen is not None:
+        rows.append(row("chosen: " + chosen["label"], chosen))
+    elif packet["best_rejected"] is not None:
+        rows.append(row("best rejected: " + packet["best_rejected"]["label"],
+                        packet["best_rejected"]))
+    lines = table(["plan", "inferences/s", "vs fp32", "rel_l2", "verdict"], rows, "table",
+                  rule=True)
+    ev = packet["evaluations"]
+    lines.append(f"{ev['count']} evaluations ({ev['cache_hits']} cache hits), budget "
+                 f"{ev['budget']}")
+    if chosen is None:
+        why = (packet["best_rejected"]["why"] if packet["best_rejected"] else
+               f"the budget of {ev['budget']} evaluations ran out before a per-op plan was tried")
+        lines.append(f"no plan meets the guardrails: {why}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,191 @@
+"""What `mplower tune` hands over: the sheet, the lowered module, the release packet, the plot.
+
+`policy.toml` is the chosen plan as a policy sheet (mplower.tune.evaluation.sheet_text) whose
+header says how to reproduce `lowered.ir` from the input model with it. `tune.json` (the
+release packet, docs/tune.md) holds the fp32 baseline, the chosen plan with its modeled
+throughput (and tokens/s, energy where known), speedups against fp32 and the best uniform
+built-in sheet, every guardrail with value and limit, overflow/underflow/NaN, the validation
+matrix (guardrail x slice) and rollback triggers, every evaluated candidate and why it lost,
+the evaluation counts and the provenance (versions, hashes, seed). Everything in it but the
+`timing` table is a function of the inputs and the seed. `pareto.png` plots the modeled
+objective of every evaluated plan against its output rel-L2, the chosen plan marked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mplower.tune.evaluation import Candidate
+from mplower.tune.search import OBJECTIVES, Outcome, failure, objective_value
+
+_VERSIONED = ("mplower", "numpy", "numba", "onnx", "networkx", "lark", "dask", "distributed")
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in _VERSIONED:
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def sha256_file(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def candidate_of(result: Mapping[str, Any]) -> Candidate:
+    plan = result["plan"]
+    return Candidate(tuple(plan["formats"].items()), plan.get("sparse", False))
+
+
+def _figures(r: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """An evaluation as the packet shows it, its speedup against the fp32 plan `baseline`."""
+    out = {"key": r["key"], "label": r["label"], "plan": r["plan"], "verdict": r["verdict"]}
+    if r["verdict"] == "error":
+        return {**out, "error": r["error"]}
+    s = r["summary"]
+    modeled = {**r["modeled"], "speedup_vs_fp32": _speedup(r, baseline)}
+    return {**out, "lowered_ops": r["lowered_ops"], "modeled": modeled,
+            "quality": {k: s[k] for k in ("output_rel_l2", "sqnr_db", "output_max_abs",
+                                          "top1_agreement")},
+            "overflow": s["overflow"], "underflow": s["underflow"], "nan": s["nan"],
+            "overflow_rate": s["overflow_rate"], "guardrails": r["guardrails"],
+            "failed": r["failed"]}
+
+
+def _speedup(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> float | None:
+    if a is None or b is None or "modeled" not in a or "modeled" not in b:
+        return None
+    return b["modeled"]["time_s"] / a["modeled"]["time_s"]
+
+
+def validation(chosen: Mapping[str, Any]) -> dict[str, Any]:
+    """The guardrail x slice matrix of the chosen plan, and the rollback triggers: per
+    guardrail its limit, the worst value validated over all slices and its margin."""
+    # By the checks as reported: `rtol` and `atol` are one, `max_allclose_ratio` (limit 1).
+    checks = {k: g["limit"] for k, g in chosen["guardrails"].items()}
+    matrix = {k: {s: chosen["slices"][s][k] for s in chosen["slices"]} for k in checks}
+    triggers = []
+    for k, limit in checks.items():
+        cells = [(s, c["value"]) for s, c in matrix[k].items() if c["value"] is not None]
+        if not cells:
+            cells = [("all", chosen["guardrails"][k]["value"])]
+        pick = max if k.startswith("max_") else min
+        s, worst = pick(cells, key=lambda c: c[1] if c[1] is not None else 0.0)
+        margin = None if worst is None else (limit - worst if k.startswith("max_")
+                                             else worst - limit)
+        crossed = ">" if k.startswith("max_") else "<"
+        triggers.append({"guardrail": k, "limit": limit, "validated_worst": worst,
+                         "worst_slice": s, "margin": margin,
+                         "rollback_when": f"{k.split('_', 1)[1]} {crossed} {limit}"})
+    return {"slices": sorted(chosen["slices"]), "matrix": matrix, "rollback_triggers": triggers}
+
+
+def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: str,
+                 guardrails: Mapping[str, float], provenance: dict[str, Any],
+                 reproduce: dict[str, str] | None, evaluations: dict[str, int],
+                 slices: bool) -> dict[str, Any]:
+    chosen, baseline = outcome.chosen, outcome.baseline
+    passing_uniform = [r for r in outcome.uniform if r["verdict"] == "pass"]
+    best_uniform = max(passing_uniform, key=lambda r: objective_value(r, objective),
+                       default=None)
+    chosen_json = None
+    if chosen is not None:
+        released = {"formats": chosen["plan"]["formats"], "sparse": chosen["plan"]["sparse"]}
+        chosen_json = {**_figures(chosen, baseline), "plan": released, "sheet": "policy.toml",
+                       "best_uniform": best_uniform["plan"]["sheet"] if best_uniform else None,
+                       "speedup_vs_best_uniform": _speedup(chosen, best_uniform)}
+        if slices:
+            chosen_json["validation"] = validation(chosen)
+    rejected = None
+    if outcome.best_rejected is not None:
+        rejected = {**_figures(outcome.best_rejected, baseline),
+                    "why": failure(outcome.best_rejected)}
+    chosen_key = chosen["key"] if chosen else None
+    candidates = []
+    for r in results:
+        entry = _figures(r, baseline)
+        if r["key"] == chosen_key:
+            entry["rejected"] = None
+        elif r["verdict"] != "pass":
+                entry["rejected"] = f"fails: {failure(r)}"
+        elif "sheet" in r["plan"]:
+            entry["rejected"] = "uniform comparator"
+        else:
+            entry["rejected"] = f"lower {OBJECTIVES[objective].replace('_', ' ')} than chosen"
+        candidates.append(entry)
+    return {
+        "packet": "mplower-tune/1",
+        "objective": objective,
+        "guardrails": dict(guardrails),
+        "baseline": _figures(baseline, baseline),
+        "chosen": chosen_json,
+        "best_rejected": rejected,
+        "uniform": [_figures(r, baseline) for r in outcome.uniform],
+        "items": [it.to_json() for it in outcome.items],
+        "candidates": candidates,
+        "evaluations": evaluations,
+        "reproduce": reproduce,
+        "provenance": provenance,
+    }
+
+
+def pareto_png(path: Path, results: list[dict[str, Any]], chosen_key: str | None,
+               objective: str) -> None:
+    """Modeled objective against output rel-L2 of every evaluated plan, the chosen one
+    marked (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = OBJECTIVES[objective]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    points = [(r, r["summary"]["output_rel_l2"], r["modeled"][key]) for r in results
+              if "modeled" in r and r["modeled"][key] is not None]
+    nonzero = [x for _, x, _ in points if x]
+    # Exact plans (rel-L2 0: fp32, a sheet that lowers nothing) sit at the left edge.
+    edge = min(nonzero) / 10 if nonzero else 1e-6
+    groups: dict[str, list[tuple[float, float]]] = {
+        "pass": [], "fail": [], "uniform pass": [], "uniform fail": []}
+    chosen_pt = None
+    for r, x, y in points:
+        pt = (x if x else edge, y)
+        if r["key"] == chosen_key:
+            chosen_pt = pt
+        verdict = "pass" if r["verdict"] == "pass" else "fail"
+        groups[("uniform " if "sheet" in r["plan"] else "") + verdict].append(pt)
+    styles = {"pass": {"c": "tab:blue", "marker": "o", "label": "meets guardrails"},
+              "fail": {"c": "tab:gray", "marker": "x", "label": "rejected"},
+              "uniform pass": {"c": "tab:orange", "marker": "s",
+                                   "label": "uniform built-in sheet, meets guardrails"},
+              "uniform fail": {"facecolors": "none", "edgecolors": "tab:orange", "marker": "s",
+                                   "label": "uniform built-in sheet, rejected"}}
+    for kind, pts in groups.items():
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], **styles[kind])
+    if chosen_pt is not None:
+        ax.scatter([chosen_pt[0]], [chosen_pt[1]], s=220, facecolors="none",
+                   edgecolors="tab:red", linewidths=2, label="chosen")
+    ax.set_xscale("log")
+    ax.set_xlabel("output rel-L2 against fp32 (exact plans at the left edge)")
+    ax.set_ylabel("modeled " + key.replace("_", " ").replace(" per ", "/"))
+    ax.set_title("mplower tune: every evaluated plan")
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    from mplower.io.atomic import atomic_output
+
+    with atomic_output(path, "wb") as fh:
+        fh.write(buf.getvalue())

@@ -1,0 +1,71 @@
+"""`mplower run --plot`: per-op drift and overflow as a bar chart (issue 13, item 9)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mplower.report.drift_plot import plot_drift
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# relu is exact in f32; the f16 multiply by 1000 overflows for 100 and 200 (1e5 and 2e5 are
+# beyond f16's 65504), so its drift and everything after it is not finite.
+IR = """func.func @main(%x: tensor<4xf32>) -> tensor<4xf32> {
+  %s = mp.constant {value = dense<1000.0> : tensor<f32>} : () -> tensor<f32>
+  %r = mp.relu %x : (tensor<4xf32>) -> tensor<4xf32>
+  %a = mp.mul %r, %s {mp.precision = f16} : (tensor<4xf32>, tensor<f32>) -> tensor<4xf32>
+  %y = mp.add %a, %r : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+  return %y : tensor<4xf32>
+}
+"""
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    (tmp_path / "m.ir").write_text(IR)
+    np.savez(tmp_path / "in.npz", x=np.array([100, 200, 0.3, -1], np.float32))
+    return tmp_path / "m.ir"
+
+
+def test_run_plot_writes_a_png_of_the_reports_drift_and_overflow(cli, model, tmp_path):
+    from matplotlib.image import imread
+
+    png, report_path = tmp_path / "drift.png", tmp_path / "r.json"
+    res = cli("run", model, "--inputs", tmp_path / "in.npz", "--plot", png,
+              "--report", report_path)
+    assert res.rc == 0, res.err
+    data = png.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert imread(png).shape == (550, 600, 4)  # 6 x 5.5 inches at 100 dpi, RGBA
+    report = json.loads(report_path.read_text())
+    plotted = plot_drift(report, "@main")
+    assert plotted.png == data  # the file is this drawing
+    ops = [o for o in report["ops"] if o["op"] != "mp.constant"]
+    assert plotted.names == tuple(o["name"] for o in ops) == (
+        "%s_f16", "%r", "%r_f16", "%a", "%a_f32", "%y")
+    assert plotted.overflow == tuple(o["overflow"] for o in ops) == (0, 0, 0, 2, 0, 0)
+    assert plotted.rel_l2 == tuple(o["rel_l2"] for o in ops)
+    # 1000 is exact in f16, so the scalar's cast has no drift (it read None while a rounded
+    # scalar came back with shape (1,) instead of ()).
+    assert plotted.rel_l2[:2] == (0.0, 0.0) and plotted.rel_l2[3:] == (None, None, None)
+    # The f16 rounding of relu's output: rel_l2 of the f16 values of [100, 200, 0.3, 0].
+    x = np.array([100, 200, 0.3, 0], np.float32)
+    expected = np.linalg.norm(x.astype(np.float16).astype(np.float64) - x) / np.linalg.norm(x)
+    assert plotted.rel_l2[2] == pytest.approx(expected, rel=1e-12)
+
+
+def test_run_plot_of_a_failing_run_leaves_the_png_untouched(cli, model, tmp_path):
+    png = tmp_path / "drift.png"
+    png.write_bytes(b"previous")
+    np.savez(tmp_path / "bad.npz", x=np.zeros(3, np.float32))  # the wrong shape
+    res = cli("run", model, "--inputs", tmp_path / "bad.npz", "--plot", png)
+    assert res.rc == 1
+    first = res.err.splitlines()[0]
+    assert first.startswith(f"{model}:1:17: error: input 'x' in ")
+    assert first.endswith("bad.npz has shape [3] but the function takes [4]")
+    assert png.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "drift.png", "in.npz",
+                                                          "m.ir"]
