@@ -329,9 +329,22 @@ print(json.dumps([seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 
 """
 
 
+# Each calibrating child may map this much memory: onnxruntime's percentile calibrator keeps
+# every activation of every sample (5.5 GB at 32 ResNet-50 samples), and on a shared machine
+# its growth got the kernel's OOM killer going; over the cap it fails on its own instead.
+CHILD_MEMORY = 12 << 30
+
+
+def _memory_cap() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
+
+
 def calibration(count: int) -> list[str]:
     """Static int8 of ResNet-50 (batch 1) calibrated on `count` seeded samples, each tool in a
-    fresh process: seconds for calibrate + quantize, and the process's peak RSS."""
+    fresh process (address space capped at CHILD_MEMORY): seconds for calibrate + quantize,
+    and the process's peak RSS."""
     import json
     import subprocess
 
@@ -343,7 +356,8 @@ def calibration(count: int) -> list[str]:
         np.savez(npz, **{_arg_key(arg): np.stack(samples(model, count, seed=3))})
     ir = mplower_ir(path)
     lines = [(f"Calibrating ResNet-50 (batch 1) on {count} samples, each tool in a fresh "
-              "process (seconds for calibrate + quantize; peak RSS of the process, MiB):"), "",
+              f"process capped at {CHILD_MEMORY >> 30} GiB of address space (seconds for "
+              "calibrate + quantize; peak RSS of the process, MiB):"), "",
              ("| method | mplower s | onnxruntime quantize_static s | mplower MiB | "
               "onnxruntime MiB |"), "|---|---|---|---|---|"]
     for method in ("minmax", "percentile"):
@@ -352,7 +366,7 @@ def calibration(count: int) -> list[str]:
             code = CALIBRATE_CHILD.format(bench=str(Path(__file__).parent),
                                           args=(tool, method, str(path), str(ir), str(npz)))
             run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 check=False)  # a killed tool is a result of its own
+                                 check=False, preexec_fn=_memory_cap)  # a failure is a result
             got[tool.split()[0]] = (json.loads(run.stdout.strip().splitlines()[-1])
                                     if run.returncode == 0 else None)
         cells = [f"{v[0]:.1f}" if v else "failed" for v in (got["mplower"], got["ort"])]

@@ -80,8 +80,11 @@ def split_batches(f: Function, arrays: dict[str, np.ndarray], loc: Location,
 
 def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
                        runner: ReferenceRunner, weights: str | None, bins: int,
-                       progress: Progress | None = None) -> dict[Value, TensorStats]:
-    """Statistics of every float, non-constant value of the function over all batches."""
+                       progress: Progress | None = None,
+                       histogram: bool = True) -> dict[Value, TensorStats]:
+    """Statistics of every float, non-constant value of the function over all batches
+    (`histogram=False`: without the magnitude histograms, which only the clipping methods
+    read)."""
     f = module.function(func)
     reference = runner(module, func, weights)
     constants = constant_nodes(f)
@@ -89,7 +92,7 @@ def calibrate_function(module: Module, func: str | None, batches: list[list[np.n
     ret = f.return_node
     tracked = [(n, 0) for n in [*f.args, *f.ops()] if n != ret and n not in constants
                and FORMATS[f.types(n)[0].elem].is_float]
-    stats = {v: TensorStats(bins) for v in tracked}
+    stats = {v: TensorStats(bins, histogram) for v in tracked}
     for batch in batches:
         refs = reference(batch)
         for v in tracked:
@@ -167,7 +170,7 @@ class Calibrate(Pass):
         progress = Progress(len(batches), "calibrate")
         try:
             stats = calibrate_function(module, func, batches, ctx.runner, ctx.weights_path,
-                                       self.bins, progress)
+                                       self.bins, progress, histogram=self.method != "minmax")
         finally:
             progress.close()
         axes = channel_axes(f, constant_nodes(f))

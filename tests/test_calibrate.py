@@ -281,3 +281,23 @@ def test_calibrated_mlp_is_byte_identical_for_any_grouping_and_order_of_192_samp
         assert calibrated_mlp(tmp_path, x[order], 32)[0] == text
     for batch in (1, 64, 192):
         assert calibrated_mlp(tmp_path, x[rng.permutation(192)], batch)[1] == attrs, batch
+
+
+def test_minmax_calibration_counts_no_magnitude_histogram_and_records_what_a_full_one_gives(
+        tmp_path):
+    from mplower.passes.calibrate import calibrate_function
+
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((6, 4)) * [1, 3, 0.5, 8]).astype(np.float32)
+    module = parse(MODEL.format(b=2))
+    batches = [[b] for b in x.reshape(3, 2, 4)]
+    lean = calibrate_function(module, None, batches, reference_runner, None, 256,
+                              histogram=False)
+    full = calibrate_function(module, None, batches, reference_runner, None, 256)
+    assert all(s.pos.sum() == s.neg.sum() == 0 for s in lean.values())
+    for v, s in full.items():
+        t = lean[v]
+        assert (t.min, t.max, t.count, t.tiny()) == (s.min, s.max, s.count, s.tiny())
+        assert np.array_equal(t.exponents, s.exponents)
+    assert calibrated(tmp_path, 2, x.reshape(3, 2, 4)) == calibrated(
+        tmp_path, 6, x, "method=minmax bins=4096")

@@ -194,3 +194,39 @@ def test_results_are_bit_identical_under_every_openblas_kernel_and_thread_count(
             assert done.returncode == 0, done.stderr
             digests[(core, threads)] = done.stdout.strip()
     assert len(set(digests.values())) == 1, digests
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 50), (16, 64, 100), (37, 300, 71)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gemm_bias_and_relu_epilogue_is_numpys_add_then_maximum_on_every_path(shape) -> None:
+    m, k, n = shape
+    rng = np.random.default_rng(m + k)
+    a = rng.standard_normal((2, m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    a[0, 1, 3] = np.nan
+    a[1, 2] = 0.0  # a row of +0 sums, plus a -0.0 bias: +0, and relu keeps +0
+    bias = rng.standard_normal(m).astype(np.float32)
+    bias[2] = -0.0
+    got = matmul(a, b, bias=bias, relu=True)
+    plain = np.stack([sequential_matmul(x, b) for x in a])
+    expect = np.maximum(plain + bias.reshape(-1, 1), np.float32(0))
+    assert bits(got) == bits(expect)
+    assert bits(matmul(a, b, bias=bias)) == bits(plain + bias.reshape(-1, 1))
+
+
+@pytest.mark.parametrize("k", [300, 1500])  # one exact chunk (the tile path), and several
+def test_integer_gemm_dequantize_epilogue_is_numpys_float32_arithmetic(k) -> None:
+    from mplower.numerics.gemm import integer_matmul
+
+    rng = np.random.default_rng(k)
+    a = rng.integers(-128, 128, (40, k)).astype(np.int8)
+    b = rng.integers(0, 256, (k, 70)).astype(np.uint8)
+    scale = (rng.random(40) * 1e-4).astype(np.float32)
+    bias = rng.standard_normal(40).astype(np.float32)
+    q = (a.astype(np.int64) @ b.astype(np.int64)).astype(np.int32)
+    for kwargs, expect in (
+            ({"scale": scale}, q.astype(np.float32) * scale[:, None]),
+            ({"scale": scale, "bias": bias, "relu": True},
+             np.maximum(q.astype(np.float32) * scale[:, None] + bias[:, None], np.float32(0)))):
+        got = integer_matmul(a, b, **kwargs)
+        assert got.dtype == np.float32 and bits(got) == bits(expect)

@@ -274,3 +274,83 @@ def test_max_pool_equals_numpys_window_max_including_signed_zeros_and_nan() -> N
         expect = sliding_window_view(padded, k, axis=(2, 3))[:, :, ::s[0], ::s[1]].max(
             axis=(-2, -1))
         assert got.tobytes() == expect.tobytes(), trial
+
+
+@pytest.mark.parametrize("xdtype", [np.int8, np.uint8])
+def test_int8_conv_epilogue_is_dequantize_add_relu_of_the_int32_sum_bit_for_bit(xdtype) -> None:
+    from mplower.numerics.conv import conv2d
+
+    rng = np.random.default_rng(8)
+    info = np.iinfo(xdtype)
+    x = rng.integers(info.min, info.max + 1, (2, 6 * 200, 5, 5)).astype(xdtype)  # K > 514
+    w = rng.integers(-128, 128, (12, 400, 3, 3)).astype(np.int8)
+    scale = (rng.random(12) * 1e-4).astype(np.float32)
+    bias = rng.standard_normal(12).astype(np.float32)
+    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 3, scale=scale, bias=bias, relu=True)
+    # DequantizeLinear of the int32 sum, Add, Relu: numpy's float32 operations, in that order.
+    q = conv_int64(x, w, 1, 1, 1, 3).astype(np.int32)
+    expect = np.maximum(q.astype(np.float32) * scale.reshape(1, -1, 1, 1)
+                        + bias.reshape(1, -1, 1, 1), np.float32(0))
+    assert got.dtype == np.float32 and got.tobytes() == expect.tobytes()
+    assert (got == 0).any() and (got > 0).any()
+
+
+def test_float_conv_bias_and_relu_epilogue_are_numpys_add_and_maximum() -> None:
+    from mplower.numerics.conv import conv2d
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 6, 9, 9)).astype(np.float32)
+    x[0, 0, 4, 4] = np.nan
+    w = rng.standard_normal((10, 3, 3, 3)).astype(np.float32)
+    bias = rng.standard_normal(10).astype(np.float32)
+    bias[1] = -0.0
+    w[1] = 0.0  # channel 1 is 0 + -0: +0 in IEEE; then relu
+    plain = conv2d(x, w, (2, 1), (1, 0, 1, 2), (1, 1), 2)
+    got = conv2d(x, w, (2, 1), (1, 0, 1, 2), (1, 1), 2, bias=bias, relu=True)
+    expect = np.maximum(plain + bias.reshape(1, -1, 1, 1), np.float32(0))
+    assert got.tobytes() == expect.tobytes()
+    assert np.isnan(got).any()
+
+
+def test_run_lowered_runs_dequantize_bias_and_relu_in_the_conv_with_the_same_bits() -> None:
+    from mplower.backend.executor import Program
+    from mplower.ir.parser import parse
+
+    text = """func.func @main(%x: tensor<2x16x6x6xf32>) -> (tensor<2x8x6x6xf32>, tensor<2x8x6x6xf32>) {
+  %w = mp.constant {value = dense<0.125> : tensor<8x16x3x3xf32>} : () -> tensor<8x16x3x3xf32>
+  %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0, 0.0, -1.0, 0.5, -0.25]> : tensor<8xf32>} : () -> tensor<8xf32>
+  %b3 = mp.reshape %b : (tensor<8xf32>) -> tensor<8x1x1xf32>
+  %wq = mp.quantize %w {scale = dense<[0.01, 0.02, 0.01, 0.03, 0.01, 0.02, 0.01, 0.05]> : tensor<8xf32>, axis = 0} : (tensor<8x16x3x3xf32>) -> tensor<8x16x3x3xi8>
+  %xq = mp.quantize %x {scale = 0.02, zero_point = 0 : ui8} : (tensor<2x16x6x6xf32>) -> tensor<2x16x6x6xui8>
+  %c = mp.conv2d %xq, %wq {padding = [1, 1, 1, 1]} : (tensor<2x16x6x6xui8>, tensor<8x16x3x3xi8>) -> tensor<2x8x6x6xi32>
+  %d = mp.dequantize %c {scale = dense<[0.0002, 0.0004, 0.0002, 0.0006, 0.0002, 0.0004, 0.0002, 0.001]> : tensor<8xf32>, axis = 1} : (tensor<2x8x6x6xi32>) -> tensor<2x8x6x6xf32>
+  %a = mp.add %d, %b3 : (tensor<2x8x6x6xf32>, tensor<8x1x1xf32>) -> tensor<2x8x6x6xf32>
+  %r = mp.relu %a : (tensor<2x8x6x6xf32>) -> tensor<2x8x6x6xf32>
+  %f = mp.conv2d %x, %w, %b {padding = [1, 1, 1, 1]} : (tensor<2x16x6x6xf32>, tensor<8x16x3x3xf32>, tensor<8xf32>) -> tensor<2x8x6x6xf32>
+  %fr = mp.relu %f : (tensor<2x8x6x6xf32>) -> tensor<2x8x6x6xf32>
+  return %r, %fr : tensor<2x8x6x6xf32>, tensor<2x8x6x6xf32>
+}
+"""
+    program = Program(parse(text, "m.ir"))
+    x = np.random.default_rng(10).standard_normal((2, 16, 6, 6)).astype(np.float32)
+    expect = program.run([x], reference=False).outputs  # every op on its own
+    got = program.run_lowered(program.prepare_inputs([x]))
+    assert [y.tobytes() for y in got] == [y.tobytes() for y in expect]
+    assert [s.op for s in program._live] == ["mp.quantize", "mp.conv2d", "mp.conv2d"]
+    assert (got[0] == 0).any() and (got[0] > 0).any()
+
+
+def test_histogram_of_a_relu_output_counted_in_parts_equals_numpys_counts() -> None:
+    """Half zeros (counted apart from bin 0), -0.0, subnormals (frexp's second pass) and a
+    tensor large enough to be counted in parts on the worker threads."""
+    from mplower.lowering.calibration import TensorStats
+    from mplower.numerics.histogram import SERIAL_BELOW
+
+    rng = np.random.default_rng(11)
+    x = np.maximum(rng.standard_normal(3 * SERIAL_BELOW + 5), 0).astype(np.float32)
+    x[:6] = [-0.0, 1e-45, 3e-39, -2e-40, -0.0, 0.0]
+    stats = TensorStats(bins=512)
+    stats.add(x)
+    pos, neg, exps = numpy_histograms([x], 512)
+    assert np.array_equal(stats.pos, pos) and np.array_equal(stats.neg, neg)
+    assert np.array_equal(stats.exponents, exps)

@@ -14,7 +14,9 @@ sums for i8 x i8 -> i32.
 
 The fp32 reference is the same schedule with every cast and quantize/dequantize removed and
 nothing rounded; `run` executes both side by side and keeps per-op statistics, `run_lowered`
-only the lowered plan (what `mplower bench` times). An op/format pair the backend has no kernel
+only the lowered plan (what `mplower bench` times), with its constant-only ops run once and a
+conv's dequantize, bias add and relu run as the conv's GEMM stores each output (the same bits
+as the separate ops, which `run` keeps for its statistics). An op/format pair the backend has no kernel
 for runs on the nearest wider path and is reported as a fallback with its reason code: a
 sparse kernel (`no-sparse-kernel`: run densely), an integer plan that was never quantized
 (`not-quantized`: its float operands run in their own format), an fp16 accumulator over
@@ -25,7 +27,7 @@ operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -88,6 +90,8 @@ class Step:
     constant: np.ndarray | None = None  # the lowered value of an mp.constant, rounded once
     constant_counts: Counts = NO_COUNTS
     scale_stats: list[ScaleStats] | None = None  # mp.scaled_quant: its last step's account
+    attrs: dict = field(default_factory=dict)  # checked attributes
+    in_types: list[TensorType] = field(default_factory=list)
 
 
 @dataclass
@@ -249,7 +253,7 @@ class Program:
             run = _generic_kernel(opdef.reference, attrs, out_t, exact)
         return Step(n, f.value_name((n, 0)), op, inputs, out, run, reference, plan.requested,
                     plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts,
-                    scale_stats)
+                    scale_stats, attrs, in_types)
 
     def _constant(self, attrs: dict, t: TensorType,
                   loc: Location) -> tuple[np.ndarray, Counts, np.ndarray]:
@@ -343,7 +347,9 @@ class Program:
 
         Ops whose operands are all constants (a weight's quantize, a bias reshape) give the
         same value every run: they run once, on the first call, as a deployed plan holds its
-        quantized weights; the kernels are deterministic, so the results are the same bits."""
+        quantized weights; the kernels are deterministic, so the results are the same bits.
+        A conv's dequantize, bias add and relu run as the conv stores each output
+        (`_fuse_epilogues`), with the bits the separate ops give."""
         if self._folded is None:
             folded, live = list(self._initial), []
             known = {s.output for s in self.steps if s.constant is not None}
@@ -353,7 +359,8 @@ class Program:
                     known.add(step.output)
                 else:
                     live.append(step)
-            self._folded, self._live = folded, live
+            self._folded = folded
+            self._live = _fuse_epilogues(live, {i: folded[i] for i in known}, self.outputs)
         values = list(self._folded)
         values[:len(prepared)] = prepared
         self._run_steps(self._live, values)
@@ -373,6 +380,118 @@ class Program:
                 return step.run([values[i] for i in step.inputs])
         except (OpError, ValueError, TypeError) as e:
             raise _failed(step, e) from None
+
+
+# ---- epilogue fusion (run_lowered) ---------------------------------------------------------
+# A conv is followed, in a network, by ops that touch each output once: the dequantize of an
+# integer conv, the add of a per-channel bias, a relu. run_lowered runs them as the GEMM stores
+# each output (mplower.numerics.conv's epilogue), which computes each with the float32
+# operation the op's kernel uses, so the bits are the same and two to four passes over memory
+# (and their Python calls) are saved. Only where the intermediate values are used by nothing
+# else, and every value in the chain is f32 except the conv's exact i32 sum.
+
+# |sum| below 2^31: the exact sum is the int32 that dequantize would read.
+_I32_LIMIT = 2 ** 31
+
+
+def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
+                    outputs: list[int]) -> list[Step]:
+    uses: dict[int, list[Step]] = {}
+    for s in steps:
+        for i in s.inputs:
+            uses.setdefault(i, []).append(s)
+    kept = set(outputs)
+
+    def only_user(s: Step, op: str) -> Step | None:
+        users = uses.get(s.output, [])
+        if len(users) == 1 and users[0].op == op and s.output not in kept \
+                and users[0].inputs.count(s.output) == 1:
+            return users[0]
+        return None
+
+    fused: dict[int, Step] = {}  # step index (its node) -> the step that replaces it
+    gone: set[int] = set()
+    for conv in steps:
+        if conv.op != "mp.conv2d" or conv.executed["accum"] not in ("f32", "i32") \
+                or conv.executed["kernel"] != DENSE:
+            continue
+        channels = conv.out_type.shape[1]
+        chain: list[Step] = []
+        scale = bias = None
+        last = conv
+        if conv.out_type.elem == "i32":
+            x_t, w_t = conv.in_types[:2]
+            k = w_t.shape[1] * w_t.shape[2] * w_t.shape[3]
+            if len(conv.inputs) != 2 or FORMATS[x_t.elem].bits != 8 \
+                    or FORMATS[w_t.elem].bits != 8 \
+                    or _magnitude(x_t.elem) * _magnitude(w_t.elem) * k >= _I32_LIMIT \
+                    or (dq := only_user(conv, "mp.dequantize")) is None:
+                continue
+            scale = _dequantize_scale(dq, channels)
+            if scale is None:
+                continue
+            chain.append(dq)
+            last = dq
+            add = only_user(dq, "mp.add")
+            if add is not None:
+                other = add.inputs[1 - add.inputs.index(dq.output)]
+                bias = _channel_bias(constants.get(other), add, channels)
+                if bias is not None:
+                    chain.append(add)
+                    last = add
+        elif conv.out_type.elem != "f32":
+            continue
+        relu = only_user(last, "mp.relu")
+        if relu is not None and relu.out_type.elem == "f32":
+            chain.append(relu)
+            last = relu
+        if not chain:
+            continue
+        fused[conv.node] = replace(conv, name=last.name, output=last.output, out_type=last.out_type,
+                                   run=_fused_conv_kernel(conv, scale, bias, relu is not None))
+        gone.update(s.node for s in chain)
+    return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _dequantize_scale(dq: Step, channels: int) -> np.ndarray | None:
+    """The per-channel float32 scale of an f32 dequantize of a conv's i32 result (axis 1 or a
+    scalar, zero point 0, no blocks), or None."""
+    scale = attr_array(dq.attrs["scale"]).astype(np.float32)
+    zp = attr_array(dq.attrs["zero_point"])
+    if dq.out_type.elem != "f32" or np.any(zp != 0) or dq.attrs.get("block_size"):
+        return None
+    if scale.size == 1:
+        return np.full(channels, scale.reshape(()), np.float32)
+    if dq.attrs["axis"] % 4 != 1 or scale.size != channels:
+        return None
+    return scale.reshape(-1)
+
+
+def _channel_bias(value: Any, add: Step, channels: int) -> np.ndarray | None:
+    """A float32 constant that adds one value per channel of an NCHW result, as a vector."""
+    if not isinstance(value, np.ndarray) or value.dtype != np.float32 \
+            or add.out_type.elem != "f32" or value.ndim > 4:
+        return None
+    shape = (1,) * (4 - value.ndim) + value.shape
+    if shape[0] != 1 or shape[2:] != (1, 1) or shape[1] not in (1, channels):
+        return None
+    return np.ascontiguousarray(np.broadcast_to(value.reshape(-1), (channels,)))
+
+
+def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | None,
+                       relu: bool) -> Kernel:
+    from mplower.numerics.conv import conv2d
+
+    a = conv.attrs
+    geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
+
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        x, w = xs[0], xs[1]
+        if scale is None:  # a float conv: its own bias operand, then the relu
+            b = _f32(xs[2]) if len(xs) == 3 else None
+            return conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu), None
+        return conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu), None
+    return run
 
 
 def reference_runner(module: Module, func: str | None = None,

@@ -448,10 +448,12 @@ def _conv_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
     integer = xs[0].dtype.kind in "iub" and xs[1].dtype.kind in "iub"
     x, w = (xs[0], xs[1]) if integer else (_num(xs[0]), _num(xs[1]))
-    y = conv2d(x, w, a["strides"], a["padding"], a["dilations"], a["groups"])
-    if len(xs) == 3:
-        y = y + _num(xs[2]).reshape(1, -1, 1, 1)
-    return [y]
+    bias = _num(xs[2]) if len(xs) == 3 else None
+    geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
+    if not integer:  # the bias added as the GEMM stores each output: the same float sums
+        return [conv2d(x, w, *geometry, bias=bias)]
+    y = conv2d(x, w, *geometry)
+    return [y if bias is None else y + bias.reshape(1, -1, 1, 1)]
 
 
 def _conv_flops(ins: Sequence[TensorType], a: dict) -> int:

@@ -57,10 +57,13 @@ TINY_QUANTILE = 0.01  # mp.tiny: this quantile of the non-zero magnitudes, as a 
 class TensorStats:
     """Everything calibration keeps about one tensor; `add` and `merge` commute exactly."""
 
-    def __init__(self, bins: int = 2048):
+    def __init__(self, bins: int = 2048, histogram: bool = True):
+        """`histogram=False` leaves pos and neg at zero (minmax reads only the extremes and the
+        exponents): half the counting work."""
         if bins < 2 or bins & (bins - 1):
             raise ValueError(f"bins must be a power of two >= 2, got {bins}")
         self.bins = bins
+        self.histogram = histogram
         self.count = 0
         self.min = math.inf
         self.max = -math.inf
@@ -102,8 +105,10 @@ class TensorStats:
         # One compiled pass in x's own dtype (the counts of an ldexp/bincount over float64).
         from mplower.numerics.histogram import magnitude_counts
 
-        magnitude_counts(x, int(np.log2(self.bins)) - (self.exp or 0), self.pos, self.neg,
-                         self.exponents, _EXP_LO)
+        none = np.zeros(0, np.int64)
+        magnitude_counts(x, int(np.log2(self.bins)) - (self.exp or 0),
+                         self.pos if self.histogram else none,
+                         self.neg if self.histogram else none, self.exponents, _EXP_LO)
 
     def merge(self, other: TensorStats) -> None:
         """Fold another tensor's statistics into this one (same `bins`)."""

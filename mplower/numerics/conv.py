@@ -12,6 +12,10 @@ the GEMM streams): no loop over groups.
 Integer operands are summed exactly: values whose products stay within float32's integers
 (8-bit quantized values) go through im2col as float32, and `integer_matmul` splits K so that
 no partial sum leaves them; the result is np.matmul's int64 product at float32 GEMM speed.
+
+The ops that follow a conv in a network (a bias, the dequantize of an integer conv, a relu)
+can run as the GEMM stores each output (`scale`, `bias`, `relu`), with the bits the separate
+ops give, and without their passes over memory.
 """
 
 from __future__ import annotations
@@ -22,32 +26,37 @@ from mplower.numerics.gemm import F32_EXACT, int_magnitude, integer_matmul, matm
 from mplower.numerics.windows import conv_windows
 
 
-def _padded(x: np.ndarray, padding: tuple[int, ...], fill: float = 0) -> np.ndarray:
+def _padded(x: np.ndarray, padding: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """x zero-padded by (top, left, bottom, right), converted to `dtype` in the same copy."""
     pt, pl, pb, pr = padding
     if not any(padding):
-        return x
-    out = np.full(x.shape[:2] + (x.shape[2] + pt + pb, x.shape[3] + pl + pr), fill, x.dtype)
+        return x.astype(dtype, copy=False)
+    out = np.zeros(x.shape[:2] + (x.shape[2] + pt + pb, x.shape[3] + pl + pr), dtype)
     out[:, :, pt:pt + x.shape[2], pl:pl + x.shape[3]] = x
     return out
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            padding: tuple[int, int, int, int], dilations: tuple[int, int],
-           groups: int) -> np.ndarray:
+           groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
+           relu: bool = False) -> np.ndarray:
     """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
-    int64 for integer operands."""
+    int64 for integer operands.
+
+    Epilogue, per output channel (float32 or float64 vectors of length O): `bias` added and
+    `relu` applied as y + bias and np.maximum(y, 0) would; for integer operands a `scale` or
+    `bias` makes the result float32(y) * scale + bias (DequantizeLinear of the int32 result
+    with zero point 0, then Add), which needs 8-bit operands (int_magnitude)."""
     integer = x.dtype.kind in "iub"
-    # uint8 activations are centred (x - 128 in [-128, 127]) so that the exact K chunks are as
-    # long as for int8 (1024, not 514); sum w * x = sum w * (x - 128) + 128 * sum w, with
-    # padding at x = 0, i.e. -128.
-    centre = 128 if x.dtype == np.uint8 and w.dtype.kind in "iu" else 0
-    bound = (max(centre, int_magnitude(x) - centre) * int_magnitude(w)) if integer else 0
+    bound = int_magnitude(x) * int_magnitude(w) if integer else 0
     if integer and bound <= F32_EXACT:
-        x, w = x.astype(np.float32) - np.float32(centre), w.astype(np.float32)
+        work = np.dtype(np.float32)
     elif integer:
-        x, w, centre = x.astype(np.int64), w.astype(np.int64), 0
-    x = _padded(x, padding, -centre)
+        work = np.dtype(np.int64)
+    else:
+        work = np.result_type(x, w)
+    x, w = _padded(x, padding, work), w.astype(work, copy=False)
     n, g = x.shape[0], groups
     o, cg, kh, kw = w.shape
     (sh, sw), (dh, dw) = strides, dilations
@@ -59,9 +68,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         view = conv_windows(x, (kh, kw), strides, dilations)
         cols = view.transpose(0, 1, 4, 5, 2, 3).reshape(n, g, cg * kh * kw, ho * wo)
     wmat = w.reshape(g, o // g, cg * kh * kw)
-    if not integer:
-        return matmul(wmat, cols).reshape(n, o, ho, wo)
-    y = integer_matmul(wmat, cols, bound)
-    if centre:
-        y += centre * wmat.astype(np.int64).sum(axis=-1)[..., None]
+    if integer:
+        y = integer_matmul(wmat, cols, bound, scale=scale, bias=bias, relu=relu)
+    else:
+        y = matmul(wmat, cols, bias=bias, relu=relu)
     return y.reshape(n, o, ho, wo)

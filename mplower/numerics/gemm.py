@@ -45,17 +45,21 @@ SERIAL_BELOW = 1 << 25
 
 
 def _micro_kernel(rows: int):
-    """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, ldp, tile, depth)` for
-    `rows` output rows: tile[r, :] += a[a_offset + r * lda + k] * panel[panel_offset + k * ldp
-    + :] for k = 0 .. depth-1 in that order, over a (rows, cols) tile held in registers.
+    """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, ldp, tile, tile_offset, ldt,
+    depth, zero)` for `rows` output rows: t[r, :] += a[a_offset + r * lda + k] * panel[
+    panel_offset + k * ldp + :] for k = 0 .. depth-1 in that order, over a (rows, cols) tile
+    held in registers, where t[r, :] is tile[tile_offset + r * ldt:][:cols], starting from +0
+    instead of t's contents when `zero` is non-zero (so t may be the result itself).
 
     Written as LLVM vector IR because numba's loops cannot keep an accumulator tile in
     registers: each lane is one output column, and each step is an `fmul` then an `fadd`
     without fast-math flags, so LLVM may neither fuse (FMA) nor reorder them."""
 
     @intrinsic
-    def micro(typingctx, a, a_offset, lda, panel, panel_offset, ldp, tile, depth):
-        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, tile, depth)
+    def micro(typingctx, a, a_offset, lda, panel, panel_offset, ldp, tile, tile_offset, ldt,
+              depth, zero):
+        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, tile, tile_offset, ldt,
+                         depth, zero)
         width = 8 if a.dtype == types.float64 else 4
         fty = ir.DoubleType() if width == 8 else ir.FloatType()
         lanes = _VECTOR_BYTES // width
@@ -64,16 +68,16 @@ def _micro_kernel(rows: int):
 
 
 def _codegen(rows: int, lanes: int, vty: ir.VectorType):
-    cols = lanes * _VECTORS
     i64 = ir.IntType(64)
 
     def codegen(context, builder, signature, args):
-        av, a_off, lda_v, pv, p_off, ldp, tv, kk = args
+        av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
         a_ptr = builder.gep(context.make_array(signature.args[0])(context, builder, av).data,
                             [a_off])
         p_ptr = builder.gep(context.make_array(signature.args[3])(context, builder, pv).data,
                             [p_off])
-        t_ptr = context.make_array(signature.args[6])(context, builder, tv).data
+        t_ptr = builder.gep(context.make_array(signature.args[6])(context, builder, tv).data,
+                            [t_off])
 
         def vector_at(base, offset):
             return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
@@ -82,7 +86,13 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
             return ir.Constant(i64, v)
 
         slots = [(r, v) for r in range(rows) for v in range(_VECTORS)]
-        init = {rv: builder.load(vector_at(t_ptr, const(rv[0] * cols + rv[1] * lanes)), align=4)
+
+        def at(r, v):
+            return builder.add(builder.mul(const(r), ldt), const(v * lanes))
+
+        start_at_zero = builder.icmp_signed("!=", zero, const(0))
+        init = {rv: builder.select(start_at_zero, ir.Constant(vty, None),
+                                   builder.load(vector_at(t_ptr, at(*rv)), align=4))
                 for rv in slots}
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
@@ -117,7 +127,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
             final[rv].add_incoming(init[rv], entry)
             final[rv].add_incoming(new[rv], loop)
         for (r, v), value in final.items():
-            builder.store(value, vector_at(t_ptr, const(r * cols + v * lanes)), align=4)
+            builder.store(value, vector_at(t_ptr, at(r, v)), align=4)
         return context.get_dummy_value()
     return codegen
 
@@ -139,10 +149,12 @@ def _pack(b, panels, q, cols, base):
 
 
 @njit(cache=True)
-def _tile(a, b, panels, c, ia, ib, t, cols):
+def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
     """Output tile t of c (B, M, N): batch, then column panel, then row block (consecutive
-    tiles share a panel), accumulated over all of K in _micro's order and stored. Without
-    `panels` (empty: too few rows to repay packing) full panels are read from b in place."""
+    tiles share a panel), accumulated over all of K in _micro's order and stored through the
+    epilogue (`_store`). Without `panels` (empty: too few rows to repay packing) full panels
+    are read from b in place. With `chunk` < K (integer operands, see `integer_matmul`) each
+    chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
     rows_t = (m + _ROWS - 1) // _ROWS
     per = (n + cols - 1) // cols
@@ -156,16 +168,85 @@ def _tile(a, b, panels, c, ia, ib, t, cols):
     else:  # the last, partial panel
         source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
         _pack(b, source, ib[batch] * per + p, cols, 0)
-    tile = np.zeros(_ROWS * cols, c.dtype)
-    if i0 + _ROWS <= m:
-        _micro(a.reshape(-1), (ia[batch] * m + i0) * kk, kk, source, offset, ldp, tile, kk)
+    a_offset = (ia[batch] * m + i0) * kk
+    if chunk >= kk and i0 + _ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize:
+        # A full tile: the registers go straight to the result, the epilogue runs there.
+        _micro(a.reshape(-1), a_offset, kk, source, offset, ldp, c.reshape(-1),
+               (batch * m + i0) * n + j0, n, kk, 1)
+        if scale.size or bias.size or relu:
+            _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu)
+    elif chunk >= kk:
+        _sweep(a, a_offset, kk, source, offset, ldp, tile, 0, kk, m - i0, cols)
+        _store(tile, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias, relu)
     else:
-        for r in range(m - i0):
-            _micro_row(a.reshape(-1), (ia[batch] * m + i0 + r) * kk, kk, source, offset, ldp,
-                       tile[r * cols:], kk)
-    for r in range(min(_ROWS, m - i0)):
-        for j in range(min(cols, n - j0)):
-            c[batch, i0 + r, j0 + j] = tile[r * cols + j]
+        total[:] = 0
+        for k0 in range(0, kk, chunk):
+            _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, min(chunk, kk - k0),
+                   m - i0, cols)
+            total += tile
+        _store(total, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias,
+               relu)
+
+
+@njit(cache=True)
+def _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, depth, rows, cols):
+    """tile (rows `cols` apart) = the products of k = k0 .. k0 + depth - 1, in that order,
+    summed from +0, for `rows` rows."""
+    if rows >= _ROWS:
+        _micro(a.reshape(-1), a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, 0, cols,
+               depth, 1)
+    else:
+        for r in range(rows):
+            _micro_row(a.reshape(-1), a_offset + r * kk + k0, kk, source, offset + k0 * ldp,
+                       ldp, tile, r * cols, cols, depth, 1)
+
+
+@njit(cache=True)
+def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
+    """`_store`'s epilogue over a full tile already in c (a float sum in c's type), without a
+    branch in the loop so that it vectorizes: an absent scale multiplies by 1 and an absent
+    bias adds -0.0, both of which give every value (-0.0 and NaN included) back unchanged."""
+    m, n = c.shape[1], c.shape[2]
+    flat = c.reshape(-1)
+    g = batch % max(1, scale.shape[0], bias.shape[0])
+    zero = np.float32(0)
+    for r in range(_ROWS):
+        base = (batch * m + i0 + r) * n + j0
+        s = scale[g, i0 + r] if scale.size else np.float32(1)
+        h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
+        for j in range(base, base + cols):
+            v = flat[j] * s + h if scale.size else flat[j] + h
+            flat[j] = zero if relu and v <= 0 else v
+
+
+@njit(cache=True)
+def _store(tile, c, batch, i0, rows, j0, cols, scale, bias, relu):
+    """`rows` rows of the tile (`cols` apart) into c at (batch, i0, j0), through the epilogue:
+    for output row i (channel (batch % G) * M + i of the (G, M) tables `scale` and `bias`, each
+    empty when absent) y = float32(sum) * scale, then y + bias, then relu as np.maximum(y, 0)
+    (NaN kept, -0 to +0): each a float operation, rounded once, as the separate ops compute
+    them. No branch in the loops (an absent bias adds -0.0, which changes no value)."""
+    m, n = c.shape[1], c.shape[2]
+    flat = c.reshape(-1)
+    width = min(cols, n - j0)
+    g = batch % max(1, scale.shape[0], bias.shape[0])
+    zero = np.float32(0)
+    for r in range(rows):
+        base = (batch * m + i0 + r) * n + j0
+        row = tile[r * cols:r * cols + width]
+        h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
+        if scale.size:
+            s = scale[g, i0 + r]
+            for j in range(width):
+                v = np.float32(row[j]) * s + h
+                flat[base + j] = zero if relu and v <= 0 else v
+        elif bias.size or relu:
+            for j in range(width):
+                v = row[j] + h
+                flat[base + j] = zero if relu and v <= 0 else v
+        else:
+            for j in range(width):
+                flat[base + j] = row[j]
 
 
 _WIDE = 8
@@ -183,13 +264,14 @@ def _panels(b, c, cols):
 
 
 @njit(cache=True)
-def _gemm_serial(a, b, c, ia, ib, cols):
+def _gemm_serial(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     for q in range(count):
         _pack(b, panels, q, cols, q * b.shape[1] * cols)
+    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
     for t in range(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
                    * ((c.shape[2] + cols - 1) // cols)):
-        _tile(a, b, panels, c, ia, ib, t, cols)
+        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
 
 @njit(cache=True, nogil=True)
@@ -199,16 +281,18 @@ def _pack_blocks(b, panels, cols, q0, q1):
 
 
 @njit(cache=True, nogil=True)
-def _tile_blocks(a, b, panels, c, ia, ib, cols, t0, t1):
+def _tile_blocks(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, t0, t1):
+    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
     for t in range(t0, t1):
-        _tile(a, b, panels, c, ia, ib, t, cols)
+        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
 
-def _gemm_parallel(a, b, c, ia, ib, cols):
+def _gemm_parallel(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     run_blocks(_pack_blocks, count, b, panels, cols)
     run_blocks(_tile_blocks, c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
-               * ((c.shape[2] + cols - 1) // cols), a, b, panels, c, ia, ib, cols)
+               * ((c.shape[2] + cols - 1) // cols), a, b, panels, c, ia, ib, cols, chunk,
+               scale, bias, relu)
 
 
 # Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
@@ -218,8 +302,9 @@ _CHUNK = 512
 
 
 @njit(cache=True)
-def _rows(a, b, c, ia, ib, t):
-    """Chunk t of c (B, M, N) (batch, then row, then column chunk), swept over k."""
+def _rows(a, b, c, ia, ib, t, chunk, scale, bias, relu):
+    """Chunk t of c (B, M, N) (batch, then row, then column chunk), swept over k, K split
+    into exact chunks for integer operands as in `_tile`, stored through the epilogue."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
     chunks = (n + _CHUNK - 1) // _CHUNK
     batch, rest = t // (m * chunks), t % (m * chunks)
@@ -227,30 +312,43 @@ def _rows(a, b, c, ia, ib, t):
     j1 = min(j0 + _CHUNK, n)
     x = a[ia[batch], i]
     w = b[ib[batch]]
-    y = c[batch, i, j0:j1]
-    y[:] = 0
-    for k in range(kk):
+    y = np.zeros(j1 - j0, a.dtype)
+    if chunk >= kk:
+        _row_sweep(x, w, y, j0, 0, kk)
+        _store(y, c, batch, i, 1, j0, j1 - j0, scale, bias, relu)
+    else:
+        total = np.zeros(j1 - j0, np.float64)
+        for k0 in range(0, kk, chunk):
+            y[:] = 0
+            _row_sweep(x, w, y, j0, k0, min(kk, k0 + chunk))
+            total += y
+        _store(total, c, batch, i, 1, j0, j1 - j0, scale, bias, relu)
+
+
+@njit(cache=True)
+def _row_sweep(x, w, y, j0, k0, k1):
+    for k in range(k0, k1):
         xk = x[k]
-        row = w[k, j0:j1]
-        for j in range(j1 - j0):
+        row = w[k, j0:j0 + y.size]
+        for j in range(y.size):
             y[j] += xk * row[j]
 
 
 @njit(cache=True)
-def _rows_serial(a, b, c, ia, ib):
+def _rows_serial(a, b, c, ia, ib, chunk, scale, bias, relu):
     for t in range(c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK)):
-        _rows(a, b, c, ia, ib, t)
+        _rows(a, b, c, ia, ib, t, chunk, scale, bias, relu)
 
 
 @njit(cache=True, nogil=True)
-def _rows_blocks(a, b, c, ia, ib, t0, t1):
+def _rows_blocks(a, b, c, ia, ib, chunk, scale, bias, relu, t0, t1):
     for t in range(t0, t1):
-        _rows(a, b, c, ia, ib, t)
+        _rows(a, b, c, ia, ib, t, chunk, scale, bias, relu)
 
 
-def _rows_parallel(a, b, c, ia, ib):
+def _rows_parallel(a, b, c, ia, ib, chunk, scale, bias, relu):
     run_blocks(_rows_blocks, c.shape[0] * c.shape[1] * ((c.shape[2] + _CHUNK - 1) // _CHUNK),
-               a, b, c, ia, ib)
+               a, b, c, ia, ib, chunk, scale, bias, relu)
 
 
 def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
@@ -263,14 +361,20 @@ def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np
     return stack, np.ascontiguousarray(np.broadcast_to(index, batch).reshape(-1))
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """np.matmul(a, b) (batch broadcasting, 1-D operands) in the fixed order of the module
-    docstring for float operands (float32, or float64 if either is); integers as np.matmul."""
-    a, b = np.asarray(a), np.asarray(b)
-    dtype = np.result_type(a, b)
-    if dtype.kind != "f":
-        return np.matmul(a, b)
-    dtype = np.dtype(np.float64 if dtype == np.float64 else np.float32)
+_NONE = np.zeros((0, 0), np.float32)
+
+
+def _epilogue_table(v: np.ndarray | None, dtype: np.dtype, rows: int) -> np.ndarray:
+    """A per-output-row vector (length G * rows, G groups of `rows` rows) as the (G, rows)
+    table `_store` reads, or an empty one."""
+    if v is None:
+        return _NONE.astype(dtype)
+    return np.ascontiguousarray(np.asarray(v, dtype).reshape(-1, rows))
+
+
+def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk: int | None,
+             scale: np.ndarray | None, bias: np.ndarray | None, relu: bool) -> np.ndarray:
+    """The shared body of `matmul` and `integer_matmul`: c = epilogue(a @ b) in `out`."""
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError("matmul: operands must have at least one dimension")
     a2 = a[None, :] if a.ndim == 1 else a
@@ -279,22 +383,46 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise ValueError(f"matmul: contraction mismatch: {a.shape} @ {b.shape}")
     batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
     (m, k), n = a2.shape[-2:], b2.shape[-1]
-    sa, ia = _batches(a2, batch, dtype)
-    sb, ib = _batches(b2, batch, dtype)
-    c = np.empty((ia.size, m, n), dtype) if k else np.zeros((ia.size, m, n), dtype)
-    if c.size and k:
-        serial = c.size * k < SERIAL_BELOW
+    sa, ia = _batches(a2, batch, work)
+    sb, ib = _batches(b2, batch, work)
+    epilogue = scale is not None or bias is not None or relu
+    c = np.empty((ia.size, m, n), out) if k or epilogue else np.zeros((ia.size, m, n), out)
+    if c.size:
+        # An epilogue over an empty contraction still has its rows of zeros to finish.
+        chunk = k if chunk is None else chunk
+        tables = (max(chunk, 1), _epilogue_table(scale, np.float32, m),
+                  _epilogue_table(bias, work if scale is None else np.float32, m), relu)
+        serial = c.size * max(k, 1) < SERIAL_BELOW
         if m < _ROWS:
-            (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib)
+            (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib, *tables)
         else:
             (_gemm_serial if serial else _gemm_parallel)(
-                sa, sb, c, ia, ib, _VECTORS * _VECTOR_BYTES // dtype.itemsize)
+                sa, sb, c, ia, ib, _VECTORS * _VECTOR_BYTES // work.itemsize, *tables)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
     if b.ndim == 1:
         y = y[..., 0]
     return y
+
+
+def matmul(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None,
+           relu: bool = False) -> np.ndarray:
+    """np.matmul(a, b) (batch broadcasting, 1-D operands) in the fixed order of the module
+    docstring for float operands (float32, or float64 if either is); integers as np.matmul.
+
+    `bias` (one value per row of the result, or per row of every matrix of the batch, in
+    batch-major order) and `relu` are applied as each output is stored, the float operations
+    `y + bias` and np.maximum(y, 0) would do: the same bits without another pass over memory."""
+    a, b = np.asarray(a), np.asarray(b)
+    dtype = np.result_type(a, b)
+    if dtype.kind != "f":
+        y = np.matmul(a, b)
+        if bias is not None:
+            y = y + np.asarray(bias).reshape(-1, 1)
+        return np.maximum(y, 0) if relu else y
+    dtype = np.dtype(np.float64 if dtype == np.float64 else np.float32)
+    return _product(a, b, dtype, dtype, None, None, bias, relu)
 
 
 # Every integer of magnitude up to 2**24 is a float32, so is every sum and product of such
@@ -312,28 +440,31 @@ def int_magnitude(x: np.ndarray) -> int:
     return max(abs(int(x.min())), abs(int(x.max()))) if x.size else 0
 
 
-def integer_matmul(a: np.ndarray, b: np.ndarray, bound: int | None = None) -> np.ndarray:
+def integer_matmul(a: np.ndarray, b: np.ndarray, bound: int | None = None, *,
+                   scale: np.ndarray | None = None, bias: np.ndarray | None = None,
+                   relu: bool = False) -> np.ndarray:
     """np.matmul of integer-valued operands (integer arrays, or float32 arrays holding
     integers), exactly, as int64. `bound` bounds |a| * |b| where the caller knows it.
 
     With |a| <= A and |b| <= B every partial sum of `chunk` = 2**24 // (A * B) products is an
     integer below 2**24, so the float32 GEMM computes each K chunk exactly, whatever its
-    summation order; the chunks are summed in int64. That is np.matmul's result bit for bit, at
-    float32 speed (i8 x i8: chunks of 1024). Larger operands fall back to np.matmul in int64."""
+    summation order; inside each register tile the chunks add up in float64, exactly (far below
+    2**53). That is np.matmul's result bit for bit, at float32 speed. Larger operands fall back
+    to np.matmul in int64.
+
+    With `scale` and/or `bias` (one float32 per row, as `matmul`'s bias) and `relu` the result
+    is float32: float32(y) * scale + bias, then relu, each step rounded as DequantizeLinear
+    (of the int32 sum, zero point 0), Add and Relu round it, applied as each sum is stored."""
     a, b = np.asarray(a), np.asarray(b)
     k = a.shape[-1]
     if bound is None:
         bound = int_magnitude(a) * int_magnitude(b)
+    epilogue = scale is not None or bias is not None or relu
     if bound > F32_EXACT or max(a.ndim, b.ndim) < 2:
+        if epilogue:
+            raise ValueError("integer_matmul: an epilogue needs operands within float32's "
+                             "integers")
         return np.matmul(a.astype(np.int64), b.astype(np.int64))
-    chunk = F32_EXACT // bound if bound else k
-    if chunk >= k:
-        return matmul(a.astype(np.float32, copy=False),
-                      b.astype(np.float32, copy=False)).astype(np.int64)
-    # The chunks' exact sums add up exactly in float64 too (far below 2**53).
-    y = None
-    for k0 in range(0, k, chunk):
-        part = matmul(a[..., k0:k0 + chunk].astype(np.float32, copy=False),
-                      b[..., k0:k0 + chunk, :].astype(np.float32, copy=False))
-        y = part.astype(np.float64) if y is None else np.add(y, part, out=y)
-    return y.astype(np.int64)
+    f32 = np.dtype(np.float32)
+    return _product(a, b, f32, f32 if epilogue else np.dtype(np.int64),
+                    F32_EXACT // bound if bound else k, scale, bias, relu)
