@@ -101,6 +101,7 @@ class SetBatch(Pass):
 
     name: ClassVar[str] = "set-batch"
     statistics: ClassVar[dict[str, str]] = {"ops-retyped": "ops whose result types changed"}
+    examples: ClassVar[tuple[str, ...]] = ("ir_examples/mlp.ir --pass='set-batch{size=16}'",)
     size: int = option(0, "the new batch size (required, >= 1)")
 
     def __post_init__(self) -> None:
