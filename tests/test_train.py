@@ -238,14 +238,64 @@ def test_train_usage_and_input_errors_leave_no_output(tmp_path, digits, cli):
     res = cli("train", model, "--data", tmp_path / "train.npz", "-o", out)
     assert (res.rc, res.err) == (1, (f"{tmp_path / 'train.npz'}: error: training data lacks 'y' "
                                     "(it has: labels, x)\n"))
-    res = cli("train", model, "--data", tmp_path / "train.npz", "--batch", 8, "--labels",
-              "labels", "-o", out)
-    assert (res.rc, res.err.splitlines()[-1]) == (
-        2, ("mplower: error: --batch 8: the model takes batches of 32 (the first dimension of "
-           "its first argument)"))
     res = cli("train", model, "--data", tmp_path / "train.npz", "--pass-pipeline",
               "asign-precision", "-o", out)
     assert (res.rc, res.err.splitlines()[-1]) == (
         2, "mplower: error: unknown pass 'asign-precision'; did you mean 'assign-precision'?")
     assert out.read_text() == "previous\n"
     assert sorted(os.listdir(tmp_path)) == ["mlp.ir", "mlp.npz", "out.ir", "train.npz"]
+
+
+# ---- --batch: set-batch on the model ----------------------------------------------------------
+
+def mlp_at_batch(folder: Path, batch: int) -> Path:
+    """The digits MLP as if written for `batch` (every 32x in its text), with mlp_init's weights."""
+    folder.mkdir()
+    path = mlp_init(folder)
+    path.write_text(path.read_text().replace("32x", f"{batch}x"))
+    return path
+
+
+@pytest.mark.parametrize("batch", [16, 64])
+def test_train_batch_trains_as_the_model_written_at_that_batch(tmp_path, digits, cli, batch):
+    x, y = digits
+    np.savez(tmp_path / "train.npz", x=x[:SPLIT], y=y[:SPLIT])
+    model, written = mlp_init(tmp_path), mlp_at_batch(tmp_path / "written", batch)
+    runs = {}
+    for name, ir, extra in (("rebatched", model, ["--batch", batch]), ("written", written, [])):
+        res = cli("train", ir, "--data", tmp_path / "train.npz", "--policy", "bf16", "--steps", 3,
+                  *extra, "--report", tmp_path / f"{name}.json", "-o", tmp_path / f"{name}.ir")
+        assert res.rc == 0, res.err
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        assert report["config"]["batch"] == batch
+        runs[name] = (report["steps"], dict(np.load(tmp_path / f"{name}.npz")))
+    assert runs["rebatched"][0] == runs["written"][0]
+    for k, w in runs["written"][1].items():
+        assert runs["rebatched"][1][k].tobytes() == w.tobytes(), k
+    # The trained module is the model as written (batch 32), only its weights file is new.
+    text = (tmp_path / "rebatched.ir").read_text()
+    assert text.replace('"rebatched.npz"', '"mlp.npz"') == cli("opt", model).out
+
+
+def test_train_batch_the_model_cannot_follow_is_a_located_error(tmp_path, digits, cli):
+    x, y = digits
+    np.savez(tmp_path / "train.npz", x=x[:SPLIT], y=y[:SPLIT])
+    model = mlp_init(tmp_path)
+    # The logits flattened across the batch and back: the row count is written into the reshape.
+    text = model.read_text().replace(
+        "    %5 = mp.softmax %4",
+        "    %f = mp.reshape %4 : (tensor<32x10xf32>) -> tensor<320xf32>\n"
+        "    %g = mp.reshape %f : (tensor<320xf32>) -> tensor<32x10xf32>\n"
+        "    %5 = mp.softmax %g")
+    model.write_text(text)
+    out = tmp_path / "out.ir"
+    res = cli("train", model, "--data", tmp_path / "train.npz", "--batch", 16, "-o", out)
+    line = text.splitlines().index(
+        "    %f = mp.reshape %4 : (tensor<32x10xf32>) -> tensor<320xf32>") + 1
+    assert (res.rc, res.err) == (1, (
+        f"{model}:{line}:5: error: set-batch: cannot change the batch from 32 to 16: reshape "
+        "changes the element count: tensor<16x10xf32> has 160 elements, tensor<320xf32> has "
+        "320\n"
+        "    %f = mp.reshape %4 : (tensor<32x10xf32>) -> tensor<320xf32>\n"
+        "    ^\n"))
+    assert sorted(os.listdir(tmp_path)) == ["mlp.ir", "mlp.npz", "train.npz"]

@@ -54,8 +54,9 @@ def add_train(sub, name: str) -> argparse.ArgumentParser:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="training steps (default: one epoch)")
     length.add_argument("--epochs", type=int, help="passes over the data")
-    p.add_argument("--batch", type=int, help="batch size; must be the model's batch dimension "
-                                             "(the default)")
+    p.add_argument("--batch", type=int, help="batch size (default: the model's, the first "
+                                             "dimension of its first argument; another size "
+                                             "retypes the model as the set-batch pass does)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch order (default 0)")
     p.add_argument("--weights", metavar="W.npz", help="initial weights instead of mp.weights")
     p.add_argument("--func", default=None, help="function to train (default: main)")
@@ -113,10 +114,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     module = read_module(args)
     trainer = Trainer(module, args.loss, args.labels, pipeline, optimizer, scaler, args.func,
-                      args.weights)
-    if args.batch is not None and args.batch != trainer.batch:
-        raise UsageError(f"--batch {args.batch}: the model takes batches of {trainer.batch} "
-                         f"(the first dimension of its first argument)")
+                      args.weights, args.batch)
     inputs = [n for n in trainer.eval_program.arg_names if n not in trainer.params]
     data = _data(args.data, [*inputs, args.labels], "training data")
     evaluation = _data(args.eval, [inputs[0], args.labels], "evaluation data") \

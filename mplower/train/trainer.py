@@ -16,6 +16,7 @@ computes is mplower's fixed-order arithmetic, so a run is the same bits for any 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from mplower.numerics.rounding import Counts
 from mplower.pass_manager import Pass, PassContext, PassManager
 from mplower.passes.grad import GRAD_OF, Grad
 from mplower.passes.prepare_qat import TRAINABLE
+from mplower.passes.set_batch import set_batch
 from mplower.train.optim import Optimizer
 from mplower.train.scaler import LossScaler
 
@@ -126,10 +128,16 @@ class Trainer:
     scaler: LossScaler
     func: str | None = None
     weights_path: str | None = None
+    # Batch size of the step and the evaluation; None: the model's own (set-batch otherwise).
+    batch: int | None = None
     params: dict[str, np.ndarray] = field(init=False)
 
     def __post_init__(self) -> None:
-        train = clone(self.module)
+        model = self.module
+        if self.batch is not None:
+            model = copy.deepcopy(self.module)  # not clone: a refusal points into the source
+            set_batch(model.function(self.func), self.batch)
+        train = clone(model)
         f = train.function(self.func)
         types = promote_params(f)
         if not types:
@@ -155,7 +163,7 @@ class Trainer:
         self.program = Program(train, self.func, self.weights_path)
         phases = _phases(train.function(self.func))
         self._owner = [phases[s.node] for s in self.program.steps]
-        forward = clone(self.module)
+        forward = clone(model)
         promote_params(forward.function(self.func))
         PassManager(list(self.pipeline)).run(forward, PassContext(weights_path=self.weights_path))
         self.eval_program = Program(forward, self.func, self.weights_path)
