@@ -8,9 +8,10 @@ scikit-learn). Plans, all with the built-in sheets' op lists (keep-first-last in
 
 * fp8 plain: the fp8 sheet without its [scaling] table, a saturating cast (mplower before
   issue 14);
-* fp8 static / delayed / current: per-tensor scales from calibrate's amax, from Transformer
-  Engine's amax history (16 steps, max; it starts from the calibrated amax and advances once per
-  evaluated sample) or from each tensor's own amax (the fp8 sheet's default);
+* fp8 static / delayed / current: per-tensor activation scales from calibrate's amax, from
+  Transformer Engine's amax history (16 steps, max; it starts from the calibrated amax and
+  advances once per evaluated sample) or from each tensor's own amax (the fp8 sheet's default),
+  weights scaled per output channel (the default of the sheet and of scale-recipes);
 * fp8-block (1x128 activations, 128x128 weights, f32 scales), mxfp8, mxfp4, nvfp4: their sheets;
 * int8: static w8a8 (`assign-precision{policy=int8},calibrate,quantize`).
 

@@ -117,7 +117,8 @@ class ScaleRecipes(Pass):
 
     Run after insert-casts. Activations: `recipe` static (calibrate's amax; run calibrate
     first), current, delayed (Transformer Engine's DelayedScaling: `history` steps,
-    `amax_compute`, `margin`) or block; weights: `weights` current or block. Blocks run along
+    `amax_compute`, `margin`) or block; weights: `weights` channel (one scale per output
+    channel, the default), current (one per tensor) or block. Blocks run along
     the contraction axis (`block_size`; 32 with scale_format=e8m0 is MX, 16 with nvfp4 is
     NVFP4), or for weights in square tiles of `weight_block_size` (128: DeepSeek-V3's 128x128).
     `accum_bits` > 0 makes those GEMMs accumulate in that many bits, promoted to f32 every
@@ -134,7 +135,8 @@ class ScaleRecipes(Pass):
         ("ir_examples/mlp.ir --pass='assign-precision{policy=bf16-fp8}' "
         "--pass=insert-casts --pass='scale-recipes{recipe=delayed history=16}'"),)
     recipe: str = option("current", "activations: static, current, delayed or block")
-    weights: str = option("current", "weights: current (one scale per tensor) or block")
+    weights: str = option("channel", "weights: channel (one scale per output channel), current "
+                                     "(one per tensor) or block")
     block_size: int = option(0, "block length along the contraction axis (32 MX, 16 NVFP4)")
     weight_block_size: int = option(0, "weights in square blocks of this size (128: 128x128)")
     scale_format: str = option("f32", "format of block scales: f32, e8m0 (MX) or nvfp4")

@@ -111,3 +111,31 @@ def test_what_onnx_or_onnxruntime_cannot_run_is_a_located_export_error(cli, tmp_
     r = cli("export", src, "--format", "onnx", "-o", out)
     assert r.rc == 1 and not out.exists()
     assert r.err.startswith(f"{src}:4:3: error: {message}")
+
+
+def test_per_channel_fp8_conv_weights_export_as_per_axis_quantize_linear(cli, tmp_path):
+    import onnx
+
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((6, 4, 3, 3)) * np.float32(2.0) ** -np.arange(6)[:, None, None, None]
+         ).astype(np.float32)
+    np.savez(tmp_path / "w.npz", w=w)
+    text = """module attributes {mp.weights = "w.npz"} {
+func.func @main(%x: tensor<1x4x5x5xf32>) -> tensor<1x6x3x3xf32> {
+  %w = mp.constant {name = "w"} : () -> tensor<6x4x3x3xf32>
+  %a = mp.scaled_quant %x {recipe = "static", amax = 4.0} : (tensor<1x4x5x5xf32>) -> tensor<1x4x5x5xf8E4M3FN>
+  %b = mp.scaled_quant %w {recipe = "block", block = [1, 4, 3, 3]} : (tensor<6x4x3x3xf32>) -> tensor<6x4x3x3xf8E4M3FN>
+  %y = mp.conv2d %a, %b : (tensor<1x4x5x5xf8E4M3FN>, tensor<6x4x3x3xf8E4M3FN>) -> tensor<1x6x3x3xf32>
+  return %y : tensor<1x6x3x3xf32>
+}
+}"""
+    x = rng.uniform(-4, 4, (1, 4, 5, 5)).astype(np.float32)
+    got, want = export_and_run(cli, tmp_path, text, x)
+    assert np.allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    (q,) = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and "w" in n.input[0]]
+    assert [(a.name, a.i) for a in q.attribute] == [("axis", 0)]
+    # TensorRT's per-channel fp8 weight scale: amax of each output channel / 448.
+    want_scale = (np.abs(w).reshape(6, -1).max(1) / np.float32(448)).astype(np.float32)
+    assert np.array_equal(inits[q.input[1]], want_scale)

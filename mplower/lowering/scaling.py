@@ -2,7 +2,8 @@
 
 A `Scaling` is what a policy sheet's `[scaling]` table and the `scale-recipes` pass's options
 say: the recipe of the activations (static from calibrate's amax, current, delayed with TE's
-amax history, or block), that of the weights (current: one scale per weight tensor, or block),
+amax history, or block), that of the weights (channel: one scale per output channel, as
+TensorRT's fp8 weights; current: one per weight tensor; or block),
 the block size along the contraction axis (32 for MX, 16 for NVFP4, 128 for DeepSeek-V3's 1x128
 activation tiles), the 2-D block of weights (128 for 128x128 tiles), and the format of block
 scales (f32, e8m0 for MX, nvfp4). `blocks_for` turns that into the block shape of one operand:
@@ -27,13 +28,13 @@ SCALING = "mp.scaling"
 # its significant bits, and every how many elements of K it is promoted to f32.
 ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
 ACTIVATION_RECIPES = ("static", "current", "delayed", "block")
-WEIGHT_RECIPES = ("current", "block")
+WEIGHT_RECIPES = ("current", "channel", "block")
 
 
 @dataclass(frozen=True)
 class Scaling:
     recipe: str = "current"  # activations
-    weights: str = "current"
+    weights: str = "channel"  # one scale per output channel (a GEMM's N, a conv's O)
     block_size: int = 0  # along the contraction axis; 0 with per-tensor recipes
     weight_block_size: int = 0  # > 0: weights in square 2-D blocks of this size
     scale_format: str = "f32"
@@ -98,11 +99,17 @@ def blocks_for(scaling: Scaling, op: str, operand: int, shape: tuple[int, ...],
                is_weight: bool) -> tuple[int, ...] | None:
     """The block shape of one GEMM operand, or None for one scale per tensor."""
     recipe = scaling.weights if is_weight else scaling.recipe
+    rank = len(shape)
+    axis = contraction_axis(op, operand, rank)
+    if recipe == "channel" and rank >= 2:
+        # One scale per output channel: a block spanning every axis but the one the GEMM
+        # keeps (O of a conv's O I kh kw, N of x @ w's K x N), as TensorRT's per-channel fp8
+        # weights and ONNX's per-axis QuantizeLinear.
+        out = 0 if op == "mp.conv2d" else (rank - 1 if axis == rank - 2 else rank - 2)
+        return tuple(1 if i == out else d for i, d in enumerate(shape))
     if recipe != "block":
         return None
-    rank = len(shape)
     block = [1] * rank
-    axis = contraction_axis(op, operand, rank)
     if is_weight and scaling.weight_block_size > 0 and rank >= 2:
         other = 0 if op == "mp.conv2d" else (rank - 1 if axis == rank - 2 else rank - 2)
         block[axis] = block[other] = scaling.weight_block_size

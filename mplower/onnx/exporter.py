@@ -450,15 +450,24 @@ class _Exporter:
         else:
             block = tuple(a["block"])
             r = mx.quantize_blocked(w, elem, block, a["scale_format"])
-            axes = [i for i, b in enumerate(block) if b > 1] or [w.ndim - 1]
-            axis = axes[0]
-            scales = r.scales  # one per block; a 2-D block repeats along its other axes
-            for i in axes[1:]:
-                scales = np.repeat(scales, block[i], axis=i)[
-                    tuple(slice(0, d) if j == i else slice(None) for j, d in enumerate(w.shape))]
-            y = self._qdq("mp.scaled_quant", x, in_t, out_t, scales.astype(np.float32),
-                          np.zeros(scales.shape, np.float32), elem,
-                          {"axis": axis, "block_size": block[axis]}, hint)
+            kept = [i for i, (b, d) in enumerate(zip(block, w.shape)) if b < d]
+            if a["scale_format"] == "f32" and len(kept) == 1 and block[kept[0]] == 1:
+                # One block per slice along one axis (per-channel weights): ONNX's per-axis
+                # QuantizeLinear with a 1-D scale, as TensorRT's explicit fp8 quantization
+                # takes it.
+                y = self._qdq("mp.scaled_quant", x, in_t, out_t, r.scales.reshape(-1),
+                              np.zeros(r.scales.size, np.float32), elem, {"axis": kept[0]},
+                              hint)
+            else:
+                axes = [i for i, b in enumerate(block) if b > 1] or [w.ndim - 1]
+                axis = axes[0]
+                scales = r.scales  # one per block; a 2-D block repeats along its other axes
+                for i in axes[1:]:
+                    scales = np.repeat(scales, block[i], axis=i)[tuple(
+                        slice(0, d) if j == i else slice(None) for j, d in enumerate(w.shape))]
+                y = self._qdq("mp.scaled_quant", x, in_t, out_t, scales.astype(np.float32),
+                              np.zeros(scales.shape, np.float32), elem,
+                              {"axis": axis, "block_size": block[axis]}, hint)
         self.wide[y] = y  # already FLOAT: the GEMM needs no Cast
         return y
 
