@@ -125,7 +125,7 @@ class OpDef:
     reference: Reference
     flops: Flops
     precisions: frozenset[str]  # compute formats this op may be assigned
-    num_results: int = 1
+    num_results: int | None = 1  # None: as many as the op's rule infers (mp.split)
     traits: frozenset[Trait] = frozenset()
     # The operand that holds a weight (a constant that sparsify prunes, lower-sparse encodes
     # and calibration does not record); None for ops without one.
