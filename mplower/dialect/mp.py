@@ -2451,6 +2451,8 @@ def _split_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 
 
 _def("split",
+     # The cotangents of the parts, unused ones zero, joined where the parts were cut.
+     vjp=lambda g, xs, y, dys, a, needs: [g.emit("mp.concat", list(dys), {"axis": a["axis"]})],
      operands=("x",),
      attrs={"axis": AttrSpec("int", default=0), "sizes": AttrSpec("ints", required=True, min=0)},
      infer=_split_infer,

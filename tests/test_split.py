@@ -1,0 +1,195 @@
+"""mp.split, the op with several results, through every layer: IR round trip, verifier, executor
+and run report, the precision passes, the precision sheet, the ONNX importer and exporter.
+
+Values are checked against numpy.split, ml_dtypes and onnxruntime, never against mplower."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from test_onnx_transformers import SHAPES, feeds, gpt2
+
+from mplower.backend.executor import Program
+from mplower.ir.diagnostics import DiagnosticError, Location
+from mplower.ir.parser import parse
+from mplower.ir.printer import print_module
+from mplower.ir.verifier import verify
+from mplower.lowering.target import load_target
+from mplower.onnx.exporter import check_and_serialize, export_module
+from mplower.onnx.importer import import_model
+from mplower.pass_manager import PassContext, PassManager, parse_pipeline
+from mplower.report.run import build_report
+from mplower.report.sheet import precision_sheet
+
+ort = pytest.importorskip("onnxruntime")
+
+SPLIT = """\
+module {
+  func.func @main(%x: tensor<2x6xf32>) -> (tensor<2x1xf32>, tensor<2x2xf32>, tensor<2x3xf32>) {
+    %s:3 = mp.split %x {axis = 1, sizes = [1, 2, 3]} : (tensor<2x6xf32>) -> (tensor<2x1xf32>, tensor<2x2xf32>, tensor<2x3xf32>)
+    %r = mp.relu %s#1 : (tensor<2x2xf32>) -> tensor<2x2xf32>
+    return %s#0, %r, %s#2 : tensor<2x1xf32>, tensor<2x2xf32>, tensor<2x3xf32>
+  }
+}
+"""
+
+X = np.arange(-6, 6, dtype=np.float32).reshape(2, 6) / 4
+
+
+def test_split_with_three_results_prints_as_it_parses():
+    module = parse(SPLIT, "t.ir")
+    verify(module)
+    assert print_module(module) == SPLIT
+
+
+@pytest.mark.parametrize(("attrs", "message"), [
+    ("axis = 1, sizes = [1, 2, 2]",
+     "'mp.split' sizes [1, 2, 2] add up to 5, not to dimension 1 of tensor<2x6xf32> (6)"),
+    ("axis = 1, sizes = [1, 5]",
+     "'mp.split' sizes [1, 5] make 2 results, but the op declares 3"),
+    ("axis = 1, sizes = [-1, 4, 3]", "'mp.split' attribute 'sizes' must be >= 0, got [-1, 4, 3]"),
+    ("axis = 2, sizes = [1, 2, 3]", ("'mp.split' attribute 'axis' = 2 is out of range [-2, 2) for an "
+      "operand of rank 2")),
+])
+def test_split_sizes_that_do_not_cut_the_axis_are_a_located_error(attrs, message):
+    text = SPLIT.replace("axis = 1, sizes = [1, 2, 3]", attrs)
+    with pytest.raises(DiagnosticError) as e:
+        verify(parse(text, "t.ir"))
+    d = e.value.diagnostics[0]
+    assert (d.loc.line, d.loc.col, d.message) == (3, 5, message)
+
+
+def test_split_runs_like_numpy_split_with_a_report_row_per_result():
+    result = Program(parse(SPLIT, "t.ir")).run([X])
+    want = np.split(X, [1, 3], axis=1)
+    for got, ref in zip(result.outputs, [want[0], np.maximum(want[1], 0), want[2]], strict=True):
+        assert got.dtype == np.float32 and np.array_equal(got, ref)
+    report = build_report(result, {})
+    assert [(o["name"], o["op"], o["type"]) for o in report["ops"]] == [
+        ("%s#0", "mp.split", "tensor<2x1xf32>"), ("%s#1", "mp.split", "tensor<2x2xf32>"),
+        ("%s#2", "mp.split", "tensor<2x3xf32>"), ("%r", "mp.relu", "tensor<2x2xf32>")]
+    assert report["summary"]["ops"] == 2  # the split counts once
+
+
+MATMUL_SPLIT = """\
+func.func @main(%x: tensor<4x8xf32>, %w: tensor<8x6xf32>) -> (tensor<4x2xf32>, tensor<4x4xf32>) {
+  %m = mp.matmul %x, %w : (tensor<4x8xf32>, tensor<8x6xf32>) -> tensor<4x6xf32>
+  %s:2 = mp.split %m {axis = 1, sizes = [2, 4]} : (tensor<4x6xf32>) -> (tensor<4x2xf32>, tensor<4x4xf32>)
+  %g = mp.mul %s#1, %s#1 : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+  return %s#0, %g : tensor<4x2xf32>, tensor<4x4xf32>
+}
+"""
+
+
+def bf16_plan():
+    module = parse(MATMUL_SPLIT, "t.ir")
+    PassManager(parse_pipeline("assign-precision{policy=bf16},legalize,insert-casts")).run(
+        module, PassContext())
+    return module
+
+
+def test_bf16_plan_splits_the_bf16_matmul_result_without_rounding_it_again():
+    module = bf16_plan()
+    f = module.function()
+    (split,) = f.walk("mp.split")
+    assert [str(t) for t in f.types(split)] == ["tensor<4x2xbf16>", "tensor<4x4xbf16>"]
+    assert f.data(split)["attrs"]["mp.reason"] == "follow: inputs bf16"
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((4, 8), np.float32), rng.standard_normal((8, 6), np.float32)
+    result = Program(module).run([x, w])
+    bf = ml_dtypes.bfloat16
+    m = (x.astype(bf).astype(np.float32) @ w.astype(bf).astype(np.float32)).astype(bf)
+    a, b = np.split(m, [2], axis=1)
+    assert np.array_equal(result.outputs[0], a.astype(np.float32))
+    assert np.array_equal(result.outputs[1],
+                          (b.astype(np.float32) * b.astype(np.float32)).astype(bf)
+                          .astype(np.float32))
+    rows = {o["name"]: o for o in build_report(result, {})["ops"]}
+    assert rows["%s#1"]["executed"]["precision"] == "bf16" and rows["%s#1"]["rel_l2"] > 0
+
+
+def test_precision_sheet_has_one_row_for_the_split_named_by_its_ssa_name():
+    sheet = precision_sheet(bf16_plan(), load_target("generic"), measure=False)
+    rows = [(r["name"], r["compute"]) for r in sheet["ops"] if r["op"] == "mp.split"]
+    assert rows == [("%s", "bf16")]
+    assert any("%s" in g["members"] for g in sheet["groups"])
+
+
+def ort_outputs(module, inputs: list[np.ndarray]) -> tuple[onnx.ModelProto, list[np.ndarray]]:
+    model = export_module(module).model
+    session = ort.InferenceSession(check_and_serialize(model, Location("t", 0, 0)),
+                                   providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return model, session.run(None, dict(zip(names, inputs, strict=True)))
+
+
+def test_split_exports_as_onnx_split_with_its_sizes_input_and_runs_in_onnxruntime():
+    module = parse(SPLIT, "t.ir")
+    model, theirs = ort_outputs(module, [X])
+    (node,) = [n for n in model.graph.node if n.op_type == "Split"]
+    assert len(node.output) == 3 and model.opset_import[0].version >= 13
+    sizes = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert sizes[node.input[1]].tolist() == [1, 2, 3]
+    for got, ref in zip(Program(module).run([X]).outputs, theirs, strict=True):
+        assert np.array_equal(got, ref)
+
+
+def test_a_bf16_split_exports_and_matches_onnxruntime_bit_for_bit():
+    module = bf16_plan()
+    rng = np.random.default_rng(1)
+    ins = [rng.standard_normal((4, 8), np.float32), rng.standard_normal((8, 6), np.float32)]
+    _, theirs = ort_outputs(module, ins)
+    for got, ref in zip(Program(module).run(ins).outputs, theirs, strict=True):
+        assert np.array_equal(got, ref)
+
+
+def test_onnx_split_with_an_unused_output_imports_as_one_mp_split():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])
+    y = helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])
+    sizes = onnx.numpy_helper.from_array(np.array([1, 2, 3], np.int64), "sizes")
+    graph = helper.make_graph([helper.make_node("Split", ["x", "sizes"], ["", "a", "b"], axis=-1)],
+                              "g", [x], [y], [sizes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    f = import_model(model, "m.onnx").module.function()
+    (split,) = f.walk("mp.split")
+    assert f.data(split)["attrs"] == {"axis": 1, "sizes": (1, 2, 3)}
+    assert len(f.types(split)) == 3 and f.operands(f.return_node) == [(split, 2)]
+    out = Program(import_model(model, "m.onnx").module).run([X], reference=False).outputs[0]
+    assert np.array_equal(out, X[:, 3:])
+
+
+def test_gpt2_export_pattern_splits_qkv_with_one_mp_split_and_matches_onnxruntime():
+    model = gpt2()
+    shapes = {i.name: SHAPES[i.name] for i in model.graph.input}
+    imp = import_model(model, "gpt2.onnx", input_shapes=shapes, inline_weights=True)
+    f = imp.module.function()
+    splits = list(f.walk("mp.split"))
+    assert len(splits) == 1 and len(f.types(splits[0])) == 3
+    assert not list(f.walk("mp.slice"))
+    x = feeds(model)
+    ours = Program(imp.module).run([x[n] for n in imp.inputs], reference=False).outputs[0]
+    theirs = ort.InferenceSession(model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, x)[0]
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-5
+    report = build_report(Program(imp.module).run([x[n] for n in imp.inputs]), {})
+    rows = [o for o in report["ops"] if o["op"] == "mp.split"]
+    assert [o["type"] for o in rows] == ["tensor<2x8x16xf32>"] * 3
+    assert all(o["rel_l2"] == 0.0 for o in rows)
+
+
+def test_split_gradient_joins_the_part_cotangents_with_zeros_for_an_unused_part():
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from test_grad import check, op, t
+
+    x = (2, 7)
+    parts = f"({t((2, 1))}, {t((2, 2))}, {t((2, 4))})"
+    body = "\n".join([
+        op(f"%s:3 = mp.split %x {{axis = -1, sizes = [1, 2, 4]}} : ({t(x)}) -> {parts}"),
+        op(f"%e = mp.exp %s#2 : ({t((2, 4))}) -> {t((2, 4))}"),
+        op(f"%y = mp.concat %s#0, %e {{axis = 1}} : ({t((2, 1))}, {t((2, 4))}) -> {t((2, 5))}"),
+    ])
+    check({"x": x}, body, (2, 5), lambda x: jnp.concatenate([x[:, :1], jnp.exp(x[:, 3:])], 1))
