@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 from test_onnx_transformers import SHAPES, feeds, gpt2
 
-from mplower.backend.executor import Program
+from mplower.backend.executor import Program, reference_runner
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.parser import parse
 from mplower.ir.printer import print_module
@@ -193,3 +193,40 @@ def test_split_gradient_joins_the_part_cotangents_with_zeros_for_an_unused_part(
         op(f"%y = mp.concat %s#0, %e {{axis = 1}} : ({t((2, 1))}, {t((2, 4))}) -> {t((2, 5))}"),
     ])
     check({"x": x}, body, (2, 5), lambda x: jnp.concatenate([x[:, :1], jnp.exp(x[:, 3:])], 1))
+
+
+QUANT = """\
+func.func @main(%x: tensor<4x8xf32>) -> tensor<4x3xf32> {
+  %w0 = mp.constant {value = dense<0.125> : tensor<8x8xf32>} : () -> tensor<8x8xf32>
+  %w = mp.constant {value = dense<0.5> : tensor<6x3xf32>} : () -> tensor<6x3xf32>
+  %w2 = mp.constant {value = dense<0.25> : tensor<3x3xf32>} : () -> tensor<3x3xf32>
+  %m0 = mp.matmul %x, %w0 : (tensor<4x8xf32>, tensor<8x8xf32>) -> tensor<4x8xf32>
+  %a = mp.add %m0, %x : (tensor<4x8xf32>, tensor<4x8xf32>) -> tensor<4x8xf32>
+  %s:2 = mp.split %a {axis = 1, sizes = [2, 6]} : (tensor<4x8xf32>) -> (tensor<4x2xf32>, tensor<4x6xf32>)
+  %m = mp.matmul %s#1, %w : (tensor<4x6xf32>, tensor<6x3xf32>) -> tensor<4x3xf32>
+  %m2 = mp.matmul %m, %w2 : (tensor<4x3xf32>, tensor<3x3xf32>) -> tensor<4x3xf32>
+  return %m2 : tensor<4x3xf32>
+}
+"""
+
+
+def test_calibration_records_each_split_result_and_int8_quantizes_with_its_own_range(tmp_path):
+    x = np.ones((4, 8), np.float32)
+    x[:, :2] = 100.0  # the first part is far wider: its range must not reach the second's scale
+    x[:, 2:] = np.linspace(-1, 2, 24, dtype=np.float32).reshape(4, 6)
+    np.savez(tmp_path / "calib.npz", x=x)
+    module = parse(QUANT, "t.ir")
+    PassManager(parse_pipeline(f"assign-precision{{policy=int8}},calibrate{{data="
+                               f"{tmp_path / 'calib.npz'} method=minmax}},quantize,insert-casts")
+                ).run(module, PassContext(runner=reference_runner))
+    module = parse(print_module(module), "t.ir")  # the per-result ranges print and parse back
+    f = module.function()
+    a = x @ np.full((8, 8), 0.125, np.float32) + x
+    parts = np.split(a, [2], axis=1)
+    (split,) = f.walk("mp.split")
+    ranges = [d["mp.range"] for d in f.attrs_of(split)["mp.result_attrs"]]
+    # numpy's BLAS sums in its own order; mplower's is fixed: equal to f32 rounding.
+    assert ranges == [pytest.approx((float(p.min()), float(p.max())), rel=1e-6) for p in parts]
+    (q,) = [n for n in f.walk("mp.quantize") if f.operands(n) == [(split, 1)]]
+    assert str(f.types(q)[0]) == "tensor<4x6xui8>"  # a one-sided range: unsigned
+    assert f.attrs_of(q)["scale"] == pytest.approx(float(parts[1].max()) / 255, rel=1e-6)
