@@ -230,3 +230,28 @@ def test_calibration_records_each_split_result_and_int8_quantizes_with_its_own_r
     (q,) = [n for n in f.walk("mp.quantize") if f.operands(n) == [(split, 1)]]
     assert str(f.types(q)[0]) == "tensor<4x6xui8>"  # a one-sided range: unsigned
     assert f.attrs_of(q)["scale"] == pytest.approx(float(parts[1].max()) / 255, rel=1e-6)
+
+
+RANGES = """\
+func.func @main(%x: tensor<2x4xf32>) -> (tensor<2x1xf32>, tensor<2x3xf32>) attributes {arg_attrs = [{mp.range = [-3.0, 70000.0]}]} {
+  %c = mp.constant {value = dense<[[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]> : tensor<2x4xf32>} : () -> tensor<2x4xf32>
+  %cs:2 = mp.split %c {axis = 1, sizes = [1, 3]} : (tensor<2x4xf32>) -> (tensor<2x1xf32>, tensor<2x3xf32>)
+  %a = mp.add %x, %c : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+  %s:2 = mp.split %a {axis = 1, sizes = [1, 3]} : (tensor<2x4xf32>) -> (tensor<2x1xf32>, tensor<2x3xf32>)
+  %m = mp.mul %s#1, %cs#1 : (tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>
+  return %s#0, %m : tensor<2x1xf32>, tensor<2x3xf32>
+}
+"""
+
+
+def test_range_analysis_bounds_each_split_result_and_reads_each_part_of_a_constant_split():
+    module = parse(RANGES, "t.ir")
+    PassManager(parse_pipeline("range-analysis")).run(module, PassContext())
+    f = module.function()
+    _, s = f.walk("mp.split")
+    (m,) = f.walk("mp.mul")
+    # %s#1 in [-2, 70008] times %cs#1, the constant's second part [2, 8] (its first is [1, 5]).
+    assert f.attrs_of(m)["mp.bound"] == (-16.0, 70008.0 * 8.0)
+    # x + c reaches 70008 in both parts: beyond f16 (65504) and the fp8 formats, within bf16.
+    assert [d["mp.overflow"] for d in f.attrs_of(s)["mp.result_attrs"]] == \
+        [("f16", "f8E4M3FN", "f8E5M2")] * 2

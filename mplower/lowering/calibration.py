@@ -358,18 +358,18 @@ class ConstantValues:
         self.f = f
         self.weights = WeightStore(module, weights)
         self.nodes = constant_nodes(f)
-        self._cache: dict[int, np.ndarray] = {}
+        self._cache: dict[Value, np.ndarray] = {}
 
     def __contains__(self, value: Value) -> bool:
         return value[0] in self.nodes
 
     def get(self, value: Value) -> np.ndarray:
-        node = value[0]
-        hit = self._cache.get(node)
+        node, k = value
+        hit = self._cache.get(value)
         if hit is not None:
             return hit
         d = self.f.data(node)
-        t = d["types"][0]
+        t = d["types"][k]
         if d["op"] == "mp.constant":
             attrs = d["attrs"]
             raw = attrs["value"].array if isinstance(attrs.get("value"), DenseAttr) else \
@@ -377,11 +377,11 @@ class ConstantValues:
         else:
             opdef = OPS[d["op"]]
             raw = opdef.reference([self.get(v) for v in self.f.operands(node)],
-                                  check_attrs(opdef, d["attrs"]), d["types"])[0]
+                                  check_attrs(opdef, d["attrs"]), d["types"])[k]
         arr = np.asarray(raw)
         if arr.dtype.kind == "f" and arr.dtype != np.float64:
             arr = arr.astype(np.float32)
-        self._cache[node] = arr
+        self._cache[value] = arr
         return arr
 
 
