@@ -255,3 +255,24 @@ def test_range_analysis_bounds_each_split_result_and_reads_each_part_of_a_consta
     # x + c reaches 70008 in both parts: beyond f16 (65504) and the fp8 formats, within bf16.
     assert [d["mp.overflow"] for d in f.attrs_of(s)["mp.result_attrs"]] == \
         [("f16", "f8E4M3FN", "f8E5M2")] * 2
+
+
+def test_set_batch_retypes_every_split_result_and_refuses_a_split_of_the_batch_axis():
+    module = parse(SPLIT, "t.ir")
+    PassManager(parse_pipeline("set-batch{size=5}")).run(module, PassContext())
+    f = module.function()
+    (split,) = f.walk("mp.split")
+    assert [str(t) for t in f.types(split)] == ["tensor<5x1xf32>", "tensor<5x2xf32>",
+                                                "tensor<5x3xf32>"]
+    module = parse("""\
+func.func @main(%x: tensor<2x6xf32>) -> tensor<1x6xf32> {
+  %s:2 = mp.split %x {axis = 0, sizes = [1, 1]} : (tensor<2x6xf32>) -> (tensor<1x6xf32>, tensor<1x6xf32>)
+  return %s#1 : tensor<1x6xf32>
+}
+""", "t.ir")
+    with pytest.raises(DiagnosticError) as e:
+        PassManager(parse_pipeline("set-batch{size=5}")).run(module, PassContext())
+    d = e.value.diagnostics[0]
+    assert (d.loc.line, d.loc.col, d.message) == (2, 3, (
+        "set-batch: cannot change the batch from 2 to 5: sizes [1, 1] add up to 2, not to "
+        "dimension 0 of tensor<5x6xf32> (5)"))
