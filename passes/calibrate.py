@@ -90,8 +90,8 @@ def calibrate_function(module: Module, func: str | None, batches: list[list[np.n
     constants = constant_nodes(f)
     axes = channel_axes(f, constants)
     ret = f.return_node
-    tracked = [(n, 0) for n in [*f.args, *f.ops()] if n != ret and n not in constants
-               and FORMATS[f.types(n)[0].elem].is_float]
+    tracked = [(n, k) for n in [*f.args, *f.ops()] if n != ret and n not in constants
+               for k, t in enumerate(f.types(n)) if FORMATS[t.elem].is_float]
     stats = {v: TensorStats(bins, histogram) for v in tracked}
     for batch in batches:
         refs = reference(batch)

@@ -179,14 +179,18 @@ def backward(f: Function, g: _Builder, loss: Value, seed: Value,
     needs: set[Value] = set(wrt)
     order = [n for n in f.ops() if f.op(n) != RETURN]
     for n in order:
-        if any(v in needs for v in f.operands(n)) and f.types(n) \
-                and f.types(n)[0].elem in FLOATS:
-            needs.add((n, 0))
+        if any(v in needs for v in f.operands(n)):
+            needs.update((n, r) for r, t in enumerate(f.types(n)) if t.elem in FLOATS)
     cot: dict[Value, Value] = {loss: seed}
     for n in reversed(order):
-        dy = cot.get((n, 0))
-        if dy is None or (n, 0) not in needs:
+        results = [(n, r) for r in range(len(f.types(n)))]
+        if not any(v in cot and v in needs for v in results):
             continue
+        # An op with several results (mp.split) gets the cotangent of each, zeros for those
+        # the loss does not use; a single-result op gets its one.
+        dys = tuple(cot.get(v) or g.splat(0.0, t.shape, t.elem)
+                    for v, t in zip(results, f.types(n)))
+        dy = dys[0] if len(dys) == 1 else dys
         d = f.data(n)
         operands = f.operands(n)
         flags = [v in needs for v in operands]

@@ -129,7 +129,7 @@ _UNARY: dict[str, Callable[[Interval], Interval]] = {
 _PASS_THROUGH = frozenset({"mp.reshape", "mp.transpose", "mp.flatten", "mp.slice",
                            "mp.reduce_max", "mp.cast", "mp.dequantize", "mp.fake_quant",
                            "mp.sparse_encode", "mp.max_pool2d", "mp.gather",
-                           "mp.gather_elements", "mp.gather_nd", "mp.expand"})
+                           "mp.gather_elements", "mp.gather_nd", "mp.expand", "mp.split"})
 _AVERAGING = frozenset({"mp.reduce_mean", "mp.avg_pool2d", "mp.global_avg_pool"})
 
 
@@ -307,11 +307,10 @@ def analyze_function(module: Module, f: Function, formats: Sequence[str],
         v = (a, 0)
         if FORMATS[f.type_of(v).elem].is_float:
             record(v, value_interval(f, v) or UNBOUNDED, False)
-    for n in f.ops():
-        d = f.data(n)
-        if d["op"] == RETURN or len(d["types"]) != 1 or not FORMATS[d["types"][0].elem].is_float:
-            continue
-        v = (n, 0)
+    values = [((n, k), t) for n in f.ops() if f.op(n) != RETURN
+              for k, t in enumerate(f.types(n)) if FORMATS[t.elem].is_float]
+    for v, out_type in values:
+        n, d = v[0], f.data(v[0])
         measured = value_interval(f, v)
         if measured is not None:
             record(v, measured, False)
@@ -329,7 +328,7 @@ def analyze_function(module: Module, f: Function, formats: Sequence[str],
             attrs = check_attrs(opdef, d["attrs"]) if opdef is not None else {}
         except OpError:
             attrs = {}
-        iv = propagate(d["op"], operand_ivs, attrs, f.operand_types(n), d["types"][0],
+        iv = propagate(d["op"], operand_ivs, attrs, f.operand_types(n), out_type,
                        [constant(u) for u in ins])
         record(v, iv, True)
 

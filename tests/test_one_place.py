@@ -101,14 +101,15 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
                               "mp.scaled_quant"}
     assert mp.DATA_MOVEMENT == {"mp.reshape", "mp.transpose", "mp.concat", "mp.slice",
                                 "mp.flatten", "mp.sparse_encode", "mp.gather",
-                                "mp.gather_elements", "mp.gather_nd", "mp.expand", "mp.trilu"}
+                                "mp.gather_elements", "mp.gather_nd", "mp.expand", "mp.trilu",
+                                "mp.split"}
     # max_pool2d picks operand values too, but a window of padding alone yields -inf, which
     # f8E4M3FN cannot hold: its results are rounded, so it is not value-preserving.
     assert mp.VALUE_PRESERVING == {"mp.reshape", "mp.transpose", "mp.slice", "mp.concat",
                                    "mp.flatten", "mp.maximum", "mp.minimum", "mp.relu",
                                    "mp.neg", "mp.reduce_max", "mp.gather",
                                    "mp.gather_elements", "mp.gather_nd", "mp.expand",
-                                   "mp.trilu", "mp.where",
+                                   "mp.trilu", "mp.where", "mp.split",
                                    "mp.relu_grad", "mp.fake_quant_grad"}
     assert "mp.max_pool2d" not in mp.VALUE_PRESERVING
     assert ops_with(Trait.PURE) == set(OPS)

@@ -36,7 +36,7 @@ ALL_OPS = [
     "quantize", "dequantize", "fake_quant", "sparse_encode", "erf", "log_softmax", "lrn",
     "gather", "gather_elements", "gather_nd", "where", "equal", "less", "less_equal",
     "greater", "greater_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
-    "isnan", "isinf", "expand", "trilu", "pow", "cumsum",
+    "isnan", "isinf", "expand", "split", "trilu", "pow", "cumsum",
     # the backward ops of the gradient rules (passes/grad.py)
     "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad", "reduce_max_grad",
     "fake_quant_lsq", "lsq_grad", "scatter_elements_add", "scatter_nd_add",

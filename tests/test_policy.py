@@ -29,7 +29,7 @@ DESIGN_OPS = [
     "mp.transpose", "mp.concat", "mp.slice", "mp.flatten", "mp.max_pool2d", "mp.avg_pool2d",
     "mp.global_avg_pool", "mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant",
     "mp.sparse_encode", "mp.gather", "mp.gather_elements", "mp.gather_nd", "mp.where",
-    "mp.expand", "mp.trilu", "mp.pow", "mp.cumsum",
+    "mp.expand", "mp.split", "mp.trilu", "mp.pow", "mp.cumsum",
 ]
 
 

@@ -78,7 +78,7 @@ class Step:
     name: str  # the result's SSA name, e.g. "%3"
     op: str
     inputs: list[int]  # slot of each operand
-    output: int  # slot of the (single) result
+    output: int  # slot of its result (an op with several results has a step per result)
     run: Kernel
     reference: Callable[[list[np.ndarray]], np.ndarray | None]
     requested: dict[str, str | None]
@@ -186,12 +186,12 @@ class Program:
             if d["op"] == RETURN:
                 self.outputs = [slot[v] for v in f.operands(n)]
                 continue
-            if len(d["types"]) != 1:
-                raise DiagnosticError.at(d["loc"], f"'{d['op']}' with several results cannot "
-                                                   f"be executed")
-            out = len(slot)
-            slot[(n, 0)] = out
-            self.steps.append(self._compile(f, n, [slot[v] for v in f.operands(n)], out))
+            inputs = [slot[v] for v in f.operands(n)]
+            # An op with several results (mp.split) runs as one step per result, so every
+            # value has its own slot, counts and drift, and the report a row per result.
+            for k in range(len(d["types"])):
+                slot[(n, k)] = len(slot)
+                self.steps.append(self._compile(f, n, inputs, slot[(n, k)], k))
         self.num_slots = len(slot)
         self.slots: dict[tuple[int, int], int] = slot  # value -> slot, for RunResult.values
         self._runtime = [s for s in self.steps if s.constant is None]
@@ -203,21 +203,22 @@ class Program:
                 self._initial[s.output] = s.constant
 
     # ---- compiling one op ------------------------------------------------------------------
-    def _compile(self, f: Function, n: int, inputs: list[int], out: int) -> Step:
+    def _compile(self, f: Function, n: int, inputs: list[int], out: int, k: int = 0) -> Step:
         d = f.data(n)
         op, loc = d["op"], d["loc"]
         opdef = OPS.get(op)
         if opdef is None or op == ARG:
             raise DiagnosticError.at(loc, f"cannot execute unknown operation '{op}'")
         in_types = f.operand_types(n)
-        out_t = d["types"][0]
+        out_t = d["types"][k]
         try:
             attrs = check_attrs(opdef, d["attrs"])
             plan = _Plan(op, d["attrs"], in_types, out_t)
         except OpError as e:  # e.g. `mp.precision = "x"`, which the verifier leaves alone
             raise DiagnosticError.at(loc, f"'{op}': {e.message}") from None
-        flops = int(opdef.flops(in_types, d["types"], attrs))
-        reference = _reference(opdef.reference, attrs, op, out_t)
+        # An op's FLOPs go to its first result's step, so that per-step sums count them once.
+        flops = int(opdef.flops(in_types, d["types"], attrs)) if k == 0 else 0
+        reference = _reference(opdef.reference, attrs, op, d["types"], k)
         constant, constant_counts, scale_stats = None, NO_COUNTS, None
         run: Kernel
         if op == "mp.constant":
@@ -250,8 +251,8 @@ class Program:
         else:
             exact = op in VALUE_PRESERVING and all(
                 t.elem == out_t.elem for t in in_types if FORMATS[t.elem].is_float)
-            run = _generic_kernel(opdef.reference, attrs, out_t, exact)
-        return Step(n, f.value_name((n, 0)), op, inputs, out, run, reference, plan.requested,
+            run = _generic_kernel(opdef.reference, attrs, d["types"], k, exact)
+        return Step(n, f.value_name((n, k)), op, inputs, out, run, reference, plan.requested,
                     plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts,
                     scale_stats, attrs, in_types)
 
@@ -560,10 +561,13 @@ class _Plan:
 # ---- kernels -------------------------------------------------------------------------------
 
 
-def _reference(reference: Callable, attrs: dict, op: str, out_t: TensorType) -> Callable:
-    """The op in the fp32 reference: its numpy semantics on f32 values, results kept wide."""
-    wide = [_wide(out_t)]
-    as_f32 = [out_t.with_elem("f32")]
+def _reference(reference: Callable, attrs: dict, op: str, out_types: list[TensorType],
+               k: int) -> Callable:
+    """The op's result `k` in the fp32 reference: its numpy semantics on f32 values, results
+    kept wide."""
+    out_t = out_types[k]
+    wide = [_wide(t) for t in out_types]
+    as_f32 = [t.with_elem("f32") for t in out_types]
 
     def run(xs: list[np.ndarray]) -> np.ndarray | None:
         xs = [_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x for x in xs]
@@ -576,20 +580,20 @@ def _reference(reference: Callable, attrs: dict, op: str, out_t: TensorType) -> 
                 return None
             if kinds == {True}:
                 rt = as_f32  # an integer plan whose quantize was removed: the reference is float
-        return reference(xs, attrs, rt)[0]
+        return reference(xs, attrs, rt)[k]
     return run
 
 
-def _generic_kernel(reference: Callable, attrs: dict, out_t: TensorType,
+def _generic_kernel(reference: Callable, attrs: dict, out_types: list[TensorType], k: int,
                     exact: bool) -> Kernel:
-    """The op's numpy reference in f32 (integers as they are), rounded to the result type
-    unless it is `exact`: a value-preserving op on operands already in that type."""
-    rt = [_wide(out_t)]
-    elem = out_t.elem
+    """The op's numpy reference in f32 (integers as they are) for result `k`, rounded to
+    its type unless it is `exact`: a value-preserving op on operands already in that type."""
+    rt = [_wide(t) for t in out_types]
+    elem = out_types[k].elem
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         y = reference([_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x
-                       for x in xs], attrs, rt)[0]
+                       for x in xs], attrs, rt)[k]
         return (y, None) if exact else _finish(y, elem)
     return run
 

@@ -162,7 +162,8 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
          infer: _ImplInfer, reference: _ImplReference, flops: _ImplFlops,
          precisions: frozenset[str], doc: str, traits: frozenset[Trait] = frozenset(),
          weight_operand: int | None = None,
-         encoded_operands: frozenset[int] = frozenset(), vjp: Vjp | None = None) -> OpDef:
+         encoded_operands: frozenset[int] = frozenset(), vjp: Vjp | None = None,
+         num_results: int | None = 1) -> OpDef:
     op = f"mp.{name}"
     specs = dict(attrs)
     lo = sum(1 for n in operands if not n.endswith(("?", "...")))
@@ -201,7 +202,7 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
         reference=checked_reference, flops=checked_flops, precisions=precisions,
         # Every mp op is a function of its operands and attributes.
         traits=traits | {Trait.PURE}, weight_operand=weight_operand, doc=doc,
-        operand_names=operands, vjp=vjp,
+        operand_names=operands, vjp=vjp, num_results=num_results,
     ))
 
 
@@ -2428,6 +2429,40 @@ _def("scatter_nd_add",
          "`batch_dims` reads it: its gradient (ONNX ScatterND, reduction add, for "
          "batch_dims = 0).",
      traits=_SUMS)
+
+
+def _split_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
+    x = ins[0]
+    axis = _axis(a["axis"], x.rank)
+    sizes = a["sizes"]
+    if sum(sizes) != x.shape[axis]:
+        raise OpError(f"sizes {show_value(sizes)} add up to {sum(sizes)}, not to dimension "
+                      f"{axis} of {x} ({x.shape[axis]})", operand=0)
+    if declared and len(declared) != len(sizes):
+        raise OpError(f"sizes {show_value(sizes)} make {len(sizes)} results, but the op "
+                      f"declares {len(declared)}")
+    return [tensor(x.shape[:axis] + (n,) + x.shape[axis + 1:], x.elem) for n in sizes]
+
+
+def _split_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = xs[0]
+    cuts = np.cumsum(a["sizes"])[:-1]
+    return list(np.split(x, cuts, axis=_axis(a["axis"], x.ndim)))
+
+
+_def("split",
+     # The cotangents of the parts, unused ones zero, joined where the parts were cut.
+     vjp=lambda g, xs, y, dys, a, needs: [g.emit("mp.concat", list(dys), {"axis": a["axis"]})],
+     operands=("x",),
+     attrs={"axis": AttrSpec("int", default=0), "sizes": AttrSpec("ints", required=True, min=0)},
+     infer=_split_infer,
+     reference=_split_reference,
+     flops=_no_flops,
+     precisions=_ANY,
+     doc="Cut `x` along `axis` into one result per entry of `sizes` (ONNX Split with its "
+         "`split` input); the only op with several results.",
+     traits=_MOVES,
+     num_results=None)
 
 
 # ---------------------------------------------------------------------------------------------

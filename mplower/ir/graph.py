@@ -100,6 +100,10 @@ class Function:
     def has_uses(self, node: int) -> bool:
         return bool(self.graph._succ[node])
 
+    def op_name(self, node: int) -> str:
+        """An op as per-op tables name it: `%s` for `%s` and for all results of `%s:3`."""
+        return f"%{self.graph.nodes[node]['name']}"
+
     def value_name(self, value: Value) -> str:
         d = self.graph.nodes[value[0]]
         if len(d["types"]) > 1:

@@ -83,9 +83,11 @@ class GradBuilder(Protocol):
 
 # vjp(builder, operands, result, cotangent of the result, checked attrs, which operands need a
 # cotangent) -> the cotangent of each operand (None where not needed or not differentiable).
+# An op with several results gets its first result and a tuple of their cotangents.
 # Rules build the backward graph from ops of the same dialect, so every pass, the executor and
 # the report apply to it as to the forward graph.
-Vjp = Callable[[GradBuilder, Sequence[Value], Value, Value, dict, Sequence[bool]],
+Vjp = Callable[[GradBuilder, Sequence[Value], Value, "Value | tuple[Value, ...]", dict,
+                Sequence[bool]],
                list["Value | None"]]
 
 
@@ -125,7 +127,7 @@ class OpDef:
     reference: Reference
     flops: Flops
     precisions: frozenset[str]  # compute formats this op may be assigned
-    num_results: int = 1
+    num_results: int | None = 1  # None: as many as the op's rule infers (mp.split)
     traits: frozenset[Trait] = frozenset()
     # The operand that holds a weight (a constant that sparsify prunes, lower-sparse encodes
     # and calibration does not record); None for ops without one.

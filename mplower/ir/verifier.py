@@ -103,7 +103,7 @@ def verify_op(name: str, in_types: list, attrs: dict, out_types: list) -> str | 
     if n < lo or (hi is not None and n > hi):
         want = str(lo) if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
         return f"'{name}' expects {want} operands, got {n}"
-    if len(out_types) != opdef.num_results:
+    if opdef.num_results is not None and len(out_types) != opdef.num_results:
         return f"'{name}' has {opdef.num_results} result(s), got {len(out_types)}"
     try:
         full = check_attrs(opdef, attrs)

@@ -20,8 +20,9 @@ observed sign structure: one-sided data stays one-sided.
 
 Ranges live on the module as attributes of the op that produces the value (`mp.range`,
 `mp.calib`, ...); function arguments have no op, so theirs go in the function's `arg_attrs`
-(an array of one dictionary per argument, as MLIR's func.func spells argument attributes).
-`value_attrs` / `set_value_attrs` hide that difference. Weights are read through
+(an array of one dictionary per argument, as MLIR's func.func spells argument attributes), and
+those of an op with several results (mp.split) in its `mp.result_attrs`, one dictionary per
+result. `value_attrs` / `set_value_attrs` hide these differences. Weights are read through
 `ConstantValues`, which evaluates the constant-only part of a function with each op's reference
 semantics on the arrays of mplower.io.npz.
 """
@@ -48,6 +49,7 @@ RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX = (
     "mp.range", "mp.calib", "mp.observed", "mp.tiny", "mp.channel_absmax")
 CALIB_KEYS = (RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX)
 ARG_ATTRS = "arg_attrs"
+RESULT_ATTRS = "mp.result_attrs"
 
 # Binary exponents (np.frexp) of non-zero float32 magnitudes lie in [-148, 129].
 _EXP_LO, _EXP_HI = -160, 140
@@ -248,30 +250,38 @@ def mse_threshold(hist: np.ndarray, width: float, steps: int) -> float:
 # ---- where ranges are recorded --------------------------------------------------------------
 
 def value_attrs(f: Function, value: Value) -> Mapping[str, Any]:
-    """The attributes that describe `value`: its producer's, or the argument's `arg_attrs`."""
-    node, _ = value
+    """The attributes that describe `value`: its producer's, its entry of the producer's
+    `mp.result_attrs` where the producer has several results, or the argument's `arg_attrs`."""
+    node, k = value
     if f.op(node) == ARG:
-        table = f.attrs.get(ARG_ATTRS)
-        index = f.attrs_of(node)["index"]
-        if isinstance(table, tuple) and index < len(table) and isinstance(table[index], dict):
-            return table[index]
-        return {}
-    return f.attrs_of(node)
+        table, index = f.attrs.get(ARG_ATTRS), f.attrs_of(node)["index"]
+    elif len(f.types(node)) > 1:
+        table, index = f.attrs_of(node).get(RESULT_ATTRS), k
+    else:
+        return f.attrs_of(node)
+    if isinstance(table, tuple) and index < len(table) and isinstance(table[index], dict):
+        return table[index]
+    return {}
 
 
 def set_value_attrs(f: Function, value: Value, attrs: Mapping[str, Any],
                     replace: tuple[str, ...] = CALIB_KEYS) -> None:
     """Set `attrs` on `value`, first dropping the `replace` keys it had."""
-    node, _ = value
-    if f.op(node) == ARG:
-        table = f.attrs.get(ARG_ATTRS)
+    node, index = value
+    if f.op(node) == ARG or len(f.types(node)) > 1:
+        is_arg = f.op(node) == ARG
+        table = f.attrs.get(ARG_ATTRS) if is_arg else f.attrs_of(node).get(RESULT_ATTRS)
+        size = len(f.args) if is_arg else len(f.types(node))
         entries = [dict(d) if isinstance(d, dict) else {} for d in table] \
-            if isinstance(table, tuple) and len(table) == len(f.args) else [{} for _ in f.args]
-        entry = entries[f.attrs_of(node)["index"]]
+            if isinstance(table, tuple) and len(table) == size else [{} for _ in range(size)]
+        entry = entries[f.attrs_of(node)["index"] if is_arg else index]
         for k in replace:
             entry.pop(k, None)
         entry.update(attrs)
-        f.attrs[ARG_ATTRS] = tuple(entries)
+        if is_arg:
+            f.attrs[ARG_ATTRS] = tuple(entries)
+        else:
+            f.set_attr(node, RESULT_ATTRS, tuple(entries))
         return
     for k in replace:
         f.del_attr(node, k)
@@ -348,18 +358,18 @@ class ConstantValues:
         self.f = f
         self.weights = WeightStore(module, weights)
         self.nodes = constant_nodes(f)
-        self._cache: dict[int, np.ndarray] = {}
+        self._cache: dict[Value, np.ndarray] = {}
 
     def __contains__(self, value: Value) -> bool:
         return value[0] in self.nodes
 
     def get(self, value: Value) -> np.ndarray:
-        node = value[0]
-        hit = self._cache.get(node)
+        node, k = value
+        hit = self._cache.get(value)
         if hit is not None:
             return hit
         d = self.f.data(node)
-        t = d["types"][0]
+        t = d["types"][k]
         if d["op"] == "mp.constant":
             attrs = d["attrs"]
             raw = attrs["value"].array if isinstance(attrs.get("value"), DenseAttr) else \
@@ -367,11 +377,11 @@ class ConstantValues:
         else:
             opdef = OPS[d["op"]]
             raw = opdef.reference([self.get(v) for v in self.f.operands(node)],
-                                  check_attrs(opdef, d["attrs"]), d["types"])[0]
+                                  check_attrs(opdef, d["attrs"]), d["types"])[k]
         arr = np.asarray(raw)
         if arr.dtype.kind == "f" and arr.dtype != np.float64:
             arr = arr.astype(np.float32)
-        self._cache[node] = arr
+        self._cache[value] = arr
         return arr
 
 

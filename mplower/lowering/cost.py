@@ -279,9 +279,9 @@ class _Model:
             memory = seconds = launch = 0.0
         bound = LAUNCH if launch >= max(seconds, memory) else (
             COMPUTE if seconds >= memory else MEMORY)
-        return Group(gid, f.value_name((anchor, 0)) if f.types(anchor) else f.op(anchor),
+        return Group(gid, f.op_name(anchor) if f.types(anchor) else f.op(anchor),
                      f.op(anchor),
-                     tuple(f.value_name((n, 0)) if f.types(n) else f.op(n) for n in nodes),
+                     tuple(f.op_name(n) if f.types(n) else f.op(n) for n in nodes),
                      "f32" if self.fp32 else compute_format(f, anchor), flops, read, written,
                      bound, max(seconds, memory) + launch)
 

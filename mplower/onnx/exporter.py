@@ -198,8 +198,6 @@ class _Exporter:
                         src = self.node("Identity", [src], f"output_{i}")
                     outputs.append(_value_info(src, t))
                 continue
-            if len(d["types"]) != 1:
-                raise self.error(n, f"'{d['op']}' with several results has no ONNX export")
             self._op(n)
         self._note_weight_only_matmuls()
         graph = helper.make_graph(self.nodes, graph_name, inputs, outputs, self.inits)
@@ -253,6 +251,9 @@ class _Exporter:
         if op == "mp.constant":
             self.names[(n, 0)] = self.init(self._constant(n, attrs, out_t), hint)
             return
+        if op == "mp.split":
+            self._split(n, attrs, ins[0], in_types[0], len(d["types"]), hint)
+            return
         if attrs.get(ACCUM) is not None and attr_type(attrs[ACCUM]) == "f16":
             self.notes.append("f16 accumulation has no ONNX form: exported with f32 "
                               "accumulation")
@@ -284,6 +285,22 @@ class _Exporter:
         if narrow_out:
             y = self.node("Cast", [y], hint, to=ONNX_TYPE[out_t.elem])
         self.names[(n, 0)] = y
+
+    def _split(self, n: int, a: dict, x: str, in_t: TensorType, parts: int, hint: str) -> None:
+        """ONNX Split with its `split` input (opset >= 13), one output per result. Split has
+        no float8 or int4 kernel: those split in the type `_IO_AS` widens them to and cast
+        back, as the other moves do."""
+        wide = _IO_AS.get(in_t.elem) if in_t.elem in _NO_NATIVE_MOVES else None
+        if wide is not None:
+            x = self.node("Cast", [x], f"{x}_{wide}", to=ONNX_TYPE[wide])
+        outs = [self.fresh(f"{hint}_{k}_{wide}" if wide else f"{hint}_{k}")
+                for k in range(parts)]
+        self.nodes.append(helper.make_node(
+            "Split", [x, self.ints(a["sizes"], f"{hint}_sizes")], outs, name=outs[0],
+            axis=a["axis"]))
+        for k, y in enumerate(outs):
+            self.names[(n, k)] = y if wide is None else \
+                self.node("Cast", [y], f"{hint}_{k}", to=ONNX_TYPE[in_t.elem])
 
     # ---- one op --------------------------------------------------------------------------
     def _emit(self, op: str, a: dict, ins: list[str], in_types: list[TensorType],

@@ -1757,8 +1757,8 @@ def _cumsum(imp: _Importer, node: onnx.NodeProto) -> list:
 
 @handler("Split")
 def _split(imp: _Importer, node: onnx.NodeProto) -> list:
-    """One mp.slice per output: the executor and the exporter run single-result ops, and a
-    slice per part is what a runtime's Split does anyway (a view per output)."""
+    """One mp.split, a result per output (unused outputs too: the sizes say where the used
+    ones start)."""
     x = imp.run_input(0)
     a = _attrs(node)
     r = x.type.rank
@@ -1776,18 +1776,13 @@ def _split(imp: _Importer, node: onnx.NodeProto) -> list:
     else:  # equal parts, the last one smaller (opset 18 num_outputs)
         step = -(-dim // parts)
         sizes = [max(0, min(step, dim - k * step)) for k in range(parts)]
-    outs, start = [], 0
-    for name, size in zip(node.output, sizes):
-        starts, ends = [0] * r, list(x.type.shape)
-        starts[axis], ends[axis] = start, start + size
-        start += size
-        if not name:
-            outs.append(None)
-            continue
-        outs.append(x if size == dim else imp.emit(
-            "mp.slice", [x], {"starts": tuple(starts), "ends": tuple(ends),
-                              "steps": (1,) * r}, hint=name, onnx_type=x.onnx_type))
-    return outs
+    if parts == 1:
+        return [x]
+    first = imp.emit("mp.split", [x], {"axis": axis, "sizes": tuple(sizes)},
+                     hint=next((o for o in node.output if o), "split"), onnx_type=x.onnx_type)
+    split = first.value[0]
+    return [Run((split, k), t, x.onnx_type) if name else None
+            for k, (name, t) in enumerate(zip(node.output, imp.f.types(split)))]
 
 
 @handler("Range")

@@ -168,8 +168,9 @@ def build_report(result: RunResult, guardrails: dict[str, float],
     """The report of one run (docs/report.md); `guardrails` maps keys of
     mplower.lowering.policy.GUARDRAILS to limits."""
     ops = [op_entry(r) for r in result.ops]
-    counted = [o for o in ops if o["op"] != "mp.constant"]
-    fallbacks = sum(1 for o in counted if o["fallback"])
+    # A row per result; an op with several results (mp.split) still counts once.
+    counted = {r.step.node: r.step for r in result.ops if r.step.op != "mp.constant"}
+    fallbacks = sum(1 for s in counted.values() if s.reason is not None)
     drift = output_drift(result)
     summary: dict[str, Any] = {
         "ops": len(counted), "fallback_ops": fallbacks,

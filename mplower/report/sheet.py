@@ -57,7 +57,7 @@ def op_row(f: Function, n: int, times: dict[str, float], groups: dict[str, int])
     plan = Plan.of(attrs)
     compute = compute_format(f, n)
     accum, kernel = plan.accum, plan.kernel_or_dense
-    name = f.value_name((n, 0)) if outs else op
+    name = f.op_name(n) if outs else op
     return Row(name, op, compute, accum, kernel, plan.reason or "", flops,
                times.get(name, 0.0), groups.get(name))
 
