@@ -26,8 +26,9 @@ becomes a zero of the opposite sign (ml_dtypes' choice; the spec leaves it to th
 implementation). The scale type f8E8M0FNU (MX 5.4.1) is an unsigned power of two, 2^-127 ..
 2^127, with 0xFF as NaN and no zero: as in ml_dtypes, a value rounds to the nearer power of two
 with ties upward (the implicit leading one is the "kept" bit), zero, negative values (-0
-included), NaN and +inf become NaN, and positive values below 2^-127 become 2^-127 (or 2^-126
-for those strictly between the two). With `saturate=True`, E8M0 clamps values beyond 2^127 and
+included), NaN and +inf become NaN, and positive values below 2^-127 become 2^-127 (between
+2^-127 and 2^-126 the nearer one, ties upward, as ml_dtypes 0.7 does; 0.6 rounded all of them
+up to 2^-126). With `saturate=True`, E8M0 clamps values beyond 2^127 and
 +inf to 2^127. These four run on their own kernel (`_round_one_mx`) so that the one of the
 other formats keeps its tight loop.
 
@@ -212,8 +213,9 @@ def _round_one_mx(u, p):
     if e8m0:
         # Ties upward: ml_dtypes' nearest-even keeps the implicit one, which is always odd.
         r = _U32(_U32(a + half) & _U32(~low))
-        # Below 2^-126 ml_dtypes rounds as if E8M0 had subnormals, then reads code 0 as 2^-127.
-        r = (_U32(0x00800000) if a > _U32(0x00400000) else _U32(0x00400000)) \
+        # Below 2^-126 (float32 subnormals) the two candidates are 2^-127 and 2^-126: the
+        # nearer one, ties (1.5 * 2^-127) upward as above; everything below 2^-127 is 2^-127.
+        r = (_U32(0x00800000) if a >= _U32(0x00600000) else _U32(0x00400000)) \
             if a < _U32(0x00800000) else r
         bad = is_nan or sign != _U32(0) or a == _U32(0)
         over = r > max_bits and not bad
