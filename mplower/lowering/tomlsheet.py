@@ -60,7 +60,9 @@ class Sheet:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise DiagnosticError.at(*_syntax_error(str(e), text, path)) from None
+            err = DiagnosticError.at(*_syntax_error(str(e), text, path))
+            err.source = text  # the CLI would otherwise show a line of the model's IR
+            raise err from None
         sheet = cls(path, text, data)
         sheet._scan()
         return sheet
@@ -166,7 +168,9 @@ class Sheet:
 
     def error(self, keypath: KeyPath, message: str, *, value: str | None = None) -> DiagnosticError:
         loc = self.loc(keypath) if value is None else self.value_loc(keypath, value)
-        return DiagnosticError.at(loc, message)
+        err = DiagnosticError.at(loc, message)
+        err.source = self.text  # the CLI would otherwise show a line of the model's IR
+        return err
 
     # -- typed access: each raises a located diagnostic on the wrong shape ------------------
 
