@@ -26,7 +26,7 @@ from mplower.ir.graph import ARG, RETURN, Function, Module, Value
 from mplower.ir.opdef import OPS, OpError, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.numerics.formats import FLOATS
-from mplower.pass_manager import Pass, PassContext, option, register_pass
+from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
 
 GRAD_OF = "mp.grad_of"  # on a backward op: the name of the forward op it differentiates
 LOSSES = ("", "cross_entropy", "mse")
@@ -96,10 +96,13 @@ class Grad(Pass):
     seed: str = option("", "name of a scalar f32 argument to add as the loss's cotangent "
                            "(a loss scale); empty: 1")
 
-    def run(self, module: Module, ctx: PassContext) -> None:
+    def __post_init__(self) -> None:
+        # An option typo is a usage error when the pipeline is parsed, before any input is read.
         if self.loss not in LOSSES:
-            raise DiagnosticError.at(module.loc, f"grad: unknown loss '{self.loss}' (expected "
-                                                 f"{', '.join(repr(x) for x in LOSSES)})")
+            raise PipelineError(f"grad: unknown loss '{self.loss}' (expected "
+                                f"{', '.join(repr(x) for x in LOSSES)})")
+
+    def run(self, module: Module, ctx: PassContext) -> None:
         for f in module.functions.values():
             self._differentiate(f, ctx)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "ir_examples" / "mlp.ir"
 
@@ -48,3 +50,50 @@ def test_opt_policy_sheet_error_shows_the_sheet_line(cli, tmp_path):
     first, line, caret = r.err.splitlines()[:3]
     assert first.startswith(f"{sheet}:2:11: error: unknown format 'bf17'")
     assert (line, caret) == ('compute = "bf17"', "          ^")
+
+
+# ---- train: refusals point into the model's file ---------------------------------------------
+
+def test_train_data_of_the_wrong_shape_points_at_the_function_in_the_source(cli, tmp_path):
+    for name in ("digits_cnn.ir", "digits_cnn.npz"):
+        shutil.copy(ROOT / "ir_examples" / "training" / name, tmp_path / name)
+    ir = tmp_path / "digits_cnn.ir"
+    np.savez(tmp_path / "flat.npz", x=np.zeros((16, 64), np.float32), y=np.zeros(16, np.int64))
+    r = cli("train", ir, "--data", tmp_path / "flat.npz", "--steps", 1, "-o", tmp_path / "t.ir")
+    assert r.rc == 1
+    assert r.err == (f"{ir}:5:3: error: input 'x' has shape [16, 64] but the function takes "
+                     f"[16, 1, 8, 8]\n"
+                     f"  func.func @main(%x: tensor<16x1x8x8xf32>) -> tensor<16x10xf32> {{\n"
+                     f"  ^\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits_cnn.ir", "digits_cnn.npz",
+                                                          "flat.npz"]
+
+
+NO_WEIGHTS = """\
+// a model with no weights
+// and a second comment line
+func.func @main(%x: tensor<4x3xf32>) -> tensor<4x3xf32> {
+  %0 = mp.relu %x : (tensor<4x3xf32>) -> tensor<4x3xf32>
+  return %0 : tensor<4x3xf32>
+}
+"""
+
+
+def test_train_of_a_model_without_weights_points_at_its_function(cli, tmp_path):
+    ir = tmp_path / "m.ir"
+    ir.write_text(NO_WEIGHTS)
+    np.savez(tmp_path / "d.npz", x=np.ones((8, 3), np.float32), y=np.zeros((8, 3), np.float32))
+    r = cli("train", ir, "--data", tmp_path / "d.npz", "--loss", "mse", "--steps", 1,
+            "-o", tmp_path / "t.ir")
+    assert r.rc == 1
+    assert r.err.splitlines()[:2] == [
+        (f"{ir}:3:1: error: @main has nothing to train: no float constant of the weights file "
+         "(mp.weights) and none marked mp.trainable"),
+        "func.func @main(%x: tensor<4x3xf32>) -> tensor<4x3xf32> {"]
+
+
+def test_grad_unknown_loss_is_a_usage_error_before_the_model_is_read(cli, tmp_path):
+    r = cli("opt", tmp_path / "missing.ir", "--pass=grad{loss=hinge}")
+    assert r.rc == 2
+    assert r.err.splitlines()[-1] == ("mplower: error: grad: unknown loss 'hinge' (expected '', "
+                                      "'cross_entropy', 'mse')")

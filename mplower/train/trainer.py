@@ -27,8 +27,6 @@ from mplower.backend.executor import Program
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
-from mplower.ir.parser import parse
-from mplower.ir.printer import print_module
 from mplower.ir.types import DenseAttr
 from mplower.numerics.formats import FLOATS
 from mplower.numerics.metrics import finite_or_none
@@ -43,12 +41,6 @@ from mplower.train.scaler import LossScaler
 F32 = np.float32
 SCALE_ARG = "loss_scale"  # the argument the backward seed (the loss scale) arrives in
 FORWARD, BACKWARD = "forward", "backward"
-
-
-def clone(module: Module) -> Module:
-    copy = parse(print_module(module), module.path)
-    copy.path = module.path
-    return copy
 
 
 def param_name(d: dict) -> str | None:
@@ -135,9 +127,10 @@ class Trainer:
     def __post_init__(self) -> None:
         model = self.module
         if self.batch is not None:
-            model = copy.deepcopy(self.module)  # not clone: a refusal points into the source
+            model = copy.deepcopy(self.module)
             set_batch(model.function(self.func), self.batch)
-        train = clone(model)
+        # Copies, not reparsed prints: every refusal below must point into the source.
+        train = copy.deepcopy(model)
         f = train.function(self.func)
         types = promote_params(f)
         if not types:
@@ -163,7 +156,7 @@ class Trainer:
         self.program = Program(train, self.func, self.weights_path)
         phases = _phases(train.function(self.func))
         self._owner = [phases[s.node] for s in self.program.steps]
-        forward = clone(model)
+        forward = copy.deepcopy(model)
         promote_params(forward.function(self.func))
         PassManager(list(self.pipeline)).run(forward, PassContext(weights_path=self.weights_path))
         self.eval_program = Program(forward, self.func, self.weights_path)
