@@ -97,3 +97,46 @@ def test_grad_unknown_loss_is_a_usage_error_before_the_model_is_read(cli, tmp_pa
     assert r.rc == 2
     assert r.err.splitlines()[-1] == ("mplower: error: grad: unknown loss 'hinge' (expected '', "
                                       "'cross_entropy', 'mse')")
+
+
+# ---- outputs: all or none --------------------------------------------------------------------
+
+def _digits_cnn(folder: Path) -> tuple[Path, Path]:
+    for name in ("digits_cnn.ir", "digits_cnn.npz"):
+        shutil.copy(ROOT / "ir_examples" / "training" / name, folder / name)
+    rng = np.random.default_rng(0)
+    np.savez(folder / "d.npz", x=rng.random((16, 1, 8, 8), np.float32),
+             y=rng.integers(0, 10, 16))
+    return folder / "digits_cnn.ir", folder / "d.npz"
+
+
+def test_train_with_an_unwritable_plot_leaves_the_trained_module_unwritten(cli, tmp_path):
+    ir, data = _digits_cnn(tmp_path)
+    (tmp_path / "t.ir").write_text("old\n")
+    bad = tmp_path / "missing" / "t.png"
+    r = cli("train", ir, "--data", data, "--steps", 1, "-o", tmp_path / "t.ir",
+            "--report", tmp_path / "t.json", "--plot", bad)
+    assert (r.rc, r.err) == (1, f"{bad}: error: cannot write output: No such file or directory\n")
+    assert (tmp_path / "t.ir").read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz", "digits_cnn.ir",
+                                                          "digits_cnn.npz", "t.ir"]
+
+
+def test_train_to_stdout_is_a_usage_error_not_a_file_named_dash_npz(cli, tmp_path,
+                                                                    monkeypatch):
+    ir, data = _digits_cnn(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    r = cli("train", ir, "--data", data, "--steps", 1, "-o", "-")
+    assert r.rc == 2 and r.out == ""
+    assert r.err.splitlines()[-1] == ("mplower: error: train writes the module and its weights "
+                                      "beside it: -o needs a file, not '-'")
+    assert not (tmp_path / "-.npz").exists()
+
+
+def test_run_with_an_unwritable_plot_writes_no_report(cli, tmp_path):
+    ir = _mlp(tmp_path)
+    bad = tmp_path / "missing" / "p.png"
+    r = cli("run", ir, "--inputs", tmp_path / "mlp_inputs.npz", "--report",
+            tmp_path / "r.json", "--save-outputs", tmp_path / "o.npz", "--plot", bad)
+    assert (r.rc, r.err) == (1, f"{bad}: error: cannot write output: No such file or directory\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.ir", "mlp.npz", "mlp_inputs.npz"]

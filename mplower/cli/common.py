@@ -104,6 +104,25 @@ def write_atomic(path: str | Path, write: Callable[[IO[Any]], object], mode: str
                                  f"cannot write output: {e.strerror or e}") from None
 
 
+def write_atomic_all(files: Sequence[tuple[str | Path, Callable[[IO[Any]], object], str]]
+                     ) -> None:
+    """Write every `(path, write, mode)` as `write_atomic` does, all or none: each goes to a
+    temporary file first and only when all of them are written are they renamed into place,
+    so a bad path among them (a missing folder) leaves every file as it was."""
+    import contextlib
+
+    from mplower.io.atomic import atomic_output
+
+    path: str | Path = ""  # the file being opened or written when an error comes
+    try:
+        with contextlib.ExitStack() as stack:
+            for path, write, mode in files:
+                write(stack.enter_context(atomic_output(path, mode)))
+    except OSError as e:
+        raise DiagnosticError.at(Location(str(path), 0, 0),
+                                 f"cannot write output: {e.strerror or e}") from None
+
+
 def print_diagnostics(diags: Sequence[Diagnostic], source: str | None,
                       renderer: DiagnosticRenderer | None = None) -> None:
     """Render to stderr through `renderer`, which counts errors against its limit across

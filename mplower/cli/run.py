@@ -21,7 +21,7 @@ from mplower.cli.common import (
     EXIT_OK,
     UsageError,
     read_module,
-    write_atomic,
+    write_atomic_all,
 )
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 
@@ -184,15 +184,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mplower.report.drift_plot import plot_drift
 
         png = plot_drift(report, f"@{program.function.name}").png
+    files = []
     if args.save_outputs:
         from mplower.io.npz import save_npz
 
-        write_atomic(args.save_outputs, lambda fh: save_npz(fh, dict(zip(keys, result.outputs))))
+        files.append((args.save_outputs,
+                      lambda fh: save_npz(fh, dict(zip(keys, result.outputs))), "wb"))
     if args.report:
         text = render(report, "json").encode()
-        write_atomic(args.report, lambda fh: fh.write(text))
+        files.append((args.report, lambda fh: fh.write(text), "wb"))
     if args.plot:
-        write_atomic(args.plot, lambda fh: fh.write(png))
+        files.append((args.plot, lambda fh: fh.write(png), "wb"))
+    write_atomic_all(files)
     sys.stdout.write(shown)
     if args.check and report["summary"]["verdict"] != "pass":
         return EXIT_GUARDRAIL
