@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "ir_examples" / "mlp.ir"
@@ -140,3 +141,34 @@ def test_run_with_an_unwritable_plot_writes_no_report(cli, tmp_path):
             tmp_path / "r.json", "--save-outputs", tmp_path / "o.npz", "--plot", bad)
     assert (r.rc, r.err) == (1, f"{bad}: error: cannot write output: No such file or directory\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.ir", "mlp.npz", "mlp_inputs.npz"]
+
+
+# ---- target measure --name -------------------------------------------------------------------
+
+def test_measured_sheet_quotes_a_name_with_quotes_and_backslashes(monkeypatch):
+    import datetime
+
+    from mplower.backend import measure
+    from mplower.backend.measure import HostMeasurements, Measurement
+    from mplower.lowering.target import parse_target
+
+    h = HostMeasurements(measure.QUICK, [
+        Measurement("numpy", "copy", None, "copy", 0.5, 20e9),
+        Measurement("mplower", "gemm", "f32", "matmul", 2.0, 100e9),
+        Measurement("mplower", "overhead", None, "chain", 64e-6, measure.OVERHEAD_CHAIN)])
+    when = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC)
+    text = measure.sheet_text(h, "mplower", 'lab "B" \\ 2', when)
+    assert 'name = "lab \\"B\\" \\\\ 2"' in text.splitlines()
+    assert parse_target(text, "box.toml").name == 'lab "B" \\ 2'
+
+
+def test_target_measure_name_on_two_lines_is_a_usage_error_before_measuring(cli, tmp_path,
+                                                                            monkeypatch):
+    from mplower.backend import measure
+
+    monkeypatch.setattr(measure, "measure_host", lambda **k: pytest.fail("measured"))
+    r = cli("target", "measure", "--quick", "--name", "a\nb", "-o", tmp_path / "h.toml")
+    assert r.rc == 2
+    assert r.err.splitlines()[-1] == ("mplower: error: --name must be one line of printable "
+                                      "text, got 'a\\nb'")
+    assert list(tmp_path.iterdir()) == []

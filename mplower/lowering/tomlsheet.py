@@ -285,6 +285,13 @@ def format_problem(name: str, allowed: Collection[str], role: str) -> str | None
     return f"unknown format '{name}'{did_you_mean(name, FORMATS)}"
 
 
+def toml_string(s: str) -> str:
+    """`s` as a TOML basic string: quotes, backslashes and control characters escaped."""
+    out = s.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+                         for c in out) + '"'
+
+
 def _dotted(keypath: KeyPath) -> str:
     return ".".join(str(p) for p in keypath if isinstance(p, str))
 
