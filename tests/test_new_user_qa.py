@@ -172,3 +172,29 @@ def test_target_measure_name_on_two_lines_is_a_usage_error_before_measuring(cli,
     assert r.err.splitlines()[-1] == ("mplower: error: --name must be one line of printable "
                                       "text, got 'a\\nb'")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- run: an fp32 model with an attention mask has no quantization section -------------------
+
+MASKED = """\
+func.func @main(%x: tensor<2x4xf32>, %mask: tensor<2x4xi64>) -> tensor<2x4xf32> {
+  %0 = mp.cast %mask : (tensor<2x4xi64>) -> tensor<2x4xf32>
+  %1 = mp.cast %0 : (tensor<2x4xf32>) -> tensor<2x4xi1>
+  %2 = mp.constant {value = dense<-3.4028235e+38> : tensor<f32>} : () -> tensor<f32>
+  %3 = mp.where %1, %x, %2 : (tensor<2x4xi1>, tensor<2x4xf32>, tensor<f32>) -> tensor<2x4xf32>
+  return %3 : tensor<2x4xf32>
+}
+"""
+
+
+def test_fp32_run_of_a_mask_cast_from_float_reports_no_quantization_error(cli, tmp_path):
+    import json
+
+    ir = tmp_path / "m.ir"
+    ir.write_text(MASKED)
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 4), np.float32),
+             mask=np.array([[1, 1, 0, 0], [1, 0, 1, 0]], np.int64))
+    r = cli("run", ir, "--inputs", tmp_path / "in.npz", "--report", tmp_path / "r.json")
+    assert r.rc == 0
+    assert "quantization error" not in r.out
+    assert "quantization" not in json.loads((tmp_path / "r.json").read_text())
