@@ -198,3 +198,24 @@ def test_fp32_run_of_a_mask_cast_from_float_reports_no_quantization_error(cli, t
     assert r.rc == 0
     assert "quantization error" not in r.out
     assert "quantization" not in json.loads((tmp_path / "r.json").read_text())
+
+
+# ---- train: labels of the wrong shape are named as labels ------------------------------------
+
+def test_train_mse_with_class_index_labels_names_the_labels_and_the_shape(cli, tmp_path):
+    ir = _mlp(tmp_path)
+    np.savez(tmp_path / "d.npz", x=np.ones((32, 64), np.float32), y=np.zeros(32, np.int64))
+    r = cli("train", ir, "--data", tmp_path / "d.npz", "--loss", "mse", "--steps", 1,
+            "-o", tmp_path / "t.ir")
+    assert (r.rc, r.err) == (1, (f"{tmp_path / 'd.npz'}: error: labels 'y' hold [] per sample; "
+                                "mse needs the output's [10] (class indices go with --loss "
+                                "cross_entropy)\n"))
+    assert not (tmp_path / "t.ir").exists()
+
+
+def test_train_one_hot_labels_of_the_wrong_width_are_a_located_error(cli, tmp_path):
+    ir = _mlp(tmp_path)
+    np.savez(tmp_path / "d.npz", x=np.ones((32, 64), np.float32), y=np.ones((32, 7), np.float32))
+    r = cli("train", ir, "--data", tmp_path / "d.npz", "--steps", 1, "-o", tmp_path / "t.ir")
+    assert (r.rc, r.err) == (1, (f"{tmp_path / 'd.npz'}: error: labels 'y' hold [7] per sample; "
+                                "cross_entropy needs the output's [10]\n"))

@@ -172,6 +172,11 @@ class Trainer:
                 raise ValueError(f"labels '{self.labels}' must be class indices in "
                                  f"[0, {classes})")
             return np.eye(classes, dtype=F32)[y]
+        want = list(self.label_type.shape[1:])
+        if list(y.shape[1:]) != want:  # else the step refuses it as a model input, unnamed
+            hint = " (class indices go with --loss cross_entropy)" if y.ndim == 1 else ""
+            raise ValueError(f"labels '{self.labels}' hold {list(y.shape[1:])} per sample; "
+                             f"{self.loss} needs the output's {want}{hint}")
         return y.astype(F32)
 
     def step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
