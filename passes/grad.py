@@ -120,7 +120,7 @@ class Grad(Pass):
             raise DiagnosticError.at(f.data(ret)["loc"], f"grad: the loss must be a float "
                                      f"scalar, got {lt}; pass loss=cross_entropy or loss=mse")
         leaves = self._leaves(f)
-        seed = (f.add_arg(self.seed, tensor((), lt.elem)), 0) if self.seed else None
+        seed = (_new_arg(f, "seed", self.seed, tensor((), lt.elem)), 0) if self.seed else None
         if seed is not None and lt.shape != ():
             seed = g.emit("mp.reshape", [seed], result=lt)
         grads = backward(f, g, loss, seed if seed is not None else g.splat(1.0, lt.shape, lt.elem),
@@ -129,6 +129,8 @@ class Grad(Pass):
         for pos, v in enumerate(outs):
             f.set_operand(ret, pos, v)
         f.result_types = [f.type_of(v) for v in outs]
+        # The imported model's output names named its output, not the loss and gradients.
+        f.attrs.pop("mp.output_names", None)
         eliminate_dead_ops(f)
 
     def _loss(self, f: Function, g: _Builder, out: Value) -> Value:
@@ -144,7 +146,7 @@ class Grad(Pass):
             want = "(batch, classes) logits" if self.loss == "cross_entropy" else "a float result"
             raise DiagnosticError.at(f.data(f.return_node)["loc"],
                                      f"grad: loss={self.loss} needs {want}, got {t}")
-        target = (f.add_arg(self.labels, t), 0)
+        target = (_new_arg(f, "labels", self.labels, t), 0)
         g.hint = self.loss
         if self.loss == "mse":
             diff = g.emit("mp.sub", [out, target])
@@ -173,6 +175,16 @@ class Grad(Pass):
                                             " has neither as a float argument nor as a named "
                                             "constant")
         return [by_name[w] for w in names]
+
+
+def _new_arg(f: Function, option: str, name: str, type_: TensorType) -> int:
+    """The argument `option=name` adds; a name the function already uses would be a second
+    definition of that value, which only the verifier would catch, unlocated."""
+    if f.fresh_name(name) != name:
+        raise DiagnosticError.at(f.loc, f"grad: {option}={name} would add an argument %{name}, "
+                                        f"but @{f.name} already has a value of that name; "
+                                        f"give {option}= another name")
+    return f.add_arg(name, type_)
 
 
 def backward(f: Function, g: _Builder, loss: Value, seed: Value,

@@ -219,3 +219,35 @@ def test_train_one_hot_labels_of_the_wrong_width_are_a_located_error(cli, tmp_pa
     r = cli("train", ir, "--data", tmp_path / "d.npz", "--steps", 1, "-o", tmp_path / "t.ir")
     assert (r.rc, r.err) == (1, (f"{tmp_path / 'd.npz'}: error: labels 'y' hold [7] per sample; "
                                 "cross_entropy needs the output's [10]\n"))
+
+
+# ---- grad: the arguments it adds, the names it leaves --------------------------------------
+
+NAMED = """\
+func.func @main(%x: tensor<4x3xf32>, %y: tensor<4x3xf32>) -> tensor<4x3xf32> attributes {mp.output_names = ["out"]} {
+  %w = mp.constant {value = dense<0.5> : tensor<3x3xf32>, mp.trainable} : () -> tensor<3x3xf32>
+  %0 = mp.matmul %x, %w : (tensor<4x3xf32>, tensor<3x3xf32>) -> tensor<4x3xf32>
+  return %0 : tensor<4x3xf32>
+}
+"""
+
+
+@pytest.mark.parametrize("option, name", [("labels", "x"), ("labels", "w"), ("seed", "labels")])
+def test_grad_argument_named_like_an_existing_value_is_a_located_error(cli, tmp_path, option,
+                                                                       name):
+    ir = tmp_path / "m.ir"
+    ir.write_text(NAMED)
+    r = cli("opt", ir, f"--pass=grad{{loss=mse wrt=args {option}={name}}}")
+    assert r.rc == 1
+    assert r.err.splitlines()[0] == (
+        f"{ir}:1:1: error: grad: {option}={name} would add an argument %{name}, but @main "
+        f"already has a value of that name; give {option}= another name")
+
+
+def test_grad_drops_the_imported_output_names_of_the_model_output(cli, tmp_path):
+    ir = tmp_path / "m.ir"
+    ir.write_text(NAMED)
+    r = cli("opt", ir, "--pass=grad{loss=mse wrt=x}")
+    assert r.rc == 0
+    assert "mp.output_names" not in r.out
+    assert "-> (tensor<f32>, tensor<4x3xf32>) {" in r.out
