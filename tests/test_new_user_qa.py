@@ -251,3 +251,15 @@ def test_grad_drops_the_imported_output_names_of_the_model_output(cli, tmp_path)
     assert r.rc == 0
     assert "mp.output_names" not in r.out
     assert "-> (tensor<f32>, tensor<4x3xf32>) {" in r.out
+
+
+# ---- tune --scheduler ------------------------------------------------------------------------
+
+def test_tune_scheduler_without_a_port_is_a_located_error_and_leaves_no_folder(cli, tmp_path):
+    ir = _mlp(tmp_path)
+    out = tmp_path / "release"
+    r = cli("tune", ir, "--target", "h100", "--data", tmp_path / "mlp_inputs.npz",
+            "--scheduler", "nonsense", "-o", out)
+    assert (r.rc, r.err) == (1, ("nonsense: error: cannot connect to the dask scheduler: missing "
+                                "port number in address 'nonsense'\n"))
+    assert not out.exists()

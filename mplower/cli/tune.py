@@ -13,6 +13,7 @@ table to stdout. docs/tune.md walks through it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -158,13 +159,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
         target_text=None if builtin else Path(target.source).read_text(encoding="utf-8"),
         batches=batches, slices=slices, guardrails=guardrails, func=args.func)
     out_dir = Path(args.output)
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DiagnosticError.at(Location(str(out_dir), 0, 0),
                                  f"cannot create the output folder: {e.strerror}") from None
 
-    outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
+    try:
+        outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
+    except BaseException:  # a search that fails (no scheduler, interrupted) leaves no folder
+        if created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
     inputs = {"model": sha256_file(args.input),
               "weights": sha256_file(weights_path) if weights else None,
               "data": sha256_file(args.data), "eval": sha256_file(eval_path),
