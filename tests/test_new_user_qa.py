@@ -263,3 +263,19 @@ def test_tune_scheduler_without_a_port_is_a_located_error_and_leaves_no_folder(c
     assert (r.rc, r.err) == (1, ("nonsense: error: cannot connect to the dask scheduler: missing "
                                 "port number in address 'nonsense'\n"))
     assert not out.exists()
+
+
+# ---- --seed ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["run", "bench", "tune", "train"])
+def test_negative_seed_is_a_usage_error_of_every_command(cli, tmp_path, command):
+    ir = _mlp(tmp_path)
+    extra = {"run": ["--random-inputs"], "bench": [],
+             "tune": ["--target", "h100", "--data", tmp_path / "mlp_inputs.npz", "-o",
+                      tmp_path / "out"],
+             "train": ["--data", tmp_path / "mlp_inputs.npz", "-o", tmp_path / "t.ir"]}[command]
+    r = cli(command, ir, *extra, "--seed", "-1")
+    assert r.rc == 2
+    assert r.err.splitlines()[-1] == (f"mplower {command}: error: argument --seed: must be 0 or "
+                                      f"more, got -1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.ir", "mlp.npz", "mlp_inputs.npz"]

@@ -82,6 +82,17 @@ def read_module(args: argparse.Namespace) -> Module:
     return parse_module(text, name)
 
 
+def seed(text: str) -> int:
+    """argparse type of `--seed`: numpy's generators take no negative seed."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def write_output(path: str, text: str) -> None:
     """`text` to stdout (`-`) or, atomically, to the file `path`."""
     if path == "-":

@@ -21,6 +21,7 @@ from mplower.cli.common import (
     EXIT_OK,
     UsageError,
     read_module,
+    seed,
     write_atomic_all,
 )
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
@@ -39,7 +40,7 @@ def _input_flags(p: argparse.ArgumentParser) -> None:
     source.add_argument("--random-inputs", action="store_true",
                         help="seeded random inputs: standard normal floats, uniform integers "
                              "(the default when --inputs is not given)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --random-inputs (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed for --random-inputs (default 0)")
     p.add_argument("--weights", metavar="W.npz",
                    help="weights .npz to use instead of the module's mp.weights")
     p.add_argument("--func", default=None, help="function to run (default: main or the only one)")

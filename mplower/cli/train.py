@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from mplower.cli.common import EXIT_OK, UsageError, read_module, write_atomic_all
+from mplower.cli.common import EXIT_OK, UsageError, read_module, seed, write_atomic_all
 from mplower.ir.diagnostics import DiagnosticError, Location
 
 
@@ -57,7 +57,7 @@ def add_train(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="batch size (default: the model's, the first "
                                              "dimension of its first argument; another size "
                                              "retypes the model as the set-batch pass does)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the batch order (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the batch order (default 0)")
     p.add_argument("--weights", metavar="W.npz", help="initial weights instead of mp.weights")
     p.add_argument("--func", default=None, help="function to train (default: main)")
     p.add_argument("--report", metavar="train.json", help="write the per-step report here")

@@ -25,6 +25,7 @@ from mplower.cli.common import (
     EXIT_OK,
     UsageError,
     read_module,
+    seed,
     write_atomic,
 )
 from mplower.ir.diagnostics import DiagnosticError, Location
@@ -54,7 +55,7 @@ def add_tune(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--sparse", action="store_true", help="also try 2:4-pruned weights")
     p.add_argument("--budget", type=int, default=200, metavar="N",
                    help="at most N plan evaluations (default 200)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the search's tie-breaks")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the search's tie-breaks")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, default=0, metavar="N",
                        help="evaluate on a dask LocalCluster of N workers (0: in this process)")
