@@ -279,3 +279,31 @@ def test_negative_seed_is_a_usage_error_of_every_command(cli, tmp_path, command)
     assert r.err.splitlines()[-1] == (f"mplower {command}: error: argument --seed: must be 0 or "
                                       f"more, got -1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.ir", "mlp.npz", "mlp_inputs.npz"]
+
+
+# ---- train --eval labels ---------------------------------------------------------------------
+
+def test_train_eval_labels_out_of_range_are_a_located_error_at_the_eval_file(cli, tmp_path):
+    ir, data = _digits_cnn(tmp_path)
+    ev = tmp_path / "ev.npz"
+    np.savez(ev, x=np.ones((4, 1, 8, 8), np.float32), y=np.array([0, 3, 11, 2]))
+    r = cli("train", ir, "--data", data, "--eval", ev, "--steps", 1, "-o", tmp_path / "t.ir")
+    assert (r.rc, r.err) == (1, f"{ev}: error: labels 'y' must be class indices in [0, 10)\n")
+    assert not (tmp_path / "t.ir").exists()
+
+
+def test_train_eval_one_hot_labels_give_the_accuracy_of_their_argmax(cli, tmp_path):
+    import json
+
+    ir, data = _digits_cnn(tmp_path)
+    rng = np.random.default_rng(1)
+    x, classes = rng.random((20, 1, 8, 8), np.float32), rng.integers(0, 10, 20)
+    np.savez(tmp_path / "idx.npz", x=x, y=classes)
+    np.savez(tmp_path / "hot.npz", x=x, y=np.eye(10, dtype=np.float32)[classes])
+    got = []
+    for name in ("idx", "hot"):
+        r = cli("train", ir, "--data", data, "--eval", tmp_path / f"{name}.npz", "--steps", 1,
+                "--report", tmp_path / f"{name}.json", "-o", tmp_path / f"{name}.ir")
+        assert r.rc == 0, r.err
+        got.append(json.loads((tmp_path / f"{name}.json").read_text())["summary"]["eval"])
+    assert got[0] == got[1] and got[0]["samples"] == 20

@@ -122,17 +122,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     data = _data(args.data, [*inputs, args.labels], "training data")
     evaluation = _data(args.eval, [inputs[0], args.labels], "evaluation data") \
         if args.eval else None
+    if evaluation is not None:  # checked before any step is spent
+        try:
+            eval_classes = trainer.class_labels(evaluation[args.labels])
+        except ValueError as e:
+            raise DiagnosticError.at(Location(args.eval, 0, 0), str(e)) from None
     n = len(data[args.labels])
     steps = args.steps or (args.epochs or 1) * (n // trainer.batch)
     try:
         rows = _fit_with_progress(trainer, data, steps, args.seed)
-        accuracy = None
-        if evaluation is not None:
-            accuracy = {"samples": len(evaluation[args.labels]),
-                        "accuracy": trainer.accuracy(evaluation[inputs[0]],
-                                                     evaluation[args.labels])}
     except ValueError as e:
         raise DiagnosticError.at(Location(args.data, 0, 0), str(e)) from None
+    accuracy = None
+    if evaluation is not None:
+        accuracy = {"samples": len(eval_classes),
+                    "accuracy": trainer.accuracy(evaluation[inputs[0]], eval_classes)}
     config = {"model": args.input, "plan": pipeline_text or "fp32", "loss": args.loss,
               "optimizer": args.optimizer, "loss_scale": args.loss_scale,
               "steps": steps, "batch": trainer.batch, "seed": args.seed}

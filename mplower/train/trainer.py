@@ -209,8 +209,22 @@ class Trainer:
         plan's formats."""
         return predict(self.eval_program, x, self.params)
 
-    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
-        return float(np.mean(np.argmax(self.predict(x), axis=-1) == y))
+    def class_labels(self, y: np.ndarray) -> np.ndarray:
+        """Evaluation labels as class indices: given so, or the argmax of rows of scores
+        (one-hot) as wide as the output; anything else is a ValueError."""
+        classes = self.label_type.shape[-1]
+        if y.ndim == 2 and y.shape[1] == classes:
+            y = np.argmax(y, axis=-1)
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise ValueError(f"labels '{self.labels}' must be class indices or rows of "
+                             f"{classes} scores, got {list(y.shape[1:])} {y.dtype} per sample")
+        if y.size and (y.min() < 0 or y.max() >= classes):
+            raise ValueError(f"labels '{self.labels}' must be class indices in [0, {classes})")
+        return y
+
+    def accuracy(self, x: np.ndarray, classes: np.ndarray) -> float:
+        """Top-1 accuracy against class indices (`class_labels`)."""
+        return float(np.mean(np.argmax(self.predict(x), axis=-1) == classes))
 
 
 def predict(program: Program, x: np.ndarray,
