@@ -307,3 +307,38 @@ def test_train_eval_one_hot_labels_give_the_accuracy_of_their_argmax(cli, tmp_pa
         assert r.rc == 0, r.err
         got.append(json.loads((tmp_path / f"{name}.json").read_text())["summary"]["eval"])
     assert got[0] == got[1] and got[0]["samples"] == 20
+
+
+# ---- run --plot: integer results are not "drift not finite" ---------------------------------
+
+MASKED_OVERFLOW = """\
+func.func @main(%x: tensor<2x4xf32>, %mask: tensor<2x4xi64>) -> tensor<2x4xf32> {
+  %0 = mp.cast %mask : (tensor<2x4xi64>) -> tensor<2x4xf32>
+  %1 = mp.cast %0 : (tensor<2x4xf32>) -> tensor<2x4xi1>
+  %2 = mp.constant {value = dense<-3.4028235e+38> : tensor<f32>} : () -> tensor<f32>
+  %4 = mp.mul %x, %2 {mp.precision = f16} : (tensor<2x4xf32>, tensor<f32>) -> tensor<2x4xf32>
+  %3 = mp.where %1, %x, %4 : (tensor<2x4xi1>, tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+  return %3 : tensor<2x4xf32>
+}
+"""
+
+
+def test_drift_plot_marks_only_non_finite_results_not_integer_ones(cli, tmp_path):
+    import json
+
+    from mplower.report.drift_plot import plot_drift
+
+    ir = tmp_path / "m.ir"
+    ir.write_text(MASKED_OVERFLOW)
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 4), np.float32),
+             mask=np.array([[1, 1, 0, 0], [1, 0, 1, 0]], np.int64))
+    r = cli("run", ir, "--inputs", tmp_path / "in.npz", "--report", tmp_path / "r.json")
+    assert r.rc == 0, r.err
+    report = json.loads((tmp_path / "r.json").read_text())
+    plotted = plot_drift(report)
+    ops = [o for o in report["ops"] if o["op"] != "mp.constant"]
+    by_name = dict(zip(plotted.names, range(len(ops))))
+    # the i1 cast has no drift figure (an integer); -3.4e38 in f16 is -inf, and so on after it
+    assert [o["name"] for o in ops if o["rel_l2"] is None] == ["%1", "%2_f16", "%4", "%4_f32",
+                                                               "%3"]
+    assert plotted.not_finite == tuple(by_name[n] for n in ("%2_f16", "%4", "%4_f32", "%3"))
