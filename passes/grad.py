@@ -26,7 +26,7 @@ from mplower.ir.graph import ARG, RETURN, Function, Module, Value
 from mplower.ir.opdef import OPS, OpError, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.numerics.formats import FLOATS
-from mplower.pass_manager import Pass, PassContext, option, register_pass
+from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
 
 GRAD_OF = "mp.grad_of"  # on a backward op: the name of the forward op it differentiates
 LOSSES = ("", "cross_entropy", "mse")
@@ -96,10 +96,13 @@ class Grad(Pass):
     seed: str = option("", "name of a scalar f32 argument to add as the loss's cotangent "
                            "(a loss scale); empty: 1")
 
-    def run(self, module: Module, ctx: PassContext) -> None:
+    def __post_init__(self) -> None:
+        # An option typo is a usage error when the pipeline is parsed, before any input is read.
         if self.loss not in LOSSES:
-            raise DiagnosticError.at(module.loc, f"grad: unknown loss '{self.loss}' (expected "
-                                                 f"{', '.join(repr(x) for x in LOSSES)})")
+            raise PipelineError(f"grad: unknown loss '{self.loss}' (expected "
+                                f"{', '.join(repr(x) for x in LOSSES)})")
+
+    def run(self, module: Module, ctx: PassContext) -> None:
         for f in module.functions.values():
             self._differentiate(f, ctx)
 
@@ -117,7 +120,7 @@ class Grad(Pass):
             raise DiagnosticError.at(f.data(ret)["loc"], f"grad: the loss must be a float "
                                      f"scalar, got {lt}; pass loss=cross_entropy or loss=mse")
         leaves = self._leaves(f)
-        seed = (f.add_arg(self.seed, tensor((), lt.elem)), 0) if self.seed else None
+        seed = (_new_arg(f, "seed", self.seed, tensor((), lt.elem)), 0) if self.seed else None
         if seed is not None and lt.shape != ():
             seed = g.emit("mp.reshape", [seed], result=lt)
         grads = backward(f, g, loss, seed if seed is not None else g.splat(1.0, lt.shape, lt.elem),
@@ -126,6 +129,8 @@ class Grad(Pass):
         for pos, v in enumerate(outs):
             f.set_operand(ret, pos, v)
         f.result_types = [f.type_of(v) for v in outs]
+        # The imported model's output names named its output, not the loss and gradients.
+        f.attrs.pop("mp.output_names", None)
         eliminate_dead_ops(f)
 
     def _loss(self, f: Function, g: _Builder, out: Value) -> Value:
@@ -141,7 +146,7 @@ class Grad(Pass):
             want = "(batch, classes) logits" if self.loss == "cross_entropy" else "a float result"
             raise DiagnosticError.at(f.data(f.return_node)["loc"],
                                      f"grad: loss={self.loss} needs {want}, got {t}")
-        target = (f.add_arg(self.labels, t), 0)
+        target = (_new_arg(f, "labels", self.labels, t), 0)
         g.hint = self.loss
         if self.loss == "mse":
             diff = g.emit("mp.sub", [out, target])
@@ -170,6 +175,16 @@ class Grad(Pass):
                                             " has neither as a float argument nor as a named "
                                             "constant")
         return [by_name[w] for w in names]
+
+
+def _new_arg(f: Function, option: str, name: str, type_: TensorType) -> int:
+    """The argument `option=name` adds; a name the function already uses would be a second
+    definition of that value, which only the verifier would catch, unlocated."""
+    if f.fresh_name(name) != name:
+        raise DiagnosticError.at(f.loc, f"grad: {option}={name} would add an argument %{name}, "
+                                        f"but @{f.name} already has a value of that name; "
+                                        f"give {option}= another name")
+    return f.add_arg(name, type_)
 
 
 def backward(f: Function, g: _Builder, loss: Value, seed: Value,

@@ -60,6 +60,7 @@ from mplower.lowering.target import (
     LRN,
     MAX_POOL,
 )
+from mplower.lowering.tomlsheet import toml_string
 
 RUNTIMES = ("mplower", "onnxruntime")
 # The formats the executor's matmul runs, each as a plan computes it: (operand type, result
@@ -552,7 +553,7 @@ def sheet_text(h: HostMeasurements, runtime: str, name: str = "host",
           for x in h.items),
         "",
         "[target]",
-        f'name = "{name}"',
+        f"name = {toml_string(name)}",
         f'description = "this machine ({runtime}), measured {now:%Y-%m-%d}"',
         f"bandwidth = {_number(h.bandwidth)}",
         f"overhead_s = {_number(h.overhead_s(runtime))}",

@@ -82,6 +82,17 @@ def read_module(args: argparse.Namespace) -> Module:
     return parse_module(text, name)
 
 
+def seed(text: str) -> int:
+    """argparse type of `--seed`: numpy's generators take no negative seed."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def write_output(path: str, text: str) -> None:
     """`text` to stdout (`-`) or, atomically, to the file `path`."""
     if path == "-":
@@ -99,6 +110,25 @@ def write_atomic(path: str | Path, write: Callable[[IO[Any]], object], mode: str
     try:
         with atomic_output(path, mode) as fh:
             write(fh)
+    except OSError as e:
+        raise DiagnosticError.at(Location(str(path), 0, 0),
+                                 f"cannot write output: {e.strerror or e}") from None
+
+
+def write_atomic_all(files: Sequence[tuple[str | Path, Callable[[IO[Any]], object], str]]
+                     ) -> None:
+    """Write every `(path, write, mode)` as `write_atomic` does, all or none: each goes to a
+    temporary file first and only when all of them are written are they renamed into place,
+    so a bad path among them (a missing folder) leaves every file as it was."""
+    import contextlib
+
+    from mplower.io.atomic import atomic_output
+
+    path: str | Path = ""  # the file being opened or written when an error comes
+    try:
+        with contextlib.ExitStack() as stack:
+            for path, write, mode in files:
+                write(stack.enter_context(atomic_output(path, mode)))
     except OSError as e:
         raise DiagnosticError.at(Location(str(path), 0, 0),
                                  f"cannot write output: {e.strerror or e}") from None

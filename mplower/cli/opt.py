@@ -126,6 +126,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
     for chunk, offset in chunks:
         pm = PassManager(passes, inst)
         emitted: list[Diagnostic] = []
+        source = text
         try:
             module = parse_module(chunk, name, offset, timings)
             ctx = PassContext(output_path=None if args.output == "-" else args.output,
@@ -139,6 +140,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
             timings.append(("Output", time.perf_counter() - t0))
         except DiagnosticError as e:
             emitted = e.diagnostics
+            source = e.source if e.source is not None else text  # a sheet's own text
         if args.verify_diagnostics:
             problems = expected.check(expected.collect(chunk, name, offset), emitted)
             if problems:
@@ -146,7 +148,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
                 print_diagnostics(problems, text, renderer)
         elif emitted:
             failed = True
-            print_diagnostics(emitted, text, renderer)
+            print_diagnostics(emitted, source, renderer)
     print_error_summary(renderer, args)
     if args.timing:
         sys.stderr.write(format_timing(timings))

@@ -21,7 +21,8 @@ from mplower.cli.common import (
     EXIT_OK,
     UsageError,
     read_module,
-    write_atomic,
+    seed,
+    write_atomic_all,
 )
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 
@@ -39,7 +40,7 @@ def _input_flags(p: argparse.ArgumentParser) -> None:
     source.add_argument("--random-inputs", action="store_true",
                         help="seeded random inputs: standard normal floats, uniform integers "
                              "(the default when --inputs is not given)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --random-inputs (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed for --random-inputs (default 0)")
     p.add_argument("--weights", metavar="W.npz",
                    help="weights .npz to use instead of the module's mp.weights")
     p.add_argument("--func", default=None, help="function to run (default: main or the only one)")
@@ -184,15 +185,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mplower.report.drift_plot import plot_drift
 
         png = plot_drift(report, f"@{program.function.name}").png
+    files = []
     if args.save_outputs:
         from mplower.io.npz import save_npz
 
-        write_atomic(args.save_outputs, lambda fh: save_npz(fh, dict(zip(keys, result.outputs))))
+        files.append((args.save_outputs,
+                      lambda fh: save_npz(fh, dict(zip(keys, result.outputs))), "wb"))
     if args.report:
         text = render(report, "json").encode()
-        write_atomic(args.report, lambda fh: fh.write(text))
+        files.append((args.report, lambda fh: fh.write(text), "wb"))
     if args.plot:
-        write_atomic(args.plot, lambda fh: fh.write(png))
+        files.append((args.plot, lambda fh: fh.write(png), "wb"))
+    write_atomic_all(files)
     sys.stdout.write(shown)
     if args.check and report["summary"]["verdict"] != "pass":
         return EXIT_GUARDRAIL

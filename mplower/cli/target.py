@@ -36,6 +36,8 @@ def cmd_target(args: argparse.Namespace) -> int:
     if args.runtime == "onnxruntime" and not onnxruntime_available():
         raise UsageError("--runtime onnxruntime needs the onnxruntime package "
                          "(pip install onnxruntime)")
+    if not args.name or not args.name.isprintable():  # it also goes in the header comment
+        raise UsageError(f"--name must be one line of printable text, got {args.name!r}")
     measured = measure_host(quick=args.quick)  # every runtime: the others for comparison
     flags = [f"--runtime {args.runtime}", f"--name {shlex.quote(args.name)}"] + \
         ["--quick"] * args.quick + ([f"-o {shlex.quote(args.output)}"] * (args.output != "-"))

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from mplower.cli.common import EXIT_OK, UsageError, read_module, write_atomic, write_output
+from mplower.cli.common import EXIT_OK, UsageError, read_module, seed, write_atomic_all
 from mplower.ir.diagnostics import DiagnosticError, Location
 
 
@@ -57,7 +57,7 @@ def add_train(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="batch size (default: the model's, the first "
                                              "dimension of its first argument; another size "
                                              "retypes the model as the set-batch pass does)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the batch order (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the batch order (default 0)")
     p.add_argument("--weights", metavar="W.npz", help="initial weights instead of mp.weights")
     p.add_argument("--func", default=None, help="function to train (default: main)")
     p.add_argument("--report", metavar="train.json", help="write the per-step report here")
@@ -103,6 +103,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                                   args.loss_scale_backoff, args.loss_scale_interval)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.output == "-":  # the trained weights go to a file beside it, which '-' has not
+        raise UsageError("train writes the module and its weights beside it: -o needs a file, "
+                         "not '-'")
     for flag in ("steps", "epochs", "batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be at least 1")
@@ -119,17 +122,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     data = _data(args.data, [*inputs, args.labels], "training data")
     evaluation = _data(args.eval, [inputs[0], args.labels], "evaluation data") \
         if args.eval else None
+    if evaluation is not None:  # checked before any step is spent
+        try:
+            eval_classes = trainer.class_labels(evaluation[args.labels])
+        except ValueError as e:
+            raise DiagnosticError.at(Location(args.eval, 0, 0), str(e)) from None
     n = len(data[args.labels])
     steps = args.steps or (args.epochs or 1) * (n // trainer.batch)
     try:
         rows = _fit_with_progress(trainer, data, steps, args.seed)
-        accuracy = None
-        if evaluation is not None:
-            accuracy = {"samples": len(evaluation[args.labels]),
-                        "accuracy": trainer.accuracy(evaluation[inputs[0]],
-                                                     evaluation[args.labels])}
     except ValueError as e:
         raise DiagnosticError.at(Location(args.data, 0, 0), str(e)) from None
+    accuracy = None
+    if evaluation is not None:
+        accuracy = {"samples": len(eval_classes),
+                    "accuracy": trainer.accuracy(evaluation[inputs[0]], eval_classes)}
     config = {"model": args.input, "plan": pipeline_text or "fp32", "loss": args.loss,
               "optimizer": args.optimizer, "loss_scale": args.loss_scale,
               "steps": steps, "batch": trainer.batch, "seed": args.seed}
@@ -141,15 +148,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     arrays = read_npz(source, module.loc) if source is not None else {}
     arrays.update({k: v for k, v in trainer.params.items() if k not in inline})
     out_npz = beside(args.output)
-    write_atomic(out_npz, lambda fh: save_npz(fh, {k: np.asarray(v) for k, v in arrays.items()}))
     module.attrs["mp.weights"] = path_from(Path(args.output).resolve().parent, out_npz.resolve())
-    write_output(args.output, print_module(module))
+    text = print_module(module)
+    files = [(out_npz, lambda fh: save_npz(fh, {k: np.asarray(v) for k, v in arrays.items()}),
+              "wb"), (args.output, lambda fh: fh.write(text), "w")]
     if args.report:
-        write_atomic(args.report, lambda fh: fh.write(json.dumps(report, indent=1, allow_nan=False) + "\n"), "w")
+        files.append((args.report, lambda fh: fh.write(json.dumps(report, indent=1,
+                                                                  allow_nan=False) + "\n"), "w"))
     if args.plot:
         buf = io.BytesIO()
         plot_training(report, buf)
-        write_atomic(args.plot, lambda fh: fh.write(buf.getvalue()))
+        files.append((args.plot, lambda fh: fh.write(buf.getvalue()), "wb"))
+    write_atomic_all(files)  # all or none: a bad --plot path leaves TRAINED.ir as it was
     s = report["summary"]
     acc = f", eval accuracy {s['eval']['accuracy']:.4f}" if "eval" in s else ""
     loss = "not finite" if s["final_loss"] is None else f"{s['final_loss']:.4f}"

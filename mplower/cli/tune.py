@@ -13,6 +13,7 @@ table to stdout. docs/tune.md walks through it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ from mplower.cli.common import (
     EXIT_OK,
     UsageError,
     read_module,
+    seed,
     write_atomic,
 )
 from mplower.ir.diagnostics import DiagnosticError, Location
@@ -53,7 +55,7 @@ def add_tune(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--sparse", action="store_true", help="also try 2:4-pruned weights")
     p.add_argument("--budget", type=int, default=200, metavar="N",
                    help="at most N plan evaluations (default 200)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the search's tie-breaks")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the search's tie-breaks")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, default=0, metavar="N",
                        help="evaluate on a dask LocalCluster of N workers (0: in this process)")
@@ -158,13 +160,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
         target_text=None if builtin else Path(target.source).read_text(encoding="utf-8"),
         batches=batches, slices=slices, guardrails=guardrails, func=args.func)
     out_dir = Path(args.output)
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DiagnosticError.at(Location(str(out_dir), 0, 0),
                                  f"cannot create the output folder: {e.strerror}") from None
 
-    outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
+    try:
+        outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
+    except BaseException:  # a search that fails (no scheduler, interrupted) leaves no folder
+        if created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
     inputs = {"model": sha256_file(args.input),
               "weights": sha256_file(weights_path) if weights else None,
               "data": sha256_file(args.data), "eval": sha256_file(eval_path),

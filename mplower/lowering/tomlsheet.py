@@ -60,7 +60,9 @@ class Sheet:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise DiagnosticError.at(*_syntax_error(str(e), text, path)) from None
+            err = DiagnosticError.at(*_syntax_error(str(e), text, path))
+            err.source = text  # the CLI would otherwise show a line of the model's IR
+            raise err from None
         sheet = cls(path, text, data)
         sheet._scan()
         return sheet
@@ -166,7 +168,9 @@ class Sheet:
 
     def error(self, keypath: KeyPath, message: str, *, value: str | None = None) -> DiagnosticError:
         loc = self.loc(keypath) if value is None else self.value_loc(keypath, value)
-        return DiagnosticError.at(loc, message)
+        err = DiagnosticError.at(loc, message)
+        err.source = self.text  # the CLI would otherwise show a line of the model's IR
+        return err
 
     # -- typed access: each raises a located diagnostic on the wrong shape ------------------
 
@@ -279,6 +283,13 @@ def format_problem(name: str, allowed: Collection[str], role: str) -> str | None
         article = "an" if role[0] in "aeiou" else "a"
         return f"'{name}' is not {article} {role} format (expected one of: {', '.join(allowed)})"
     return f"unknown format '{name}'{did_you_mean(name, FORMATS)}"
+
+
+def toml_string(s: str) -> str:
+    """`s` as a TOML basic string: quotes, backslashes and control characters escaped."""
+    out = s.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+                         for c in out) + '"'
 
 
 def _dotted(keypath: KeyPath) -> str:

@@ -2,8 +2,9 @@
 
 One bar per executed op (constants left out, as in the report's table), in program order, so the
 op where drift jumps or values overflow stands out: the top panel is each op's rel_l2 against
-the fp32 reference on a log scale (an exact op has no bar; an op whose drift is not finite, say
-because it overflowed to inf, is marked with a red triangle at the top), the bottom panel its
+the fp32 reference on a log scale (an exact op or an integer result has no bar; an op whose
+drift is not finite, say because it overflowed to inf, is marked with a red triangle at the
+top), the bottom panel its
 overflow count. matplotlib is imported only here, and only when a plot is asked for; the figure
 is drawn without pyplot (no global state, no display) and returned as PNG bytes, which the
 caller writes atomically.
@@ -25,6 +26,7 @@ class DriftPlot:
     rel_l2: tuple[float | None, ...]
     overflow: tuple[int, ...]
     png: bytes
+    not_finite: tuple[int, ...] = ()  # positions marked with the red triangle
 
 
 def plot_drift(report: dict[str, Any], title: str = "") -> DriftPlot:
@@ -45,7 +47,9 @@ def plot_drift(report: dict[str, Any], title: str = "") -> DriftPlot:
     if any(heights):
         drift_ax.set_yscale("log")
     drift_ax.set_ylabel("rel_l2 vs fp32")
-    missing = [i for i, o in enumerate(ops) if o["rel_l2"] is None]
+    # rel_l2 is also null for an integer result (an index, a mask, an i8 kernel), which has
+    # no drift to draw; only a result that is not finite where the reference is gets marked.
+    missing = [i for i, o in enumerate(ops) if o["rel_l2"] is None and o["nonfinite_mismatch"]]
     if missing:
         drift_ax.plot(missing, [1.0] * len(missing), "v", color="tab:red",
                       label="drift not finite (overflow, NaN)")
@@ -64,6 +68,6 @@ def plot_drift(report: dict[str, Any], title: str = "") -> DriftPlot:
     drawn = [b.get_height() for b in drift_bars]
     return DriftPlot(
         names=tuple(names),
-        rel_l2=tuple(None if i in missing else drawn[i] for i in range(len(ops))),
+        rel_l2=tuple(None if o["rel_l2"] is None else drawn[i] for i, o in enumerate(ops)),
         overflow=tuple(int(b.get_height()) for b in over_bars),
-        png=buf.getvalue())
+        png=buf.getvalue(), not_finite=tuple(missing))

@@ -35,7 +35,7 @@ from mplower.dialect.mp import CONVERSIONS
 from mplower.ir.graph import Function, Value
 from mplower.ir.opdef import attr_array
 from mplower.lowering.calibration import CALIB, constant_nodes
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FORMATS, INDEX_FORMATS
 from mplower.numerics.metrics import channel_sqnr_db, finite_or_none, sqnr_db
 from mplower.numerics.quant import dequantize
 from mplower.passes.quantize import QUANT_MARK, ZERO_POINT
@@ -98,6 +98,9 @@ def float_origin(f: Function, v: Value, through_movement: bool = False) -> Value
             best = cur
 
 
+_NOT_QUANTIZED = frozenset({"i1", *INDEX_FORMATS})  # element types no plan quantizes to
+
+
 def converted_ops(f: Function) -> list[int]:
     """Ops (other than conversions and constants) that consume converted values or write a
     narrower float than f32: what a precision plan or quantization changed."""
@@ -110,7 +113,9 @@ def converted_ops(f: Function) -> list[int]:
             continue
         narrow = any(FORMATS[t.elem].is_float and FORMATS[t.elem].bits < 32 for t in d["types"])
         through = "mp.weight_quant" in d["attrs"]
-        if narrow or any(float_origin(f, v, through) != v for v in f.operands(n)):
+        # A mask or an index cast from a float (an attention mask's `where`) changed no precision.
+        if narrow or any(f.type_of(v).elem not in _NOT_QUANTIZED
+                         and float_origin(f, v, through) != v for v in f.operands(n)):
             out.append(n)
     return out
 

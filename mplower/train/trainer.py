@@ -27,8 +27,6 @@ from mplower.backend.executor import Program
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
-from mplower.ir.parser import parse
-from mplower.ir.printer import print_module
 from mplower.ir.types import DenseAttr
 from mplower.numerics.formats import FLOATS
 from mplower.numerics.metrics import finite_or_none
@@ -43,12 +41,6 @@ from mplower.train.scaler import LossScaler
 F32 = np.float32
 SCALE_ARG = "loss_scale"  # the argument the backward seed (the loss scale) arrives in
 FORWARD, BACKWARD = "forward", "backward"
-
-
-def clone(module: Module) -> Module:
-    copy = parse(print_module(module), module.path)
-    copy.path = module.path
-    return copy
 
 
 def param_name(d: dict) -> str | None:
@@ -135,9 +127,10 @@ class Trainer:
     def __post_init__(self) -> None:
         model = self.module
         if self.batch is not None:
-            model = copy.deepcopy(self.module)  # not clone: a refusal points into the source
+            model = copy.deepcopy(self.module)
             set_batch(model.function(self.func), self.batch)
-        train = clone(model)
+        # Copies, not reparsed prints: every refusal below must point into the source.
+        train = copy.deepcopy(model)
         f = train.function(self.func)
         types = promote_params(f)
         if not types:
@@ -163,7 +156,7 @@ class Trainer:
         self.program = Program(train, self.func, self.weights_path)
         phases = _phases(train.function(self.func))
         self._owner = [phases[s.node] for s in self.program.steps]
-        forward = clone(model)
+        forward = copy.deepcopy(model)
         promote_params(forward.function(self.func))
         PassManager(list(self.pipeline)).run(forward, PassContext(weights_path=self.weights_path))
         self.eval_program = Program(forward, self.func, self.weights_path)
@@ -179,6 +172,11 @@ class Trainer:
                 raise ValueError(f"labels '{self.labels}' must be class indices in "
                                  f"[0, {classes})")
             return np.eye(classes, dtype=F32)[y]
+        want = list(self.label_type.shape[1:])
+        if list(y.shape[1:]) != want:  # else the step refuses it as a model input, unnamed
+            hint = " (class indices go with --loss cross_entropy)" if y.ndim == 1 else ""
+            raise ValueError(f"labels '{self.labels}' hold {list(y.shape[1:])} per sample; "
+                             f"{self.loss} needs the output's {want}{hint}")
         return y.astype(F32)
 
     def step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -211,8 +209,22 @@ class Trainer:
         plan's formats."""
         return predict(self.eval_program, x, self.params)
 
-    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
-        return float(np.mean(np.argmax(self.predict(x), axis=-1) == y))
+    def class_labels(self, y: np.ndarray) -> np.ndarray:
+        """Evaluation labels as class indices: given so, or the argmax of rows of scores
+        (one-hot) as wide as the output; anything else is a ValueError."""
+        classes = self.label_type.shape[-1]
+        if y.ndim == 2 and y.shape[1] == classes:
+            y = np.argmax(y, axis=-1)
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise ValueError(f"labels '{self.labels}' must be class indices or rows of "
+                             f"{classes} scores, got {list(y.shape[1:])} {y.dtype} per sample")
+        if y.size and (y.min() < 0 or y.max() >= classes):
+            raise ValueError(f"labels '{self.labels}' must be class indices in [0, {classes})")
+        return y
+
+    def accuracy(self, x: np.ndarray, classes: np.ndarray) -> float:
+        """Top-1 accuracy against class indices (`class_labels`)."""
+        return float(np.mean(np.argmax(self.predict(x), axis=-1) == classes))
 
 
 def predict(program: Program, x: np.ndarray,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.tune.cache import EvaluationCache, plan_key
 from mplower.tune.evaluation import Candidate, Problem, evaluate
 
@@ -35,7 +36,11 @@ class Evaluator:
             from dask.distributed import Client, LocalCluster
 
             if scheduler is not None:
-                self._client = Client(scheduler)
+                try:
+                    self._client = Client(scheduler)
+                except (OSError, ValueError, TypeError) as e:  # unreachable, or no address
+                    raise DiagnosticError.at(Location(scheduler, 0, 0), (
+                        f"cannot connect to the dask scheduler: {e}")) from None
                 self.description = f"dask scheduler {scheduler}"
             else:
                 # The cores are shared out: each worker's GEMM threads (numba's count) get

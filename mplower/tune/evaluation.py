@@ -37,6 +37,7 @@ from mplower.ir.verifier import verify
 from mplower.lowering.cost import plan_cost
 from mplower.lowering.policy import load_policy
 from mplower.lowering.target import Target, load_target
+from mplower.lowering.tomlsheet import toml_string
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.metrics import allclose_ratio, drift, finite_or_none
 from mplower.pass_manager import PassContext, PassManager, load_passes, parse_pipeline
@@ -91,10 +92,6 @@ def _glob_literal(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def _toml_string(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def sheet_text(candidate: Candidate, guardrails: Mapping[str, float], header: str = "") -> str:
     """The policy sheet that makes assign-precision reproduce `candidate`: nothing listed (every
     op f32, `not-listed`) and one `[[override]]` per lowered op, by its exact result name."""
@@ -104,8 +101,8 @@ def sheet_text(candidate: Candidate, guardrails: Mapping[str, float], header: st
               'compute = "f32"', 'accum = "f32"', "keep_io_types = true",
               "keep_first_last = false", ""]
     for name, fmt in candidate.formats:
-        lines += ["[[override]]", f"name = {_toml_string(_glob_literal(name))}",
-                  f"compute = {_toml_string(fmt)}", ""]
+        lines += ["[[override]]", f"name = {toml_string(_glob_literal(name))}",
+                  f"compute = {toml_string(fmt)}", ""]
     if guardrails:
         lines.append("[guardrails]")
         lines += [f"{k} = {v!r}" for k, v in guardrails.items()]
