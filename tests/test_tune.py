@@ -334,6 +334,24 @@ def test_calibration_data_without_the_argument_is_a_located_error(cli, tmp_path)
     assert not (tmp_path / "o").exists()
 
 
+def test_evaluation_data_with_nan_is_a_located_error_not_a_vacuous_pass(cli, tmp_path):
+    # With NaN inputs the fp32 reference is NaN too, every drift figure came out 0 and every
+    # plan "passed" the guardrails.
+    ir, data = _mlp(tmp_path)
+    x = np.load(data)["x"].copy()
+    x[3, 5] = np.nan
+    x[7, 1] = np.inf
+    np.savez(tmp_path / "e.npz", x=x)
+    r = cli("tune", ir, "--target", "h100", "--data", data, "--eval", tmp_path / "e.npz",
+            "-o", tmp_path / "o")
+    assert r.rc == 1
+    assert r.err.splitlines()[0] == (
+        f"{tmp_path / 'e.npz'}: error: evaluation data: argument 'x' holds 2 non-finite "
+        f"value(s) (NaN or inf); the guardrails are judged against the fp32 outputs on these "
+        f"inputs")
+    assert not (tmp_path / "o").exists()
+
+
 def test_slice_ids_of_the_wrong_length_are_a_located_error(cli, tmp_path):
     ir, data = _mlp(tmp_path)
     np.savez(tmp_path / "s.npz", slice=np.zeros(31, np.int64))

@@ -116,6 +116,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("tune reads the model from a file, not from stdin")
     started = time.perf_counter()
 
+    import numpy as np
+
     from mplower.io.npz import read_npz, weights_file
     from mplower.ir.opdef import OPS
     from mplower.lowering.target import load_target
@@ -142,6 +144,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     batches = split_batches(f, read_npz(Path(eval_path), Location(eval_path, 0, 0),
                                         "evaluation data"), Location(eval_path, 0, 0),
                             "evaluation")
+    for i, a in enumerate(f.args):
+        bad = sum(int(np.count_nonzero(~np.isfinite(b[i]))) for b in batches
+                  if b[i].dtype.kind == "f")
+        if bad:  # a NaN reference makes every drift figure vacuous: every plan would "pass"
+            raise DiagnosticError.at(Location(eval_path, 0, 0), (
+                f"evaluation data: argument '{f.data(a)['name']}' holds {bad} non-finite "
+                f"value(s) (NaN or inf); the guardrails are judged against the fp32 outputs "
+                f"on these inputs"))
     slices = None
     if args.slices:
         rows = {t.shape[0] if t.shape else 1 for t in f.result_types}
