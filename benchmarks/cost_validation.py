@@ -271,13 +271,8 @@ def report(rows: list[dict], target_path: Path, rounds: int) -> list[str]:
 
 
 def write_section(path: Path, lines: list[str]) -> None:
-    text = path.read_text()
-    block = "\n".join([BEGIN, *lines, END])
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    _load_script("runtime", ROOT / "benchmarks" / "runtime.py").replace_block(
+        path, lines, BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -396,16 +396,21 @@ def table(rows: list[tuple[str, int, dict[str, float]]], sheets: tuple[str, ...]
     return out
 
 
-def write_section(path: Path, lines: list[str], part: str = "table") -> None:
-    begin, end = BEGIN.replace("runtime.py", f"runtime.py {part}"), \
-        END.replace("runtime.py", f"runtime.py {part}")
+def replace_block(path: Path, lines: list[str], begin: str, end: str) -> None:
+    """Put `lines` between the markers `begin` and `end` of the markdown file (appended, with
+    its markers, where the file has none yet); the other benchmark scripts write theirs too."""
     text = path.read_text()
-    block = "\n".join([begin] + lines + [end])
+    block = "\n".join([begin, *lines, end])
     if begin in text and end in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def write_section(path: Path, lines: list[str], part: str = "table") -> None:
+    replace_block(path, lines, BEGIN.replace("runtime.py", f"runtime.py {part}"),
+                  END.replace("runtime.py", f"runtime.py {part}"))
 
 
 def main(argv: list[str] | None = None) -> int:

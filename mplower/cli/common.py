@@ -105,14 +105,7 @@ def write_output(path: str, text: str) -> None:
 def write_atomic(path: str | Path, write: Callable[[IO[Any]], object], mode: str = "wb") -> None:
     """Call `write` with a temporary file that becomes `path` only if it returns; an OS error
     is a diagnostic at the file."""
-    from mplower.io.atomic import atomic_output
-
-    try:
-        with atomic_output(path, mode) as fh:
-            write(fh)
-    except OSError as e:
-        raise DiagnosticError.at(Location(str(path), 0, 0),
-                                 f"cannot write output: {e.strerror or e}") from None
+    write_atomic_all([(path, write, mode)])
 
 
 def write_atomic_all(files: Sequence[tuple[str | Path, Callable[[IO[Any]], object], str]]
