@@ -10,10 +10,11 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
 the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer, or 8
-panels or more), and each tile of _ROWS rows by one panel keeps its accumulators in vector
-registers over the whole of K (`_micro`, LLVM vector IR without fast-math flags, so LLVM may
-neither contract nor reorder); rows past the last full tile run one at a time, and a product
-of fewer than _ROWS rows streams b row by row instead (`_rows`, batch-1 inference). A tile belongs to one thread
+panels or more), and each tile of TILE_ROWS rows by one panel keeps its accumulators in
+vector registers over the whole of K (`_micro`, LLVM vector IR without fast-math flags, so LLVM
+may neither contract nor reorder); rows past the last full tile run one at a time, and a
+product of fewer than TILE_ROWS rows streams b row by row instead (`_rows`, batch-1
+inference). A tile belongs to one thread
 (mplower.numerics.workers hands out blocks of tiles), SIMD lanes are different output
 columns, and K is never split, so every output element is the same
 function of its own row of `a` and column of `b` whatever the thread count, the BLAS library,
@@ -34,10 +35,10 @@ from numba.extending import intrinsic
 
 from mplower.numerics.workers import run_blocks
 
-# The register tile: _ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8 float64
-# columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
+# The register tile: TILE_ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8
+# float64 columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
 # speed only, never a result.
-_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
+TILE_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 # Below this many multiply-adds (about 1 ms on one core) one thread does the whole product:
 # entering a parallel region costs tens of microseconds on an idle machine, and a scheduler
 # time slice (~12 ms) when other processes hold the cores, as on a shared 2-core VM.
@@ -132,7 +133,13 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
     return codegen
 
 
-_micro = _micro_kernel(_ROWS)
+_micro = _micro_kernel(TILE_ROWS)
+
+
+def panel_columns(dtype: np.dtype) -> int:
+    """The columns of a register tile (and of a packed panel of b) for operands of `dtype`."""
+    return _VECTORS * _VECTOR_BYTES // dtype.itemsize
+
 _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 
@@ -156,10 +163,10 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, tota
     are read from b in place. With `chunk` < K (integer operands, see `integer_matmul`) each
     chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
-    rows_t = (m + _ROWS - 1) // _ROWS
+    rows_t = (m + TILE_ROWS - 1) // TILE_ROWS
     per = (n + cols - 1) // cols
     batch, rest = t // (rows_t * per), t % (rows_t * per)
-    p, i0 = rest // rows_t, (rest % rows_t) * _ROWS
+    p, i0 = rest // rows_t, (rest % rows_t) * TILE_ROWS
     j0 = p * cols
     if panels.size:
         source, offset, ldp = panels, (ib[batch] * per + p) * kk * cols, cols
@@ -168,8 +175,19 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, tota
     else:  # the last, partial panel
         source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
         _pack(b, source, ib[batch] * per + p, cols, 0)
-    a_offset = (ia[batch] * m + i0) * kk
-    if chunk >= kk and i0 + _ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize:
+    finish_tile(a, (ia[batch] * m + i0) * kk, source, offset, ldp, c, batch, i0, j0, cols,
+                chunk, scale, bias, relu, tile, total)
+
+
+@njit(cache=True, nogil=True)
+def finish_tile(a, a_offset, source, offset, ldp, c, batch, i0, j0, cols, chunk, scale, bias,
+                relu, tile, total):
+    """Rows i0 .. i0 + TILE_ROWS - 1 (those below M) and columns j0 .. j0 + cols - 1 (those below
+    N) of matrix `batch` of c (B, M, N): the rows of a (K long) from flat index a_offset on,
+    times the (K, cols) panel at source[offset:] (rows ldp apart), summed in _micro's order
+    and stored through the epilogue; `tile` and `total` are scratch of TILE_ROWS * cols."""
+    m, kk, n = c.shape[1], a.shape[-1], c.shape[2]
+    if chunk >= kk and i0 + TILE_ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize:
         # A full tile: the registers go straight to the result, the epilogue runs there.
         _micro(a.reshape(-1), a_offset, kk, source, offset, ldp, c.reshape(-1),
                (batch * m + i0) * n + j0, n, kk, 1)
@@ -177,22 +195,22 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, tota
             _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu)
     elif chunk >= kk:
         _sweep(a, a_offset, kk, source, offset, ldp, tile, 0, kk, m - i0, cols)
-        _store(tile, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias, relu)
+        _store(tile, c, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias, relu)
     else:
         total[:] = 0
         for k0 in range(0, kk, chunk):
             _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, min(chunk, kk - k0),
                    m - i0, cols)
             total += tile
-        _store(total, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias,
+        _store(total, c, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias,
                relu)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, depth, rows, cols):
     """tile (rows `cols` apart) = the products of k = k0 .. k0 + depth - 1, in that order,
     summed from +0, for `rows` rows."""
-    if rows >= _ROWS:
+    if rows >= TILE_ROWS:
         _micro(a.reshape(-1), a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, 0, cols,
                depth, 1)
     else:
@@ -201,7 +219,7 @@ def _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, depth, rows, cols):
                        ldp, tile, r * cols, cols, depth, 1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
     """`_store`'s epilogue over a full tile already in c (a float sum in c's type), without a
     branch in the loop so that it vectorizes: an absent scale multiplies by 1 and an absent
@@ -210,7 +228,7 @@ def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
     flat = c.reshape(-1)
     g = batch % max(1, scale.shape[0], bias.shape[0])
     zero = np.float32(0)
-    for r in range(_ROWS):
+    for r in range(TILE_ROWS):
         base = (batch * m + i0 + r) * n + j0
         s = scale[g, i0 + r] if scale.size else np.float32(1)
         h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
@@ -219,7 +237,7 @@ def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
             flat[j] = zero if relu and v <= 0 else v
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _store(tile, c, batch, i0, rows, j0, cols, scale, bias, relu):
     """`rows` rows of the tile (`cols` apart) into c at (batch, i0, j0), through the epilogue:
     for output row i (channel (batch % G) * M + i of the (G, M) tables `scale` and `bias`, each
@@ -259,7 +277,7 @@ def _panels(b, c, cols):
     (_WIDE panels or more, as the im2col of a conv: the packed copy leaves the cache, an extra
     pass over memory, while its full panels read in place stream well)."""
     per = (c.shape[2] + cols - 1) // cols
-    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * _ROWS and per < _WIDE else 0
+    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * TILE_ROWS and per < _WIDE else 0
     return np.empty(size, b.dtype), b.shape[0] * per if size else 0
 
 
@@ -268,8 +286,8 @@ def _gemm_serial(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     for q in range(count):
         _pack(b, panels, q, cols, q * b.shape[1] * cols)
-    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
-    for t in range(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
+    tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    for t in range(c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS)
                    * ((c.shape[2] + cols - 1) // cols)):
         _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
@@ -282,7 +300,7 @@ def _pack_blocks(b, panels, cols, q0, q1):
 
 @njit(cache=True, nogil=True)
 def _tile_blocks(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, t0, t1):
-    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
+    tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
     for t in range(t0, t1):
         _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
@@ -290,7 +308,7 @@ def _tile_blocks(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, t0, t1
 def _gemm_parallel(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     run_blocks(_pack_blocks, count, b, panels, cols)
-    run_blocks(_tile_blocks, c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
+    run_blocks(_tile_blocks, c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS)
                * ((c.shape[2] + cols - 1) // cols), a, b, panels, c, ia, ib, cols, chunk,
                scale, bias, relu)
 
@@ -364,7 +382,7 @@ def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np
 _NONE = np.zeros((0, 0), np.float32)
 
 
-def _epilogue_table(v: np.ndarray | None, dtype: np.dtype, rows: int) -> np.ndarray:
+def epilogue_table(v: np.ndarray | None, dtype: np.dtype, rows: int) -> np.ndarray:
     """A per-output-row vector (length G * rows, G groups of `rows` rows) as the (G, rows)
     table `_store` reads, or an empty one."""
     if v is None:
@@ -390,14 +408,14 @@ def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk:
     if c.size:
         # An epilogue over an empty contraction still has its rows of zeros to finish.
         chunk = k if chunk is None else chunk
-        tables = (max(chunk, 1), _epilogue_table(scale, np.float32, m),
-                  _epilogue_table(bias, work if scale is None else np.float32, m), relu)
+        tables = (max(chunk, 1), epilogue_table(scale, np.float32, m),
+                  epilogue_table(bias, work if scale is None else np.float32, m), relu)
         serial = c.size * max(k, 1) < SERIAL_BELOW
-        if m < _ROWS:
+        if m < TILE_ROWS:
             (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib, *tables)
         else:
             (_gemm_serial if serial else _gemm_parallel)(
-                sa, sb, c, ia, ib, _VECTORS * _VECTOR_BYTES // work.itemsize, *tables)
+                sa, sb, c, ia, ib, panel_columns(work), *tables)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
