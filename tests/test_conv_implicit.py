@@ -15,7 +15,7 @@ import pytest
 from conftest import sequential_matmul
 from numba import njit
 
-from mplower.numerics import conv, workers
+from mplower.numerics import conv, gemm, workers
 from mplower.numerics.conv import conv2d
 from mplower.numerics.workers import claim, run_units
 
@@ -78,8 +78,8 @@ def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypa
     fused = sequential_conv(x, w, strides, padding, dilations, groups, bias, relu=True)
     threads = numba.get_num_threads()
     try:
-        for serial_below in (conv.SERIAL_BELOW, 0):  # as sized, and forced onto the workers
-            monkeypatch.setattr(conv, "SERIAL_BELOW", serial_below)
+        for serial_below in (gemm.SERIAL_BELOW, 0):  # as sized, and forced onto the workers
+            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
             for n in _threads():
                 numba.set_num_threads(n)
                 got = conv2d(x, w, strides, padding, dilations, groups)
@@ -113,7 +113,7 @@ def test_implicit_int8_conv_sums_k_in_exact_chunks(monkeypatch) -> None:
     cols = im2col(x.astype(np.int64), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)
     expect = np.matmul(w.reshape(1, 16, -1).astype(np.int64), cols).reshape(2, 16, 6, 6)
     monkeypatch.setattr(conv, "integer_matmul", None)
-    monkeypatch.setattr(conv, "SERIAL_BELOW", 0)
+    monkeypatch.setattr(gemm, "SERIAL_BELOW", 0)
     got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
     assert got.dtype == np.int64 and np.array_equal(got, expect)
     assert got[0, 0, 2, 2] == -128 * 255 * 2700  # far beyond float32's integers
@@ -135,7 +135,7 @@ def test_implicit_conv_completes_on_the_caller_when_no_helper_thread_ever_runs(
 
     monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
     monkeypatch.setattr(workers, "_tasks", Unscheduled)
-    monkeypatch.setattr(conv, "SERIAL_BELOW", 0)
+    monkeypatch.setattr(gemm, "SERIAL_BELOW", 0)
     assert bits(conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)) == bits(expect)
     assert len(dropped) == numba.get_num_threads() - 1
 

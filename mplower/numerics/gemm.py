@@ -21,6 +21,9 @@ function of its own row of `a` and column of `b` whatever the thread count, the 
 the CPU's vector width, the tile a row lands in or the batch around it. tests/test_gemm.py
 checks every path bit for bit against that loop written in numpy.
 
+`conv_product` is the same product with b the im2col of an image, packed panel by panel from
+the image (an implicit GEMM, mplower.numerics.conv).
+
 Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exactly.
 `integer_matmul` gives the same exact products at float32 GEMM speed where the operands are
 small (8-bit quantized values), by splitting K so that no partial sum leaves float32's integers.
@@ -33,7 +36,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from mplower.numerics.workers import run_blocks
+from mplower.numerics.workers import claim, run_blocks, run_units
 
 # The register tile: TILE_ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8
 # float64 columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
@@ -136,7 +139,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
 _micro = _micro_kernel(TILE_ROWS)
 
 
-def panel_columns(dtype: np.dtype) -> int:
+def _panel_columns(dtype: np.dtype) -> int:
     """The columns of a register tile (and of a packed panel of b) for operands of `dtype`."""
     return _VECTORS * _VECTOR_BYTES // dtype.itemsize
 
@@ -175,12 +178,12 @@ def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, tota
     else:  # the last, partial panel
         source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
         _pack(b, source, ib[batch] * per + p, cols, 0)
-    finish_tile(a, (ia[batch] * m + i0) * kk, source, offset, ldp, c, batch, i0, j0, cols,
+    _finish_tile(a, (ia[batch] * m + i0) * kk, source, offset, ldp, c, batch, i0, j0, cols,
                 chunk, scale, bias, relu, tile, total)
 
 
 @njit(cache=True, nogil=True)
-def finish_tile(a, a_offset, source, offset, ldp, c, batch, i0, j0, cols, chunk, scale, bias,
+def _finish_tile(a, a_offset, source, offset, ldp, c, batch, i0, j0, cols, chunk, scale, bias,
                 relu, tile, total):
     """Rows i0 .. i0 + TILE_ROWS - 1 (those below M) and columns j0 .. j0 + cols - 1 (those below
     N) of matrix `batch` of c (B, M, N): the rows of a (K long) from flat index a_offset on,
@@ -382,7 +385,7 @@ def _batches(x: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np
 _NONE = np.zeros((0, 0), np.float32)
 
 
-def epilogue_table(v: np.ndarray | None, dtype: np.dtype, rows: int) -> np.ndarray:
+def _epilogue_table(v: np.ndarray | None, dtype: np.dtype, rows: int) -> np.ndarray:
     """A per-output-row vector (length G * rows, G groups of `rows` rows) as the (G, rows)
     table `_store` reads, or an empty one."""
     if v is None:
@@ -408,14 +411,14 @@ def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk:
     if c.size:
         # An epilogue over an empty contraction still has its rows of zeros to finish.
         chunk = k if chunk is None else chunk
-        tables = (max(chunk, 1), epilogue_table(scale, np.float32, m),
-                  epilogue_table(bias, work if scale is None else np.float32, m), relu)
+        tables = (max(chunk, 1), _epilogue_table(scale, np.float32, m),
+                  _epilogue_table(bias, work if scale is None else np.float32, m), relu)
         serial = c.size * max(k, 1) < SERIAL_BELOW
         if m < TILE_ROWS:
             (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib, *tables)
         else:
             (_gemm_serial if serial else _gemm_parallel)(
-                sa, sb, c, ia, ib, panel_columns(work), *tables)
+                sa, sb, c, ia, ib, _panel_columns(work), *tables)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
@@ -441,6 +444,120 @@ def matmul(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None,
         return np.maximum(y, 0) if relu else y
     dtype = np.dtype(np.float64 if dtype == np.float64 else np.float32)
     return _product(a, b, dtype, dtype, None, None, bias, relu)
+
+
+# Work units to aim for when a convolution has few pixel panels (batch 1, late layers): its
+# output channels are then split into blocks too, so that two threads still share the work.
+# The convolution's kernels live here, not in conv.py, because numba's cache of a file is not
+# invalidated when a function it inlines from another file changes (TILE_ROWS, _finish_tile).
+_UNITS = 32
+
+
+@njit(cache=True, nogil=True)
+def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, lengths):
+    """Output pixels q0 .. q0 + cols - 1 (row-major, zero past Ho*Wo) of the im2col of image
+    `image`, input channels channel0 .. channel0 + Cg - 1, into panel as (K, cols) contiguous,
+    row (c, ky, kx) at c * KH * KW + ky * KW + kx. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho,
+    Wo) over the padded x. A panel's pixels lie in runs along output rows; each run of a
+    kernel tap is a strided strip of one input row, copied as one loop."""
+    cg, kh, kw, sh, sw, dh, dw, ho, wo = shape
+    hp, wp = x.shape[2], x.shape[3]
+    plane = hp * wp
+    flat = x.reshape(-1)
+    width = min(cols, ho * wo - q0)
+    runs, j = 0, 0
+    while j < width:
+        oy, ox = (q0 + j) // wo, (q0 + j) % wo
+        starts[runs], offsets[runs] = j, oy * sh * wp + ox * sw
+        lengths[runs] = min(width - j, wo - ox)
+        j += lengths[runs]
+        runs += 1
+    base = (image * x.shape[1] + channel0) * plane
+    row = 0
+    for c in range(cg):
+        for ky in range(kh):
+            for kx in range(kw):
+                src = base + c * plane + ky * dh * wp + kx * dw
+                dst = row * cols
+                for r in range(runs):
+                    # Unsigned indices: numba's wrap-around of negative ones kept these copies
+                    # from vectorizing (3 to 10 times slower).
+                    d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
+                    if sw == 1:
+                        for t in range(np.uint64(lengths[r])):
+                            panel[d + t] = flat[o + t]
+                    else:
+                        for t in range(np.uint64(lengths[r])):
+                            panel[d + t] = flat[o + t * np.uint64(sw)]
+                for t in range(width, cols):
+                    panel[dst + t] = 0
+                row += 1
+
+
+@njit(cache=True, nogil=True)
+def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias, relu,
+                counter, units):
+    """The work units of c (N * G, O/G, Ho*Wo) claimed from `counter`: unit u is image-group
+    u // (panels * blocks) (batch index n * G + g), then pixel panel, then a block of
+    rows_per_unit output channels, so that consecutive units share a panel and a thread that
+    claims them in a row packs it once. Returns the number of units done."""
+    m, pixels, kk = c.shape[1], c.shape[2], w.shape[2]
+    panels = (pixels + cols - 1) // cols
+    blocks = (m + rows_per_unit - 1) // rows_per_unit
+    panel = np.empty(kk * cols, w.dtype)
+    tile, total = np.empty(TILE_ROWS * cols, w.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    starts, offsets, lengths = (np.empty(cols, np.int64), np.empty(cols, np.int64),
+                                np.empty(cols, np.int64))
+    # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
+    # them, a strided gather over K planes, cost more than it saved).
+    in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
+    flat, plane = x.reshape(-1), x.shape[2] * x.shape[3]
+    packed, done = -1, 0
+    while True:
+        u = claim(counter)
+        if u >= units:
+            return done
+        q, block = u // blocks, u % blocks
+        batch, p = q // panels, q % panels
+        g = batch % groups
+        source, offset, ldp = panel, 0, cols
+        if in_place and (p + 1) * cols <= pixels:
+            source, offset, ldp = flat, (batch * kk) * plane + p * cols, plane
+        elif q != packed:
+            _pack_panel(x, panel, batch // groups, g * shape[0], shape, p * cols, cols, starts,
+                        offsets, lengths)
+            packed = q
+        for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
+                        TILE_ROWS):
+            _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, batch, i0, p * cols,
+                        cols, chunk, scale, bias, relu, tile, total)
+        done += 1
+
+
+def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
+                   out: np.dtype, chunk: int, scale: np.ndarray | None,
+                   bias: np.ndarray | None, relu: bool) -> np.ndarray:
+    """The convolution of the padded x (N, C, Hp, Wp) with the weights `wmat` (G, O/G, K) as
+    c (N * G, O/G, Ho*Wo) in `out`: the product of the weights and the im2col of each image and
+    group (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh,
+    sw, dh, dw, Ho, Wo); chunk, scale, bias and relu as in `_product`."""
+    n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
+    c = np.empty((n * groups, m, shape[7] * shape[8]), out)
+    cols = _panel_columns(wmat.dtype)
+    panels = n * groups * ((c.shape[2] + cols - 1) // cols)
+    tiles = (m + TILE_ROWS - 1) // TILE_ROWS
+    split = min(tiles, -(-_UNITS // panels))
+    rows_per_unit = TILE_ROWS * -(-tiles // split)
+    blocks = -(-m // rows_per_unit)
+    args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, rows_per_unit, chunk,
+            _epilogue_table(scale, np.float32, m),
+            _epilogue_table(bias, wmat.dtype if scale is None else np.float32, m),
+            relu)
+    if c.size * max(kk, 1) < SERIAL_BELOW:
+        _conv_units(*args, np.zeros(1, np.int64), panels * blocks)
+    else:
+        run_units(_conv_units, panels * blocks, *args)
+    return c
 
 
 # Every integer of magnitude up to 2**24 is a float32, so is every sum and product of such
