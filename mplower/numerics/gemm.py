@@ -94,10 +94,22 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
         def at(r, v):
             return builder.add(builder.mul(const(r), ldt), const(v * lanes))
 
+        # Read the tile only when not starting from zero: a load of the (cold) result that a
+        # select then discards still stalls every accumulator on a cache miss.
         start_at_zero = builder.icmp_signed("!=", zero, const(0))
-        init = {rv: builder.select(start_at_zero, ir.Constant(vty, None),
-                                   builder.load(vector_at(t_ptr, at(*rv)), align=4))
-                for rv in slots}
+        from_memory = builder.append_basic_block("gemm_load")
+        ready = builder.append_basic_block("gemm_init")
+        zero_block = builder.block
+        builder.cbranch(start_at_zero, ready, from_memory)
+        builder.position_at_end(from_memory)
+        loaded = {rv: builder.load(vector_at(t_ptr, at(*rv)), align=4) for rv in slots}
+        builder.branch(ready)
+        builder.position_at_end(ready)
+        init = {}
+        for rv in slots:
+            init[rv] = builder.phi(vty)
+            init[rv].add_incoming(ir.Constant(vty, None), zero_block)
+            init[rv].add_incoming(loaded[rv], from_memory)
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
         done = builder.append_basic_block("gemm_done")
@@ -158,97 +170,103 @@ def _pack(b, panels, q, cols, base):
             panels[base + k * cols + j] = b[batch, k, j0 + j] if j0 + j < n else 0
 
 
-@njit(cache=True)
-def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
+@njit(cache=True, inline="always")
+def _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
     """Output tile t of c (B, M, N): batch, then column panel, then row block (consecutive
     tiles share a panel), accumulated over all of K in _micro's order and stored through the
     epilogue (`_store`). Without `panels` (empty: too few rows to repay packing) full panels
     are read from b in place. With `chunk` < K (integer operands, see `integer_matmul`) each
-    chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly."""
+    chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly.
+    cf is c.reshape(-1), made once per call: a reshape per tile costs as much as a short
+    tile's arithmetic."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
     rows_t = (m + TILE_ROWS - 1) // TILE_ROWS
     per = (n + cols - 1) // cols
     batch, rest = t // (rows_t * per), t % (rows_t * per)
     p, i0 = rest // rows_t, (rest % rows_t) * TILE_ROWS
     j0 = p * cols
+    a_offset = (ia[batch] * m + i0) * kk
+    if not panels.size and j0 + cols <= n:
+        _finish_tile(a, a_offset, b, ib[batch] * kk * n + j0, n, c, cf, batch, i0, j0, cols,
+                     chunk, scale, bias, relu, tile, total)
+        return
     if panels.size:
-        source, offset, ldp = panels, (ib[batch] * per + p) * kk * cols, cols
-    elif j0 + cols <= n:
-        source, offset, ldp = b.reshape(-1), ib[batch] * kk * n + j0, n
+        source, offset = panels, (ib[batch] * per + p) * kk * cols
     else:  # the last, partial panel
-        source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
+        source, offset = np.zeros(kk * cols, b.dtype), 0
         _pack(b, source, ib[batch] * per + p, cols, 0)
-    _finish_tile(a, (ia[batch] * m + i0) * kk, source, offset, ldp, c, batch, i0, j0, cols,
-                chunk, scale, bias, relu, tile, total)
+    _finish_tile(a, a_offset, source, offset, cols, c, cf, batch, i0, j0, cols, chunk, scale,
+                 bias, relu, tile, total)
 
 
-@njit(cache=True, nogil=True)
-def _finish_tile(a, a_offset, source, offset, ldp, c, batch, i0, j0, cols, chunk, scale, bias,
-                relu, tile, total):
+@njit(cache=True, nogil=True, inline="always")
+def _finish_tile(a, a_offset, source, offset, ldp, c, cf, batch, i0, j0, cols, chunk, scale,
+                 bias, relu, tile, total):
     """Rows i0 .. i0 + TILE_ROWS - 1 (those below M) and columns j0 .. j0 + cols - 1 (those below
     N) of matrix `batch` of c (B, M, N): the rows of a (K long) from flat index a_offset on,
-    times the (K, cols) panel at source[offset:] (rows ldp apart), summed in _micro's order
-    and stored through the epilogue; `tile` and `total` are scratch of TILE_ROWS * cols."""
+    times the (K, cols) panel at flat index `offset` of source (rows ldp apart), summed in
+    _micro's order and stored through the epilogue into c (cf: its flat view); `tile` and
+    `total` are scratch of TILE_ROWS * cols. The arrays are read through their data pointers
+    (C-contiguous, any rank)."""
     m, kk, n = c.shape[1], a.shape[-1], c.shape[2]
     if chunk >= kk and i0 + TILE_ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize:
         # A full tile: the registers go straight to the result, the epilogue runs there.
-        _micro(a.reshape(-1), a_offset, kk, source, offset, ldp, c.reshape(-1),
-               (batch * m + i0) * n + j0, n, kk, 1)
+        _micro(a, a_offset, kk, source, offset, ldp, c, (batch * m + i0) * n + j0, n, kk, 1)
         if scale.size or bias.size or relu:
-            _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu)
+            _epilogue_in_place(cf, m, n, batch, i0, j0, cols, scale, bias, relu)
     elif chunk >= kk:
         _sweep(a, a_offset, kk, source, offset, ldp, tile, 0, kk, m - i0, cols)
-        _store(tile, c, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias, relu)
+        _store(tile, cf, m, n, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias, relu)
     else:
         total[:] = 0
         for k0 in range(0, kk, chunk):
             _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, min(chunk, kk - k0),
                    m - i0, cols)
             total += tile
-        _store(total, c, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias,
+        _store(total, cf, m, n, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias,
                relu)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, depth, rows, cols):
     """tile (rows `cols` apart) = the products of k = k0 .. k0 + depth - 1, in that order,
     summed from +0, for `rows` rows."""
     if rows >= TILE_ROWS:
-        _micro(a.reshape(-1), a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, 0, cols,
+        _micro(a, a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, 0, cols,
                depth, 1)
     else:
         for r in range(rows):
-            _micro_row(a.reshape(-1), a_offset + r * kk + k0, kk, source, offset + k0 * ldp,
+            _micro_row(a, a_offset + r * kk + k0, kk, source, offset + k0 * ldp,
                        ldp, tile, r * cols, cols, depth, 1)
 
 
-@njit(cache=True, nogil=True)
-def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
+@njit(cache=True, nogil=True, inline="always")
+def _epilogue_in_place(flat, m, n, batch, i0, j0, cols, scale, bias, relu):
     """`_store`'s epilogue over a full tile already in c (a float sum in c's type), without a
     branch in the loop so that it vectorizes: an absent scale multiplies by 1 and an absent
-    bias adds -0.0, both of which give every value (-0.0 and NaN included) back unchanged."""
-    m, n = c.shape[1], c.shape[2]
-    flat = c.reshape(-1)
+    bias adds -0.0, both of which give every value (-0.0 and NaN included) back unchanged.
+    flat is c (B, m, n) flattened."""
     g = batch % max(1, scale.shape[0], bias.shape[0])
     zero = np.float32(0)
     for r in range(TILE_ROWS):
         base = (batch * m + i0 + r) * n + j0
         s = scale[g, i0 + r] if scale.size else np.float32(1)
         h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
-        for j in range(base, base + cols):
+        # Unsigned indices: numba's wrap-around of negative ones keeps loops like this one
+        # from vectorizing (several times slower).
+        for j in range(np.uint64(base), np.uint64(base + cols)):
             v = flat[j] * s + h if scale.size else flat[j] + h
             flat[j] = zero if relu and v <= 0 else v
 
 
-@njit(cache=True, nogil=True)
-def _store(tile, c, batch, i0, rows, j0, cols, scale, bias, relu):
+@njit(cache=True, nogil=True, inline="always")
+def _store(tile, flat, m, n, batch, i0, rows, j0, cols, scale, bias, relu):
     """`rows` rows of the tile (`cols` apart) into c at (batch, i0, j0), through the epilogue:
     for output row i (channel (batch % G) * M + i of the (G, M) tables `scale` and `bias`, each
     empty when absent) y = float32(sum) * scale, then y + bias, then relu as np.maximum(y, 0)
     (NaN kept, -0 to +0): each a float operation, rounded once, as the separate ops compute
-    them. No branch in the loops (an absent bias adds -0.0, which changes no value)."""
-    m, n = c.shape[1], c.shape[2]
-    flat = c.reshape(-1)
+    them. No branch in the loops (an absent bias adds -0.0, which changes no value). flat is
+    c (B, m, n) flattened."""
     width = min(cols, n - j0)
     g = batch % max(1, scale.shape[0], bias.shape[0])
     zero = np.float32(0)
@@ -290,9 +308,10 @@ def _gemm_serial(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     for q in range(count):
         _pack(b, panels, q, cols, q * b.shape[1] * cols)
     tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    cf = c.reshape(-1)
     for t in range(c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS)
                    * ((c.shape[2] + cols - 1) // cols)):
-        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+        _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
 
 @njit(cache=True, nogil=True)
@@ -304,8 +323,9 @@ def _pack_blocks(b, panels, cols, q0, q1):
 @njit(cache=True, nogil=True)
 def _tile_blocks(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, t0, t1):
     tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    cf = c.reshape(-1)
     for t in range(t0, t1):
-        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+        _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
 
 def _gemm_parallel(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
@@ -336,14 +356,14 @@ def _rows(a, b, c, ia, ib, t, chunk, scale, bias, relu):
     y = np.zeros(j1 - j0, a.dtype)
     if chunk >= kk:
         _row_sweep(x, w, y, j0, 0, kk)
-        _store(y, c, batch, i, 1, j0, j1 - j0, scale, bias, relu)
+        _store(y, c.reshape(-1), m, n, batch, i, 1, j0, j1 - j0, scale, bias, relu)
     else:
         total = np.zeros(j1 - j0, np.float64)
         for k0 in range(0, kk, chunk):
             y[:] = 0
             _row_sweep(x, w, y, j0, k0, min(kk, k0 + chunk))
             total += y
-        _store(total, c, batch, i, 1, j0, j1 - j0, scale, bias, relu)
+        _store(total, c.reshape(-1), m, n, batch, i, 1, j0, j1 - j0, scale, bias, relu)
 
 
 @njit(cache=True)
@@ -480,8 +500,7 @@ def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, len
                 src = base + c * plane + ky * dh * wp + kx * dw
                 dst = row * cols
                 for r in range(runs):
-                    # Unsigned indices: numba's wrap-around of negative ones kept these copies
-                    # from vectorizing (3 to 10 times slower).
+                    # Unsigned indices, as in _epilogue_in_place.
                     d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
                     if sw == 1:
                         for t in range(np.uint64(lengths[r])):
@@ -511,7 +530,7 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
     # them, a strided gather over K planes, cost more than it saved).
     in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
-    flat, plane = x.reshape(-1), x.shape[2] * x.shape[3]
+    flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
     packed, done = -1, 0
     while True:
         u = claim(counter)
@@ -529,14 +548,14 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
             packed = q
         for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
                         TILE_ROWS):
-            _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, batch, i0, p * cols,
-                        cols, chunk, scale, bias, relu, tile, total)
+            _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, cf, batch, i0, p * cols,
+                         cols, chunk, scale, bias, relu, tile, total)
         done += 1
 
 
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
-                   out: np.dtype, chunk: int, scale: np.ndarray | None,
-                   bias: np.ndarray | None, relu: bool) -> np.ndarray:
+                 out: np.dtype, chunk: int, scale: np.ndarray | None, bias: np.ndarray | None,
+                 relu: bool) -> np.ndarray:
     """The convolution of the padded x (N, C, Hp, Wp) with the weights `wmat` (G, O/G, K) as
     c (N * G, O/G, Ho*Wo) in `out`: the product of the weights and the im2col of each image and
     group (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh,
