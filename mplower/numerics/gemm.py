@@ -14,12 +14,12 @@ panels or more), and each tile of TILE_ROWS rows by one panel keeps its accumula
 vector registers over the whole of K (`_micro`, LLVM vector IR without fast-math flags, so LLVM
 may neither contract nor reorder); rows past the last full tile run one at a time, and a
 product of fewer than TILE_ROWS rows streams b row by row instead (`_rows`, batch-1
-inference). A tile belongs to one thread
-(mplower.numerics.workers hands out blocks of tiles), SIMD lanes are different output
-columns, and K is never split, so every output element is the same
-function of its own row of `a` and column of `b` whatever the thread count, the BLAS library,
-the CPU's vector width, the tile a row lands in or the batch around it. tests/test_gemm.py
-checks every path bit for bit against that loop written in numpy.
+inference). A tile belongs to one thread (threads claim a few tiles at a time,
+mplower.numerics.workers.run_units), SIMD lanes are different output columns, and K is never
+split, so every output element is the same function of its own row of `a` and column of `b`
+whatever the thread count, the BLAS library, the CPU's vector width, the tile a row lands in
+or the batch around it. tests/test_gemm.py checks every path bit for bit against that loop
+written in numpy.
 
 `conv_product` is the same product with b the im2col of an image, packed panel by panel from
 the image (an implicit GEMM, mplower.numerics.conv).
@@ -320,20 +320,34 @@ def _pack_blocks(b, panels, cols, q0, q1):
         _pack(b, panels, q, cols, q * b.shape[1] * cols)
 
 
+# Tiles per work unit of the parallel product: a claim is an atomic on a cache line the threads
+# share, a few tiles amortize it.
+_TILES_PER_UNIT = 4
+
+
 @njit(cache=True, nogil=True)
-def _tile_blocks(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, t0, t1):
+def _tile_units(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, counter, units):
     tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
     cf = c.reshape(-1)
-    for t in range(t0, t1):
-        _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+    tiles = c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS) \
+        * ((c.shape[2] + cols - 1) // cols)
+    done = 0
+    while True:
+        u = claim(counter)
+        if u >= units:
+            return done
+        for t in range(u * _TILES_PER_UNIT, min(tiles, (u + 1) * _TILES_PER_UNIT)):
+            _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+        done += 1
 
 
 def _gemm_parallel(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     run_blocks(_pack_blocks, count, b, panels, cols)
-    run_blocks(_tile_blocks, c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS)
-               * ((c.shape[2] + cols - 1) // cols), a, b, panels, c, ia, ib, cols, chunk,
-               scale, bias, relu)
+    tiles = c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS) \
+        * ((c.shape[2] + cols - 1) // cols)
+    run_units(_tile_units, -(-tiles // _TILES_PER_UNIT), a, b, panels, c, ia, ib, cols, chunk,
+              scale, bias, relu)
 
 
 # Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
