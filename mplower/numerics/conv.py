@@ -82,8 +82,13 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         epilogue = scale is not None or bias is not None or relu
         out = np.dtype(np.int64) if integer and not epilogue else work
         chunk = F32_EXACT // bound if integer and bound else cg * kh * kw
+        if kh == kw == 1 and (sh, sw) != (1, 1):
+            # A strided 1x1 conv is a 1x1 stride-1 conv of the pixels it reads: one copy of
+            # them, then panels read in place, instead of a strided gather over K planes per
+            # panel.
+            x, sh, sw = x[:, :, ::sh, ::sw], 1, 1
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
-                           g, out, chunk, scale, bias, relu)
+                         g, out, chunk, scale, bias, relu)
         return y.reshape(n, o, ho, wo)
     if kh == kw == 1 and sh == sw == 1:
         cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
