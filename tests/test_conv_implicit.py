@@ -52,13 +52,15 @@ def sequential_conv(x, w, strides, padding, dilations, groups, bias=None, relu=F
 
 # (N, C, H, W), (O, KH, KW), strides, padding (top, left, bottom, right), dilations, groups:
 # packed panels with strides, dilations and uneven padding, 1x1 stride-1 convs read in place
-# (with a partial last panel, and padded), a strided 1x1, a kernel wider than tall.
+# (with a partial last panel, and padded), a strided 1x1, a kernel wider than tall, column
+# strides 3 and 2 (the input's columns split into phases) with a column dilation of 3.
 CASES = [((3, 6, 11, 13), (16, 3, 3), (2, 1), (1, 0, 2, 1), (1, 2), 2),
          ((2, 5, 9, 9), (20, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1),
          ((2, 8, 8, 8), (12, 1, 1), (1, 1), (1, 1, 1, 1), (1, 1), 1),
          ((2, 8, 9, 9), (24, 1, 1), (2, 2), (0, 0, 0, 0), (1, 1), 2),
          ((1, 3, 20, 17), (9, 3, 5), (2, 3), (2, 1, 0, 3), (1, 1), 1),
-         ((4, 16, 7, 7), (64, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)]
+         ((4, 16, 7, 7), (64, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1),
+         ((2, 4, 13, 12), (8, 3, 3), (1, 2), (0, 1, 1, 0), (2, 3), 1)]
 
 
 def _threads():

@@ -51,6 +51,17 @@ def _padded(x: np.ndarray, padding: tuple[int, ...], dtype: np.dtype) -> np.ndar
     return out
 
 
+def _column_phases(x: np.ndarray, sw: int) -> np.ndarray:
+    """x (N, C, H, W) as (N, C * sw, H, ceil(W / sw)): plane c * sw + p holds columns p, p +
+    sw, ... of channel c (zero past W), so that a conv of column stride sw reads each kernel
+    tap's pixels along an output row contiguously."""
+    n, c, h, w = x.shape
+    wide = np.zeros((n, c, h, -(-w // sw) * sw), x.dtype)
+    wide[..., :w] = x
+    return np.ascontiguousarray(
+        wide.reshape(n, c, h, -1, sw).transpose(0, 1, 4, 2, 3)).reshape(n, c * sw, h, -1)
+
+
 def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            padding: tuple[int, int, int, int], dilations: tuple[int, int],
            groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
@@ -87,6 +98,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             # them, then panels read in place, instead of a strided gather over K planes per
             # panel.
             x, sh, sw = x[:, :, ::sh, ::sw], 1, 1
+        elif sw > 1:
+            x = _column_phases(x, sw)
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
                          g, out, chunk, scale, bias, relu)
         return y.reshape(n, o, ho, wo)

@@ -492,36 +492,34 @@ def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, len
     """Output pixels q0 .. q0 + cols - 1 (row-major, zero past Ho*Wo) of the im2col of image
     `image`, input channels channel0 .. channel0 + Cg - 1, into panel as (K, cols) contiguous,
     row (c, ky, kx) at c * KH * KW + ky * KW + kx. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho,
-    Wo) over the padded x. A panel's pixels lie in runs along output rows; each run of a
-    kernel tap is a strided strip of one input row, copied as one loop."""
+    Wo); x is the padded input with its columns split into sw phases, (N, C * sw, Hp, Wp /
+    sw), plane c * sw + p holding columns p, p + sw, ... of channel c, so that the pixels of a
+    kernel tap along an output row are contiguous whatever the stride. A panel's pixels lie in
+    runs along output rows; each run of a tap is copied as one loop."""
     cg, kh, kw, sh, sw, dh, dw, ho, wo = shape
-    hp, wp = x.shape[2], x.shape[3]
-    plane = hp * wp
+    hp, wq = x.shape[2], x.shape[3]
+    plane = hp * wq
     flat = x.reshape(-1)
     width = min(cols, ho * wo - q0)
     runs, j = 0, 0
     while j < width:
         oy, ox = (q0 + j) // wo, (q0 + j) % wo
-        starts[runs], offsets[runs] = j, oy * sh * wp + ox * sw
+        starts[runs], offsets[runs] = j, oy * sh * wq + ox
         lengths[runs] = min(width - j, wo - ox)
         j += lengths[runs]
         runs += 1
-    base = (image * x.shape[1] + channel0) * plane
+    base = (image * x.shape[1] + channel0 * sw) * plane
     row = 0
     for c in range(cg):
         for ky in range(kh):
             for kx in range(kw):
-                src = base + c * plane + ky * dh * wp + kx * dw
+                src = base + (c * sw + kx * dw % sw) * plane + ky * dh * wq + kx * dw // sw
                 dst = row * cols
                 for r in range(runs):
                     # Unsigned indices, as in _epilogue_in_place.
                     d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
-                    if sw == 1:
-                        for t in range(np.uint64(lengths[r])):
-                            panel[d + t] = flat[o + t]
-                    else:
-                        for t in range(np.uint64(lengths[r])):
-                            panel[d + t] = flat[o + t * np.uint64(sw)]
+                    for t in range(np.uint64(lengths[r])):
+                        panel[d + t] = flat[o + t]
                 for t in range(width, cols):
                     panel[dst + t] = 0
                 row += 1
@@ -570,10 +568,12 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
                  out: np.dtype, chunk: int, scale: np.ndarray | None, bias: np.ndarray | None,
                  relu: bool) -> np.ndarray:
-    """The convolution of the padded x (N, C, Hp, Wp) with the weights `wmat` (G, O/G, K) as
-    c (N * G, O/G, Ho*Wo) in `out`: the product of the weights and the im2col of each image and
-    group (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh,
-    sw, dh, dw, Ho, Wo); chunk, scale, bias and relu as in `_product`."""
+    """The convolution of the padded x with the weights `wmat` (G, O/G, K) as c (N * G, O/G,
+    Ho*Wo) in `out`: the product of the weights and the im2col of each image and group
+    (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh, sw,
+    dh, dw, Ho, Wo); x is (N, C * sw, Hp, Wp / sw), its columns split into sw phases as
+    `_pack_panel` reads them (a 1x1 conv has stride 1); chunk, scale, bias and relu as in
+    `_product`."""
     n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
     c = np.empty((n * groups, m, shape[7] * shape[8]), out)
     cols = _panel_columns(wmat.dtype)
