@@ -271,21 +271,21 @@ def _store(tile, flat, m, n, batch, i0, rows, j0, cols, scale, bias, relu):
     g = batch % max(1, scale.shape[0], bias.shape[0])
     zero = np.float32(0)
     for r in range(rows):
-        base = (batch * m + i0 + r) * n + j0
-        row = tile[r * cols:r * cols + width]
+        # Unsigned indices, as in _epilogue_in_place.
+        base, row = np.uint64((batch * m + i0 + r) * n + j0), np.uint64(r * cols)
         h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
         if scale.size:
             s = scale[g, i0 + r]
-            for j in range(width):
-                v = np.float32(row[j]) * s + h
+            for j in range(np.uint64(width)):
+                v = np.float32(tile[row + j]) * s + h
                 flat[base + j] = zero if relu and v <= 0 else v
         elif bias.size or relu:
-            for j in range(width):
-                v = row[j] + h
+            for j in range(np.uint64(width)):
+                v = tile[row + j] + h
                 flat[base + j] = zero if relu and v <= 0 else v
         else:
-            for j in range(width):
-                flat[base + j] = row[j]
+            for j in range(np.uint64(width)):
+                flat[base + j] = tile[row + j]
 
 
 _WIDE = 8
