@@ -92,6 +92,16 @@ def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypa
         numba.set_num_threads(threads)
 
 
+def test_float16_operands_are_convolved_in_float32() -> None:
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float16)
+    w = rng.standard_normal((8, 4, 3, 3)).astype(np.float16)
+    expect = sequential_conv(x.astype(np.float32), w.astype(np.float32), (1, 1), (1, 1, 1, 1),
+                             (1, 1), 1)
+    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    assert got.dtype == np.float32 and bits(got) == bits(expect)
+
+
 def test_dense_conv_never_builds_the_im2col(monkeypatch) -> None:
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 8, 10, 10)).astype(np.float32)

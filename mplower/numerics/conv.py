@@ -80,8 +80,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         work = np.dtype(np.float32)
     elif integer:
         work = np.dtype(np.int64)
-    else:
-        work = np.result_type(x, w)
+    else:  # float16 operands are computed in float32, as `matmul` does
+        work = np.dtype(np.float64 if np.result_type(x, w) == np.float64 else np.float32)
     x, w = _padded(x, padding, work), w.astype(work, copy=False)
     n, g = x.shape[0], groups
     o, cg, kh, kw = w.shape
