@@ -107,7 +107,9 @@ def run_units(kernel: Callable[..., int], units: int, *args) -> None:
     call claiming units with `claim(counter)` until it gets one >= units and returning how
     many it did; `kernel` must be a nogil njit function whose units write disjoint outputs.
     Returns when every unit is done; re-raises a thread's error."""
-    counter = np.zeros(1, np.int64)
+    # The counter alone on its cache line (element 8 of 24: at least 64 bytes of the array on
+    # either side), so that claims never contend with writes to a neighbouring allocation.
+    counter = np.zeros(24, np.int64)[8:9]
     threads = min(numba.get_num_threads(), units)
     if threads <= 1:
         kernel(*args, counter, units)
