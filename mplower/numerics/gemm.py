@@ -39,8 +39,8 @@ from numba.extending import intrinsic
 from mplower.numerics.workers import claim, run_blocks, run_units
 
 # The register tile: TILE_ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8
-# float64 columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
-# speed only, never a result.
+# float64 columns), 16 accumulators that stay in registers over the whole of K. The sizes change
+# the speed only, never a result.
 TILE_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 # Below this many multiply-adds (about 1 ms on one core) one thread does the whole product:
 # entering a parallel region costs tens of microseconds on an idle machine, and a scheduler
@@ -149,13 +149,12 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
 
 
 _micro = _micro_kernel(TILE_ROWS)
+_micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 
 def _panel_columns(dtype: np.dtype) -> int:
     """The columns of a register tile (and of a packed panel of b) for operands of `dtype`."""
     return _VECTORS * _VECTOR_BYTES // dtype.itemsize
-
-_micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 
 @njit(cache=True)
@@ -177,8 +176,8 @@ def _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, 
     epilogue (`_store`). Without `panels` (empty: too few rows to repay packing) full panels
     are read from b in place. With `chunk` < K (integer operands, see `integer_matmul`) each
     chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly.
-    cf is c.reshape(-1), made once per call: a reshape per tile costs as much as a short
-    tile's arithmetic."""
+    cf is c.reshape(-1), made once per product rather than per tile (a reshape is a call into
+    numba's runtime)."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
     rows_t = (m + TILE_ROWS - 1) // TILE_ROWS
     per = (n + cols - 1) // cols
@@ -327,6 +326,8 @@ _TILES_PER_UNIT = 4
 
 @njit(cache=True, nogil=True)
 def _tile_units(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, counter, units):
+    """The tiles of c in `_tile`'s order, _TILES_PER_UNIT to a unit, for the units claimed from
+    `counter` (workers.run_units); returns the number of units done."""
     tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
     cf = c.reshape(-1)
     tiles = c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS) \
