@@ -1,0 +1,93 @@
+"""Depthwise 2-D convolution (groups = input channels, one weight plane per output channel)
+as a direct compiled kernel, with the bits of the GEMM convolution (mplower.numerics.conv).
+
+A depthwise conv is a product with K = KH * KW (9 for 3x3) per output channel, far too short
+for a GEMM to pay: im2col copies every input nine times, and the GEMM streams one-row matrices.
+Here each output plane is computed from its input plane alone, in the GEMM's order,
+
+    acc = +0;  for ky, kx in row-major order:  acc = fl(acc + fl(x[...] * w[o, ky, kx]))
+
+then the epilogue (`acc + bias`, then relu as np.maximum(y, 0)) as the GEMM stores it, so the
+results are the GEMM convolution's bit for bit (products and sums rounded once each, never
+fused: numba emits no fast-math flags). Padding is a zero-bordered copy of the input plane,
+as the GEMM path's padded input: a zero times a weight is the same product there and here.
+
+Each tap is one contiguous loop over the whole flattened padded plane (at every position,
+not only every stride-th: long contiguous loops vectorize), then the outputs are picked.
+Planes are independent, handed to threads in blocks (mplower.numerics.workers), so a result
+depends neither on the thread count nor on its batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from mplower.numerics.pool import padded_plane
+from mplower.numerics.workers import run_blocks
+
+# Below this many multiply-adds (about 1 ms on one core) one thread computes every plane.
+_SERIAL_BELOW = 1 << 22
+
+
+@njit(cache=True, nogil=True)
+def _planes(x, w, bias, y, multiplier, kh, kw, sh, sw, dh, dw, pt, pl, hp, wp, relu, q0, q1):
+    """Output planes q0 .. q1 - 1 of y (N * O, Ho, Wo); plane n * O + o reads input plane
+    n * C + o // multiplier of x (N * C, H, W) and weights w[o] (KH * KW)."""
+    outs, ho, wo = w.shape[0], y.shape[1], y.shape[2]
+    zero = y.dtype.type(0)
+    buf = np.empty((hp, wp), y.dtype)
+    span = (wo - 1) * sw + 1
+    acc = np.empty((ho - 1) * sh * wp + span, y.dtype)
+    for q in range(q0, q1):
+        n, o = q // outs, q % outs
+        src = padded_plane(x, n * (outs // multiplier) + o // multiplier, pt, pl, zero, buf)
+        acc[:] = zero
+        for ky in range(kh):
+            for kx in range(kw):
+                weight = w[o, ky * kw + kx]
+                tap = src[ky * dh * wp + kx * dw:ky * dh * wp + kx * dw + acc.size]
+                for i in range(acc.size):
+                    acc[i] += tap[i] * weight
+        # An absent bias adds -0.0, which changes no value (as the GEMM's epilogue).
+        shift = bias[o] if bias.size else y.dtype.type(-0.0)
+        for oy in range(ho):
+            row, out = acc[oy * sh * wp:oy * sh * wp + span:sw], y[q, oy]
+            for ox in range(wo):
+                v = row[ox] + shift
+                out[ox] = zero if relu and v <= 0 else v
+
+
+def is_depthwise(x: np.ndarray, w: np.ndarray, groups: int) -> bool:
+    """Whether conv2d(x, w, groups=groups) is a float depthwise conv this kernel computes:
+    one input channel per group (any number of output channels per group)."""
+    return (groups == x.shape[1] and w.shape[1] == 1 and x.dtype.kind == "f"
+            and w.dtype.kind == "f")
+
+
+def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
+                     padding: tuple[int, int, int, int], dilations: tuple[int, int], *,
+                     bias: np.ndarray | None = None, relu: bool = False) -> np.ndarray:
+    """conv2d (mplower.numerics.conv) of float x (N, C, H, W) with w (O, 1, KH, KW), groups C,
+    zero-padded by (top, left, bottom, right): float32, or float64 if an operand is, with the
+    GEMM convolution's bits, its `bias` and `relu` epilogue included."""
+    dtype = np.dtype(np.float64 if np.result_type(x, w) == np.float64 else np.float32)
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, padding
+    hp, wp = h + pt + pb, wd + pl + pr
+    ho = (hp - dh * (kh - 1) - 1) // sh + 1
+    wo = (wp - dw * (kw - 1) - 1) // sw + 1
+    y = np.empty((n, o, ho, wo), dtype)
+    if y.size == 0:
+        return y
+    planes = np.ascontiguousarray(x, dtype).reshape(n * c, h, wd)
+    weights = np.ascontiguousarray(w, dtype).reshape(o, kh * kw)
+    shift = np.empty(0, dtype) if bias is None else np.ascontiguousarray(bias, dtype).reshape(o)
+    args = (planes, weights, shift, y.reshape(n * o, ho, wo), o // c, kh, kw, sh, sw, dh, dw,
+            pt, pl, hp, wp, relu)
+    if y.size * kh * kw < _SERIAL_BELOW:
+        _planes(*args, 0, n * o)
+    else:
+        run_blocks(_planes, n * o, *args)
+    return y
