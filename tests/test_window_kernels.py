@@ -209,17 +209,30 @@ def test_depthwise_results_do_not_depend_on_the_batch() -> None:
         assert one.tobytes() == batch[i:i + 1].tobytes()
 
 
-def test_integer_depthwise_conv_stays_exact_on_the_integer_path() -> None:
+@pytest.mark.parametrize("xdtype", [np.int8, np.uint8])
+def test_integer_depthwise_conv_is_exact_and_its_epilogue_is_dequantize_add_relu(
+        threads, xdtype) -> None:
     from mplower.numerics.conv import conv2d
 
     rng = np.random.default_rng(17)
-    x = rng.integers(-128, 128, (2, 4, 6, 6)).astype(np.int8)
-    w = rng.integers(-128, 128, (4, 1, 3, 3)).astype(np.int8)
-    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 4)
+    info = np.iinfo(xdtype)
+    x = rng.integers(info.min, info.max + 1, (2, 4, 6, 6)).astype(xdtype)
+    x[0, 0] = info.min if xdtype == np.int8 else info.max  # the extreme sums
+    w = rng.integers(-128, 128, (8, 1, 3, 3)).astype(np.int8)
+    w[0] = -128
     xp = padded(x.astype(np.int64), (1, 1, 1, 1))
-    expect = np.zeros((2, 4, 6, 6), np.int64)
+    exact = np.zeros((2, 8, 6, 6), np.int64)
     for ky in range(3):
         for kx in range(3):
-            expect += xp[:, :, ky:ky + 6, kx:kx + 6] * w[:, 0, ky, kx].astype(np.int64).reshape(
-                1, -1, 1, 1)
-    assert got.dtype == np.int64 and np.array_equal(got, expect)
+            exact += np.repeat(xp[:, :, ky:ky + 6, kx:kx + 6], 2, axis=1) * w[
+                :, 0, ky, kx].astype(np.int64).reshape(1, -1, 1, 1)
+    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 4)
+    assert got.dtype == np.int64 and np.array_equal(got, exact)
+    scale = (rng.random(8) * 1e-4).astype(np.float32)
+    bias = rng.standard_normal(8).astype(np.float32)
+    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 4, scale=scale, bias=bias, relu=True)
+    # DequantizeLinear of the int32 sum, Add, Relu: numpy's float32 operations, in that order.
+    expect = np.maximum(exact.astype(np.int32).astype(np.float32) * scale.reshape(1, -1, 1, 1)
+                        + bias.reshape(1, -1, 1, 1), np.float32(0))
+    assert got.dtype == np.float32 and got.tobytes() == expect.tobytes()
+    assert (got == 0).any() and (got > 0).any()

@@ -50,7 +50,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     `bias` makes the result float32(y) * scale + bias (DequantizeLinear of the int32 result
     with zero point 0, then Add), which needs 8-bit operands (int_magnitude)."""
     if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
-        return depthwise_conv2d(x, w, strides, padding, dilations, bias=bias, relu=relu)
+        return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
+                                relu=relu)
     integer = x.dtype.kind in "iub"
     bound = int_magnitude(x) * int_magnitude(w) if integer else 0
     if integer and bound <= F32_EXACT:

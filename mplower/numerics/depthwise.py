@@ -12,6 +12,11 @@ results are the GEMM convolution's bit for bit (products and sums rounded once e
 fused: numba emits no fast-math flags). Padding is a zero-bordered copy of the input plane,
 as the GEMM path's padded input: a zero times a weight is the same product there and here.
 
+Integer operands (8-bit quantized values) run the same kernel on their float32 values, as the
+GEMM path does: every product and partial sum of K such products is an integer below 2**24,
+so float32 sums them exactly, and the result is the exact int64 sum, or with an epilogue
+float32(sum) * scale + bias, then relu, as `integer_matmul` stores it.
+
 Each tap is one contiguous loop over the whole flattened padded plane (at every position,
 not only every stride-th: long contiguous loops vectorize), then the outputs are picked.
 Planes are independent, handed to threads in blocks (mplower.numerics.workers), so a result
@@ -23,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from mplower.numerics.gemm import F32_EXACT, int_magnitude
 from mplower.numerics.pool import padded_plane
 from mplower.numerics.workers import run_blocks
 
@@ -31,7 +37,8 @@ _SERIAL_BELOW = 1 << 22
 
 
 @njit(cache=True, nogil=True)
-def _planes(x, w, bias, y, multiplier, kh, kw, sh, sw, dh, dw, pt, pl, hp, wp, relu, q0, q1):
+def _planes(x, w, scale, bias, y, multiplier, kh, kw, sh, sw, dh, dw, pt, pl, hp, wp, relu,
+            q0, q1):
     """Output planes q0 .. q1 - 1 of y (N * O, Ho, Wo); plane n * O + o reads input plane
     n * C + o // multiplier of x (N * C, H, W) and weights w[o] (KH * KW)."""
     outs, ho, wo = w.shape[0], y.shape[1], y.shape[2]
@@ -51,27 +58,40 @@ def _planes(x, w, bias, y, multiplier, kh, kw, sh, sw, dh, dw, pt, pl, hp, wp, r
                     acc[i] += tap[i] * weight
         # An absent bias adds -0.0, which changes no value (as the GEMM's epilogue).
         shift = bias[o] if bias.size else y.dtype.type(-0.0)
+        factor = scale[o] if scale.size else y.dtype.type(1)
         for oy in range(ho):
             row, out = acc[oy * sh * wp:oy * sh * wp + span:sw], y[q, oy]
             for ox in range(wo):
-                v = row[ox] + shift
+                v = row[ox] * factor + shift if scale.size else row[ox] + shift
                 out[ox] = zero if relu and v <= 0 else v
 
 
 def is_depthwise(x: np.ndarray, w: np.ndarray, groups: int) -> bool:
-    """Whether conv2d(x, w, groups=groups) is a float depthwise conv this kernel computes:
-    one input channel per group (any number of output channels per group)."""
-    return (groups == x.shape[1] and w.shape[1] == 1 and x.dtype.kind == "f"
-            and w.dtype.kind == "f")
+    """Whether conv2d(x, w, groups=groups) is a depthwise conv this kernel computes: one
+    input channel per group (any number of output channels per group), float operands or
+    integers whose sums float32 holds exactly."""
+    if groups != x.shape[1] or w.shape[1] != 1:
+        return False
+    if x.dtype.kind == "f" and w.dtype.kind == "f":
+        return True
+    taps = w.shape[2] * w.shape[3]
+    return (x.dtype.kind in "iub" and w.dtype.kind in "iub"
+            and int_magnitude(x) * int_magnitude(w) * taps <= F32_EXACT)
 
 
 def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                      padding: tuple[int, int, int, int], dilations: tuple[int, int], *,
-                     bias: np.ndarray | None = None, relu: bool = False) -> np.ndarray:
-    """conv2d (mplower.numerics.conv) of float x (N, C, H, W) with w (O, 1, KH, KW), groups C,
-    zero-padded by (top, left, bottom, right): float32, or float64 if an operand is, with the
-    GEMM convolution's bits, its `bias` and `relu` epilogue included."""
-    dtype = np.dtype(np.float64 if np.result_type(x, w) == np.float64 else np.float32)
+                     scale: np.ndarray | None = None, bias: np.ndarray | None = None,
+                     relu: bool = False) -> np.ndarray:
+    """conv2d (mplower.numerics.conv) of x (N, C, H, W) with w (O, 1, KH, KW), groups C,
+    zero-padded by (top, left, bottom, right), where `is_depthwise`: float32, or float64 if
+    an operand is, exact int64 for integer operands (float32 with an epilogue), with the GEMM
+    convolution's bits, its `scale` (integer operands), `bias` and `relu` epilogue included."""
+    integer = x.dtype.kind in "iub"
+    if integer or np.result_type(x, w) != np.float64:
+        dtype = np.dtype(np.float32)
+    else:
+        dtype = np.dtype(np.float64)
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, padding
@@ -79,15 +99,15 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
     wo = (wp - dw * (kw - 1) - 1) // sw + 1
     y = np.empty((n, o, ho, wo), dtype)
-    if y.size == 0:
-        return y
     planes = np.ascontiguousarray(x, dtype).reshape(n * c, h, wd)
     weights = np.ascontiguousarray(w, dtype).reshape(o, kh * kw)
+    factor = np.empty(0, dtype) if scale is None else np.ascontiguousarray(scale, dtype).reshape(o)
     shift = np.empty(0, dtype) if bias is None else np.ascontiguousarray(bias, dtype).reshape(o)
-    args = (planes, weights, shift, y.reshape(n * o, ho, wo), o // c, kh, kw, sh, sw, dh, dw,
-            pt, pl, hp, wp, relu)
-    if y.size * kh * kw < _SERIAL_BELOW:
+    args = (planes, weights, factor, shift, y.reshape(n * o, ho, wo), o // c, kh, kw, sh, sw,
+            dh, dw, pt, pl, hp, wp, relu)
+    if 0 < y.size * kh * kw < _SERIAL_BELOW:
         _planes(*args, 0, n * o)
-    else:
+    elif y.size:
         run_blocks(_planes, n * o, *args)
-    return y
+    epilogue = scale is not None or bias is not None or relu
+    return y.astype(np.int64) if integer and not epilogue else y
