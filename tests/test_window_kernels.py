@@ -199,12 +199,17 @@ def test_depthwise_conv_is_the_fixed_order_loop_and_the_gemm_conv_bit_for_bit(
     assert gemm.tobytes() == depthwise_loop(x, w, bias, s, pad, d, False).tobytes()
 
 
-def test_depthwise_results_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("stack", [144, 2 * 144, 4096])  # 1, 2 or all images per stack
+def test_depthwise_results_do_not_depend_on_the_batch_or_the_stacking(monkeypatch,
+                                                                       stack) -> None:
     rng = np.random.default_rng(16)
-    x = rng.standard_normal((4, 6, 10, 10)).astype(np.float32)
+    x = rng.standard_normal((5, 6, 10, 10)).astype(np.float32)
     w = rng.standard_normal((6, 1, 3, 3)).astype(np.float32)
+    monkeypatch.setattr(depthwise, "_STACK", stack)  # planes of 12x12 = 144 padded elements
     batch = depthwise.depthwise_conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1))
-    for i in range(4):
+    assert batch.tobytes() == depthwise_loop(x, w, None, (1, 1), (1, 1, 1, 1), (1, 1),
+                                             False).tobytes()
+    for i in range(5):
         one = depthwise.depthwise_conv2d(x[i:i + 1], w, (1, 1), (1, 1, 1, 1), (1, 1))
         assert one.tobytes() == batch[i:i + 1].tobytes()
 

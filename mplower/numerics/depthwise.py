@@ -17,10 +17,11 @@ GEMM path does: every product and partial sum of K such products is an integer b
 so float32 sums them exactly, and the result is the exact int64 sum, or with an epilogue
 float32(sum) * scale + bias, then relu, as `integer_matmul` stores it.
 
-Each tap is one contiguous loop over the whole flattened padded plane (at every position,
-not only every stride-th: long contiguous loops vectorize), then the outputs are picked.
-Planes are independent, handed to threads in blocks (mplower.numerics.workers), so a result
-depends neither on the thread count nor on its batch.
+Each tap is one contiguous loop over the flattened padded planes of a channel in several
+images (at every position, not only every stride-th: long contiguous loops vectorize), then
+the outputs are picked. Channels are independent, handed to threads in blocks
+(mplower.numerics.workers), and every output is the same sequence of operations wherever
+its plane sits in a stack, so a result depends neither on the thread count nor on its batch.
 """
 
 from __future__ import annotations
@@ -29,41 +30,52 @@ import numpy as np
 from numba import njit
 
 from mplower.numerics.gemm import F32_EXACT, int_magnitude
-from mplower.numerics.pool import padded_plane
 from mplower.numerics.workers import run_blocks
 
 # Below this many multiply-adds (about 1 ms on one core) one thread computes every plane.
 _SERIAL_BELOW = 1 << 22
+# Padded input elements stacked per tap loop (_planes): one 7x7 plane is too short a loop,
+# a stack much larger than this leaves the L1/L2 cache.
+_STACK = 4096
 
 
 @njit(cache=True, nogil=True)
 def _planes(x, w, scale, bias, y, multiplier, kh, kw, sh, sw, dh, dw, pt, pl, hp, wp, relu,
-            q0, q1):
-    """Output planes q0 .. q1 - 1 of y (N * O, Ho, Wo); plane n * O + o reads input plane
-    n * C + o // multiplier of x (N * C, H, W) and weights w[o] (KH * KW)."""
-    outs, ho, wo = w.shape[0], y.shape[1], y.shape[2]
+            group, o0, o1):
+    """Output channels o0 .. o1 - 1 of y (N, O, Ho, Wo): channel o reads input channel
+    o // multiplier of x (N, C, H, W) and weights w[o] (KH * KW). The padded planes of a
+    channel in `group` images at a time are stacked, so that each tap is one loop over all of
+    them; the positions between planes are computed and not used."""
+    n, h, wd = x.shape[0], x.shape[2], x.shape[3]
+    ho, wo = y.shape[2], y.shape[3]
     zero = y.dtype.type(0)
-    buf = np.empty((hp, wp), y.dtype)
-    span = (wo - 1) * sw + 1
-    acc = np.empty((ho - 1) * sh * wp + span, y.dtype)
-    for q in range(q0, q1):
-        n, o = q // outs, q % outs
-        src = padded_plane(x, n * (outs // multiplier) + o // multiplier, pt, pl, zero, buf)
-        acc[:] = zero
-        for ky in range(kh):
-            for kx in range(kw):
-                weight = w[o, ky * kw + kx]
-                tap = src[ky * dh * wp + kx * dw:ky * dh * wp + kx * dw + acc.size]
-                for i in range(acc.size):
-                    acc[i] += tap[i] * weight
+    plane, span = hp * wp, (wo - 1) * sw + 1
+    stack = np.zeros((group, hp, wp), y.dtype)  # the padding stays zero
+    src = stack.reshape(-1)
+    acc = np.empty((group - 1) * plane + (ho - 1) * sh * wp + span, y.dtype)
+    for o in range(o0, o1):
         # An absent bias adds -0.0, which changes no value (as the GEMM's epilogue).
         shift = bias[o] if bias.size else y.dtype.type(-0.0)
         factor = scale[o] if scale.size else y.dtype.type(1)
-        for oy in range(ho):
-            row, out = acc[oy * sh * wp:oy * sh * wp + span:sw], y[q, oy]
-            for ox in range(wo):
-                v = row[ox] * factor + shift if scale.size else row[ox] + shift
-                out[ox] = zero if relu and v <= 0 else v
+        for i0 in range(0, n, group):
+            images = min(group, n - i0)
+            for i in range(images):
+                stack[i, pt:pt + h, pl:pl + wd] = x[i0 + i, o // multiplier]
+            size = acc.size - (group - images) * plane
+            acc[:size] = zero
+            for ky in range(kh):
+                for kx in range(kw):
+                    weight = w[o, ky * kw + kx]
+                    tap = src[ky * dh * wp + kx * dw:ky * dh * wp + kx * dw + size]
+                    for j in range(size):
+                        acc[j] += tap[j] * weight
+            for i in range(images):
+                for oy in range(ho):
+                    start = i * plane + oy * sh * wp
+                    row, out = acc[start:start + span:sw], y[i0 + i, o, oy]
+                    for ox in range(wo):
+                        v = row[ox] * factor + shift if scale.size else row[ox] + shift
+                        out[ox] = zero if relu and v <= 0 else v
 
 
 def is_depthwise(x: np.ndarray, w: np.ndarray, groups: int) -> bool:
@@ -99,15 +111,14 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
     wo = (wp - dw * (kw - 1) - 1) // sw + 1
     y = np.empty((n, o, ho, wo), dtype)
-    planes = np.ascontiguousarray(x, dtype).reshape(n * c, h, wd)
     weights = np.ascontiguousarray(w, dtype).reshape(o, kh * kw)
     factor = np.empty(0, dtype) if scale is None else np.ascontiguousarray(scale, dtype).reshape(o)
     shift = np.empty(0, dtype) if bias is None else np.ascontiguousarray(bias, dtype).reshape(o)
-    args = (planes, weights, factor, shift, y.reshape(n * o, ho, wo), o // c, kh, kw, sh, sw,
-            dh, dw, pt, pl, hp, wp, relu)
+    args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, kh, kw, sh, sw,
+            dh, dw, pt, pl, hp, wp, relu, min(n, max(1, _STACK // (hp * wp))))
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
-        _planes(*args, 0, n * o)
+        _planes(*args, 0, o)
     elif y.size:
-        run_blocks(_planes, n * o, *args)
+        run_blocks(_planes, o, *args)
     epilogue = scale is not None or bias is not None or relu
     return y.astype(np.int64) if integer and not epilogue else y

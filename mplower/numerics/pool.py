@@ -99,7 +99,7 @@ def _pairwise(a, start, n):
 
 
 @njit(cache=True, nogil=True)
-def padded_plane(x, p, pt, pl, fill, buf):
+def _padded_plane(x, p, pt, pl, fill, buf):
     """Plane p of x (P, H, W) padded by pt rows on top and pl columns on the left and with
     `fill` up to buf's shape (Hp, Wp), flattened: buf's copy, or x's own plane where there is
     no padding."""
@@ -145,7 +145,7 @@ def _max_planes(x, y, kh, kw, sh, sw, pt, pl, hp, wp, lowest, p0, p1):
     n, span = hp * wp - kw + 1, (wo - 1) * sw + 1
     rows, cols = np.empty(n, x.dtype), np.empty((ho - 1) * sh * wp + span, x.dtype)
     for p in range(p0, p1):
-        src = padded_plane(x, p, pt, pl, lowest, buf)
+        src = _padded_plane(x, p, pt, pl, lowest, buf)
         rows[:] = src[:n]
         for kx in range(1, kw):
             _fold_max(rows, src, kx, n)
@@ -169,7 +169,7 @@ def _avg_planes(x, y, counts, kh, kw, sh, sw, pt, pl, hp, wp, p0, p1):
     n, span = hp * wp - kw + 1, (wo - 1) * sw + 1
     rows, cols = np.empty(n, x.dtype), np.empty((ho - 1) * sh * wp + span, x.dtype)
     for p in range(p0, p1):
-        src = padded_plane(x, p, pt, pl, zero, buf)
+        src = _padded_plane(x, p, pt, pl, zero, buf)
         rows[:] = zero
         for kx in range(kw):
             _add(rows, src, kx, n)
