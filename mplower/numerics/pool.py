@@ -112,14 +112,45 @@ def _padded_plane(x, p, pt, pl, fill, buf):
 
 
 @njit(cache=True, nogil=True)
-def _fold_max(acc, values, offset, n):
-    """acc[i] = np.maximum(acc[i], values[offset + i]) for i < n: a NaN accumulator stays, a
-    NaN value replaces a number, a tie (-0.0 and 0.0) takes the value."""
-    # A slice, not values[offset + i]: an index that may be negative defeats vectorization.
-    vs = values[offset:offset + n]
-    for i in range(n):
-        a, v = acc[i], vs[i]
-        acc[i] = a if (a > v) | np.isnan(a) else v
+def _max2(out, a, b):
+    """out[i] = np.maximum(a[i], b[i]): a NaN in a stays, a NaN in b replaces a number, a tie
+    (-0.0 and 0.0) takes b. `a` may be `out` itself."""
+    for i in range(out.size):
+        x, y = a[i], b[i]
+        out[i] = x if (x > y) | np.isnan(x) else y
+
+
+@njit(cache=True, nogil=True)
+def _max3(out, a, b, c):
+    """out[i] = np.maximum(np.maximum(a[i], b[i]), c[i]) in one pass over memory."""
+    for i in range(out.size):
+        x, y, z = a[i], b[i], c[i]
+        x = x if (x > y) | np.isnan(x) else y
+        out[i] = x if (x > z) | np.isnan(x) else z
+
+
+@njit(cache=True, nogil=True)
+def _fold_max(out, values, step, taps):
+    """out = the np.maximum fold of the taps values[t * step:][:out.size], t = 0 .. taps - 1,
+    in that order, three (the first) or two taps per pass over memory. Slices, not
+    values[offset + i]: an index that may be negative defeats vectorization."""
+    n = out.size
+    if taps == 1:
+        out[:] = values[:n]
+        return
+    if taps == 2:
+        _max2(out, values[:n], values[step:step + n])
+        return
+    _max3(out, values[:n], values[step:step + n], values[2 * step:2 * step + n])
+    t = 3
+    while t < taps:
+        if taps - t >= 2:
+            b, c = t * step, (t + 1) * step
+            _max3(out, out, values[b:b + n], values[c:c + n])
+            t += 2
+        else:
+            _max2(out, out, values[t * step:t * step + n])
+            t += 1
 
 
 @njit(cache=True, nogil=True)
@@ -146,12 +177,8 @@ def _max_planes(x, y, kh, kw, sh, sw, pt, pl, hp, wp, lowest, p0, p1):
     rows, cols = np.empty(n, x.dtype), np.empty((ho - 1) * sh * wp + span, x.dtype)
     for p in range(p0, p1):
         src = _padded_plane(x, p, pt, pl, lowest, buf)
-        rows[:] = src[:n]
-        for kx in range(1, kw):
-            _fold_max(rows, src, kx, n)
-        cols[:] = rows[:cols.size]
-        for ky in range(1, kh):
-            _fold_max(cols, rows, ky * wp, cols.size)
+        _fold_max(rows, src, 1, kw)
+        _fold_max(cols, rows, wp, kh)
         for oy in range(ho):
             y[p, oy] = cols[oy * sh * wp:oy * sh * wp + span:sw]
 
