@@ -1,26 +1,29 @@
-"""Max, average and global average pooling of NCHW planes, compiled, with fixed orders.
+"""Max and average pooling of NCHW planes, compiled, each in one fixed order.
 
 Each (image, channel) plane is pooled on its own by a GIL-free compiled kernel, planes handed
 to threads in blocks (mplower.numerics.workers), so a result depends neither on the thread
 count nor on the batch. Padding is applied per plane, into a scratch copy that stays in the
-cache, instead of a padded copy of the whole tensor.
+cache, instead of a padded copy of the whole tensor. Both kernels run rows first, then
+columns, each pass one long contiguous loop over the flattened padded plane (at every row and
+column, not only every stride-th: such loops vectorize, short or strided ones do not), and
+then pick the outputs.
 
-Max pooling folds each window in row-major order as np.maximum(acc, v) would, starting from
+Max pooling is the fold np.maximum(acc, v) over each window in row-major order, starting from
 the padding value (-inf, or the integer type's minimum, which never wins a window that also
-holds input): a tie between -0.0 and 0.0 keeps the later element, a NaN already in the
-accumulator stays (the first NaN of the window is the result), a NaN element replaces a
-number. Max is exact, so these are today's results bit for bit, pinned in
-tests/test_runtime_kernels.py against numpy's window max.
+holds input): a tie between -0.0 and 0.0 takes the later element, a NaN accumulator stays (the
+window's first NaN is the result), a NaN element replaces a number. That fold is associative
+(its result is the first NaN, else the last maximum, in row-major order), so folding each
+row's maxima in row order gives the same bits: today's, pinned by tests/test_window_kernels.py
+against the running np.maximum over the kernel's shifted views that this replaces.
 
-Average pooling sums each window in numpy's order, which is a fixed order that depends on
-shapes only: starting from +0.0, the window's rows (of `kernel[1]` elements, zero padding
-included) are added one by one, each row summed on its own with numpy's pairwise summation
-(`_pairwise`: in order from +0.0 below 8 elements, otherwise eight interleaved partial sums);
-where the window is as wide as the padded input, numpy's reduction sees one contiguous run and
-so does this kernel (`merged`). The sum is then divided by the number of input elements under
-the window (padding not counted, ONNX count_include_pad=0). Global average pooling is the
-pairwise sum of each whole plane divided by its size, as ndarray.mean gives it. Both are
-therefore the bits of the numpy window reduction they replace, for every shape.
+Average pooling sums each window in numpy's order, written out, which depends on shapes only:
+from +0.0, the window's rows (`kernel[1]` elements each, zero padding included) are added in
+order, each row summed on its own with numpy's pairwise summation (`_pairwise`: in order from
++0.0 below 8 elements, otherwise eight interleaved partial sums); where the output is one
+column wide, numpy's reduction sees the window as one run and so does this kernel
+(`_avg_windows`). The sum is then divided by the number of input elements under the window
+(padding not counted, ONNX count_include_pad=0). These are the bits of the numpy window
+reduction this replaces, for every shape tested (tests/test_window_kernels.py).
 """
 
 from __future__ import annotations
@@ -161,14 +164,9 @@ def _add(acc, values, offset, n):
         acc[i] += vs[i]
 
 
-# Both pools run rows first, then columns, each pass a fold over the taps in order along the
-# whole flattened padded plane (at every row and column, not only every stride-th: one long
-# contiguous loop vectorizes, short or strided ones do not), then pick the outputs.
-
-
 @njit(cache=True, nogil=True)
 def _max_planes(x, y, kh, kw, sh, sw, pt, pl, hp, wp, lowest, p0, p1):
-    """Max pooling of planes p0 .. p1 - 1 (see above). The fold is associative (its result is
+    """Max pooling of planes p0 .. p1 - 1 (module docstring). The fold is associative (its result is
     the window's first NaN, else its last maximum), so folding each row's maxima in row
     order gives the row-major fold's bits."""
     ho, wo = y.shape[1], y.shape[2]
@@ -185,7 +183,7 @@ def _max_planes(x, y, kh, kw, sh, sw, pt, pl, hp, wp, lowest, p0, p1):
 
 @njit(cache=True, nogil=True)
 def _avg_planes(x, y, counts, kh, kw, sh, sw, pt, pl, hp, wp, p0, p1):
-    """Average pooling of planes p0 .. p1 - 1 (see above): each window row summed in order
+    """Average pooling of planes p0 .. p1 - 1 (module docstring): each window row summed in order
     from +0, then the rows in order from +0; `_avg_windows` where numpy sums otherwise."""
     ho, wo = y.shape[1], y.shape[2]
     if wo == 1 or kw >= _UNROLL:
