@@ -241,3 +241,35 @@ def test_integer_depthwise_conv_is_exact_and_its_epilogue_is_dequantize_add_relu
                         + bias.reshape(1, -1, 1, 1), np.float32(0))
     assert got.dtype == np.float32 and got.tobytes() == expect.tobytes()
     assert (got == 0).any() and (got > 0).any()
+
+
+def test_run_lowered_fuses_dequantize_bias_relu_into_depthwise_convs_with_the_same_bits() -> None:
+    """The direct kernel's epilogue (run_lowered) against the separate ops (run): an int8
+    depthwise conv's dequantize, bias add and relu, and a float one's bias and relu."""
+    from mplower.backend.executor import Program
+    from mplower.ir.parser import parse
+
+    text = """func.func @main(%x: tensor<2x8x7x7xf32>, %w: tensor<16x1x3x3xf32>) -> (tensor<2x16x7x7xf32>, tensor<2x16x4x4xf32>) {
+  %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0, 0.0, -1.0, 0.5, -0.25, -0.5, 0.25, -2.0, 1.0, 0.0, -1.0, 0.5, -0.0]> : tensor<16xf32>} : () -> tensor<16xf32>
+  %b3 = mp.reshape %b : (tensor<16xf32>) -> tensor<16x1x1xf32>
+  %wq = mp.quantize %w {scale = 0.02, zero_point = 0 : i8} : (tensor<16x1x3x3xf32>) -> tensor<16x1x3x3xi8>
+  %xq = mp.quantize %x {scale = 0.02, zero_point = 0 : ui8} : (tensor<2x8x7x7xf32>) -> tensor<2x8x7x7xui8>
+  %c = mp.conv2d %xq, %wq {padding = [1, 1, 1, 1], groups = 8} : (tensor<2x8x7x7xui8>, tensor<16x1x3x3xi8>) -> tensor<2x16x7x7xi32>
+  %d = mp.dequantize %c {scale = 0.0004, zero_point = 0 : i32} : (tensor<2x16x7x7xi32>) -> tensor<2x16x7x7xf32>
+  %a = mp.add %d, %b3 : (tensor<2x16x7x7xf32>, tensor<16x1x1xf32>) -> tensor<2x16x7x7xf32>
+  %r = mp.relu %a : (tensor<2x16x7x7xf32>) -> tensor<2x16x7x7xf32>
+  %f = mp.conv2d %x, %w, %b {strides = [2, 2], padding = [1, 1, 1, 1], groups = 8} : (tensor<2x8x7x7xf32>, tensor<16x1x3x3xf32>, tensor<16xf32>) -> tensor<2x16x4x4xf32>
+  %fr = mp.relu %f : (tensor<2x16x4x4xf32>) -> tensor<2x16x4x4xf32>
+  return %r, %fr : tensor<2x16x7x7xf32>, tensor<2x16x4x4xf32>
+}
+"""
+    program = Program(parse(text, "m.ir"))
+    rng = np.random.default_rng(18)
+    x = rng.random((2, 8, 7, 7)).astype(np.float32) * 5
+    w = rng.standard_normal((16, 1, 3, 3)).astype(np.float32)
+    expect = program.run([x, w], reference=False).outputs  # every op on its own
+    got = program.run_lowered(program.prepare_inputs([x, w]))
+    assert [y.tobytes() for y in got] == [y.tobytes() for y in expect]
+    assert [s.op for s in program._live] == ["mp.quantize", "mp.quantize", "mp.conv2d",
+                                              "mp.conv2d"]
+    assert all((y == 0).any() and (y > 0).any() for y in got)
