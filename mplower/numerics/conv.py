@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mplower.numerics.depthwise import depthwise_conv2d, is_depthwise
 from mplower.numerics.gemm import F32_EXACT, int_magnitude, integer_matmul, matmul
 from mplower.numerics.windows import conv_windows
 
@@ -48,6 +49,9 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     `relu` applied as y + bias and np.maximum(y, 0) would; for integer operands a `scale` or
     `bias` makes the result float32(y) * scale + bias (DequantizeLinear of the int32 result
     with zero point 0, then Add), which needs 8-bit operands (int_magnitude)."""
+    if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
+        return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
+                                relu=relu)
     integer = x.dtype.kind in "iub"
     bound = int_magnitude(x) * int_magnitude(w) if integer else 0
     if integer and bound <= F32_EXACT:
