@@ -73,6 +73,37 @@ def test_histogram_bins_match_a_direct_count_on_the_final_grid():
     assert np.array_equal(s.pos, expect_pos) and np.array_equal(s.neg, expect_neg)
 
 
+@pytest.mark.parametrize("histogram", [True, False])
+def test_relu_statistics_follow_exactly_from_those_of_its_input(histogram):
+    # Negatives on a wider range than the positives (the input's grid is coarser than the
+    # relu's), zeros of both signs, subnormals, and a channel that never goes positive.
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((6, 5, 7)) * np.array([0.5, 2.0, 1e-3, 3.0, 1.0])[:, None]
+    x = x.astype(np.float32)
+    x[0, 0, :4] = [-0.0, 0.0, 1e-45, -3e-39]
+    x[:, 3] = -np.abs(x[:, 3]) * 100
+    y = np.maximum(x, np.float32(0))
+    counted, seen = TensorStats(256, histogram), TensorStats(256, histogram)
+    for part in np.array_split(np.arange(6), 3):
+        seen.add(x[part], channel_axis=1)
+        counted.add(y[part], channel_axis=1)
+    derived = seen.relu()
+    assert same_stats(derived, counted)
+    assert derived.tiny() == counted.tiny()
+    assert (derived.min, derived.max) == (0.0, float(y.max()))
+    assert derived.channel_absmax[3] == 0.0 and str(derived.channel_absmax[3]) == "0.0"
+
+
+def test_range_of_data_with_negative_zero_is_the_same_in_any_order():
+    # min(0.0, -0.0) keeps whichever came first: ranges are kept as +0.0, never -0.0.
+    a = np.array([[-0.0], [1.0]], np.float32)
+    b = np.array([[0.0], [2.0]], np.float32)
+    for order in ((a, b), (b, a)):
+        s = stats_of(list(order))
+        assert (str(s.min), str(s.max)) == ("0.0", "2.0")
+        assert str(estimate_range(s, "minmax")[0]) == "0.0"
+
+
 def test_tiny_is_a_power_of_two_at_or_below_the_first_percentile():
     x = np.concatenate([np.full(5, 1e-6), np.full(995, 0.5), np.zeros(100)])
     s = stats_of([x.reshape(-1, 1)])
