@@ -332,3 +332,69 @@ def test_minmax_calibration_counts_no_magnitude_histogram_and_records_what_a_ful
         assert np.array_equal(t.exponents, s.exponents)
     assert calibrated(tmp_path, 2, x.reshape(3, 2, 4)) == calibrated(
         tmp_path, 6, x, "method=minmax bins=4096")
+
+
+CNN = """module @cnn attributes {{mp.weights = "cnn.npz"}} {{
+  func.func @main(%x: tensor<2x3x8x8xf32>) -> tensor<2x5xf32> {{
+    %w = mp.constant {{name = "w"}} : () -> tensor<4x3x3x3xf32>
+    %bias = mp.constant {{name = "bias"}} : () -> tensor<4xf32>
+    %0 = mp.conv2d %x, %w, %bias {{strides = [1, 1], padding = [1, 1, 1, 1], dilations = [1, 1], groups = 1}} : (tensor<2x3x8x8xf32>, tensor<4x3x3x3xf32>, tensor<4xf32>) -> tensor<2x4x8x8xf32>
+    %1 = mp.relu %0 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xf32>
+    %2 = mp.max_pool2d %1 {{kernel = [2, 2], strides = [2, 2], padding = [0, 0, 0, 0]}} : (tensor<2x4x8x8xf32>) -> tensor<2x4x4x4xf32>
+    %3 = mp.global_avg_pool %2 : (tensor<2x4x4x4xf32>) -> tensor<2x4x1x1xf32>
+    %4 = mp.reshape %3 : (tensor<2x4x1x1xf32>) -> tensor<2x4xf32>
+    %fc = mp.constant {{name = "fc"}} : () -> tensor<4x5xf32>
+    %5 = mp.matmul %4, %fc : (tensor<2x4xf32>, tensor<4x5xf32>) -> tensor<2x5xf32>
+    %6 = mp.relu %5 : (tensor<2x5xf32>) -> tensor<2x5xf32>
+    %7 = mp.softmax %6 {{axis = {axis}}} : (tensor<2x5xf32>) -> tensor<2x5xf32>
+    return %7 : tensor<2x5xf32>
+  }}
+}}
+"""
+
+
+def calibrated_cnn(tmp_path: Path, options: str, axis: int = 1) -> tuple[str, list]:
+    """A conv, relu, pool and dense network calibrated on 10 batches of 2 images after
+    assign-precision{policy=int8}: the printed module and the batch sizes the reference ran."""
+    rng = np.random.default_rng(14)
+    np.savez(tmp_path / "cnn.npz", w=rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+             bias=rng.standard_normal(4).astype(np.float32),
+             fc=rng.standard_normal((4, 5)).astype(np.float32))
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((10, 2, 3, 8, 8)).astype(np.float32))
+    path = tmp_path / "cnn.ir"
+    path.write_text(CNN.format(axis=axis))
+    module = parse(path.read_text(), str(path))
+    module.path = str(path)
+    sizes = []
+
+    def runner(m, func, weights):
+        sizes.append(m.function(func).type_of((m.function(func).args[0], 0)).shape[0])
+        return reference_runner(m, func, weights)
+
+    PassManager(parse_pipeline(f"assign-precision{{policy=int8}},calibrate{{data="
+                               f"{tmp_path / 'data.npz'} {options}}}")).run(
+        module, PassContext(runner=runner))
+    return print_module(module), sizes
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+def test_calibration_in_groups_of_batches_records_what_one_batch_at_a_time_does(
+        tmp_path, method):
+    one, sizes = calibrated_cnn(tmp_path, f"method={method} group=1")
+    assert sizes == [2]
+    assert "mp.channel_absmax" in one and "mp.calib" in one
+    # 10 batches of 2: groups 3, 3, 3 and a last one of 1; 8 and a last 2; all at once.
+    for group, ran in ((3, [6, 2]), (8, [16, 4]), (10, [20])):
+        text, sizes = calibrated_cnn(tmp_path, f"method={method} group={group}")
+        assert sizes == ran
+        assert text == one, group
+
+
+def test_calibration_runs_batch_by_batch_where_an_op_mixes_the_rows_of_a_batch(tmp_path):
+    from mplower.passes.calibrate import grouped_module
+
+    one, sizes = calibrated_cnn(tmp_path, "group=1", axis=0)
+    assert grouped_module(parse((tmp_path / "cnn.ir").read_text(), str(tmp_path / "cnn.ir")),
+                          None, 4) is None
+    text, sizes = calibrated_cnn(tmp_path, "group=4", axis=0)
+    assert sizes == [2] and text == one
