@@ -23,6 +23,7 @@ on the activations that feed a matmul or conv, `mp.channel_absmax` over the redu
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -143,6 +144,22 @@ def grouped_module(module: Module, func: str | None, factor: int) -> Module | No
     return grown if _rows_independent(f, g, constant_nodes(f), factor) else None
 
 
+# Samples per forward where the user does not say: measured on the 2-core VM (docs/benchmarks.md,
+# issue 12), stacking samples pays where a model's tensors are small (per-op overhead: 15x on
+# the digits MLP, 5% on ShuffleNet at 2.2 MB) and costs where they leave the cache (ResNet-50,
+# 3.2 MB: 10% slower in pairs, 30% in eights).
+_GROUP_BYTES = 4 << 20
+
+
+def auto_group(f: Function) -> int:
+    """As many batches as keep the function's largest non-constant float32 value within
+    _GROUP_BYTES."""
+    constants = constant_nodes(f)
+    largest = max((4 * math.prod(t.shape) for n in [*f.args, *f.ops()] if n not in constants
+                   for t in f.types(n)), default=1)
+    return max(1, _GROUP_BYTES // max(largest, 1))
+
+
 def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
                        runner: ReferenceRunner, weights: str | None, bins: int,
                        progress: Progress | None = None, histogram: bool = True,
@@ -237,9 +254,10 @@ class Calibrate(Pass):
     symmetric: bool = option(True, "entropy/mse: optimize for symmetric int8 (127 steps a side) "
                                    "or, when false, 255 steps over one-sided data")
     func: str = option("", "function to calibrate (default: main or the only one)")
-    group: int = option(8, "batches run through the reference at once, stacked along the "
-                           "batch axis where the model keeps rows apart (the ranges are the "
-                           "same for any group; memory grows with it)")
+    group: int = option(0, "batches run through the reference at once, stacked along the "
+                           "batch axis where the model keeps rows apart (0: as many as keep "
+                           "its largest value within 4 MiB; the ranges are the same for any "
+                           "group, the memory grows with it)")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         loc = module.loc
@@ -249,8 +267,8 @@ class Calibrate(Pass):
         if self.bins < 2 or self.bins & (self.bins - 1):
             raise DiagnosticError.at(loc, f"calibrate: bins must be a power of two, "
                                           f"got {self.bins}")
-        if self.group < 1:
-            raise DiagnosticError.at(loc, f"calibrate: group must be at least 1, "
+        if self.group < 0:
+            raise DiagnosticError.at(loc, f"calibrate: group must be 0 (automatic) or more, "
                                           f"got {self.group}")
         if not 0 < self.percentile <= 100:
             raise DiagnosticError.at(loc, f"calibrate: percentile must be in (0, 100], "
@@ -274,7 +292,7 @@ class Calibrate(Pass):
         try:
             stats = calibrate_function(module, func, batches, ctx.runner, ctx.weights_path,
                                        self.bins, progress, histogram=self.method != "minmax",
-                                       group=self.group)
+                                       group=self.group or auto_group(f))
         finally:
             progress.close()
         axes = channel_axes(f, constant_nodes(f))
