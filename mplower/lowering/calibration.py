@@ -130,7 +130,16 @@ class TensorStats:
             x = x.astype(np.float32)  # exact for every narrow float value
         if x.size == 0:
             return
-        lo, hi = float(x.min()), float(x.max())  # NaN if there is one
+        if channel_axis is not None:
+            channel_axis %= x.ndim
+            # Each channel's extremes as (outer, C, inner) rows: inner reductions are the fast
+            # ones; the tensor's extremes follow from them.
+            rows = x.reshape(math.prod(x.shape[:channel_axis]), x.shape[channel_axis], -1)
+            high = rows.max(axis=2).max(axis=0).astype(np.float64)
+            low = rows.min(axis=2).min(axis=0).astype(np.float64)
+            lo, hi = float(low.min()), float(high.max())  # NaN if there is one
+        else:
+            lo, hi = float(x.min()), float(x.max())
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ValueError(f"{int(np.count_nonzero(~np.isfinite(x)))} values are NaN or "
                              f"infinite")
@@ -140,8 +149,6 @@ class TensorStats:
             if top > 0:
                 self._widen(s, int(np.frexp(top)[1]))  # top < 2**exp, strictly
         if channel_axis is not None:
-            axes = tuple(i for i in range(x.ndim) if i != channel_axis % x.ndim)
-            high, low = x.max(axis=axes).astype(np.float64), x.min(axis=axes).astype(np.float64)
             if self.channel_max is None:
                 self.channel_max, self.channel_min = high, low
             else:
