@@ -372,7 +372,7 @@ def calibration(count: int) -> list[str]:
                                     if run.returncode == 0 else None)
             if got[tool.split()[0]]:  # CPU seconds (all threads): what the load does not change
                 wall, rss, cpu = got[tool.split()[0]]
-                print(f"{tool} {method}: {wall:.1f} s, {cpu:.1f} s CPU, {rss:.0f} MiB",
+                print(f"{tool.split()[0]} {method}: {wall:.1f} s, {cpu:.1f} s CPU, {rss:.0f} MiB",
                       flush=True)
         cells = [f"{v[0]:.1f}" if v else "failed" for v in (got["mplower"], got["ort"])]
         cells += [f"{v[1]:.0f}" if v else "-" for v in (got["mplower"], got["ort"])]
