@@ -408,3 +408,19 @@ def test_automatic_group_stacks_as_many_batches_as_keep_the_largest_value_within
     assert auto_group(parse(MODEL.format(b=1 << 17)).function()) == 2  # 2 MiB
     assert auto_group(parse(MODEL.format(b=1 << 18)).function()) == 1  # 4 MiB
     assert auto_group(parse(MODEL.format(b=(1 << 18) + 1)).function()) == 1  # over: still 1
+
+
+def test_reference_runner_hands_over_each_value_as_computed_and_keeps_none():
+    import weakref
+
+    module = parse(MODEL.format(b=2))
+    f = module.function()
+    x = np.array([[1.0, -2.0, 3.0, 0.5], [-1.0, 0.0, 2.0, 4.0]], np.float32)
+    run = reference_runner(module)
+    whole = run([x])
+    seen: dict = {}
+    assert run([x], lambda v, y: seen.setdefault(v, weakref.ref(y))) == {}
+    assert list(seen) == list(whole)  # every value once, in program order
+    results = [(n, 0) for n in f.ops() if f.op(n) not in ("mp.constant", "func.return")
+               and f.data(n)["types"]]
+    assert len(results) == 3 and all(seen[v]() is None for v in results)  # all released
