@@ -424,3 +424,13 @@ def test_reference_runner_hands_over_each_value_as_computed_and_keeps_none():
     results = [(n, 0) for n in f.ops() if f.op(n) not in ("mp.constant", "func.return")
                and f.data(n)["types"]]
     assert len(results) == 3 and all(seen[v]() is None for v in results)  # all released
+
+
+def test_float64_and_integer_tensors_are_counted_as_their_float32_values_are():
+    # float32 values, some subnormal, and -0.0: exactly the same numbers in float64.
+    rng = np.random.default_rng(15)
+    x = (rng.standard_normal((4, 6)) * 3).astype(np.float32)
+    x[0, :3] = [-0.0, 1e-45, -2e-40]
+    ints = rng.integers(-300, 300, (4, 6))
+    for wide, narrow in ((x.astype(np.float64), x), (ints, ints.astype(np.float32))):
+        assert same_stats(stats_of([wide[:2], wide[2:]]), stats_of([narrow[:2], narrow[2:]]))
