@@ -230,6 +230,7 @@ def test_calibrate_clipping_keeps_the_observed_extremes(tmp_path):
     ("", "calibrate needs data=CALIB.npz"),
     ("data=DATA method=kl", "unknown method 'kl'"),
     ("data=DATA bins=1000", "bins must be a power of two"),
+    ("data=DATA group=-1", "group must be 0 (automatic) or more, got -1"),
     ("data=WRONG", "expected one batch [2, 4] or a stack [N, 2, 4]"),
     ("data=MISSING", "does not exist"),
 ])
