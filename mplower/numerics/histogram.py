@@ -35,18 +35,6 @@ _NEG_ZERO = 0x80000000
 
 
 @njit(cache=True, nogil=True)
-def _segment(xs, bs, scales, h, ex):
-    """One run of values into the tables; LLVM unrolls the loop by the copy index j & 3."""
-    bins = h.size // 2
-    for j in range(xs.size):
-        b = bs[j]
-        ex[((j & 3) << 9) + (b >> 23)] += 1
-        if bins:  # the same every iteration: predicted
-            s = b >> 31
-            h[s * bins + np.int64(np.float64(abs(xs[j])) * scales[s])] += 1
-
-
-@njit(cache=True, nogil=True)
 def _counts(x, bits, scales, lo, hi, hist, exponents, exp_lo):
     """Values x[lo:hi] into hist (2, bins: empty for none) and exponents (2, n_exp)."""
     bins = hist.shape[1]
