@@ -2,9 +2,10 @@
 
 `tensor_counts` adds, per value v (|v| exactly a float64), the bin floor(|v| * scale) to the
 histogram of its side (v >= 0 or v < 0, each side with its own power-of-two `scale`) and the
-frexp exponent of every non-zero |v| to the exponent counts of its side. Multiplying by a power of two is exact (no overflow or underflow in these
-ranges), as ldexp is, so the counts are the integers that np.ldexp, np.floor and np.bincount
-over a float64 copy give; counts commute, so merging stays exact.
+frexp exponent of every non-zero |v| to the exponent counts of its side. Multiplying by a power
+of two is exact (no overflow or underflow in these ranges), as ldexp is, so the counts are the
+integers that np.ldexp, np.floor and np.bincount over a float64 copy give; counts commute, so
+merging stays exact.
 
 The side and the exponent are read from the value's bits: its top nine bits (sign and exponent
 field) index the exponent counts directly, and a normal value's frexp exponent is its field less
