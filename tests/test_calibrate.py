@@ -435,3 +435,22 @@ def test_float64_and_integer_tensors_are_counted_as_their_float32_values_are():
     ints = rng.integers(-300, 300, (4, 6))
     for wide, narrow in ((x.astype(np.float64), x), (ints, ints.astype(np.float32))):
         assert same_stats(stats_of([wide[:2], wide[2:]]), stats_of([narrow[:2], narrow[2:]]))
+
+
+def test_reference_runs_the_ops_on_constants_alone_once_and_keeps_their_values():
+    text = MODEL.format(b=2).replace(
+        "  %0 = mp.matmul %x, %w : (tensor<2x4xf32>, tensor<4x3xf32>)",
+        "  %wt = mp.transpose %w {perm = [1, 0]} : (tensor<4x3xf32>) -> tensor<3x4xf32>\n"
+        "  %w2 = mp.transpose %wt {perm = [1, 0]} : (tensor<3x4xf32>) -> tensor<4x3xf32>\n"
+        "  %0 = mp.matmul %x, %w2 : (tensor<2x4xf32>, tensor<4x3xf32>)")
+    module = parse(text)
+    f = module.function()
+    w2 = next((n, 0) for n in f.ops() if f.value_name((n, 0)) == "%w2")
+    x = np.array([[1.0, -2.0, 3.0, 0.5], [-1.0, 0.0, 2.0, 4.0]], np.float32)
+    run = reference_runner(module)
+    first, second = run([x]), run([2 * x])
+    assert second[w2] is first[w2]  # computed on the first call only
+    assert np.array_equal(first[w2], np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5],
+                                                [-2.0, 1.0, 0.75], [0.125, 3.0, -1.25]]))
+    out = next(v for v in first if f.value_name(v) == "%2")
+    assert np.array_equal(second[out], np.tanh(np.maximum(2 * x @ first[w2], 0)))

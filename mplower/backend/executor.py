@@ -196,6 +196,7 @@ class Program:
         self.slots: dict[tuple[int, int], int] = slot  # value -> slot, for RunResult.values
         self._runtime = [s for s in self.steps if s.constant is None]
         self._folded: list[Any] | None = None  # run_lowered's constants, folded on first use
+        self._ref_constants: dict[int, Any] | None = None  # run_reference's, likewise
         self._live: list[Step] = []
         self._initial: list[Any] = [None] * self.num_slots
         for s in self.steps:
@@ -335,7 +336,18 @@ class Program:
         """Every slot's value in the fp32 reference alone (what calibration observes). With
         `observe`, each slot's value goes to observe(slot, value) once computed and is dropped
         after its last use, so that only the live values are held (calibration on many
-        samples at once); the slots returned are then empty."""
+        samples at once); the slots returned are then empty. Ops whose operands are all
+        constants (a weight's transpose or quantize) run on the first call only, as in
+        run_lowered."""
+        if self._ref_constants is None:
+            self._ref_constants = {}
+            with np.errstate(all="ignore"):
+                for step in self.steps:
+                    if all(i in self._ref_constants for i in step.inputs):
+                        ins = [self._ref_constants[i] for i in step.inputs]
+                        self._ref_constants[step.output] = step.reference(ins) \
+                            if all(r is not None for r in ins) else None
+        constants = self._ref_constants
         refs: list[Any] = [None] * self.num_slots
         for i, (x, t) in enumerate(zip(inputs, self.arg_types)):
             x = np.asarray(x)
@@ -346,9 +358,12 @@ class Program:
             else {}
         with np.errstate(all="ignore"):
             for k, step in enumerate(self.steps):
-                ins = [refs[i] for i in step.inputs]
-                refs[step.output] = step.reference(ins) if all(r is not None for r in ins) \
-                    else None
+                if step.output in constants:
+                    refs[step.output] = constants[step.output]
+                else:
+                    ins = [refs[i] for i in step.inputs]
+                    refs[step.output] = step.reference(ins) \
+                        if all(r is not None for r in ins) else None
                 if observe is not None:
                     observe(step.output, refs[step.output])
                     for i in {*step.inputs, step.output}:
