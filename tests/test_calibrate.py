@@ -454,3 +454,22 @@ def test_reference_runs_the_ops_on_constants_alone_once_and_keeps_their_values()
                                                 [-2.0, 1.0, 0.75], [0.125, 3.0, -1.25]]))
     out = next(v for v in first if f.value_name(v) == "%2")
     assert np.array_equal(second[out], np.tanh(np.maximum(2 * x @ first[w2], 0)))
+
+
+def test_minmax_statistics_in_one_pass_match_numpy_on_a_tensor_counted_in_parts():
+    from mplower.numerics.histogram import SERIAL_BELOW
+
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal(3 * SERIAL_BELOW + 7) * 4).astype(np.float32)
+    x[:6] = [-0.0, 1e-45, 3e-39, -2e-40, 0.0, -7e-39]
+    x[-1] = -40.0  # the minimum in the last part
+    lean = TensorStats(256, histogram=False)
+    lean.add(x)
+    nz = np.abs(x[x != 0]).astype(np.float64)
+    assert (lean.min, lean.max) == (-40.0, float(x.max()))
+    assert np.array_equal(lean.exponents, np.bincount(np.frexp(nz)[1] + 160, minlength=300))
+    assert lean.side_exponents[1].sum() == np.count_nonzero(x < 0)
+    x[SERIAL_BELOW] = np.nan
+    x[5] = np.inf
+    with pytest.raises(ValueError, match="^2 values are NaN or infinite$"):
+        TensorStats(256, histogram=False).add(x)

@@ -130,37 +130,40 @@ class TensorStats:
             x = x.astype(np.float32)  # exact for every narrow float value
         if x.size == 0:
             return
+        # Compiled passes over float32 (the counts of an ldexp/bincount over float64).
+        from mplower.numerics.histogram import tensor_counts, tensor_summary
+
+        high = low = None
         if channel_axis is not None:
+            # (outer, C, inner) rows: the inner reductions are numpy's fast ones.
             channel_axis %= x.ndim
-            # Each channel's extremes as (outer, C, inner) rows: inner reductions are the fast
-            # ones; the tensor's extremes follow from them.
             rows = x.reshape(math.prod(x.shape[:channel_axis]), x.shape[channel_axis], -1)
             high = rows.max(axis=2).max(axis=0).astype(np.float64)
             low = rows.min(axis=2).min(axis=0).astype(np.float64)
-            lo, hi = float(low.min()), float(high.max())  # NaN if there is one
-        else:
-            lo, hi = float(x.min()), float(x.max())
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise ValueError(f"{int(np.count_nonzero(~np.isfinite(x)))} values are NaN or "
-                             f"infinite")
+        if self.histogram:  # the bins need the range: the extrema first, from numpy
+            lo, hi = (float(low.min()), float(high.max())) if high is not None else \
+                (float(x.min()), float(x.max()))
+            bad = 0 if math.isfinite(lo) and math.isfinite(hi) else \
+                int(np.count_nonzero(~np.isfinite(x)))  # a NaN makes both NaN
+        else:  # extrema and exponents in one pass
+            lo, hi, bad = tensor_summary(x, self.side_exponents, _EXP_LO)
+        if bad:
+            raise ValueError(f"{bad} values are NaN or infinite")
         self.count += x.size
         self.min, self.max = min(self.min, lo) + 0.0, max(self.max, hi) + 0.0  # never -0.0
         for s, top in ((0, hi), (1, -lo)):
             if top > 0:
                 self._widen(s, int(np.frexp(top)[1]))  # top < 2**exp, strictly
-        if channel_axis is not None:
+        if high is not None:
             if self.channel_max is None:
                 self.channel_max, self.channel_min = high, low
             else:
                 np.maximum(self.channel_max, high, out=self.channel_max)
                 np.minimum(self.channel_min, low, out=self.channel_min)
-        # One compiled pass over float32 (the counts of an ldexp/bincount over float64).
-        from mplower.numerics.histogram import tensor_counts
-
-        log_bins = int(np.log2(self.bins))
-        tensor_counts(x, tuple(log_bins - (e or 0) for e in self.side_exp),
-                      self.hist if self.histogram else self.hist[:, :0], self.side_exponents,
-                      _EXP_LO)
+        if self.histogram:
+            log_bins = int(np.log2(self.bins))
+            tensor_counts(x, tuple(log_bins - (e or 0) for e in self.side_exp), self.hist,
+                          self.side_exponents, _EXP_LO)
 
     def merge(self, other: TensorStats) -> None:
         """Fold another tensor's statistics into this one (same `bins`)."""
