@@ -197,6 +197,7 @@ class Program:
         self.slots: dict[tuple[int, int], int] = slot  # value -> slot, for RunResult.values
         self._runtime = [s for s in self.steps if s.constant is None]
         self._folded: list[Any] | None = None  # run_lowered's constants, folded on first use
+        self._ref_constants: dict[int, Any] | None = None  # run_reference's, likewise
         self._live: list[Step] = []
         self._initial: list[Any] = [None] * self.num_slots
         for s in self.steps:
@@ -331,17 +332,44 @@ class Program:
         return RunResult(outs, [refs[i] for i in self.outputs] if reference else None, results,
                          values, refs)
 
-    def run_reference(self, inputs: list[np.ndarray]) -> list[Any]:
-        """Every slot's value in the fp32 reference alone (what calibration observes)."""
+    def run_reference(self, inputs: list[np.ndarray],
+                      observe: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """Every slot's value in the fp32 reference alone (what calibration observes). With
+        `observe`, each slot's value goes to observe(slot, value) once computed and is dropped
+        after its last use, so that only the live values are held (calibration on many
+        samples at once); the slots returned are then empty. Ops whose operands are all
+        constants (a weight's transpose or quantize) run on the first call only, as in
+        run_lowered."""
+        if self._ref_constants is None:
+            self._ref_constants = {}
+            with np.errstate(all="ignore"):
+                for step in self.steps:
+                    if all(i in self._ref_constants for i in step.inputs):
+                        ins = [self._ref_constants[i] for i in step.inputs]
+                        self._ref_constants[step.output] = step.reference(ins) \
+                            if all(r is not None for r in ins) else None
+        constants = self._ref_constants
         refs: list[Any] = [None] * self.num_slots
         for i, (x, t) in enumerate(zip(inputs, self.arg_types)):
             x = np.asarray(x)
             refs[i] = _f32(x) if FORMATS[t.elem].is_float else x
+            if observe is not None:
+                observe(i, refs[i])
+        last = {i: k for k, step in enumerate(self.steps) for i in step.inputs} if observe \
+            else {}
         with np.errstate(all="ignore"):
-            for step in self.steps:
-                ins = [refs[i] for i in step.inputs]
-                refs[step.output] = step.reference(ins) if all(r is not None for r in ins) \
-                    else None
+            for k, step in enumerate(self.steps):
+                if step.output in constants:
+                    refs[step.output] = constants[step.output]
+                else:
+                    ins = [refs[i] for i in step.inputs]
+                    refs[step.output] = step.reference(ins) \
+                        if all(r is not None for r in ins) else None
+                if observe is not None:
+                    observe(step.output, refs[step.output])
+                    for i in {*step.inputs, step.output}:
+                        if last.get(i, -1) <= k:
+                            refs[i] = None
         return refs
 
     def run_lowered(self, prepared: list[np.ndarray]) -> list[np.ndarray]:
@@ -536,15 +564,21 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
 
 
 def reference_runner(module: Module, func: str | None = None,
-                     weights: str | None = None) -> Callable[[list[Any]], dict[Value, Any]]:
+                     weights: str | None = None) -> Callable[..., dict[Value, Any]]:
     """The function's fp32 reference as `PassContext.runner` (mplower.pass_manager) needs it:
-    one batch of argument arrays in, the reference value of every value of the function out.
+    one batch of argument arrays in, the reference value of every value of the function out
+    (or, with `observe`, handed to observe(value, array) one by one as they are computed).
     The module is compiled as it is (a plan that is only annotations does not matter to the
     reference) and not changed."""
     program = Program(module, func, weights, reference_only=True)
     slots = program.slots
+    values = {i: v for v, i in slots.items()}
 
-    def run(batch: list[Any]) -> dict[Value, Any]:
+    def run(batch: list[Any],
+            observe: Callable[[Value, Any], None] | None = None) -> dict[Value, Any]:
+        if observe is not None:  # each value as it is computed, none kept (run_reference)
+            program.run_reference(batch, lambda i, y: observe(values[i], y))
+            return {}
         refs = program.run_reference(batch)
         return {v: refs[i] for v, i in slots.items()}
     return run
