@@ -307,7 +307,7 @@ import json, resource, sys, time
 sys.path.insert(0, {bench!r})
 import runtime
 tool, method, onnx_path, ir, npz = {args!r}
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 if tool == "mplower":
     import mplower.dialect
     from mplower.backend.executor import reference_runner
@@ -325,7 +325,8 @@ else:
     runtime.ort_int8(runtime.Path(onnx_path), calib, method[tool.split()[-1]],
                      runtime.Path(npz).with_suffix(".ort_%s.onnx" % tool.split()[-1]))
 seconds = time.perf_counter() - t0
-print(json.dumps([seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))
+print(json.dumps([seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  time.process_time() - c0]))
 """
 
 
@@ -369,10 +370,17 @@ def calibration(count: int) -> list[str]:
                                  check=False, preexec_fn=_memory_cap)  # a failure is a result
             got[tool.split()[0]] = (json.loads(run.stdout.strip().splitlines()[-1])
                                     if run.returncode == 0 else None)
+            if got[tool.split()[0]]:  # CPU seconds (all threads): what the load does not change
+                wall, rss, cpu = got[tool.split()[0]]
+                print(f"{tool.split()[0]} {method}: {wall:.1f} s, {cpu:.1f} s CPU, {rss:.0f} MiB",
+                      flush=True)
         cells = [f"{v[0]:.1f}" if v else "failed" for v in (got["mplower"], got["ort"])]
         cells += [f"{v[1]:.0f}" if v else "-" for v in (got["mplower"], got["ort"])]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
+    lines += ["", (f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load "
+                   f"average at the end {os.getloadavg()[0]:.2f}.")]
+    print(lines[-1])
     return lines
 
 

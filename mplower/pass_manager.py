@@ -33,11 +33,12 @@ if TYPE_CHECKING:  # the CLI imports this module before it knows whether it will
 # What a pass that runs the model (calibrate) gets from its caller, since passes sit below the
 # backend: runner(module, func, weights) compiles the function's fp32 reference and returns a
 # callable that maps one batch of argument arrays to the reference value of every value of the
-# function (None where there is none, e.g. downstream of an integer input). The backend
+# function (None where there is none, e.g. downstream of an integer input); called as
+# f(batch, observe) it instead hands each value to observe(value, array) as it is computed and
+# keeps none (memory for the live values only). The backend
 # implements it (mplower.backend.executor.reference_runner); the CLI and the ONNX backend pass
 # it in `PassContext.runner`.
-ReferenceRunner = Callable[["Module", str | None, str | None],
-                           Callable[[list[Any]], dict["Value", Any]]]
+ReferenceRunner = Callable[["Module", str | None, str | None], Callable[..., dict["Value", Any]]]
 
 
 class PipelineError(Exception):

@@ -9,8 +9,11 @@ passes instead would make `calibrate` the only step of a pipeline that cannot be
 
 The data file is an .npz keyed by argument name; each array is one batch of the argument's shape
 or a stack of such batches (leading axis), and every argument has the same number of batches.
-Each batch runs through the module's fp32 reference (the module is not changed), statistics are gathered with mplower.lowering.calibration's
-mergeable histograms and recorded per value: `mp.range = [lo, hi]` (what quantize uses),
+Batches run through the module's fp32 reference (the module is not changed), several at a time
+stacked along the batch axis where the model keeps the rows of a batch apart (a copy retyped by
+set-batch), and each value's statistics are gathered as it is computed, with
+mplower.lowering.calibration's mergeable histograms (a relu's follow from its operand's), then
+recorded per value: `mp.range = [lo, hi]` (what quantize uses),
 `mp.calib` (the method), `mp.observed` (the extremes, when the method clipped them), `mp.tiny`
 (a power of two at or below the 1% quantile of the non-zero magnitudes, for range-analysis) and,
 on the activations that feed a matmul or conv, `mp.channel_absmax` over the reduction channels
@@ -19,16 +22,20 @@ on the activations that feed a matmul or conv, `mp.channel_absmax` over the redu
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+from mplower.passes.set_batch import set_batch
 
 from mplower.dialect.mp import WEIGHTED
 from mplower.io.npz import read_npz
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
+from mplower.ir.opdef import Trait, attr_int, attr_ints, check_attrs, lookup, ops_with
 from mplower.lowering.calibration import METHODS, Progress, TensorStats, constant_nodes, record
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, ReferenceRunner, option, register_pass
@@ -78,34 +85,139 @@ def split_batches(f: Function, arrays: dict[str, np.ndarray], loc: Location,
     return [list(batch) for batch in zip(*per_arg)]
 
 
+# Ops whose every row of the batch (axis 0) is computed from that row alone, whatever their
+# attributes: numpy-broadcasting elementwise ops, NCHW convolutions and windows, reshapes (whose
+# rows stay whole: every value's leading dimension is checked to follow the batch).
+_ROW_WISE = ops_with(Trait.ELEMENTWISE) | {
+    "mp.conv2d", "mp.max_pool2d", "mp.avg_pool2d", "mp.global_avg_pool", "mp.lrn",
+    "mp.reshape", "mp.expand", "mp.slice"}
+# ... these where the axis they work along is not the batch's (every op with an `axis`, `axes`
+# or `perm` is held to that), and matmul where its second operand is a weight or is batched.
+_ALONG_AXIS = {"mp.softmax", "mp.log_softmax", "mp.layer_norm", "mp.rms_norm", "mp.argmax",
+               "mp.reduce_sum", "mp.reduce_mean", "mp.reduce_max", "mp.concat", "mp.flatten",
+               "mp.cumsum", "mp.split", "mp.transpose", "mp.matmul"}
+
+
+def _rows_independent(f: Function, grown: Function, constants: set[int], factor: int) -> bool:
+    """Whether every value of `grown` (f retyped by set-batch to `factor` times its batch)
+    holds the rows of `factor` separate runs of f, stacked: the statistics of a group of
+    samples are then those of the samples one by one. Conservative: an op this does not know
+    to keep rows apart says no."""
+    for n in f.ops():
+        if n in constants or n == f.return_node:
+            continue
+        op = f.op(n)
+        attrs = check_attrs(lookup(op), f.attrs_of(n))  # with the defaults
+        for (old, new) in zip(f.types(n), grown.types(n)):
+            if old.rank == 0 or new.shape[0] != factor * old.shape[0]:
+                return False
+        rank = f.operand_types(n)[0].rank if f.operands(n) else 0
+        axes = [attr_int(attrs["axis"])] if "axis" in attrs else []
+        if "axes" in attrs:
+            axes += list(attr_ints(attrs["axes"])) or [0]  # no axes: all of them
+        if any(rank and a % rank == 0 for a in axes) or (
+                "perm" in attrs and attr_ints(attrs["perm"])[0] != 0):
+            return False
+        if op == "mp.matmul" and f.operands(n)[1][0] not in constants \
+                and f.operand_types(n)[1].rank <= 2:
+            return False  # a second operand that carries the batch: the rows meet in K
+        if op not in _ROW_WISE and op not in _ALONG_AXIS:
+            return False
+    return True
+
+
+def grouped_module(module: Module, func: str | None, factor: int) -> Module | None:
+    """A copy of the module whose function takes `factor` batches stacked along the batch
+    axis, or None where set-batch refuses or the rows would not stay apart."""
+    f = module.function(func)
+    if factor == 1:
+        return module
+    if any(f.type_of((a, 0)).rank == 0 or f.type_of((a, 0)).shape[0]
+           != f.type_of((f.args[0], 0)).shape[0] for a in f.args):
+        return None  # an argument that does not carry the batch cannot be stacked
+    grown = copy.deepcopy(module)
+    g = grown.function(func)
+    try:
+        set_batch(g, factor * f.type_of((f.args[0], 0)).shape[0])
+    except DiagnosticError:
+        return None
+    return grown if _rows_independent(f, g, constant_nodes(f), factor) else None
+
+
+# Samples per forward where the user does not say: measured on the 2-core VM (docs/benchmarks.md,
+# issue 12), stacking samples pays where a model's tensors are small (per-op overhead: 15x on
+# the digits MLP, 5% on ShuffleNet at 2.2 MB) and costs where they leave the cache (ResNet-50,
+# 3.2 MB: 10% slower in pairs, 30% in eights).
+_GROUP_BYTES = 4 << 20
+
+
+def auto_group(f: Function) -> int:
+    """As many batches as keep the function's largest non-constant float32 value within
+    _GROUP_BYTES."""
+    constants = constant_nodes(f)
+    largest = max((4 * math.prod(t.shape) for n in [*f.args, *f.ops()] if n not in constants
+                   for t in f.types(n)), default=1)
+    return max(1, _GROUP_BYTES // max(largest, 1))
+
+
 def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
                        runner: ReferenceRunner, weights: str | None, bins: int,
-                       progress: Progress | None = None,
-                       histogram: bool = True) -> dict[Value, TensorStats]:
+                       progress: Progress | None = None, histogram: bool = True,
+                       group: int = 1) -> dict[Value, TensorStats]:
     """Statistics of every float, non-constant value of the function over all batches
     (`histogram=False`: without the magnitude histograms, which only the clipping methods
-    read)."""
+    read). Up to `group` batches run through the reference at once, stacked along the batch
+    axis, where the model keeps their rows apart (`grouped_module`); the statistics are the
+    same for any group. A relu's come from its operand's (TensorStats.relu), uncounted."""
     f = module.function(func)
-    reference = runner(module, func, weights)
     constants = constant_nodes(f)
     axes = channel_axes(f, constants)
     ret = f.return_node
     tracked = [(n, k) for n in [*f.args, *f.ops()] if n != ret and n not in constants
                for k, t in enumerate(f.types(n)) if FORMATS[t.elem].is_float]
-    stats = {v: TensorStats(bins, histogram) for v in tracked}
-    for batch in batches:
-        refs = reference(batch)
-        for v in tracked:
-            if refs[v] is None:  # no fp32 counterpart (an integer input)
-                continue
-            try:
-                stats[v].add(refs[v], axes.get(v))
-            except ValueError as e:  # non-finite data, or an op that overflows f32 on it
-                where = "argument " if v[0] in f.args else "the fp32 reference of "
-                raise DiagnosticError.at(f.data(v[0])["loc"], (
-                    f"calibration: {where}{f.value_name(v)}: {e}")) from None
-        if progress is not None:
-            progress.update()
+    relu_of = {(n, 0): f.operands(n)[0] for n in f.ops() if f.op(n) == "mp.relu"}
+    derived: dict[Value, Value] = {}
+    channel = dict(axes)  # where a relu output needs channel maxima, its operand keeps them
+    floats = set(tracked)
+    for v in reversed(tracked):
+        x = relu_of.get(v)
+        if x is None or x not in floats or (v in channel and
+                                            channel.get(x, channel[v]) != channel[v]):
+            continue
+        derived[v] = x
+        if v in channel:
+            channel[x] = channel[v]
+    counted = {v: TensorStats(bins, histogram) for v in tracked if v not in derived}
+
+    def observe(v: Value, y: np.ndarray | None) -> None:
+        s = counted.get(v)
+        if s is None or y is None:  # None: no fp32 counterpart (an integer input)
+            return
+        try:
+            s.add(y, channel.get(v))
+        except ValueError as e:  # non-finite data, or an op that overflows f32 on it
+            where = "argument " if v[0] in f.args else "the fp32 reference of "
+            raise DiagnosticError.at(f.data(v[0])["loc"], (
+                f"calibration: {where}{f.value_name(v)}: {e}")) from None
+
+    start = 0
+    while start < len(batches):
+        size = min(group, len(batches) - start)
+        grown = grouped_module(module, func, size) if size > 1 else module
+        if grown is None:
+            grown, size = module, 1
+        reference = runner(grown, func, weights)  # one at a time: each holds the weights
+        while len(batches) - start >= size:
+            chunk = batches[start:start + size]
+            reference([np.concatenate(arrays) for arrays in zip(*chunk)] if size > 1
+                      else chunk[0], observe)
+            start += size
+            if progress is not None:
+                progress.update(size)
+        del reference
+    stats = {}
+    for v in tracked:
+        stats[v] = stats[derived[v]].relu() if v in derived else counted[v]
     return stats
 
 
@@ -120,7 +232,9 @@ class Calibrate(Pass):
     split into batches or ordered. Records `mp.range` (and `mp.calib`, `mp.observed`,
     `mp.tiny`, `mp.channel_absmax` where useful) on each value's producer; function arguments
     keep theirs in the function's `arg_attrs`. Methods: minmax, percentile (of |x|), entropy
-    (TensorRT's KL search), mse. A progress bar is drawn on a terminal for long runs.
+    (TensorRT's KL search), mse. `group` batches at a time run through the reference stacked
+    along the batch axis, where every op keeps the rows of a batch apart (otherwise one at a
+    time); the ranges do not depend on it. A progress bar is drawn on a terminal for long runs.
     """
 
     name: ClassVar[str] = "calibrate"
@@ -140,6 +254,10 @@ class Calibrate(Pass):
     symmetric: bool = option(True, "entropy/mse: optimize for symmetric int8 (127 steps a side) "
                                    "or, when false, 255 steps over one-sided data")
     func: str = option("", "function to calibrate (default: main or the only one)")
+    group: int = option(0, "batches run through the reference at once, stacked along the "
+                           "batch axis where the model keeps rows apart (0: as many as keep "
+                           "its largest value within 4 MiB; the ranges are the same for any "
+                           "group, the memory grows with it)")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         loc = module.loc
@@ -149,6 +267,9 @@ class Calibrate(Pass):
         if self.bins < 2 or self.bins & (self.bins - 1):
             raise DiagnosticError.at(loc, f"calibrate: bins must be a power of two, "
                                           f"got {self.bins}")
+        if self.group < 0:
+            raise DiagnosticError.at(loc, f"calibrate: group must be 0 (automatic) or more, "
+                                          f"got {self.group}")
         if not 0 < self.percentile <= 100:
             raise DiagnosticError.at(loc, f"calibrate: percentile must be in (0, 100], "
                                           f"got {self.percentile}")
@@ -170,7 +291,8 @@ class Calibrate(Pass):
         progress = Progress(len(batches), "calibrate")
         try:
             stats = calibrate_function(module, func, batches, ctx.runner, ctx.weights_path,
-                                       self.bins, progress, histogram=self.method != "minmax")
+                                       self.bins, progress, histogram=self.method != "minmax",
+                                       group=self.group or auto_group(f))
         finally:
             progress.close()
         axes = channel_axes(f, constant_nodes(f))

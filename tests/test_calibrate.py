@@ -73,6 +73,37 @@ def test_histogram_bins_match_a_direct_count_on_the_final_grid():
     assert np.array_equal(s.pos, expect_pos) and np.array_equal(s.neg, expect_neg)
 
 
+@pytest.mark.parametrize("histogram", [True, False])
+def test_relu_statistics_follow_exactly_from_those_of_its_input(histogram):
+    # Negatives on a wider range than the positives (the input's grid is coarser than the
+    # relu's), zeros of both signs, subnormals, and a channel that never goes positive.
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((6, 5, 7)) * np.array([0.5, 2.0, 1e-3, 3.0, 1.0])[:, None]
+    x = x.astype(np.float32)
+    x[0, 0, :4] = [-0.0, 0.0, 1e-45, -3e-39]
+    x[:, 3] = -np.abs(x[:, 3]) * 100
+    y = np.maximum(x, np.float32(0))
+    counted, seen = TensorStats(256, histogram), TensorStats(256, histogram)
+    for part in np.array_split(np.arange(6), 3):
+        seen.add(x[part], channel_axis=1)
+        counted.add(y[part], channel_axis=1)
+    derived = seen.relu()
+    assert same_stats(derived, counted)
+    assert derived.tiny() == counted.tiny()
+    assert (derived.min, derived.max) == (0.0, float(y.max()))
+    assert derived.channel_absmax[3] == 0.0 and str(derived.channel_absmax[3]) == "0.0"
+
+
+def test_range_of_data_with_negative_zero_is_the_same_in_any_order():
+    # min(0.0, -0.0) keeps whichever came first: ranges are kept as +0.0, never -0.0.
+    a = np.array([[-0.0], [1.0]], np.float32)
+    b = np.array([[0.0], [2.0]], np.float32)
+    for order in ((a, b), (b, a)):
+        s = stats_of(list(order))
+        assert (str(s.min), str(s.max)) == ("0.0", "2.0")
+        assert str(estimate_range(s, "minmax")[0]) == "0.0"
+
+
 def test_tiny_is_a_power_of_two_at_or_below_the_first_percentile():
     x = np.concatenate([np.full(5, 1e-6), np.full(995, 0.5), np.zeros(100)])
     s = stats_of([x.reshape(-1, 1)])
@@ -199,6 +230,7 @@ def test_calibrate_clipping_keeps_the_observed_extremes(tmp_path):
     ("", "calibrate needs data=CALIB.npz"),
     ("data=DATA method=kl", "unknown method 'kl'"),
     ("data=DATA bins=1000", "bins must be a power of two"),
+    ("data=DATA group=-1", "group must be 0 (automatic) or more, got -1"),
     ("data=WRONG", "expected one batch [2, 4] or a stack [N, 2, 4]"),
     ("data=MISSING", "does not exist"),
 ])
@@ -301,3 +333,143 @@ def test_minmax_calibration_counts_no_magnitude_histogram_and_records_what_a_ful
         assert np.array_equal(t.exponents, s.exponents)
     assert calibrated(tmp_path, 2, x.reshape(3, 2, 4)) == calibrated(
         tmp_path, 6, x, "method=minmax bins=4096")
+
+
+CNN = """module @cnn attributes {{mp.weights = "cnn.npz"}} {{
+  func.func @main(%x: tensor<2x3x8x8xf32>) -> tensor<2x5xf32> {{
+    %w = mp.constant {{name = "w"}} : () -> tensor<4x3x3x3xf32>
+    %bias = mp.constant {{name = "bias"}} : () -> tensor<4xf32>
+    %0 = mp.conv2d %x, %w, %bias {{strides = [1, 1], padding = [1, 1, 1, 1], dilations = [1, 1], groups = 1}} : (tensor<2x3x8x8xf32>, tensor<4x3x3x3xf32>, tensor<4xf32>) -> tensor<2x4x8x8xf32>
+    %1 = mp.relu %0 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xf32>
+    %2 = mp.max_pool2d %1 {{kernel = [2, 2], strides = [2, 2], padding = [0, 0, 0, 0]}} : (tensor<2x4x8x8xf32>) -> tensor<2x4x4x4xf32>
+    %3 = mp.global_avg_pool %2 : (tensor<2x4x4x4xf32>) -> tensor<2x4x1x1xf32>
+    %4 = mp.reshape %3 : (tensor<2x4x1x1xf32>) -> tensor<2x4xf32>
+    %fc = mp.constant {{name = "fc"}} : () -> tensor<4x5xf32>
+    %5 = mp.matmul %4, %fc : (tensor<2x4xf32>, tensor<4x5xf32>) -> tensor<2x5xf32>
+    %6 = mp.relu %5 : (tensor<2x5xf32>) -> tensor<2x5xf32>
+    %7 = mp.softmax %6 {{axis = {axis}}} : (tensor<2x5xf32>) -> tensor<2x5xf32>
+    return %7 : tensor<2x5xf32>
+  }}
+}}
+"""
+
+
+def calibrated_cnn(tmp_path: Path, options: str, axis: int = 1) -> tuple[str, list]:
+    """A conv, relu, pool and dense network calibrated on 10 batches of 2 images after
+    assign-precision{policy=int8}: the printed module and the batch sizes the reference ran."""
+    rng = np.random.default_rng(14)
+    np.savez(tmp_path / "cnn.npz", w=rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+             bias=rng.standard_normal(4).astype(np.float32),
+             fc=rng.standard_normal((4, 5)).astype(np.float32))
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((10, 2, 3, 8, 8)).astype(np.float32))
+    path = tmp_path / "cnn.ir"
+    path.write_text(CNN.format(axis=axis))
+    module = parse(path.read_text(), str(path))
+    module.path = str(path)
+    sizes = []
+
+    def runner(m, func, weights):
+        sizes.append(m.function(func).type_of((m.function(func).args[0], 0)).shape[0])
+        return reference_runner(m, func, weights)
+
+    PassManager(parse_pipeline(f"assign-precision{{policy=int8}},calibrate{{data="
+                               f"{tmp_path / 'data.npz'} {options}}}")).run(
+        module, PassContext(runner=runner))
+    return print_module(module), sizes
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+def test_calibration_in_groups_of_batches_records_what_one_batch_at_a_time_does(
+        tmp_path, method):
+    one, sizes = calibrated_cnn(tmp_path, f"method={method} group=1")
+    assert sizes == [2]
+    assert "mp.channel_absmax" in one and "mp.calib" in one
+    # 10 batches of 2: groups 3, 3, 3 and a last one of 1; 8 and a last 2; all at once.
+    for group, ran in ((3, [6, 2]), (8, [16, 4]), (10, [20])):
+        text, sizes = calibrated_cnn(tmp_path, f"method={method} group={group}")
+        assert sizes == ran
+        assert text == one, group
+
+
+def test_calibration_runs_batch_by_batch_where_an_op_mixes_the_rows_of_a_batch(tmp_path):
+    from mplower.passes.calibrate import grouped_module
+
+    one, sizes = calibrated_cnn(tmp_path, "group=1", axis=0)
+    assert grouped_module(parse((tmp_path / "cnn.ir").read_text(), str(tmp_path / "cnn.ir")),
+                          None, 4) is None
+    text, sizes = calibrated_cnn(tmp_path, "group=4", axis=0)
+    assert sizes == [2] and text == one
+
+
+def test_automatic_group_stacks_as_many_batches_as_keep_the_largest_value_within_4_mib():
+    from mplower.passes.calibrate import auto_group
+
+    # The largest value of MODEL is %x: batch x 4 float32s.
+    assert auto_group(parse(MODEL.format(b=2)).function()) == (4 << 20) // 32
+    assert auto_group(parse(MODEL.format(b=1 << 17)).function()) == 2  # 2 MiB
+    assert auto_group(parse(MODEL.format(b=1 << 18)).function()) == 1  # 4 MiB
+    assert auto_group(parse(MODEL.format(b=(1 << 18) + 1)).function()) == 1  # over: still 1
+
+
+def test_reference_runner_hands_over_each_value_as_computed_and_keeps_none():
+    import weakref
+
+    module = parse(MODEL.format(b=2))
+    f = module.function()
+    x = np.array([[1.0, -2.0, 3.0, 0.5], [-1.0, 0.0, 2.0, 4.0]], np.float32)
+    run = reference_runner(module)
+    whole = run([x])
+    seen: dict = {}
+    assert run([x], lambda v, y: seen.setdefault(v, weakref.ref(y))) == {}
+    assert list(seen) == list(whole)  # every value once, in program order
+    results = [(n, 0) for n in f.ops() if f.op(n) not in ("mp.constant", "func.return")
+               and f.data(n)["types"]]
+    assert len(results) == 3 and all(seen[v]() is None for v in results)  # all released
+
+
+def test_float64_and_integer_tensors_are_counted_as_their_float32_values_are():
+    # float32 values, some subnormal, and -0.0: exactly the same numbers in float64.
+    rng = np.random.default_rng(15)
+    x = (rng.standard_normal((4, 6)) * 3).astype(np.float32)
+    x[0, :3] = [-0.0, 1e-45, -2e-40]
+    ints = rng.integers(-300, 300, (4, 6))
+    for wide, narrow in ((x.astype(np.float64), x), (ints, ints.astype(np.float32))):
+        assert same_stats(stats_of([wide[:2], wide[2:]]), stats_of([narrow[:2], narrow[2:]]))
+
+
+def test_reference_runs_the_ops_on_constants_alone_once_and_keeps_their_values():
+    text = MODEL.format(b=2).replace(
+        "  %0 = mp.matmul %x, %w : (tensor<2x4xf32>, tensor<4x3xf32>)",
+        "  %wt = mp.transpose %w {perm = [1, 0]} : (tensor<4x3xf32>) -> tensor<3x4xf32>\n"
+        "  %w2 = mp.transpose %wt {perm = [1, 0]} : (tensor<3x4xf32>) -> tensor<4x3xf32>\n"
+        "  %0 = mp.matmul %x, %w2 : (tensor<2x4xf32>, tensor<4x3xf32>)")
+    module = parse(text)
+    f = module.function()
+    w2 = next((n, 0) for n in f.ops() if f.value_name((n, 0)) == "%w2")
+    x = np.array([[1.0, -2.0, 3.0, 0.5], [-1.0, 0.0, 2.0, 4.0]], np.float32)
+    run = reference_runner(module)
+    first, second = run([x]), run([2 * x])
+    assert second[w2] is first[w2]  # computed on the first call only
+    assert np.array_equal(first[w2], np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5],
+                                                [-2.0, 1.0, 0.75], [0.125, 3.0, -1.25]]))
+    out = next(v for v in first if f.value_name(v) == "%2")
+    assert np.array_equal(second[out], np.tanh(np.maximum(2 * x @ first[w2], 0)))
+
+
+def test_minmax_statistics_in_one_pass_match_numpy_on_a_tensor_counted_in_parts():
+    from mplower.numerics.histogram import SERIAL_BELOW
+
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal(3 * SERIAL_BELOW + 7) * 4).astype(np.float32)
+    x[:6] = [-0.0, 1e-45, 3e-39, -2e-40, 0.0, -7e-39]
+    x[-1] = -40.0  # the minimum in the last part
+    lean = TensorStats(256, histogram=False)
+    lean.add(x)
+    nz = np.abs(x[x != 0]).astype(np.float64)
+    assert (lean.min, lean.max) == (-40.0, float(x.max()))
+    assert np.array_equal(lean.exponents, np.bincount(np.frexp(nz)[1] + 160, minlength=300))
+    assert lean.side_exponents[1].sum() == np.count_nonzero(x < 0)
+    x[SERIAL_BELOW] = np.nan
+    x[5] = np.inf
+    with pytest.raises(ValueError, match="^2 values are NaN or infinite$"):
+        TensorStats(256, histogram=False).add(x)

@@ -43,6 +43,7 @@ from mplower.ir.opdef import OPS, OpError, attr_array, attr_int, attr_type, chec
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
+from mplower.numerics.elementwise import add_relu
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import matmul
 from mplower.numerics.metrics import drift
@@ -196,6 +197,7 @@ class Program:
         self.slots: dict[tuple[int, int], int] = slot  # value -> slot, for RunResult.values
         self._runtime = [s for s in self.steps if s.constant is None]
         self._folded: list[Any] | None = None  # run_lowered's constants, folded on first use
+        self._ref_constants: dict[int, Any] | None = None  # run_reference's, likewise
         self._live: list[Step] = []
         self._initial: list[Any] = [None] * self.num_slots
         for s in self.steps:
@@ -330,17 +332,44 @@ class Program:
         return RunResult(outs, [refs[i] for i in self.outputs] if reference else None, results,
                          values, refs)
 
-    def run_reference(self, inputs: list[np.ndarray]) -> list[Any]:
-        """Every slot's value in the fp32 reference alone (what calibration observes)."""
+    def run_reference(self, inputs: list[np.ndarray],
+                      observe: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """Every slot's value in the fp32 reference alone (what calibration observes). With
+        `observe`, each slot's value goes to observe(slot, value) once computed and is dropped
+        after its last use, so that only the live values are held (calibration on many
+        samples at once); the slots returned are then empty. Ops whose operands are all
+        constants (a weight's transpose or quantize) run on the first call only, as in
+        run_lowered."""
+        if self._ref_constants is None:
+            self._ref_constants = {}
+            with np.errstate(all="ignore"):
+                for step in self.steps:
+                    if all(i in self._ref_constants for i in step.inputs):
+                        ins = [self._ref_constants[i] for i in step.inputs]
+                        self._ref_constants[step.output] = step.reference(ins) \
+                            if all(r is not None for r in ins) else None
+        constants = self._ref_constants
         refs: list[Any] = [None] * self.num_slots
         for i, (x, t) in enumerate(zip(inputs, self.arg_types)):
             x = np.asarray(x)
             refs[i] = _f32(x) if FORMATS[t.elem].is_float else x
+            if observe is not None:
+                observe(i, refs[i])
+        last = {i: k for k, step in enumerate(self.steps) for i in step.inputs} if observe \
+            else {}
         with np.errstate(all="ignore"):
-            for step in self.steps:
-                ins = [refs[i] for i in step.inputs]
-                refs[step.output] = step.reference(ins) if all(r is not None for r in ins) \
-                    else None
+            for k, step in enumerate(self.steps):
+                if step.output in constants:
+                    refs[step.output] = constants[step.output]
+                else:
+                    ins = [refs[i] for i in step.inputs]
+                    refs[step.output] = step.reference(ins) \
+                        if all(r is not None for r in ins) else None
+                if observe is not None:
+                    observe(step.output, refs[step.output])
+                    for i in {*step.inputs, step.output}:
+                        if last.get(i, -1) <= k:
+                            refs[i] = None
         return refs
 
     def run_lowered(self, prepared: list[np.ndarray]) -> list[np.ndarray]:
@@ -393,6 +422,10 @@ class Program:
 
 # |sum| below 2^31: the exact sum is the int32 that dequantize would read.
 _I32_LIMIT = 2 ** 31
+# A float conv whose f32 sums are rounded to one of these (a bf16 or fp16 plan's) takes its
+# relu before the rounding: rounding is monotonic, keeps the sign and maps 0 to +0, so
+# round(max(y, 0)) and max(round(y), 0) are the same bits (NaN and infinities included).
+_ROUNDED_CONV = ("tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2")
 
 
 def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
@@ -409,6 +442,19 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
                 and users[0].inputs.count(s.output) == 1:
             return users[0]
         return None
+
+    def bias_add(s: Step) -> Step:
+        """The add of a per-channel f32 constant to s, if it is s's only use, into the chain
+        and `bias`; the last step of the chain."""
+        nonlocal bias
+        add = only_user(s, "mp.add")
+        if add is not None:
+            other = add.inputs[1 - add.inputs.index(s.output)]
+            bias = _channel_bias(constants.get(other), add, s.out_type.shape[1])
+            if bias is not None:
+                chain.append(add)
+                return add
+        return s
 
     fused: dict[int, Step] = {}  # step index (its node) -> the step that replaces it
     gone: set[int] = set()
@@ -432,26 +478,47 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
             if scale is None:
                 continue
             chain.append(dq)
-            last = dq
-            add = only_user(dq, "mp.add")
-            if add is not None:
-                other = add.inputs[1 - add.inputs.index(dq.output)]
-                bias = _channel_bias(constants.get(other), add, channels)
-                if bias is not None:
-                    chain.append(add)
-                    last = add
-        elif conv.out_type.elem != "f32":
+            last = bias_add(dq)
+        elif conv.out_type.elem == "f32":
+            # A conv without a bias operand (an fp8 plan's) takes the f32 add of one.
+            last = bias_add(conv) if len(conv.inputs) == 2 else conv
+        elif conv.out_type.elem not in _ROUNDED_CONV:
             continue
         relu = only_user(last, "mp.relu")
-        if relu is not None and relu.out_type.elem == "f32":
+        rounded = conv.out_type.elem if conv.out_type.elem in _ROUNDED_CONV else None
+        if relu is not None and relu.out_type.elem == last.out_type.elem:
             chain.append(relu)
             last = relu
         if not chain:
             continue
         fused[conv.node] = replace(conv, name=last.name, output=last.output, out_type=last.out_type,
-                                   run=_fused_conv_kernel(conv, scale, bias, relu is not None))
+                                   run=_fused_conv_kernel(conv, scale, bias, relu is not None,
+                                                          rounded))
         gone.update(s.node for s in chain)
+    for add in steps:
+        # A residual add and its relu: one pass (mplower.numerics.elementwise.add_relu).
+        if add.op != "mp.add" or add.node in gone or add.node in fused:
+            continue
+        elem = add.out_type.elem
+        relu = only_user(add, "mp.relu")
+        if relu is None or relu.out_type.elem != elem or len(add.inputs) != 2 \
+                or (elem != "f32" and elem not in _ROUNDED_CONV) \
+                or any(t != add.out_type.with_elem(t.elem) or t.elem not in ("f32", elem)
+                       for t in add.in_types):
+            continue
+        fused[add.node] = replace(add, name=relu.name, output=relu.output,
+                                  run=_add_relu_kernel(None if elem == "f32" else elem))
+        gone.add(relu.node)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _add_relu_kernel(rounded: str | None) -> Kernel:
+    """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
+    result takes its relu before the rounding (see _ROUNDED_CONV: the same bits)."""
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        y = add_relu(_f32(xs[0]), _f32(xs[1]))
+        return (y, None) if rounded is None else _finish(y, rounded)
+    return run
 
 
 def _dequantize_scale(dq: Step, channels: int) -> np.ndarray | None:
@@ -480,7 +547,7 @@ def _channel_bias(value: Any, add: Step, channels: int) -> np.ndarray | None:
 
 
 def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | None,
-                       relu: bool) -> Kernel:
+                       relu: bool, rounded: str | None) -> Kernel:
     from mplower.numerics.conv import conv2d
 
     a = conv.attrs
@@ -488,23 +555,30 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         x, w = xs[0], xs[1]
-        if scale is None:  # a float conv: its own bias operand, then the relu
-            b = _f32(xs[2]) if len(xs) == 3 else None
-            return conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu), None
+        if scale is None:  # a float conv: its own bias operand or the added one, the relu
+            b = _f32(xs[2]) if len(xs) == 3 else bias
+            y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu)
+            return (y, None) if rounded is None else _finish(y, rounded)
         return conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu), None
     return run
 
 
 def reference_runner(module: Module, func: str | None = None,
-                     weights: str | None = None) -> Callable[[list[Any]], dict[Value, Any]]:
+                     weights: str | None = None) -> Callable[..., dict[Value, Any]]:
     """The function's fp32 reference as `PassContext.runner` (mplower.pass_manager) needs it:
-    one batch of argument arrays in, the reference value of every value of the function out.
+    one batch of argument arrays in, the reference value of every value of the function out
+    (or, with `observe`, handed to observe(value, array) one by one as they are computed).
     The module is compiled as it is (a plan that is only annotations does not matter to the
     reference) and not changed."""
     program = Program(module, func, weights, reference_only=True)
     slots = program.slots
+    values = {i: v for v, i in slots.items()}
 
-    def run(batch: list[Any]) -> dict[Value, Any]:
+    def run(batch: list[Any],
+            observe: Callable[[Value, Any], None] | None = None) -> dict[Value, Any]:
+        if observe is not None:  # each value as it is computed, none kept (run_reference)
+            program.run_reference(batch, lambda i, y: observe(values[i], y))
+            return {}
         refs = program.run_reference(batch)
         return {v: refs[i] for v, i in slots.items()}
     return run

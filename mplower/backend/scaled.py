@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mplower.ir.types import TensorType
-from mplower.numerics import mx
+from mplower.numerics import mx, rounding
 from mplower.numerics.accum import matmul_limited_accum
 from mplower.numerics.rounding import Counts
 
@@ -48,11 +48,13 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType) -> tuple[
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
         x = np.ascontiguousarray(xs[0], dtype=np.float32)
-        amax = float(np.max(np.abs(x))) if x.size else 0.0
+        amax = rounding.amax(x)
+        scale, per_element, tensor_scale = None, 4 / max(1, x.size), None
         if recipe == "block":
             r = mx.quantize_blocked(x, elem, tuple(attrs["block"]), attrs["scale_format"])
             amax = float(np.max(r.amax)) if r.amax.size else 0.0
-            scale = None
+            values, counts = r.values, r.counts
+            per_element, tensor_scale = r.scale_bytes_per_element, r.tensor_scale
         else:
             if delayed is not None:
                 sf = delayed.scale
@@ -60,13 +62,16 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType) -> tuple[
             else:
                 sf = mx.encode_factor(amax if recipe == "current" else attrs["amax"], elem,
                                       attrs["margin"], pow2=attrs["pow2"])
-            r = mx.quantize_per_tensor(x, elem, sf)
-            scale = float(r.scales[0])
+            if elem in rounding.MX_ROUNDING_FORMATS:
+                r = mx.quantize_per_tensor(x, elem, sf)
+                values, counts = r.values, r.counts
+            else:  # quantize_per_tensor's values and counts in one pass over memory
+                values, counts = rounding.scale_round(x, elem, sf)
+            scale = float(np.float32(1) / np.float32(sf))
         n = max(1, x.size)
-        last[:] = [ScaleStats(recipe, attrs["scale_format"], amax, scale,
-                              r.counts.overflow / n, r.counts.underflow / n,
-                              r.scale_bytes_per_element, r.tensor_scale)]
-        return r.values, r.counts
+        last[:] = [ScaleStats(recipe, attrs["scale_format"], amax, scale, counts.overflow / n,
+                              counts.underflow / n, per_element, tensor_scale)]
+        return values, counts
     return run, last
 
 

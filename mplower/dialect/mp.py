@@ -1405,20 +1405,15 @@ def _pool_infer(allowed: frozenset[str], what: str) -> _ImplInfer:
 
 
 def _max_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
-    x = _num(xs[0])
-    lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
     from mplower.numerics.pool import max_pool2d
 
-    return [max_pool2d(pad_hw(x, a["padding"], lowest), a["kernel"], a["strides"])]
+    return [max_pool2d(_num(xs[0]), a["kernel"], a["strides"], a["padding"])]
 
 
 def _avg_pool_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
-    x = _fl(xs[0])
-    sums = conv_windows(pad_hw(x, a["padding"]), a["kernel"], a["strides"]).sum(axis=(-2, -1))
-    # count_include_pad=0 (ONNX default): divide by the real elements under each window.
-    ones = pad_hw(np.ones((1, 1) + x.shape[2:], x.dtype), a["padding"])
-    counts = conv_windows(ones, a["kernel"], a["strides"]).sum(axis=(-2, -1))
-    return [sums / counts]
+    from mplower.numerics.pool import avg_pool2d
+
+    return [avg_pool2d(_fl(xs[0]), a["kernel"], a["strides"], a["padding"])]
 
 
 def _pool_flops(ins: Sequence[TensorType], a: dict) -> int:

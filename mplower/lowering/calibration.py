@@ -57,11 +57,16 @@ TINY_QUANTILE = 0.01  # mp.tiny: this quantile of the non-zero magnitudes, as a 
 
 
 class TensorStats:
-    """Everything calibration keeps about one tensor; `add` and `merge` commute exactly."""
+    """Everything calibration keeps about one tensor; `add` and `merge` commute exactly.
+
+    The two sides of zero are kept apart, each binned over its own range: [0, 2**exp_pos) for
+    the values >= 0, [0, 2**exp_neg) for |x| of those < 0 (`pos` and `neg` are both at the
+    wider of the two), with their frexp exponents and, per channel, the largest and smallest
+    value. So the statistics of max(x, 0) follow from those of x exactly (`relu`)."""
 
     def __init__(self, bins: int = 2048, histogram: bool = True):
-        """`histogram=False` leaves pos and neg at zero (minmax reads only the extremes and the
-        exponents): half the counting work."""
+        """`histogram=False` leaves the histograms at zero (minmax reads only the extremes and
+        the exponents): half the counting work."""
         if bins < 2 or bins & (bins - 1):
             raise ValueError(f"bins must be a power of two >= 2, got {bins}")
         self.bins = bins
@@ -69,11 +74,43 @@ class TensorStats:
         self.count = 0
         self.min = math.inf
         self.max = -math.inf
-        self.exp: int | None = None  # the histogram covers magnitudes [0, 2**exp)
-        self.pos = np.zeros(bins, np.int64)  # |x| of x >= 0
-        self.neg = np.zeros(bins, np.int64)  # |x| of x < 0
-        self.exponents = np.zeros(_EXP_HI - _EXP_LO, np.int64)  # non-zero |x| by frexp exponent
-        self.channel_absmax: np.ndarray | None = None
+        # Side s (0: x >= 0, 1: x < 0) is binned over magnitudes [0, 2**exps[s]).
+        self.side_exp: list[int | None] = [None, None]
+        self.hist = np.zeros((2, bins), np.int64)
+        self.side_exponents = np.zeros((2, _EXP_HI - _EXP_LO), np.int64)  # by frexp exponent
+        self.channel_max: np.ndarray | None = None
+        self.channel_min: np.ndarray | None = None
+
+    @property
+    def exp(self) -> int | None:
+        """The histogram covers magnitudes [0, 2**exp) (None: so far only zeros)."""
+        known = [e for e in self.side_exp if e is not None]
+        return max(known) if known else None
+
+    @property
+    def pos(self) -> np.ndarray:
+        """Counts of |x| of x >= 0 over [0, 2**exp)."""
+        return self._side(0)
+
+    @property
+    def neg(self) -> np.ndarray:
+        """Counts of |x| of x < 0 over [0, 2**exp)."""
+        return self._side(1)
+
+    @property
+    def exponents(self) -> np.ndarray:
+        """Non-zero |x| by frexp exponent (from _EXP_LO)."""
+        return self.side_exponents.sum(axis=0)
+
+    @property
+    def channel_absmax(self) -> np.ndarray | None:
+        if self.channel_max is None:
+            return None
+        return np.maximum(self.channel_max, -self.channel_min) + 0.0  # +0.0: never -0.0
+
+    def _side(self, s: int) -> np.ndarray:
+        e, top = self.side_exp[s], self.exp
+        return self.hist[s] if e is None or e == top else _rebin(self.hist[s], top - e)
 
     @property
     def amax(self) -> float:
@@ -84,33 +121,49 @@ class TensorStats:
         return math.ldexp(1.0, self.exp) / self.bins if self.exp is not None else 0.0
 
     def add(self, x: np.ndarray, channel_axis: int | None = None) -> None:
-        """Account for one batch of values; `channel_axis` also tracks max |x| per channel."""
+        """Account for one batch of values; `channel_axis` also tracks each channel's extremes
+        (the same axis every time)."""
         x = np.asarray(x)
-        if x.dtype.kind != "f" or x.dtype.itemsize < 4:
-            x = x.astype(np.float64)  # exact for every integer and narrow float value
-        if not np.all(np.isfinite(x)):
-            raise ValueError(f"{int(np.count_nonzero(~np.isfinite(x)))} values are NaN or "
-                             f"infinite")
+        if x.dtype.kind != "f":
+            x = x.astype(np.float64)  # exact for every integer value
+        elif x.dtype.itemsize < 4:
+            x = x.astype(np.float32)  # exact for every narrow float value
         if x.size == 0:
             return
-        if channel_axis is not None:
-            axes = tuple(i for i in range(x.ndim) if i != channel_axis % x.ndim)
-            ch = np.abs(x).max(axis=axes).astype(np.float64)
-            self.channel_absmax = ch if self.channel_absmax is None else \
-                np.maximum(self.channel_absmax, ch)
-        self.count += x.size
-        lo, hi = float(x.min()), float(x.max())
-        self.min, self.max = min(self.min, lo), max(self.max, hi)
-        top = max(-lo, hi)
-        if top > 0:
-            self._widen(int(np.frexp(top)[1]))  # top < 2**exp, strictly
-        # One compiled pass in x's own dtype (the counts of an ldexp/bincount over float64).
-        from mplower.numerics.histogram import magnitude_counts
+        # Compiled passes over float32 (the counts of an ldexp/bincount over float64).
+        from mplower.numerics.histogram import tensor_counts, tensor_summary
 
-        none = np.zeros(0, np.int64)
-        magnitude_counts(x, int(np.log2(self.bins)) - (self.exp or 0),
-                         self.pos if self.histogram else none,
-                         self.neg if self.histogram else none, self.exponents, _EXP_LO)
+        high = low = None
+        if channel_axis is not None:
+            # (outer, C, inner) rows: the inner reductions are numpy's fast ones.
+            channel_axis %= x.ndim
+            rows = x.reshape(math.prod(x.shape[:channel_axis]), x.shape[channel_axis], -1)
+            high = rows.max(axis=2).max(axis=0).astype(np.float64)
+            low = rows.min(axis=2).min(axis=0).astype(np.float64)
+        if self.histogram:  # the bins need the range: the extrema first, from numpy
+            lo, hi = (float(low.min()), float(high.max())) if high is not None else \
+                (float(x.min()), float(x.max()))
+            bad = 0 if math.isfinite(lo) and math.isfinite(hi) else \
+                int(np.count_nonzero(~np.isfinite(x)))  # a NaN makes both NaN
+        else:  # extrema and exponents in one pass
+            lo, hi, bad = tensor_summary(x, self.side_exponents, _EXP_LO)
+        if bad:
+            raise ValueError(f"{bad} values are NaN or infinite")
+        self.count += x.size
+        self.min, self.max = min(self.min, lo) + 0.0, max(self.max, hi) + 0.0  # never -0.0
+        for s, top in ((0, hi), (1, -lo)):
+            if top > 0:
+                self._widen(s, int(np.frexp(top)[1]))  # top < 2**exp, strictly
+        if high is not None:
+            if self.channel_max is None:
+                self.channel_max, self.channel_min = high, low
+            else:
+                np.maximum(self.channel_max, high, out=self.channel_max)
+                np.minimum(self.channel_min, low, out=self.channel_min)
+        if self.histogram:
+            log_bins = int(np.log2(self.bins))
+            tensor_counts(x, tuple(log_bins - (e or 0) for e in self.side_exp), self.hist,
+                          self.side_exponents, _EXP_LO)
 
     def merge(self, other: TensorStats) -> None:
         """Fold another tensor's statistics into this one (same `bins`)."""
@@ -118,34 +171,58 @@ class TensorStats:
             raise ValueError("cannot merge statistics with different bin counts")
         if other.count == 0:
             return
-        if other.exp is not None:
-            self._widen(other.exp)
-        pos, neg = other.pos, other.neg
-        if other.exp is not None and other.exp < self.exp:
-            pos, neg = _rebin(pos, self.exp - other.exp), _rebin(neg, self.exp - other.exp)
-        self.pos += pos
-        self.neg += neg
-        self.exponents += other.exponents
+        for s in range(2):
+            e = other.side_exp[s]
+            if e is None:
+                self.hist[s, :1] += other.hist[s, :1]  # zeros: bin 0 at every range
+                continue
+            self._widen(s, e)
+            ours = self.side_exp[s]
+            self.hist[s] += other.hist[s] if e == ours else _rebin(other.hist[s], ours - e)
+        self.side_exponents += other.side_exponents
         self.count += other.count
         self.min, self.max = min(self.min, other.min), max(self.max, other.max)
-        if other.channel_absmax is not None:
-            self.channel_absmax = other.channel_absmax if self.channel_absmax is None else \
-                np.maximum(self.channel_absmax, other.channel_absmax)
+        if other.channel_max is not None:
+            if self.channel_max is None:
+                self.channel_max, self.channel_min = (other.channel_max.copy(),
+                                                      other.channel_min.copy())
+            else:
+                np.maximum(self.channel_max, other.channel_max, out=self.channel_max)
+                np.minimum(self.channel_min, other.channel_min, out=self.channel_min)
 
-    def _widen(self, exp: int) -> None:
-        if self.exp is None:  # so far only zeros, which are in bin 0 at every range
-            self.exp = exp
-        elif exp > self.exp:
-            self.pos = _rebin(self.pos, exp - self.exp)
-            self.neg = _rebin(self.neg, exp - self.exp)
-            self.exp = exp
+    def relu(self) -> TensorStats:
+        """The statistics of max(x, 0) over the same values, exactly as counting them would
+        give: the negative values become zeros (bin 0 of the non-negative side), the
+        non-negative side is unchanged."""
+        out = TensorStats(self.bins, self.histogram)
+        out.count = self.count
+        if self.count:
+            out.min, out.max = max(self.min, 0.0) + 0.0, max(self.max, 0.0) + 0.0
+        out.side_exp = [self.side_exp[0], None]
+        out.hist[0] = self.hist[0]
+        if self.histogram:  # every x < 0 is non-zero, so its exponent was counted
+            out.hist[0, 0] += int(self.side_exponents[1].sum())
+        out.side_exponents[0] = self.side_exponents[0]
+        if self.channel_max is not None:
+            out.channel_max = np.maximum(self.channel_max, 0.0) + 0.0
+            out.channel_min = np.maximum(self.channel_min, 0.0) + 0.0
+        return out
+
+    def _widen(self, s: int, exp: int) -> None:
+        e = self.side_exp[s]
+        if e is None:  # so far only zeros, which are in bin 0 at every range
+            self.side_exp[s] = exp
+        elif exp > e:
+            self.hist[s] = _rebin(self.hist[s], exp - e)
+            self.side_exp[s] = exp
 
     def tiny(self, quantile: float = TINY_QUANTILE) -> float | None:
         """A power of two at or below the `quantile` of the non-zero magnitudes (None: all 0)."""
-        total = int(self.exponents.sum())
+        exponents = self.exponents
+        total = int(exponents.sum())
         if total == 0:
             return None
-        k = int(np.searchsorted(np.cumsum(self.exponents), quantile * total))
+        k = int(np.searchsorted(np.cumsum(exponents), quantile * total))
         return math.ldexp(1.0, k + _EXP_LO - 1)  # frexp exponent e: |x| in [2**(e-1), 2**e)
 
 

@@ -12,9 +12,9 @@ padded input into a small buffer of its thread (L2-resident, reused by every row
 unit) and runs the GEMM's tiles on it (mplower.numerics.gemm.conv_product): the same micro
 kernel, the same k order, the same bits as the product of the materialized im2col, without
 writing and reading back K times the input. Threads claim units with an atomic counter
-(mplower.numerics.workers.run_units). Convolutions with fewer output channels per group than
-a register tile (depthwise ones, narrow groups) take the materialized im2col through `matmul`,
-which streams such one-row products.
+(mplower.numerics.workers.run_units). Depthwise convolutions have their own direct kernel
+(mplower.numerics.depthwise); other groups of fewer output channels than a register tile take
+the materialized im2col through `matmul`, which streams such narrow products.
 
 Integer operands are summed exactly: values whose products stay within float32's integers
 (8-bit quantized values) are packed as float32, and the tiles split K into chunks so that no
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mplower.numerics.depthwise import depthwise_conv2d, is_depthwise
 from mplower.numerics.gemm import (
     F32_EXACT,
     TILE_ROWS,
@@ -74,6 +75,9 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     `relu` applied as y + bias and np.maximum(y, 0) would; for integer operands a `scale` or
     `bias` makes the result float32(y) * scale + bias (DequantizeLinear of the int32 result
     with zero point 0, then Add), which needs 8-bit operands (int_magnitude)."""
+    if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
+        return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
+                                relu=relu)
     integer = x.dtype.kind in "iub"
     bound = int_magnitude(x) * int_magnitude(w) if integer else 0
     if integer and bound <= F32_EXACT:

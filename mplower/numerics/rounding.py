@@ -307,6 +307,88 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
     return Counts(int(total[0]), int(total[1]), int(total[2]))
 
 
+# ---- a per-tensor scale and the rounding in one pass (mp.scaled_quant) ---------------------
+# quantize_per_tensor's values are fl(round(fl(x * sf)) * inv): three numpy passes and two
+# temporaries. The same float32 operations, one element at a time, give the same bits in one
+# pass over memory, parallel over the same chunks as round_to.
+
+
+@njit(cache=True, nogil=True)
+def _scaled_serial(src, dst, pa, sf, inv):
+    p = (pa[0], pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], pa[8], pa[9], pa[10], pa[11],
+         pa[12], pa[13])
+    over = _U32(0)
+    under = _U32(0)
+    nan = _U32(0)
+    for i in range(src.size):
+        r, _, o, un = _round_one(np.float32(src[i] * sf).view(np.uint32), p)
+        dst[i] = np.float32(_U32(r).view(np.float32) * inv)
+        over = _U32(over + o)
+        under = _U32(under + un)
+        nan = _U32(nan + (_U32(r & _U32(0x7FFFFFFF)) > _U32(_F32_INF)))
+    return over, under, nan
+
+
+@njit(cache=True, nogil=True)
+def _scaled_blocks(src, dst, pa, sf, inv, counts, c0, c1):
+    for c in range(c0, c1):
+        lo = c * _CHUNK
+        counts[c, 0], counts[c, 1], counts[c, 2] = _scaled_serial(
+            src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], pa, sf, inv)
+
+
+def scale_round(x: np.ndarray, fmt: str, sf: float) -> tuple[np.ndarray, Counts]:
+    """float32(round(float32(x * sf), fmt, saturating) * float32(1 / sf)) and the rounding's
+    counts, in one pass: the values of mplower.numerics.mx.quantize_per_tensor, bit for bit,
+    for the formats other than the MX element types (which it leaves to that function)."""
+    _check_format(fmt, tuple(f for f in ENCODING_FORMATS if f not in MX_ROUNDING_FORMATS),
+                  "scale_round")
+    x = _f32_input(x, "scale_round")
+    out = np.empty_like(x)
+    src, dst = x.reshape(-1), out.reshape(-1)
+    sf32 = np.float32(sf)
+    inv = np.float32(1) / sf32
+    pa = _param_array(fmt, True)
+    if x.size < SERIAL_BELOW:
+        over, under, nan = _scaled_serial(src, dst, pa, sf32, inv)
+        return out, Counts(int(over), int(under), int(nan))
+    counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
+    run_blocks(_scaled_blocks, counts.shape[0], src, dst, pa, sf32, inv, counts)
+    total = counts.sum(axis=0)
+    return out, Counts(int(total[0]), int(total[1]), int(total[2]))
+
+
+@njit(cache=True, nogil=True)
+def _amax_serial(bits):
+    # On |x|'s bit patterns (sign cleared) unsigned order is float order, and every NaN lies
+    # above +inf: an integer max, which vectorizes where a float max with NaNs does not.
+    m = _U32(0)
+    for i in range(bits.size):
+        a = _U32(bits[i] & _U32(0x7FFFFFFF))
+        m = max(m, a)
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _amax_blocks(bits, out, c0, c1):
+    for c in range(c0, c1):
+        lo = c * _CHUNK
+        out[c] = _amax_serial(bits[lo:lo + _CHUNK])
+
+
+def amax(x: np.ndarray) -> float:
+    """float(np.max(np.abs(x))) of float32 data (NaN if any value is NaN, 0 if x is empty),
+    in one pass without the temporary |x| (max is exact, so any order gives these bits)."""
+    bits = _f32_input(x, "amax").reshape(-1).view(np.uint32)
+    if bits.size < SERIAL_BELOW:
+        m = _amax_serial(bits)
+    else:
+        parts = np.zeros((bits.size + _CHUNK - 1) // _CHUNK, np.uint32)
+        run_blocks(_amax_blocks, parts.size, bits, parts)
+        m = parts.max()
+    return float("nan") if m > _F32_INF else float(np.uint32(m).view(np.float32))
+
+
 @njit(cache=True, parallel=True)
 def _gather_kernel(src, dst, table):
     for c in prange((src.size + _CHUNK - 1) // _CHUNK):

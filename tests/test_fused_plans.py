@@ -1,0 +1,152 @@
+"""The lowered plans' own fusions (issue 12): a bf16/fp16/fp8 conv's bias add, relu and rounding,
+and mp.scaled_quant's scale-and-round, against independent references (ml_dtypes, numpy) and
+against the same ops run one at a time."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mplower.backend.executor import Program
+from mplower.ir.parser import parse
+from mplower.numerics.rounding import SERIAL_BELOW, amax, scale_round
+
+ML = {"f8E4M3FN": ml_dtypes.float8_e4m3fn, "f8E5M2": ml_dtypes.float8_e5m2,
+      "bf16": ml_dtypes.bfloat16, "f16": np.float16}
+
+
+def _awkward(n: int, seed: int) -> np.ndarray:
+    """Normal values with zeros of both signs, subnormals, huge values, infinities and NaN."""
+    x = (np.random.default_rng(seed).standard_normal(n) * 30).astype(np.float32)
+    x[::97] = 0.0
+    x[1::89] = -0.0
+    x[2::101] = np.float32(3e-41)
+    x[3::211] = np.float32(1e30)
+    if n > 20:
+        x[5], x[7], x[9] = np.inf, -np.inf, np.nan
+    return x
+
+
+@pytest.mark.parametrize("n", [0, 1, 333, SERIAL_BELOW + 4097])
+def test_amax_is_numpys_max_of_abs_with_nan_and_without_a_temporary(n) -> None:
+    x = _awkward(n, 1)
+    finite = x.copy()
+    finite[~np.isfinite(finite)] = 1.0
+    for v in (x, finite, -np.abs(finite), np.zeros(n, np.float32) - 0.0):
+        expect = float(np.max(np.abs(v))) if n else 0.0
+        got = amax(v)
+        assert np.float32(got).tobytes() == np.float32(expect).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["f8E4M3FN", "f8E5M2", "bf16", "f16"])
+@pytest.mark.parametrize("n", [50, SERIAL_BELOW + 4097])
+def test_scale_round_is_the_saturating_ml_dtypes_cast_of_x_times_scale_decoded(fmt, n) -> None:
+    x = _awkward(n, 2)
+    sf = 7.25
+    top = np.float32(ml_dtypes.finfo(ML[fmt]).max)
+    scaled = x * np.float32(sf)
+    cast = np.clip(scaled, -top, top).astype(ML[fmt]).astype(np.float32)
+    expect = cast * (np.float32(1) / np.float32(sf))
+    values, counts = scale_round(x, fmt, sf)
+    assert values.tobytes() == expect.astype(np.float32).tobytes()
+    with np.errstate(over="ignore"):
+        plain = scaled.astype(ML[fmt]).astype(np.float32)  # the unsaturated cast
+    beyond = ~np.isnan(scaled) & (~np.isfinite(plain) | (np.abs(plain) > top))
+    beyond &= ~(np.isinf(scaled) & np.isinf(plain) & (np.abs(scaled) == top))
+    assert counts.overflow == int(np.count_nonzero(beyond))
+    assert counts.underflow == int(np.count_nonzero((scaled != 0) & (cast == 0)))
+    assert counts.nan == int(np.count_nonzero(np.isnan(cast)))
+
+
+_FP8_CONV = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x4x7x7xf32> {
+  %w = mp.constant {value = dense<0.25> : tensor<4x8x3x3xf32>} : () -> tensor<4x8x3x3xf32>
+  %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0]> : tensor<4xf32>} : () -> tensor<4xf32>
+  %b3 = mp.reshape %b : (tensor<4xf32>) -> tensor<4x1x1xf32>
+  %xq = mp.scaled_quant %x {recipe = "current"} : (tensor<2x8x7x7xf32>) -> tensor<2x8x7x7xf8E4M3FN>
+  %wq = mp.scaled_quant %w {recipe = "current"} : (tensor<4x8x3x3xf32>) -> tensor<4x8x3x3xf8E4M3FN>
+  %c = mp.conv2d %xq, %wq {padding = [1, 1, 1, 1], mp.precision = f8E4M3FN, mp.accum = f32} : (tensor<2x8x7x7xf8E4M3FN>, tensor<4x8x3x3xf8E4M3FN>) -> tensor<2x4x7x7xf32>
+  %a = mp.add %c, %b3 : (tensor<2x4x7x7xf32>, tensor<4x1x1xf32>) -> tensor<2x4x7x7xf32>
+  %r = mp.relu %a : (tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf32>
+  return %r : tensor<2x4x7x7xf32>
+}
+"""
+
+_ROUNDED_CONV = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x4x7x7xELEM> {
+  %w = mp.constant {value = dense<0.25> : tensor<4x8x3x3xf32>} : () -> tensor<4x8x3x3xf32>
+  %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0]> : tensor<4xf32>} : () -> tensor<4xf32>
+  %xc = mp.cast %x : (tensor<2x8x7x7xf32>) -> tensor<2x8x7x7xELEM>
+  %wc = mp.cast %w : (tensor<4x8x3x3xf32>) -> tensor<4x8x3x3xELEM>
+  %bc = mp.cast %b : (tensor<4xf32>) -> tensor<4xELEM>
+  %c = mp.conv2d %xc, %wc, %bc {padding = [1, 1, 1, 1], mp.precision = ELEM, mp.accum = f32} : (tensor<2x8x7x7xELEM>, tensor<4x8x3x3xELEM>, tensor<4xELEM>) -> tensor<2x4x7x7xELEM>
+  %r = mp.relu %c {mp.precision = ELEM} : (tensor<2x4x7x7xELEM>) -> tensor<2x4x7x7xELEM>
+  return %r : tensor<2x4x7x7xELEM>
+}
+"""
+
+
+def _inputs(seed: int, scale: float) -> np.ndarray:
+    x = (np.random.default_rng(seed).standard_normal((2, 8, 7, 7)) * scale).astype(np.float32)
+    x[0, 0, 0, :3] = [np.inf, -np.inf, np.nan]  # a NaN and infinities reach some outputs
+    return x
+
+
+def test_fp8_conv_runs_its_bias_add_and_relu_as_it_stores_with_the_same_bits() -> None:
+    program = Program(parse(_FP8_CONV, "m.ir"))
+    x = _inputs(3, 2.0)
+    x[0, 0, 0, :3] = [3.0, -2.0, 1.0]  # current scaling: a non-finite amax keeps the scale 1
+    expect = program.run([x], reference=False).outputs[0]
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert got.tobytes() == expect.tobytes()
+    assert [s.op for s in program._live] == ["mp.scaled_quant", "mp.conv2d"]
+    assert (got == 0).any() and (got > 0).any()
+
+
+@pytest.mark.parametrize("elem,scale", [("bf16", 1.0), ("f16", 1.0), ("f16", 20000.0),
+                                        ("f16", 1e-6)])
+def test_rounded_conv_takes_its_relu_before_rounding_with_the_same_bits(elem, scale) -> None:
+    """Large inputs overflow f16 to +-inf, tiny ones underflow: the relu before the rounding
+    gives what the relu after it gives, for every value."""
+    program = Program(parse(_ROUNDED_CONV.replace("ELEM", elem), "m.ir"))
+    x = _inputs(4, scale)
+    expect = program.run([x], reference=False).outputs[0]
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert got.tobytes() == expect.tobytes()
+    assert [s.op for s in program._live] == ["mp.cast", "mp.conv2d"]
+    assert np.isnan(got).any() and (got == 0).any() and (got > 0).any()
+    if scale > 1:
+        assert np.isinf(got).any()
+
+
+_RESIDUAL = """func.func @main(%x: tensor<3x5x9xf32>, %y: tensor<3x5x9xf32>) -> tensor<3x5x9xELEM> {
+  %xc = mp.cast %x : (tensor<3x5x9xf32>) -> tensor<3x5x9xELEM>
+  %yc = mp.cast %y : (tensor<3x5x9xf32>) -> tensor<3x5x9xELEM>
+  %a = mp.add %xc, %yc {mp.precision = ELEM} : (tensor<3x5x9xELEM>, tensor<3x5x9xELEM>) -> tensor<3x5x9xELEM>
+  %r = mp.relu %a {mp.precision = ELEM} : (tensor<3x5x9xELEM>) -> tensor<3x5x9xELEM>
+  return %r : tensor<3x5x9xELEM>
+}
+"""
+
+
+@pytest.mark.parametrize("elem", ["f32", "bf16", "f16"])
+def test_residual_add_and_relu_run_as_one_pass_with_numpys_bits(elem) -> None:
+    text = _RESIDUAL.replace("ELEM", elem)
+    if elem == "f32":
+        text = "\n".join(line for line in text.splitlines() if "mp.cast" not in line)
+        text = text.replace("%xc", "%x").replace("%yc", "%y")
+    program = Program(parse(text, "m.ir"))
+    rng = np.random.default_rng(5)
+    x, y = (rng.standard_normal((2, 3, 5, 9)) * 40000).astype(np.float32)
+    x.reshape(-1)[:6] = [np.nan, -0.0, 0.0, np.inf, 1e-40, -3.0]
+    y.reshape(-1)[:6] = [1.0, -0.0, -0.0, -np.inf, 1e-40, 3.0]
+    got = program.run_lowered(program.prepare_inputs([x, y]))[0]
+    assert [s.op for s in program._live] == ["mp.cast"] * 2 * (elem != "f32") + ["mp.add"]
+    with np.errstate(all="ignore"):
+        if elem == "f32":
+            expect = np.maximum(x + y, np.float32(0))
+        else:  # numpy / ml_dtypes: operands cast, added in f32, rounded, then the relu
+            t = ML[elem]
+            xs, ys = x.astype(t).astype(np.float32), y.astype(t).astype(np.float32)
+            expect = np.maximum((xs + ys).astype(t).astype(np.float32), np.float32(0))
+    assert got.tobytes() == expect.tobytes()
+    assert np.isinf(got).any() == (elem == "f16")
