@@ -1,17 +1,25 @@
-"""2-D convolution (NCHW input, OIHW weight) as one GEMM per image and group, in NCHW.
+"""2-D convolution (NCHW input, OIHW weight) as one implicit GEMM per image and group, in NCHW.
 
 Each image and group is the product  y (O/g, Ho*Wo) = w (O/g, Cg*KH*KW) @ cols (Cg*KH*KW,
-Ho*Wo), where row (c, ky, kx) of `cols` holds the input pixels that meet weight (c, ky, kx):
-the rows are contiguous strips of the input (the input itself for a 1x1, stride-1 conv), and
-the result is already NCHW. Every output is the GEMM's fixed-order sum over (input channel of
-its group, kernel row, kernel column) in that order (mplower.numerics.gemm), so a pixel's
-result depends neither on its image, its neighbours nor the machine. Grouped and depthwise
-convs are the same batched product (a depthwise conv is a one-row product per channel, which
-the GEMM streams): no loop over groups.
+Ho*Wo), where row (c, ky, kx) of `cols` (the im2col) holds the input pixels that meet weight
+(c, ky, kx), and the result is already NCHW. Every output is the GEMM's fixed-order sum over
+(input channel of its group, kernel row, kernel column) in that order (mplower.numerics.gemm),
+so a pixel's result depends neither on its image, its neighbours nor the machine.
+
+The im2col is never built: a work unit (image and group, a panel of output pixels as wide as
+the register tile, a block of output channels) packs its panel of `cols` straight from the
+padded input into a small buffer of its thread (L2-resident, reused by every row tile of the
+unit) and runs the GEMM's tiles on it (mplower.numerics.gemm.conv_product): the same micro
+kernel, the same k order, the same bits as the product of the materialized im2col, without
+writing and reading back K times the input. Threads claim units with an atomic counter
+(mplower.numerics.workers.run_units). Depthwise convolutions have their own direct kernel
+(mplower.numerics.depthwise); other groups of fewer output channels than a register tile take
+the materialized im2col through `matmul`, which streams such narrow products.
 
 Integer operands are summed exactly: values whose products stay within float32's integers
-(8-bit quantized values) go through im2col as float32, and `integer_matmul` splits K so that
-no partial sum leaves them; the result is np.matmul's int64 product at float32 GEMM speed.
+(8-bit quantized values) are packed as float32, and the tiles split K into chunks so that no
+partial sum leaves them (as `integer_matmul`); the result is np.matmul's int64 product at
+float32 GEMM speed.
 
 The ops that follow a conv in a network (a bias, the dequantize of an integer conv, a relu)
 can run as the GEMM stores each output (`scale`, `bias`, `relu`), with the bits the separate
@@ -23,7 +31,14 @@ from __future__ import annotations
 import numpy as np
 
 from mplower.numerics.depthwise import depthwise_conv2d, is_depthwise
-from mplower.numerics.gemm import F32_EXACT, int_magnitude, integer_matmul, matmul
+from mplower.numerics.gemm import (
+    F32_EXACT,
+    TILE_ROWS,
+    conv_product,
+    int_magnitude,
+    integer_matmul,
+    matmul,
+)
 from mplower.numerics.windows import conv_windows
 
 
@@ -35,6 +50,17 @@ def _padded(x: np.ndarray, padding: tuple[int, ...], dtype: np.dtype) -> np.ndar
     out = np.zeros(x.shape[:2] + (x.shape[2] + pt + pb, x.shape[3] + pl + pr), dtype)
     out[:, :, pt:pt + x.shape[2], pl:pl + x.shape[3]] = x
     return out
+
+
+def _column_phases(x: np.ndarray, sw: int) -> np.ndarray:
+    """x (N, C, H, W) as (N, C * sw, H, ceil(W / sw)): plane c * sw + p holds columns p, p +
+    sw, ... of channel c (zero past W), so that a conv of column stride sw reads each kernel
+    tap's pixels along an output row contiguously."""
+    n, c, h, w = x.shape
+    wide = np.zeros((n, c, h, -(-w // sw) * sw), x.dtype)
+    wide[..., :w] = x
+    return np.ascontiguousarray(
+        wide.reshape(n, c, h, -1, sw).transpose(0, 1, 4, 2, 3)).reshape(n, c * sw, h, -1)
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
@@ -58,20 +84,34 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         work = np.dtype(np.float32)
     elif integer:
         work = np.dtype(np.int64)
-    else:
-        work = np.result_type(x, w)
+    else:  # float16 operands are computed in float32, as `matmul` does
+        work = np.dtype(np.float64 if np.result_type(x, w) == np.float64 else np.float32)
     x, w = _padded(x, padding, work), w.astype(work, copy=False)
     n, g = x.shape[0], groups
     o, cg, kh, kw = w.shape
     (sh, sw), (dh, dw) = strides, dilations
     ho = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    wmat = np.ascontiguousarray(w.reshape(g, o // g, cg * kh * kw))
+    if work.kind == "f" and o // g >= TILE_ROWS and n and ho * wo and cg * kh * kw:
+        epilogue = scale is not None or bias is not None or relu
+        out = np.dtype(np.int64) if integer and not epilogue else work
+        chunk = F32_EXACT // bound if integer and bound else cg * kh * kw
+        if kh == kw == 1 and (sh, sw) != (1, 1):
+            # A strided 1x1 conv is a 1x1 stride-1 conv of the pixels it reads: one copy of
+            # them, then panels read in place, instead of a strided gather over K planes per
+            # panel.
+            x, sh, sw = x[:, :, ::sh, ::sw], 1, 1
+        elif sw > 1:
+            x = _column_phases(x, sw)
+        y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
+                         g, out, chunk, scale, bias, relu)
+        return y.reshape(n, o, ho, wo)
     if kh == kw == 1 and sh == sw == 1:
         cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
     else:
         view = conv_windows(x, (kh, kw), strides, dilations)
         cols = view.transpose(0, 1, 4, 5, 2, 3).reshape(n, g, cg * kh * kw, ho * wo)
-    wmat = w.reshape(g, o // g, cg * kh * kw)
     if integer:
         y = integer_matmul(wmat, cols, bound, scale=scale, bias=bias, relu=relu)
     else:

@@ -10,15 +10,19 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
 the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer, or 8
-panels or more), and each tile of _ROWS rows by one panel keeps its accumulators in vector
-registers over the whole of K (`_micro`, LLVM vector IR without fast-math flags, so LLVM may
-neither contract nor reorder); rows past the last full tile run one at a time, and a product
-of fewer than _ROWS rows streams b row by row instead (`_rows`, batch-1 inference). A tile belongs to one thread
-(mplower.numerics.workers hands out blocks of tiles), SIMD lanes are different output
-columns, and K is never split, so every output element is the same
-function of its own row of `a` and column of `b` whatever the thread count, the BLAS library,
-the CPU's vector width, the tile a row lands in or the batch around it. tests/test_gemm.py
-checks every path bit for bit against that loop written in numpy.
+panels or more), and each tile of TILE_ROWS rows by one panel keeps its accumulators in
+vector registers over the whole of K (`_micro`, LLVM vector IR without fast-math flags, so LLVM
+may neither contract nor reorder); rows past the last full tile run one at a time, and a
+product of fewer than TILE_ROWS rows streams b row by row instead (`_rows`, batch-1
+inference). A tile belongs to one thread (threads claim a few tiles at a time,
+mplower.numerics.workers.run_units), SIMD lanes are different output columns, and K is never
+split, so every output element is the same function of its own row of `a` and column of `b`
+whatever the thread count, the BLAS library, the CPU's vector width, the tile a row lands in
+or the batch around it. tests/test_gemm.py checks every path bit for bit against that loop
+written in numpy.
+
+`conv_product` is the same product with b the im2col of an image, packed panel by panel from
+the image (an implicit GEMM, mplower.numerics.conv).
 
 Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exactly.
 `integer_matmul` gives the same exact products at float32 GEMM speed where the operands are
@@ -32,12 +36,12 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from mplower.numerics.workers import run_blocks
+from mplower.numerics.workers import claim, run_blocks, run_units
 
-# The register tile: _ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8 float64
-# columns), 16 accumulators that stay in registers over the whole of K. The sizes change the
-# speed only, never a result.
-_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
+# The register tile: TILE_ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8
+# float64 columns), 16 accumulators that stay in registers over the whole of K. The sizes change
+# the speed only, never a result.
+TILE_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 # Below this many multiply-adds (about 1 ms on one core) one thread does the whole product:
 # entering a parallel region costs tens of microseconds on an idle machine, and a scheduler
 # time slice (~12 ms) when other processes hold the cores, as on a shared 2-core VM.
@@ -90,10 +94,22 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
         def at(r, v):
             return builder.add(builder.mul(const(r), ldt), const(v * lanes))
 
+        # Read the tile only when not starting from zero: a load of the (cold) result that a
+        # select then discards still stalls every accumulator on a cache miss.
         start_at_zero = builder.icmp_signed("!=", zero, const(0))
-        init = {rv: builder.select(start_at_zero, ir.Constant(vty, None),
-                                   builder.load(vector_at(t_ptr, at(*rv)), align=4))
-                for rv in slots}
+        from_memory = builder.append_basic_block("gemm_load")
+        ready = builder.append_basic_block("gemm_init")
+        zero_block = builder.block
+        builder.cbranch(start_at_zero, ready, from_memory)
+        builder.position_at_end(from_memory)
+        loaded = {rv: builder.load(vector_at(t_ptr, at(*rv)), align=4) for rv in slots}
+        builder.branch(ready)
+        builder.position_at_end(ready)
+        init = {}
+        for rv in slots:
+            init[rv] = builder.phi(vty)
+            init[rv].add_incoming(ir.Constant(vty, None), zero_block)
+            init[rv].add_incoming(loaded[rv], from_memory)
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
         done = builder.append_basic_block("gemm_done")
@@ -132,8 +148,13 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
     return codegen
 
 
-_micro = _micro_kernel(_ROWS)
+_micro = _micro_kernel(TILE_ROWS)
 _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
+
+
+def _panel_columns(dtype: np.dtype) -> int:
+    """The columns of a register tile (and of a packed panel of b) for operands of `dtype`."""
+    return _VECTORS * _VECTOR_BYTES // dtype.itemsize
 
 
 @njit(cache=True)
@@ -148,105 +169,122 @@ def _pack(b, panels, q, cols, base):
             panels[base + k * cols + j] = b[batch, k, j0 + j] if j0 + j < n else 0
 
 
-@njit(cache=True)
-def _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
+@njit(cache=True, inline="always")
+def _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
     """Output tile t of c (B, M, N): batch, then column panel, then row block (consecutive
     tiles share a panel), accumulated over all of K in _micro's order and stored through the
     epilogue (`_store`). Without `panels` (empty: too few rows to repay packing) full panels
     are read from b in place. With `chunk` < K (integer operands, see `integer_matmul`) each
-    chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly."""
+    chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly.
+    cf is c.reshape(-1), made once per product rather than per tile (a reshape is a call into
+    numba's runtime)."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
-    rows_t = (m + _ROWS - 1) // _ROWS
+    rows_t = (m + TILE_ROWS - 1) // TILE_ROWS
     per = (n + cols - 1) // cols
     batch, rest = t // (rows_t * per), t % (rows_t * per)
-    p, i0 = rest // rows_t, (rest % rows_t) * _ROWS
+    p, i0 = rest // rows_t, (rest % rows_t) * TILE_ROWS
     j0 = p * cols
-    if panels.size:
-        source, offset, ldp = panels, (ib[batch] * per + p) * kk * cols, cols
-    elif j0 + cols <= n:
-        source, offset, ldp = b.reshape(-1), ib[batch] * kk * n + j0, n
-    else:  # the last, partial panel
-        source, offset, ldp = np.zeros(kk * cols, b.dtype), 0, cols
-        _pack(b, source, ib[batch] * per + p, cols, 0)
     a_offset = (ia[batch] * m + i0) * kk
-    if chunk >= kk and i0 + _ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize:
+    if not panels.size and j0 + cols <= n:
+        _finish_tile(a, a_offset, b, ib[batch] * kk * n + j0, n, c, cf, batch, i0, j0, cols,
+                     chunk, scale, bias, relu, tile, total)
+        return
+    if panels.size:
+        source, offset = panels, (ib[batch] * per + p) * kk * cols
+    else:  # the last, partial panel
+        source, offset = np.zeros(kk * cols, b.dtype), 0
+        _pack(b, source, ib[batch] * per + p, cols, 0)
+    _finish_tile(a, a_offset, source, offset, cols, c, cf, batch, i0, j0, cols, chunk, scale,
+                 bias, relu, tile, total)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _finish_tile(a, a_offset, source, offset, ldp, c, cf, batch, i0, j0, cols, chunk, scale,
+                 bias, relu, tile, total):
+    """Rows i0 .. i0 + TILE_ROWS - 1 (those below M) and columns j0 .. j0 + cols - 1 (those below
+    N) of matrix `batch` of c (B, M, N): the rows of a (K long) from flat index a_offset on,
+    times the (K, cols) panel at flat index `offset` of source (rows ldp apart), summed in
+    _micro's order and stored through the epilogue into c (cf: its flat view); `tile` and
+    `total` are scratch of TILE_ROWS * cols. The arrays are read through their data pointers
+    (C-contiguous, any rank)."""
+    m, kk, n = c.shape[1], a.shape[-1], c.shape[2]
+    if chunk >= kk and i0 + TILE_ROWS <= m and j0 + cols <= n and c.itemsize == a.itemsize:
         # A full tile: the registers go straight to the result, the epilogue runs there.
-        _micro(a.reshape(-1), a_offset, kk, source, offset, ldp, c.reshape(-1),
-               (batch * m + i0) * n + j0, n, kk, 1)
+        _micro(a, a_offset, kk, source, offset, ldp, c, (batch * m + i0) * n + j0, n, kk, 1)
         if scale.size or bias.size or relu:
-            _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu)
+            _epilogue_in_place(cf, m, n, batch, i0, j0, cols, scale, bias, relu)
     elif chunk >= kk:
         _sweep(a, a_offset, kk, source, offset, ldp, tile, 0, kk, m - i0, cols)
-        _store(tile, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias, relu)
+        _store(tile, cf, m, n, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias, relu)
     else:
         total[:] = 0
         for k0 in range(0, kk, chunk):
             _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, min(chunk, kk - k0),
                    m - i0, cols)
             total += tile
-        _store(total, c, batch, i0, min(_ROWS, m - i0), j0, cols, scale, bias,
+        _store(total, cf, m, n, batch, i0, min(TILE_ROWS, m - i0), j0, cols, scale, bias,
                relu)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True, inline="always")
 def _sweep(a, a_offset, kk, source, offset, ldp, tile, k0, depth, rows, cols):
     """tile (rows `cols` apart) = the products of k = k0 .. k0 + depth - 1, in that order,
     summed from +0, for `rows` rows."""
-    if rows >= _ROWS:
-        _micro(a.reshape(-1), a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, 0, cols,
+    if rows >= TILE_ROWS:
+        _micro(a, a_offset + k0, kk, source, offset + k0 * ldp, ldp, tile, 0, cols,
                depth, 1)
     else:
         for r in range(rows):
-            _micro_row(a.reshape(-1), a_offset + r * kk + k0, kk, source, offset + k0 * ldp,
+            _micro_row(a, a_offset + r * kk + k0, kk, source, offset + k0 * ldp,
                        ldp, tile, r * cols, cols, depth, 1)
 
 
-@njit(cache=True)
-def _epilogue_in_place(c, batch, i0, j0, cols, scale, bias, relu):
+@njit(cache=True, nogil=True, inline="always")
+def _epilogue_in_place(flat, m, n, batch, i0, j0, cols, scale, bias, relu):
     """`_store`'s epilogue over a full tile already in c (a float sum in c's type), without a
     branch in the loop so that it vectorizes: an absent scale multiplies by 1 and an absent
-    bias adds -0.0, both of which give every value (-0.0 and NaN included) back unchanged."""
-    m, n = c.shape[1], c.shape[2]
-    flat = c.reshape(-1)
+    bias adds -0.0, both of which give every value (-0.0 and NaN included) back unchanged.
+    flat is c (B, m, n) flattened."""
     g = batch % max(1, scale.shape[0], bias.shape[0])
     zero = np.float32(0)
-    for r in range(_ROWS):
+    for r in range(TILE_ROWS):
         base = (batch * m + i0 + r) * n + j0
         s = scale[g, i0 + r] if scale.size else np.float32(1)
         h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
-        for j in range(base, base + cols):
+        # Unsigned indices: numba's wrap-around of negative ones keeps loops like this one
+        # from vectorizing (several times slower).
+        for j in range(np.uint64(base), np.uint64(base + cols)):
             v = flat[j] * s + h if scale.size else flat[j] + h
             flat[j] = zero if relu and v <= 0 else v
 
 
-@njit(cache=True)
-def _store(tile, c, batch, i0, rows, j0, cols, scale, bias, relu):
+@njit(cache=True, nogil=True, inline="always")
+def _store(tile, flat, m, n, batch, i0, rows, j0, cols, scale, bias, relu):
     """`rows` rows of the tile (`cols` apart) into c at (batch, i0, j0), through the epilogue:
     for output row i (channel (batch % G) * M + i of the (G, M) tables `scale` and `bias`, each
     empty when absent) y = float32(sum) * scale, then y + bias, then relu as np.maximum(y, 0)
     (NaN kept, -0 to +0): each a float operation, rounded once, as the separate ops compute
-    them. No branch in the loops (an absent bias adds -0.0, which changes no value)."""
-    m, n = c.shape[1], c.shape[2]
-    flat = c.reshape(-1)
+    them. No branch in the loops (an absent bias adds -0.0, which changes no value). flat is
+    c (B, m, n) flattened."""
     width = min(cols, n - j0)
     g = batch % max(1, scale.shape[0], bias.shape[0])
     zero = np.float32(0)
     for r in range(rows):
-        base = (batch * m + i0 + r) * n + j0
-        row = tile[r * cols:r * cols + width]
+        # Unsigned indices, as in _epilogue_in_place.
+        base, row = np.uint64((batch * m + i0 + r) * n + j0), np.uint64(r * cols)
         h = bias[g, i0 + r] if bias.size else np.float32(-0.0)
         if scale.size:
             s = scale[g, i0 + r]
-            for j in range(width):
-                v = np.float32(row[j]) * s + h
+            for j in range(np.uint64(width)):
+                v = np.float32(tile[row + j]) * s + h
                 flat[base + j] = zero if relu and v <= 0 else v
         elif bias.size or relu:
-            for j in range(width):
-                v = row[j] + h
+            for j in range(np.uint64(width)):
+                v = tile[row + j] + h
                 flat[base + j] = zero if relu and v <= 0 else v
         else:
-            for j in range(width):
-                flat[base + j] = row[j]
+            for j in range(np.uint64(width)):
+                flat[base + j] = tile[row + j]
 
 
 _WIDE = 8
@@ -259,7 +297,7 @@ def _panels(b, c, cols):
     (_WIDE panels or more, as the im2col of a conv: the packed copy leaves the cache, an extra
     pass over memory, while its full panels read in place stream well)."""
     per = (c.shape[2] + cols - 1) // cols
-    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * _ROWS and per < _WIDE else 0
+    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * TILE_ROWS and per < _WIDE else 0
     return np.empty(size, b.dtype), b.shape[0] * per if size else 0
 
 
@@ -268,10 +306,11 @@ def _gemm_serial(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     for q in range(count):
         _pack(b, panels, q, cols, q * b.shape[1] * cols)
-    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
-    for t in range(c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
+    tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    cf = c.reshape(-1)
+    for t in range(c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS)
                    * ((c.shape[2] + cols - 1) // cols)):
-        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+        _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
 
 
 @njit(cache=True, nogil=True)
@@ -280,19 +319,36 @@ def _pack_blocks(b, panels, cols, q0, q1):
         _pack(b, panels, q, cols, q * b.shape[1] * cols)
 
 
+# Tiles per work unit of the parallel product: a claim is an atomic on a cache line the threads
+# share, a few tiles amortize it.
+_TILES_PER_UNIT = 4
+
+
 @njit(cache=True, nogil=True)
-def _tile_blocks(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, t0, t1):
-    tile, total = np.empty(_ROWS * cols, a.dtype), np.empty(_ROWS * cols, np.float64)
-    for t in range(t0, t1):
-        _tile(a, b, panels, c, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+def _tile_units(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, counter, units):
+    """The tiles of c in `_tile`'s order, _TILES_PER_UNIT to a unit, for the units claimed from
+    `counter` (workers.run_units); returns the number of units done."""
+    tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    cf = c.reshape(-1)
+    tiles = c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS) \
+        * ((c.shape[2] + cols - 1) // cols)
+    done = 0
+    while True:
+        u = claim(counter)
+        if u >= units:
+            return done
+        for t in range(u * _TILES_PER_UNIT, min(tiles, (u + 1) * _TILES_PER_UNIT)):
+            _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+        done += 1
 
 
 def _gemm_parallel(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
     panels, count = _panels(b, c, cols)
     run_blocks(_pack_blocks, count, b, panels, cols)
-    run_blocks(_tile_blocks, c.shape[0] * ((c.shape[1] + _ROWS - 1) // _ROWS)
-               * ((c.shape[2] + cols - 1) // cols), a, b, panels, c, ia, ib, cols, chunk,
-               scale, bias, relu)
+    tiles = c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS) \
+        * ((c.shape[2] + cols - 1) // cols)
+    run_units(_tile_units, -(-tiles // _TILES_PER_UNIT), a, b, panels, c, ia, ib, cols, chunk,
+              scale, bias, relu)
 
 
 # Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
@@ -315,14 +371,14 @@ def _rows(a, b, c, ia, ib, t, chunk, scale, bias, relu):
     y = np.zeros(j1 - j0, a.dtype)
     if chunk >= kk:
         _row_sweep(x, w, y, j0, 0, kk)
-        _store(y, c, batch, i, 1, j0, j1 - j0, scale, bias, relu)
+        _store(y, c.reshape(-1), m, n, batch, i, 1, j0, j1 - j0, scale, bias, relu)
     else:
         total = np.zeros(j1 - j0, np.float64)
         for k0 in range(0, kk, chunk):
             y[:] = 0
             _row_sweep(x, w, y, j0, k0, min(kk, k0 + chunk))
             total += y
-        _store(total, c, batch, i, 1, j0, j1 - j0, scale, bias, relu)
+        _store(total, c.reshape(-1), m, n, batch, i, 1, j0, j1 - j0, scale, bias, relu)
 
 
 @njit(cache=True)
@@ -393,11 +449,11 @@ def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk:
         tables = (max(chunk, 1), _epilogue_table(scale, np.float32, m),
                   _epilogue_table(bias, work if scale is None else np.float32, m), relu)
         serial = c.size * max(k, 1) < SERIAL_BELOW
-        if m < _ROWS:
+        if m < TILE_ROWS:
             (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib, *tables)
         else:
             (_gemm_serial if serial else _gemm_parallel)(
-                sa, sb, c, ia, ib, _VECTORS * _VECTOR_BYTES // work.itemsize, *tables)
+                sa, sb, c, ia, ib, _panel_columns(work), *tables)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
@@ -423,6 +479,119 @@ def matmul(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None,
         return np.maximum(y, 0) if relu else y
     dtype = np.dtype(np.float64 if dtype == np.float64 else np.float32)
     return _product(a, b, dtype, dtype, None, None, bias, relu)
+
+
+# Work units to aim for when a convolution has few pixel panels (batch 1, late layers): its
+# output channels are then split into blocks too, so that two threads still share the work.
+# The convolution's kernels live here, not in conv.py, because numba's cache of a file is not
+# invalidated when a function it inlines from another file changes (TILE_ROWS, _finish_tile).
+_UNITS = 32
+
+
+@njit(cache=True, nogil=True)
+def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, lengths):
+    """Output pixels q0 .. q0 + cols - 1 (row-major, zero past Ho*Wo) of the im2col of image
+    `image`, input channels channel0 .. channel0 + Cg - 1, into panel as (K, cols) contiguous,
+    row (c, ky, kx) at c * KH * KW + ky * KW + kx. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho,
+    Wo); x is the padded input with its columns split into sw phases, (N, C * sw, Hp, Wp /
+    sw), plane c * sw + p holding columns p, p + sw, ... of channel c, so that the pixels of a
+    kernel tap along an output row are contiguous whatever the stride. A panel's pixels lie in
+    runs along output rows; each run of a tap is copied as one loop."""
+    cg, kh, kw, sh, sw, dh, dw, ho, wo = shape
+    hp, wq = x.shape[2], x.shape[3]
+    plane = hp * wq
+    flat = x.reshape(-1)
+    width = min(cols, ho * wo - q0)
+    runs, j = 0, 0
+    while j < width:
+        oy, ox = (q0 + j) // wo, (q0 + j) % wo
+        starts[runs], offsets[runs] = j, oy * sh * wq + ox
+        lengths[runs] = min(width - j, wo - ox)
+        j += lengths[runs]
+        runs += 1
+    base = (image * x.shape[1] + channel0 * sw) * plane
+    row = 0
+    for c in range(cg):
+        for ky in range(kh):
+            for kx in range(kw):
+                src = base + (c * sw + kx * dw % sw) * plane + ky * dh * wq + kx * dw // sw
+                dst = row * cols
+                for r in range(runs):
+                    # Unsigned indices, as in _epilogue_in_place.
+                    d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
+                    for t in range(np.uint64(lengths[r])):
+                        panel[d + t] = flat[o + t]
+                for t in range(width, cols):
+                    panel[dst + t] = 0
+                row += 1
+
+
+@njit(cache=True, nogil=True)
+def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias, relu,
+                counter, units):
+    """The work units of c (N * G, O/G, Ho*Wo) claimed from `counter`: unit u is image-group
+    u // (panels * blocks) (batch index n * G + g), then pixel panel, then a block of
+    rows_per_unit output channels, so that consecutive units share a panel and a thread that
+    claims them in a row packs it once. Returns the number of units done."""
+    m, pixels, kk = c.shape[1], c.shape[2], w.shape[2]
+    panels = (pixels + cols - 1) // cols
+    blocks = (m + rows_per_unit - 1) // rows_per_unit
+    panel = np.empty(kk * cols, w.dtype)
+    tile, total = np.empty(TILE_ROWS * cols, w.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    starts, offsets, lengths = (np.empty(cols, np.int64), np.empty(cols, np.int64),
+                                np.empty(cols, np.int64))
+    # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
+    # them, a strided gather over K planes, cost more than it saved).
+    in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
+    flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
+    packed, done = -1, 0
+    while True:
+        u = claim(counter)
+        if u >= units:
+            return done
+        q, block = u // blocks, u % blocks
+        batch, p = q // panels, q % panels
+        g = batch % groups
+        source, offset, ldp = panel, 0, cols
+        if in_place and (p + 1) * cols <= pixels:
+            source, offset, ldp = flat, (batch * kk) * plane + p * cols, plane
+        elif q != packed:
+            _pack_panel(x, panel, batch // groups, g * shape[0], shape, p * cols, cols, starts,
+                        offsets, lengths)
+            packed = q
+        for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
+                        TILE_ROWS):
+            _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, cf, batch, i0, p * cols,
+                         cols, chunk, scale, bias, relu, tile, total)
+        done += 1
+
+
+def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
+                 out: np.dtype, chunk: int, scale: np.ndarray | None, bias: np.ndarray | None,
+                 relu: bool) -> np.ndarray:
+    """The convolution of the padded x with the weights `wmat` (G, O/G, K) as c (N * G, O/G,
+    Ho*Wo) in `out`: the product of the weights and the im2col of each image and group
+    (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh, sw,
+    dh, dw, Ho, Wo); x is (N, C * sw, Hp, Wp / sw), its columns split into sw phases as
+    `_pack_panel` reads them (a 1x1 conv has stride 1); chunk, scale, bias and relu as in
+    `_product`."""
+    n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
+    c = np.empty((n * groups, m, shape[7] * shape[8]), out)
+    cols = _panel_columns(wmat.dtype)
+    panels = n * groups * ((c.shape[2] + cols - 1) // cols)
+    tiles = (m + TILE_ROWS - 1) // TILE_ROWS
+    split = min(tiles, -(-_UNITS // panels))
+    rows_per_unit = TILE_ROWS * -(-tiles // split)
+    blocks = -(-m // rows_per_unit)
+    args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, rows_per_unit, chunk,
+            _epilogue_table(scale, np.float32, m),
+            _epilogue_table(bias, wmat.dtype if scale is None else np.float32, m),
+            relu)
+    if c.size * max(kk, 1) < SERIAL_BELOW:
+        _conv_units(*args, np.zeros(1, np.int64), panels * blocks)
+    else:
+        run_units(_conv_units, panels * blocks, *args)
+    return c
 
 
 # Every integer of magnitude up to 2**24 is a float32, so is every sum and product of such

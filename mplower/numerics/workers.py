@@ -7,6 +7,11 @@ splits the range into blocks that threads claim one at a time: the calling threa
 and when a helper is late the caller simply claims every block itself. Blocks are independent
 outputs computed by the same compiled, GIL-free (nogil) kernel whichever thread claims them, so
 results are the same bits for any thread count and any schedule.
+
+`run_units` is the same contract without a Python call per block: each thread makes one call
+into the compiled kernel, which claims work units itself with an atomic fetch-add (`claim`) on
+a counter the threads share, so units can be small (a few microseconds of work) and a late
+thread's units are still taken by the others.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import threading
 from collections.abc import Callable
 
 import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 # Blocks per thread: enough for a late helper's share to be picked up by the others, few
 # enough that the Python-level claim (~1 us) stays negligible against a block's work.
@@ -71,6 +80,55 @@ def run_blocks(kernel: Callable[..., None], count: int, *args) -> None:
                 state["done"] += 1
                 if state["done"] == blocks:
                     finished.set()
+
+    _ensure_helpers(threads - 1)
+    for _ in range(threads - 1):
+        _tasks.put(work)
+    work()
+    finished.wait()
+    if state["error"] is not None:
+        raise state["error"]
+
+
+@intrinsic
+def claim(typingctx, counter):
+    """counter[0] += 1 as one atomic step, returning the value before: the next unclaimed
+    work unit of `run_units`."""
+    sig = types.int64(counter)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return sig, codegen
+
+
+def run_units(kernel: Callable[..., int], units: int, *args) -> None:
+    """kernel(*args, counter, units) on up to numba.get_num_threads() threads at once, each
+    call claiming units with `claim(counter)` until it gets one >= units and returning how
+    many it did; `kernel` must be a nogil njit function whose units write disjoint outputs.
+    Returns when every unit is done; re-raises a thread's error."""
+    # The counter alone on its cache line (element 8 of 24: at least 64 bytes of the array on
+    # either side), so that claims never contend with writes to a neighbouring allocation.
+    counter = np.zeros(24, np.int64)[8:9]
+    threads = min(numba.get_num_threads(), units)
+    if threads <= 1:
+        kernel(*args, counter, units)
+        return
+    lock = threading.Lock()
+    finished = threading.Event()
+    state = {"done": 0, "error": None}
+
+    def work() -> None:
+        done = 0
+        try:
+            done = kernel(*args, counter, units)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            state["error"] = e
+            finished.set()
+        with lock:
+            state["done"] += done
+            if state["done"] == units:
+                finished.set()
 
     _ensure_helpers(threads - 1)
     for _ in range(threads - 1):

@@ -1,0 +1,183 @@
+"""The implicit-GEMM convolution (mplower.numerics.conv) and the unit claiming it runs on
+(mplower.numerics.workers.run_units).
+
+Expected values are the im2col built with numpy (np.pad, sliding_window_view) times the
+weights, summed as mplower promises with numpy elementwise operations
+(conftest.sequential_matmul): k = (input channel, kernel row, kernel column) ascending, each
+product and each sum rounded, never BLAS, never FMA.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from conftest import sequential_matmul
+from numba import njit
+
+from mplower.numerics import conv, gemm, workers
+from mplower.numerics.conv import conv2d
+from mplower.numerics.workers import claim, run_units
+
+
+def bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def im2col(x: np.ndarray, kernel: tuple[int, int], strides, padding, dilations,
+           groups: int) -> np.ndarray:
+    """(N, G, Cg * KH * KW, Ho * Wo), row (c, ky, kx), from numpy alone."""
+    pt, pl, pb, pr = padding
+    x = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    win = np.lib.stride_tricks.sliding_window_view(x, (dh * (kh - 1) + 1, dw * (kw - 1) + 1),
+                                                   axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
+    n, c, ho, wo = win.shape[:4]
+    return win.transpose(0, 1, 4, 5, 2, 3).reshape(n, groups, c // groups * kh * kw, ho * wo)
+
+
+def sequential_conv(x, w, strides, padding, dilations, groups, bias=None, relu=False):
+    o, cg, kh, kw = w.shape
+    cols = im2col(x, (kh, kw), strides, padding, dilations, groups)
+    wmat = w.reshape(groups, o // groups, cg * kh * kw)
+    y = np.stack([np.concatenate([sequential_matmul(wmat[g], cols[i, g])
+                                  for g in range(groups)]) for i in range(x.shape[0])])
+    if bias is not None:
+        y = y + bias.reshape(1, -1, 1)
+    if relu:
+        y = np.maximum(y, y.dtype.type(0))
+    ho = (x.shape[2] + padding[0] + padding[2] - dilations[0] * (kh - 1) - 1) // strides[0] + 1
+    return y.reshape(x.shape[0], o, ho, -1)
+
+
+# (N, C, H, W), (O, KH, KW), strides, padding (top, left, bottom, right), dilations, groups:
+# packed panels with strides, dilations and uneven padding, 1x1 stride-1 convs read in place
+# (with a partial last panel, and padded), a strided 1x1, a kernel wider than tall, column
+# strides 3 and 2 (the input's columns split into phases) with a column dilation of 3.
+CASES = [((3, 6, 11, 13), (16, 3, 3), (2, 1), (1, 0, 2, 1), (1, 2), 2),
+         ((2, 5, 9, 9), (20, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1),
+         ((2, 8, 8, 8), (12, 1, 1), (1, 1), (1, 1, 1, 1), (1, 1), 1),
+         ((2, 8, 9, 9), (24, 1, 1), (2, 2), (0, 0, 0, 0), (1, 1), 2),
+         ((1, 3, 20, 17), (9, 3, 5), (2, 3), (2, 1, 0, 3), (1, 1), 1),
+         ((4, 16, 7, 7), (64, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1),
+         ((2, 4, 13, 12), (8, 3, 3), (1, 2), (0, 1, 1, 0), (2, 3), 1)]
+
+
+def _threads():
+    return range(1, min(2, numba.config.NUMBA_NUM_THREADS) + 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0] + c[1])))
+def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypatch, case,
+                                                                         dtype) -> None:
+    xs, (o, kh, kw), strides, padding, dilations, groups = case
+    rng = np.random.default_rng(sum(xs) + o)
+    x = rng.standard_normal(xs).astype(dtype)
+    w = rng.standard_normal((o, xs[1] // groups, kh, kw)).astype(dtype)
+    bias = rng.standard_normal(o).astype(dtype)
+    plain = sequential_conv(x, w, strides, padding, dilations, groups)
+    fused = sequential_conv(x, w, strides, padding, dilations, groups, bias, relu=True)
+    threads = numba.get_num_threads()
+    try:
+        for serial_below in (gemm.SERIAL_BELOW, 0):  # as sized, and forced onto the workers
+            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+            for n in _threads():
+                numba.set_num_threads(n)
+                got = conv2d(x, w, strides, padding, dilations, groups)
+                assert got.dtype == dtype and bits(got) == bits(plain)
+                got = conv2d(x, w, strides, padding, dilations, groups, bias=bias, relu=True)
+                assert bits(got) == bits(fused)
+    finally:
+        numba.set_num_threads(threads)
+
+
+def test_float16_operands_are_convolved_in_float32() -> None:
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float16)
+    w = rng.standard_normal((8, 4, 3, 3)).astype(np.float16)
+    expect = sequential_conv(x.astype(np.float32), w.astype(np.float32), (1, 1), (1, 1, 1, 1),
+                             (1, 1), 1)
+    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    assert got.dtype == np.float32 and bits(got) == bits(expect)
+
+
+def test_dense_conv_never_builds_the_im2col(monkeypatch) -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 8, 10, 10)).astype(np.float32)
+    w = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    expect = sequential_conv(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("im2col materialized")
+
+    for name in ("conv_windows", "matmul", "integer_matmul"):
+        monkeypatch.setattr(conv, name, refuse)
+    assert bits(conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)) == bits(expect)
+
+
+def test_implicit_int8_conv_sums_k_in_exact_chunks(monkeypatch) -> None:
+    # |x| * |w| <= 255 * 128: float32 partial sums are exact for 514 products; K = 2700.
+    rng = np.random.default_rng(8)
+    x = rng.integers(0, 256, (2, 300, 6, 6)).astype(np.uint8)
+    w = rng.integers(-128, 128, (16, 300, 3, 3)).astype(np.int8)
+    x[0], w[0] = 255, -128  # output (0, 0, 2, 2) is -128 * 255 * 2700
+    cols = im2col(x.astype(np.int64), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    expect = np.matmul(w.reshape(1, 16, -1).astype(np.int64), cols).reshape(2, 16, 6, 6)
+    monkeypatch.setattr(conv, "integer_matmul", None)
+    monkeypatch.setattr(gemm, "SERIAL_BELOW", 0)
+    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    assert got.dtype == np.int64 and np.array_equal(got, expect)
+    assert got[0, 0, 2, 2] == -128 * 255 * 2700  # far beyond float32's integers
+
+
+@pytest.mark.determinism
+def test_implicit_conv_completes_on_the_caller_when_no_helper_thread_ever_runs(
+        monkeypatch) -> None:
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 16, 12, 12)).astype(np.float32)
+    w = rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
+    expect = sequential_conv(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    if numba.get_num_threads() < 2:
+        pytest.skip("needs two numba threads")
+    dropped: list = []
+
+    class Unscheduled:  # the helpers' queue, never read
+        put = dropped.append
+
+    monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
+    monkeypatch.setattr(workers, "_tasks", Unscheduled)
+    monkeypatch.setattr(gemm, "SERIAL_BELOW", 0)
+    assert bits(conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)) == bits(expect)
+    assert len(dropped) == numba.get_num_threads() - 1
+
+
+@njit(nogil=True)
+def _squares(out, counter, units):
+    done = 0
+    while True:
+        u = claim(counter)
+        if u >= units:
+            return done
+        if out[u] != 0:
+            raise ValueError("a unit claimed twice")
+        out[u] = u * u
+        done += 1
+
+
+def test_run_units_claims_every_unit_exactly_once_on_any_thread_count() -> None:
+    threads = numba.get_num_threads()
+    try:
+        for n in _threads():
+            numba.set_num_threads(n)
+            out = np.zeros(1000, np.int64)
+            run_units(_squares, out.size, out)
+            assert out.tolist() == [u * u for u in range(1000)]
+    finally:
+        numba.set_num_threads(threads)
+
+
+def test_run_units_raises_a_units_error_in_the_caller() -> None:
+    out = np.ones(10, np.int64)
+    with pytest.raises(ValueError, match="a unit claimed twice"):
+        run_units(_squares, out.size, out)
