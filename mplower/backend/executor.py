@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from mplower.backend.memory import keep_freed_memory
 from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
 from mplower.backend.sparse import sparse_runner
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
@@ -340,6 +341,7 @@ class Program:
         samples at once); the slots returned are then empty. Ops whose operands are all
         constants (a weight's transpose or quantize) run on the first call only, as in
         run_lowered."""
+        keep_freed_memory()
         if self._ref_constants is None:
             self._ref_constants = {}
             with np.errstate(all="ignore"):
@@ -380,6 +382,7 @@ class Program:
         quantized weights; the kernels are deterministic, so the results are the same bits.
         A conv's dequantize, bias add and relu run as the conv stores each output
         (`_fuse_epilogues`), with the bits the separate ops give."""
+        keep_freed_memory()
         if self._folded is None:
             folded, live = list(self._initial), []
             known = {s.output for s in self.steps if s.constant is not None}
