@@ -42,10 +42,11 @@ from mplower.numerics.workers import claim, run_blocks, run_units
 # float64 columns), 16 accumulators that stay in registers over the whole of K. The sizes change
 # the speed only, never a result.
 TILE_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
-# Below this many multiply-adds (about 1 ms on one core) one thread does the whole product:
-# entering a parallel region costs tens of microseconds on an idle machine, and a scheduler
-# time slice (~12 ms) when other processes hold the cores, as on a shared 2-core VM.
-SERIAL_BELOW = 1 << 25
+# Below this many multiply-adds (about 0.1 ms on one core) one thread does the whole product:
+# handing units to a worker (run_units) costs tens of microseconds. 2^25 (the threshold from
+# before units were claimed inside compiled code) kept ShuffleNet's grouped 1x1 convs at batch
+# 8 on one thread; 2^21 made batch-1 convs slower (runtime.py's models, 2026-12-01).
+SERIAL_BELOW = 1 << 23
 
 
 def _micro_kernel(rows: int):
