@@ -146,9 +146,11 @@ def grouped_module(module: Module, func: str | None, factor: int) -> Module | No
 
 # Samples per forward where the user does not say: measured on the 2-core VM (docs/benchmarks.md,
 # issue 12), stacking samples pays where a model's tensors are small (per-op overhead: 15x on
-# the digits MLP, 5% on ShuffleNet at 2.2 MB) and costs where they leave the cache (ResNet-50,
-# 3.2 MB: 10% slower in pairs, 30% in eights).
-_GROUP_BYTES = 4 << 20
+# the digits MLP, 5% on ShuffleNet at 2.2 MB). With the conv of im2col-sized temporaries it
+# cost where they left the cache (ResNet-50, 3.2 MB: 10% slower in pairs); the implicit-GEMM
+# conv reads the input in place, and 256 ResNet-50 samples calibrate in 14.4 s in fours or
+# eights against 15.9 s one at a time (peak 585-634 MiB against 546).
+_GROUP_BYTES = 32 << 20
 
 
 def auto_group(f: Function) -> int:
@@ -256,7 +258,7 @@ class Calibrate(Pass):
     func: str = option("", "function to calibrate (default: main or the only one)")
     group: int = option(0, "batches run through the reference at once, stacked along the "
                            "batch axis where the model keeps rows apart (0: as many as keep "
-                           "its largest value within 4 MiB; the ranges are the same for any "
+                           "its largest value within 32 MiB; the ranges are the same for any "
                            "group, the memory grows with it)")
 
     def run(self, module: Module, ctx: PassContext) -> None:

@@ -401,14 +401,14 @@ def test_calibration_runs_batch_by_batch_where_an_op_mixes_the_rows_of_a_batch(t
     assert sizes == [2] and text == one
 
 
-def test_automatic_group_stacks_as_many_batches_as_keep_the_largest_value_within_4_mib():
+def test_automatic_group_stacks_as_many_batches_as_keep_the_largest_value_within_32_mib():
     from mplower.passes.calibrate import auto_group
 
-    # The largest value of MODEL is %x: batch x 4 float32s.
-    assert auto_group(parse(MODEL.format(b=2)).function()) == (4 << 20) // 32
-    assert auto_group(parse(MODEL.format(b=1 << 17)).function()) == 2  # 2 MiB
-    assert auto_group(parse(MODEL.format(b=1 << 18)).function()) == 1  # 4 MiB
-    assert auto_group(parse(MODEL.format(b=(1 << 18) + 1)).function()) == 1  # over: still 1
+    # The largest value of MODEL is %x: batch x 4 float32s, 16 bytes a row.
+    assert auto_group(parse(MODEL.format(b=2)).function()) == (32 << 20) // 32
+    assert auto_group(parse(MODEL.format(b=1 << 20)).function()) == 2  # 16 MiB
+    assert auto_group(parse(MODEL.format(b=1 << 21)).function()) == 1  # 32 MiB
+    assert auto_group(parse(MODEL.format(b=(1 << 21) + 1)).function()) == 1  # over: still 1
 
 
 def test_reference_runner_hands_over_each_value_as_computed_and_keeps_none():
