@@ -473,3 +473,28 @@ def test_minmax_statistics_in_one_pass_match_numpy_on_a_tensor_counted_in_parts(
     x[5] = np.inf
     with pytest.raises(ValueError, match="^2 values are NaN or infinite$"):
         TensorStats(256, histogram=False).add(x)
+
+
+@pytest.mark.parametrize("shape,axis", [((2, 5, 7, 3), 1), ((3, 300, 40, 40), 1),
+                                        ((64, 9), -1), ((4, 6), 0)])
+def test_channel_extremes_come_from_the_summary_pass_and_equal_numpys(shape, axis) -> None:
+    from mplower.numerics.histogram import channel_summary, tensor_summary
+
+    rng = np.random.default_rng(sum(shape))
+    x = (rng.standard_normal(shape) * 8).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[::7] = 0.0
+    flat[1::11] = -0.0
+    flat[2::13] = np.float32(2e-42)  # subnormal: frexp's second pass
+    expect_exps, got_exps = np.zeros((2, 300), np.int64), np.zeros((2, 300), np.int64)
+    lo, hi, bad = tensor_summary(x, expect_exps, -160)
+    got = channel_summary(x, axis, got_exps, -160)
+    assert got[:3] == (lo, hi, bad) and bad == 0
+    assert np.array_equal(got_exps, expect_exps)
+    a = axis % x.ndim
+    other = tuple(i for i in range(x.ndim) if i != a)
+    assert got[3].dtype == got[4].dtype == np.float64
+    assert np.array_equal(got[3], x.min(axis=other).astype(np.float64))
+    assert np.array_equal(got[4], x.max(axis=other).astype(np.float64))
+    x.reshape(-1)[-1] = np.nan
+    assert channel_summary(x, axis, got_exps, -160)[2] == 1

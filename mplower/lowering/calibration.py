@@ -131,21 +131,20 @@ class TensorStats:
         if x.size == 0:
             return
         # Compiled passes over float32 (the counts of an ldexp/bincount over float64).
-        from mplower.numerics.histogram import tensor_counts, tensor_summary
+        from mplower.numerics.histogram import channel_summary, tensor_counts, tensor_summary
 
         high = low = None
+        # Extrema (per channel too) and exponents in one pass; with a histogram its own pass
+        # counts the exponents, after the extrema have set the bins.
+        exponents = np.zeros_like(self.side_exponents) if self.histogram and \
+            channel_axis is not None else self.side_exponents
         if channel_axis is not None:
-            # (outer, C, inner) rows: the inner reductions are numpy's fast ones.
-            channel_axis %= x.ndim
-            rows = x.reshape(math.prod(x.shape[:channel_axis]), x.shape[channel_axis], -1)
-            high = rows.max(axis=2).max(axis=0).astype(np.float64)
-            low = rows.min(axis=2).min(axis=0).astype(np.float64)
-        if self.histogram:  # the bins need the range: the extrema first, from numpy
-            lo, hi = (float(low.min()), float(high.max())) if high is not None else \
-                (float(x.min()), float(x.max()))
+            lo, hi, bad, low, high = channel_summary(x, channel_axis, exponents, _EXP_LO)
+        elif self.histogram:  # the bins need the range: the extrema first, from numpy
+            lo, hi = float(x.min()), float(x.max())
             bad = 0 if math.isfinite(lo) and math.isfinite(hi) else \
                 int(np.count_nonzero(~np.isfinite(x)))  # a NaN makes both NaN
-        else:  # extrema and exponents in one pass
+        else:
             lo, hi, bad = tensor_summary(x, self.side_exponents, _EXP_LO)
         if bad:
             raise ValueError(f"{bad} values are NaN or infinite")

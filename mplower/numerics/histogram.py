@@ -55,12 +55,10 @@ def _fold(ex, xs, bs, exponents, exp_lo):
     return bad
 
 
-@njit(cache=True, nogil=True)
-def _summary(x, bits, lo, hi, exponents, exp_lo, out):
-    """Values x[lo:hi] into exponents (2, n_exp); out = [min, max, count not finite] (the
-    extrema are meaningless where that count is not 0)."""
-    xs, bs = x[lo:hi], bits[lo:hi]
-    ex = np.zeros(4 * 512, np.int64)
+@njit(cache=True, nogil=True, inline="always")
+def _scan(xs, bs, ex):
+    """Count the exponent fields of xs (bits bs) into the four tables of ex; return (min, max)
+    of xs (+inf, -inf when empty; meaningless if a value is not finite)."""
     inf = np.float32(np.inf)
     small0 = small1 = small2 = small3 = inf
     big0 = big1 = big2 = big3 = -inf
@@ -77,9 +75,41 @@ def _summary(x, bits, lo, hi, exponents, exp_lo, out):
     for j in range(n4, xs.size):
         ex[bs[j] >> 23] += 1
         small0, big0 = min(small0, xs[j]), max(big0, xs[j])
-    out[0] = min(min(small0, small1), min(small2, small3))
-    out[1] = max(max(big0, big1), max(big2, big3))
+    return min(min(small0, small1), min(small2, small3)), max(max(big0, big1), max(big2, big3))
+
+
+@njit(cache=True, nogil=True)
+def _summary(x, bits, lo, hi, exponents, exp_lo, out):
+    """Values x[lo:hi] into exponents (2, n_exp); out = [min, max, count not finite] (the
+    extrema are meaningless where that count is not 0)."""
+    xs, bs = x[lo:hi], bits[lo:hi]
+    ex = np.zeros(4 * 512, np.int64)
+    out[0], out[1] = _scan(xs, bs, ex)
     out[2] = _fold(ex, xs, bs, exponents, exp_lo)
+
+
+@njit(cache=True, nogil=True)
+def _row_summary(x, bits, r0, r1, inner, exponents, exp_lo, out, low, high):
+    """`_summary` of rows r0 .. r1 - 1 of x (rows of `inner` values, row r of channel
+    r % low.size), also folding each row's extrema into its channel's low and high."""
+    ex = np.zeros(4 * 512, np.int64)
+    small, big = np.float32(np.inf), np.float32(-np.inf)
+    channels = low.size
+    for r in range(r0, r1):
+        lo, hi = _scan(x[r * inner:(r + 1) * inner], bits[r * inner:(r + 1) * inner], ex)
+        c = r % channels
+        low[c], high[c] = min(low[c], lo), max(high[c], hi)
+        small, big = min(small, lo), max(big, hi)
+    out[0], out[1] = small, big
+    out[2] = _fold(ex, x[r0 * inner:r1 * inner], bits[r0 * inner:r1 * inner], exponents, exp_lo)
+
+
+@njit(cache=True, nogil=True)
+def _row_summary_parts(x, bits, rows, inner, exponents, exp_lo, out, low, high, p0, p1):
+    parts = exponents.shape[0]
+    for p in range(p0, p1):
+        _row_summary(x, bits, rows * p // parts, rows * (p + 1) // parts, inner, exponents[p],
+                     exp_lo, out[p], low[p], high[p])
 
 
 @njit(cache=True, nogil=True)
@@ -147,6 +177,35 @@ def tensor_summary(x: np.ndarray, exponents: np.ndarray, exp_lo: int) -> tuple[f
         exponents += exps.sum(axis=0)
         out = np.array([parts[:, 0].min(), parts[:, 1].max(), parts[:, 2].sum()])
     return float(out[0]), float(out[1]), int(out[2])
+
+
+def channel_summary(x: np.ndarray, axis: int, exponents: np.ndarray,
+                    exp_lo: int) -> tuple[float, float, int, np.ndarray, np.ndarray]:
+    """`tensor_summary` of a non-empty x with each channel's (min, max) along `axis` as float64
+    vectors, from the same pass (numpy's min and max reductions took two more)."""
+    axis %= x.ndim
+    flat = _float32(x)
+    channels = x.shape[axis]
+    if flat is None:
+        lo, hi, bad = tensor_summary(x, exponents, exp_lo)
+        rows = np.asarray(x, np.float64).reshape(math.prod(x.shape[:axis]), channels, -1)
+        return lo, hi, bad, rows.min(axis=(0, 2)), rows.max(axis=(0, 2))
+    inner = math.prod(x.shape[axis + 1:])
+    rows = flat.size // inner
+    parts = _PARTS if flat.size >= SERIAL_BELOW else 1
+    exps = np.zeros((parts,) + exponents.shape, np.int64)
+    out = np.zeros((parts, 3))
+    low = np.full((parts, channels), np.inf, np.float32)
+    high = np.full((parts, channels), -np.inf, np.float32)
+    if parts == 1:
+        _row_summary(flat, flat.view(np.uint32), 0, rows, inner, exps[0], exp_lo, out[0],
+                     low[0], high[0])
+    else:
+        run_blocks(_row_summary_parts, parts, flat, flat.view(np.uint32), rows, inner, exps,
+                   exp_lo, out, low, high)
+    exponents += exps.sum(axis=0)
+    return (float(out[:, 0].min()), float(out[:, 1].max()), int(out[:, 2].sum()),
+            low.min(axis=0).astype(np.float64), high.max(axis=0).astype(np.float64))
 
 
 def tensor_counts(x: np.ndarray, shifts: tuple[int, int], hist: np.ndarray,
