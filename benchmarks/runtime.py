@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
               f"Python {platform.python_version()}, numba {numba.__version__}, onnxruntime "
               f"{onnxruntime.__version__} (2 intra-op threads)  "),
              (f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load "
-              f"average at the end {os.getloadavg()[0]:.2f} (other engineers share the cores)  "),
+              f"average at the end {os.getloadavg()[0]:.2f}  "),
              f"Medians of {rounds} interleaved round(s) after one warm-up call each.", ""]
     lines += table(rows, sheets)
     print("\n".join(lines))
