@@ -88,6 +88,18 @@ def test_report_json_validates_against_the_schema(cli, tmp_path, passes) -> None
     assert s["verdict"] == ("pass" if passes else "unchecked")  # no sheet: nothing claimed
 
 
+def test_report_dash_prints_the_json_report_on_stdout_and_writes_no_file(cli, tmp_path,
+                                                                         monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    res = cli("run", EXAMPLES / "transformer.ir", "--weights", EXAMPLES / "transformer.npz",
+              "--inputs", EXAMPLES / "transformer_inputs.npz", "--report", "-")
+    assert res.rc == 0, res.err
+    report = json.loads(res.out)  # JSON, in place of the default text table
+    validate(report)
+    assert report["summary"]["verdict"] == "unchecked"
+    assert not (tmp_path / "-").exists()
+
+
 def test_counts_reach_the_report_and_the_schema_accepts_nulls(cli, tmp_path) -> None:
     from test_backend import COUNTS_IR, COUNTS_X, EXPECTED_COUNTS
 

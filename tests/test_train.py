@@ -211,6 +211,20 @@ def test_train_command_writes_module_weights_report_and_plot(tmp_path, digits, c
     assert res.rc == 0 and "86 steps" in res.err  # 2 x 1400 // 32: the last partial batch dropped
 
 
+def test_train_report_dash_prints_the_report_on_stdout_and_writes_no_file(tmp_path, digits,
+                                                                          cli, monkeypatch):
+    x, y = digits
+    model = mlp_init(tmp_path)
+    np.savez(tmp_path / "train.npz", x=x[:SPLIT], y=y[:SPLIT])
+    monkeypatch.chdir(tmp_path)
+    res = cli("train", model, "--data", tmp_path / "train.npz", "--steps", 3, "--report", "-",
+              "-o", tmp_path / "out.ir")
+    assert res.rc == 0, res.err
+    report = json.loads(res.out)
+    assert report["summary"]["steps"] == 3 and len(report["steps"]) == 3
+    assert not (tmp_path / "-").exists()
+
+
 def test_train_reports_which_op_underflows_in_which_phase(tmp_path, digits):
     x, y = digits
     trainer = Trainer(parse_file(mlp_init(tmp_path)), "cross_entropy", "y", plan("fp16"),

@@ -56,7 +56,9 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--output-names", choices=("index", "onnx"), default="index",
                    help="keys of --save-outputs: output_0, output_1, ... (index, the default) "
                         "or the ONNX graph output names that `mplower import` recorded (onnx)")
-    p.add_argument("--report", metavar="R.json", help="write the JSON report here")
+    p.add_argument("--report", metavar="R.json",
+                   help="write the JSON report here ('-': print it on stdout, in place of the "
+                        "--format output)")
     p.add_argument("--format", choices=("table", "json", "markdown"), default="table",
                    help="format of the report printed on stdout")
     p.add_argument("--plot", metavar="DRIFT.png",
@@ -180,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mplower.report.bisect import bisect
 
         report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
-    shown = render(report, args.format)
+    shown = render(report, "json" if args.report == "-" else args.format)
     if args.plot:  # drawn before anything is written: a failing plot leaves no file behind
         from mplower.report.drift_plot import plot_drift
 
@@ -191,7 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         files.append((args.save_outputs,
                       lambda fh: save_npz(fh, dict(zip(keys, result.outputs))), "wb"))
-    if args.report:
+    if args.report and args.report != "-":
         text = render(report, "json").encode()
         files.append((args.report, lambda fh: fh.write(text), "wb"))
     if args.plot:

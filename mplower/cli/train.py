@@ -60,7 +60,8 @@ def add_train(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0, help="seed of the batch order (default 0)")
     p.add_argument("--weights", metavar="W.npz", help="initial weights instead of mp.weights")
     p.add_argument("--func", default=None, help="function to train (default: main)")
-    p.add_argument("--report", metavar="train.json", help="write the per-step report here")
+    p.add_argument("--report", metavar="train.json",
+                   help="write the per-step report here ('-': print it on stdout)")
     p.add_argument("--plot", metavar="train.png", help="plot loss, loss scale and incidence")
     p.add_argument("-o", "--output", required=True, metavar="TRAINED.ir",
                    help="the trained module; its weights go to <stem>.npz beside it")
@@ -152,14 +153,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     text = print_module(module)
     files = [(out_npz, lambda fh: save_npz(fh, {k: np.asarray(v) for k, v in arrays.items()}),
               "wb"), (args.output, lambda fh: fh.write(text), "w")]
-    if args.report:
-        files.append((args.report, lambda fh: fh.write(json.dumps(report, indent=1,
-                                                                  allow_nan=False) + "\n"), "w"))
+    report_text = json.dumps(report, indent=1, allow_nan=False) + "\n"
+    if args.report and args.report != "-":
+        files.append((args.report, lambda fh: fh.write(report_text), "w"))
     if args.plot:
         buf = io.BytesIO()
         plot_training(report, buf)
         files.append((args.plot, lambda fh: fh.write(buf.getvalue()), "wb"))
     write_atomic_all(files)  # all or none: a bad --plot path leaves TRAINED.ir as it was
+    if args.report == "-":
+        sys.stdout.write(report_text)
     s = report["summary"]
     acc = f", eval accuracy {s['eval']['accuracy']:.4f}" if "eval" in s else ""
     loss = "not finite" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
