@@ -219,6 +219,18 @@ def test_cli_import_writes_ir_and_weights_that_run(tmp_path, cli):
     np.testing.assert_allclose(ours, run_ort(model, {"x": x})[0], rtol=1e-4, atol=1e-6)
 
 
+def test_cli_import_refuses_two_shapes_for_one_input(tmp_path, cli):
+    path = save(_cnn(), tmp_path / "cnn.onnx")
+    r = cli("import", path, "-o", tmp_path / "cnn.ir", "--input-shape", "x=2x3x16x16",
+            "--input-shape", "x=4x3x16x16")
+    assert r.rc != 0 and "Traceback" not in r.err
+    assert "--input-shape gives input 'x' two shapes: 2x3x16x16 and 4x3x16x16" in r.err
+    assert not (tmp_path / "cnn.ir").exists()
+    r = cli("import", path, "-o", tmp_path / "cnn.ir", "--input-shape", "x=2x3x16x16",
+            "--input-shape", "x=2x3x16x16")  # the same shape twice says nothing new
+    assert r.rc == 0, r.err
+
+
 def test_malformed_model_file_is_a_diagnostic(tmp_path, cli):
     bad = tmp_path / "junk.onnx"
     bad.write_bytes(b"\x08\x07\xff\xff\xff garbage")

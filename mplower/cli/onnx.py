@@ -61,6 +61,9 @@ def cmd_import(args: argparse.Namespace) -> int:
             name, shape = parse_input_shape(text)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if name in shapes and shapes[name] != shape:
+            raise UsageError(f"--input-shape gives input '{name}' two shapes: "
+                             f"{'x'.join(map(str, shapes[name]))} and {'x'.join(map(str, shape))}")
         shapes[name] = shape
     outputs = None
     if args.outputs is not None:
