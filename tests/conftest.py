@@ -51,6 +51,22 @@ class CliResult:
 
 
 @pytest.fixture
+def unscheduled_helpers(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Worker helpers that the OS never runs (another process holds the core): work handed to
+    them lands in the returned list and is never done, so the caller must do it all."""
+    from mplower.numerics import workers
+
+    dropped: list = []
+
+    class Unscheduled:  # the helpers' queue, never read
+        put = dropped.append
+
+    monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
+    monkeypatch.setattr(workers, "_tasks", Unscheduled)
+    return dropped
+
+
+@pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
     def run(*args: object) -> CliResult:
         try:

@@ -15,7 +15,7 @@ import pytest
 from conftest import sequential_matmul
 from numba import njit
 
-from mplower.numerics import conv, gemm, workers
+from mplower.numerics import conv, gemm
 from mplower.numerics.conv import conv2d
 from mplower.numerics.workers import claim, run_units
 
@@ -133,23 +133,16 @@ def test_implicit_int8_conv_sums_k_in_exact_chunks(monkeypatch) -> None:
 
 @pytest.mark.determinism
 def test_implicit_conv_completes_on_the_caller_when_no_helper_thread_ever_runs(
-        monkeypatch) -> None:
+        monkeypatch, unscheduled_helpers) -> None:
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 16, 12, 12)).astype(np.float32)
     w = rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
     expect = sequential_conv(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
     if numba.get_num_threads() < 2:
         pytest.skip("needs two numba threads")
-    dropped: list = []
-
-    class Unscheduled:  # the helpers' queue, never read
-        put = dropped.append
-
-    monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
-    monkeypatch.setattr(workers, "_tasks", Unscheduled)
     monkeypatch.setattr(gemm, "SERIAL_BELOW", 0)
     assert bits(conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)) == bits(expect)
-    assert len(dropped) == numba.get_num_threads() - 1
+    assert len(unscheduled_helpers) == numba.get_num_threads() - 1
 
 
 @njit(nogil=True)

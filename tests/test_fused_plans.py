@@ -150,3 +150,23 @@ def test_residual_add_and_relu_run_as_one_pass_with_numpys_bits(elem) -> None:
             expect = np.maximum((xs + ys).astype(t).astype(np.float32), np.float32(0))
     assert got.tobytes() == expect.tobytes()
     assert np.isinf(got).any() == (elem == "f16")
+
+
+@pytest.mark.parametrize("elem", ["f8E4M3FN", "f8E5M2"])
+def test_fp8_conv_relu_fuses_only_where_the_format_keeps_a_negative_overflow_negative(elem):
+    """f8E4M3FN has no infinity: a conv result below -448 rounds to NaN, which the relu after
+    it keeps; a relu before the rounding would make it 0. So that relu stays an op of its own.
+    f8E5M2 overflows to -inf, which the relu makes 0 either way: fused."""
+    text = _ROUNDED_CONV.replace("mp.precision = ELEM, ", "").replace(" {mp.precision = ELEM}", "")
+    program = Program(parse(text.replace("ELEM", elem), "m.ir"))
+    x = _inputs(4, 1.0)
+    x[1] = -100.0  # every output of image 1 is -100 * 72 * 0.25 - bias: beyond fp8's range
+    expect = program.run([x], reference=False).outputs[0]
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert got.tobytes() == expect.tobytes()
+    if elem == "f8E4M3FN":
+        assert np.isnan(got[1]).all()
+        assert [s.op for s in program._live] == ["mp.cast", "mp.conv2d", "mp.relu"]
+    else:
+        assert (got[1] == 0).all()
+        assert [s.op for s in program._live] == ["mp.cast", "mp.conv2d"]

@@ -113,10 +113,9 @@ def test_erf_kernel_bits_do_not_depend_on_thread_count() -> None:
 
 @pytest.mark.determinism
 def test_parallel_gemm_completes_on_the_caller_when_no_helper_thread_ever_runs(
-        monkeypatch) -> None:
+        unscheduled_helpers) -> None:
     """A helper the OS does not schedule (another process holds the core) must not stall
     the product: the caller claims every block, and the bits are those of one thread."""
-    from mplower.numerics import workers
     from mplower.numerics.gemm import matmul
 
     rng = np.random.default_rng(4)
@@ -130,16 +129,9 @@ def test_parallel_gemm_completes_on_the_caller_when_no_helper_thread_ever_runs(
         numba.set_num_threads(threads)
     if threads < 2:
         pytest.skip("needs two numba threads")
-    dropped: list = []
-
-    class Unscheduled:  # the helpers' queue, never read
-        put = dropped.append
-
-    monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
-    monkeypatch.setattr(workers, "_tasks", Unscheduled)
     assert matmul(a, b).tobytes() == one
     # Offered the tiles (b, 19 panels wide, is read in place: no packing) and never took them.
-    assert len(dropped) == threads - 1
+    assert len(unscheduled_helpers) == threads - 1
 
 
 def test_a_failing_block_is_raised_in_the_caller() -> None:
@@ -155,18 +147,12 @@ def test_a_failing_block_is_raised_in_the_caller() -> None:
 
 @pytest.mark.determinism
 def test_parallel_rounding_without_a_running_helper_is_numpys_f16_cast_with_exact_counts(
-        monkeypatch) -> None:
-    from mplower.numerics import rounding, workers
+        unscheduled_helpers) -> None:
+    from mplower.numerics import rounding
 
     x = (np.random.default_rng(5).standard_normal(3 * rounding.SERIAL_BELOW + 7) * 30000
          ).astype(np.float32)
     x[:3] = [np.nan, 70000, -1e-9]
-
-    class Unscheduled:
-        put = staticmethod(lambda work: None)
-
-    monkeypatch.setattr(workers, "_ensure_helpers", lambda count: None)
-    monkeypatch.setattr(workers, "_tasks", Unscheduled)
     y, counts = rounding.round_to(x, "f16")
     with np.errstate(over="ignore"):
         expect = x.astype(np.float16).astype(np.float32)

@@ -425,10 +425,13 @@ class Program:
 
 # |sum| below 2^31: the exact sum is the int32 that dequantize would read.
 _I32_LIMIT = 2 ** 31
-# A float conv whose f32 sums are rounded to one of these (a bf16 or fp16 plan's) takes its
-# relu before the rounding: rounding is monotonic, keeps the sign and maps 0 to +0, so
-# round(max(y, 0)) and max(round(y), 0) are the same bits (NaN and infinities included).
-_ROUNDED_CONV = ("tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2")
+# A float result (a conv's, a residual add's) rounded to one of these takes its relu before
+# the rounding: rounding is monotonic, keeps the sign and maps 0 to +0, and a format with
+# infinities keeps NaN a NaN and a negative overflow negative, so round(max(y, 0)) and
+# max(round(y), 0) are the same bits. Not so without infinities: f8E4M3FN rounds -inf and
+# negative overflow to NaN, which a relu after keeps, and the MX element types turn a NaN into
+# a zero of the other sign.
+_RELU_BEFORE_ROUNDING = tuple(f for f in ROUNDING_FORMATS if f != "f32" and FORMATS[f].has_inf)
 
 
 def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
@@ -485,10 +488,10 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
         elif conv.out_type.elem == "f32":
             # A conv without a bias operand (an fp8 plan's) takes the f32 add of one.
             last = bias_add(conv) if len(conv.inputs) == 2 else conv
-        elif conv.out_type.elem not in _ROUNDED_CONV:
+        elif conv.out_type.elem not in _RELU_BEFORE_ROUNDING:
             continue
         relu = only_user(last, "mp.relu")
-        rounded = conv.out_type.elem if conv.out_type.elem in _ROUNDED_CONV else None
+        rounded = conv.out_type.elem if conv.out_type.elem in _RELU_BEFORE_ROUNDING else None
         if relu is not None and relu.out_type.elem == last.out_type.elem:
             chain.append(relu)
             last = relu
@@ -505,7 +508,7 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
         elem = add.out_type.elem
         relu = only_user(add, "mp.relu")
         if relu is None or relu.out_type.elem != elem or len(add.inputs) != 2 \
-                or (elem != "f32" and elem not in _ROUNDED_CONV) \
+                or (elem != "f32" and elem not in _RELU_BEFORE_ROUNDING) \
                 or any(t != add.out_type.with_elem(t.elem) or t.elem not in ("f32", elem)
                        for t in add.in_types):
             continue
@@ -517,7 +520,7 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
 
 def _add_relu_kernel(rounded: str | None) -> Kernel:
     """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
-    result takes its relu before the rounding (see _ROUNDED_CONV: the same bits)."""
+    result takes its relu before the rounding (see _RELU_BEFORE_ROUNDING: the same bits)."""
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         y = add_relu(_f32(xs[0]), _f32(xs[1]))
         return (y, None) if rounded is None else _finish(y, rounded)

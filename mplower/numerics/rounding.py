@@ -192,12 +192,18 @@ def _round_blocks(src, dst, pa, codes, counts, c0, c1):
             src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], pa, codes)
 
 
+@njit(cache=True, inline="always")
+def _param_tuple(pa):
+    """`_params` back from the uint32 array it is passed as (cheaper for numba's dispatcher to
+    type than a tuple)."""
+    return (pa[0], pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], pa[8], pa[9], pa[10],
+            pa[11], pa[12], pa[13])
+
+
 @njit(cache=True, nogil=True)
 def _round_serial(src, dst, pa, codes):
-    """`_round_span` over a whole array in this thread, with the parameters passed as an array
-    (cheaper for numba's dispatcher to type than a tuple) and turned back into a tuple."""
-    p = (pa[0], pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], pa[8], pa[9], pa[10], pa[11],
-         pa[12], pa[13])
+    """`_round_span` over a whole array in this thread."""
+    p = _param_tuple(pa)
     return _round_span(src, dst, p, codes)
 
 
@@ -295,14 +301,20 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
     # Views are taken here, outside the parallel kernel (numba can drop writes made through an
     # array view created inside a prange body).
     src, dst = x.reshape(-1).view(np.uint32), out.reshape(-1)
-    mx = fmt in MX_ROUNDING_FORMATS
-    if x.size < SERIAL_BELOW:
-        serial = _round_serial_mx if mx else _round_serial
-        over, under, nan = serial(src, dst, _param_array(fmt, saturate), codes)
+    if fmt in MX_ROUNDING_FORMATS:
+        return _counted(_round_serial_mx, _round_blocks_mx, src, dst,
+                        _param_array(fmt, saturate), codes)
+    return _counted(_round_serial, _round_blocks, src, dst, _param_array(fmt, saturate), codes)
+
+
+def _counted(serial, blocks, src: np.ndarray, dst: np.ndarray, *args) -> Counts:
+    """serial(src, dst, *args) on one thread for small arrays, else blocks(src, dst, *args,
+    counts) over chunks on the worker threads; the (overflow, underflow, nan) totals."""
+    if src.size < SERIAL_BELOW:
+        over, under, nan = serial(src, dst, *args)
         return Counts(int(over), int(under), int(nan))
-    counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
-    run_blocks(_round_blocks_mx if mx else _round_blocks, counts.shape[0], src, dst,
-               _param_array(fmt, saturate), codes, counts)
+    counts = np.zeros(((src.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
+    run_blocks(blocks, counts.shape[0], src, dst, *args, counts)
     total = counts.sum(axis=0)
     return Counts(int(total[0]), int(total[1]), int(total[2]))
 
@@ -315,8 +327,7 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
 
 @njit(cache=True, nogil=True)
 def _scaled_serial(src, dst, pa, sf, inv):
-    p = (pa[0], pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], pa[8], pa[9], pa[10], pa[11],
-         pa[12], pa[13])
+    p = _param_tuple(pa)
     over = _U32(0)
     under = _U32(0)
     nan = _U32(0)
@@ -345,17 +356,9 @@ def scale_round(x: np.ndarray, fmt: str, sf: float) -> tuple[np.ndarray, Counts]
                   "scale_round")
     x = _f32_input(x, "scale_round")
     out = np.empty_like(x)
-    src, dst = x.reshape(-1), out.reshape(-1)
     sf32 = np.float32(sf)
-    inv = np.float32(1) / sf32
-    pa = _param_array(fmt, True)
-    if x.size < SERIAL_BELOW:
-        over, under, nan = _scaled_serial(src, dst, pa, sf32, inv)
-        return out, Counts(int(over), int(under), int(nan))
-    counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
-    run_blocks(_scaled_blocks, counts.shape[0], src, dst, pa, sf32, inv, counts)
-    total = counts.sum(axis=0)
-    return out, Counts(int(total[0]), int(total[1]), int(total[2]))
+    return out, _counted(_scaled_serial, _scaled_blocks, x.reshape(-1), out.reshape(-1),
+                         _param_array(fmt, True), sf32, np.float32(1) / sf32)
 
 
 @njit(cache=True, nogil=True)

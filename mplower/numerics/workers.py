@@ -55,6 +55,36 @@ def _ensure_helpers(count: int) -> None:
             _helpers.append(t)
 
 
+def _share(threads: int, total: int, step: Callable[[], int]) -> None:
+    """step() on this thread and on threads - 1 helpers at once, each call doing pieces of
+    `total` and returning how many it did. Returns when they add up to total (a helper that
+    starts late finds nothing left and returns 0), or re-raises the first error a call
+    raised."""
+    lock = threading.Lock()
+    finished = threading.Event()
+    state = {"done": 0, "error": None}
+
+    def work() -> None:
+        done = 0
+        try:
+            done = step()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            state["error"] = e
+            finished.set()
+        with lock:
+            state["done"] += done
+            if state["done"] == total:
+                finished.set()
+
+    _ensure_helpers(threads - 1)
+    for _ in range(threads - 1):
+        _tasks.put(work)
+    work()
+    finished.wait()
+    if state["error"] is not None:
+        raise state["error"]
+
+
 def run_blocks(kernel: Callable[..., None], count: int, *args) -> None:
     """kernel(*args, start, stop) over consecutive blocks covering range(count), on up to
     numba.get_num_threads() threads; `kernel` must be a nogil njit function whose blocks
@@ -66,28 +96,15 @@ def run_blocks(kernel: Callable[..., None], count: int, *args) -> None:
     blocks = min(count, threads * _BLOCKS_PER_THREAD)
     bounds = [count * i // blocks for i in range(blocks + 1)]
     claim = itertools.count()
-    lock = threading.Lock()
-    finished = threading.Event()
-    state = {"done": 0, "error": None}
 
-    def work() -> None:
+    def step() -> int:
+        done = 0
         while (i := next(claim)) < blocks:
-            try:
-                kernel(*args, bounds[i], bounds[i + 1])
-            except BaseException as e:  # noqa: BLE001 - handed to the caller below
-                state["error"] = e
-            with lock:
-                state["done"] += 1
-                if state["done"] == blocks:
-                    finished.set()
+            kernel(*args, bounds[i], bounds[i + 1])
+            done += 1
+        return done
 
-    _ensure_helpers(threads - 1)
-    for _ in range(threads - 1):
-        _tasks.put(work)
-    work()
-    finished.wait()
-    if state["error"] is not None:
-        raise state["error"]
+    _share(threads, blocks, step)
 
 
 @intrinsic
@@ -114,26 +131,4 @@ def run_units(kernel: Callable[..., int], units: int, *args) -> None:
     if threads <= 1:
         kernel(*args, counter, units)
         return
-    lock = threading.Lock()
-    finished = threading.Event()
-    state = {"done": 0, "error": None}
-
-    def work() -> None:
-        done = 0
-        try:
-            done = kernel(*args, counter, units)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller below
-            state["error"] = e
-            finished.set()
-        with lock:
-            state["done"] += done
-            if state["done"] == units:
-                finished.set()
-
-    _ensure_helpers(threads - 1)
-    for _ in range(threads - 1):
-        _tasks.put(work)
-    work()
-    finished.wait()
-    if state["error"] is not None:
-        raise state["error"]
+    _share(threads, units, lambda: kernel(*args, counter, units))
