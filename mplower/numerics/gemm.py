@@ -45,7 +45,7 @@ TILE_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 # Below this many multiply-adds (about 0.1 ms on one core) one thread does the whole product:
 # handing units to a worker (run_units) costs tens of microseconds. 2^25 (the threshold from
 # before units were claimed inside compiled code) kept ShuffleNet's grouped 1x1 convs at batch
-# 8 on one thread; 2^21 made batch-1 convs slower (runtime.py's models, 2026-12-01).
+# 8 on one thread; 2^21 was no better and ShuffleNet b8 10% slower (docs/benchmarks.md).
 SERIAL_BELOW = 1 << 23
 
 
