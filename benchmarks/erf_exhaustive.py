@@ -6,7 +6,7 @@ sizes) with np.float32(math.erf(float64(x))) computed by an independent compiled
 the elements that Ziv's rounding test sent to the fix-up, and measures the largest relative
 distance between the kernel's float64 approximation and math.erf over the non-NaN inputs, the
 figure that the kernel's error bound rests on. Prints progress per --progress chunks and a
-summary in the format of docs/benchmarks.md.
+summary in the format of docs/benchmarks.md (also to --out); about 3 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-bits", type=int, default=22, help="log2 of patterns per chunk")
     parser.add_argument("--progress", type=int, default=64, help="print every N chunks")
+    parser.add_argument("--out", help="also write the summary to this file")
     args = parser.parse_args()
     size = 1 << args.chunk_bits
     chunks = (1 << 32) // size
@@ -76,17 +77,22 @@ def main() -> None:
             print(f"{c + 1}/{chunks} chunks, {time.perf_counter() - t0:.0f} s, "
                   f"{mismatches} mismatches, {flagged} flagged", flush=True)
     seconds = time.perf_counter() - t0
-    print(f"- command: `{shlex.join([os.path.basename(sys.executable)] + sys.argv)}`")
-    print(f"- machine: {platform.platform()}, {os.cpu_count()} CPUs, numba {numba.__version__} "
-          f"with {numba.get_num_threads()} threads, Python {platform.python_version()}")
-    print(f"- load average at start (1, 5, 15 min): {load}; date: {start}")
-    print(f"- all 2^32 float32 bit patterns in {chunks} chunks, {seconds:.0f} s: "
-          f"{mismatches} mismatches; {flagged} sent to the fix-up, {_NANS} of them NaNs; "
-          f"the other {flagged - _NANS} are {(flagged - _NANS) / inner:.2e} of the {inner} "
-          f"inputs whose float32 erf is neither 0 nor +-1 nor NaN")
-    print(f"- largest relative error of the approximation: {worst:.3g} "
-          f"(2^{math.log2(worst):.1f}) at x = {worst_x!r}; bound 2^"
-          f"{math.log2(special._ERROR_BOUND):.0f}")
+    report = "\n".join([
+        f"- command: `{shlex.join([os.path.basename(sys.executable)] + sys.argv)}`",
+        (f"- machine: {platform.platform()}, {os.cpu_count()} CPUs, numba {numba.__version__} "
+        f"with {numba.get_num_threads()} threads, Python {platform.python_version()}"),
+        f"- load average at start (1, 5, 15 min): {load}; date: {start}",
+        (f"- all 2^32 float32 bit patterns in {chunks} chunks, {seconds:.0f} s: {mismatches} "
+        f"mismatches; {flagged} sent to the fix-up, {_NANS} of them NaNs; the other "
+        f"{flagged - _NANS} are {(flagged - _NANS) / inner:.2e} of the {inner} inputs whose "
+        f"float32 erf is neither 0 nor +-1 nor NaN"),
+        (f"- largest relative error of the approximation: {worst:.3g} "
+        f"(2^{math.log2(worst):.1f}) at x = {worst_x!r}; bound "
+        f"2^{math.log2(special._ERROR_BOUND):.0f}"), ""])
+    print(report, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
 
 
 if __name__ == "__main__":
