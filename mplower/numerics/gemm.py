@@ -411,21 +411,47 @@ def _block_units(a, panels, c, ia, ib, cols, block_rows, block_panels, chunk, sc
         done += 1
 
 
-def _gemm_packed(a, b, c, ia, ib, cols, chunk, scale, bias, relu, serial):
+def _gemm_packed(a, b, c, ia, ib, cols, chunk, scale, bias, relu, serial, panels=None):
     """A product of more than 2 * TILE_ROWS rows: every panel is read by enough row tiles to
     repay packing b, which also keeps the rows of a panel apart from the cache aliasing of a
     power-of-two stride (b's rows read in place 12 KB apart: a quarter of BERT's GEMM speed
     lost)."""
-    count = b.shape[0] * -(-b.shape[2] // cols)
-    panels = np.empty(count * b.shape[1] * cols, b.dtype)
+    packed = panels is not None  # b's panels as `PackedMatrix` made them
+    if not packed:
+        panels = _pack_all(b, cols, serial)
     rows, per_unit, units = _blocks(c, cols)
     args = (a, panels, c, ia, ib, cols, rows, per_unit, chunk, scale, bias, relu)
     if serial:
-        _pack_blocks(b, panels, cols, 0, count)
         _block_units(*args, np.zeros(1, np.int64), units)
     else:
-        run_blocks(_pack_blocks, count, b, panels, cols)
         run_units(_block_units, units, *args)
+
+
+def _pack_all(b: np.ndarray, cols: int, serial: bool) -> np.ndarray:
+    """Every column panel of the stack b (B, K, N), batch-major, each (K, cols) (`_pack`)."""
+    count = b.shape[0] * -(-b.shape[2] // cols)
+    panels = np.empty(count * b.shape[1] * cols, b.dtype)
+    if serial:
+        _pack_blocks(b, panels, cols, 0, count)
+    else:
+        run_blocks(_pack_blocks, count, b, panels, cols)
+    return panels
+
+
+class PackedMatrix:
+    """A matrix b (K, N) in the form the product reads it, made once for the many products
+    with one weight (the executor packs its constant weights): `matmul(a, packed)` gives
+    a @ b with the same bits, without converting and packing b on every call. `dtype` is the
+    precision the products run in (float32 or float64); an integer b must be exact in it."""
+
+    def __init__(self, b: np.ndarray, dtype: np.dtype) -> None:
+        if np.ndim(b) != 2:
+            raise ValueError(f"PackedMatrix: b must be 2-D, not {np.shape(b)}")
+        self.dtype = np.dtype(dtype)
+        self.stack = np.ascontiguousarray(np.asarray(b).reshape((1,) + np.shape(b)), self.dtype)
+        self.shape = self.stack.shape[1:]
+        self.panels = _pack_all(self.stack, _panel_columns(self.dtype),
+                                self.stack.size < SERIAL_BELOW)
 
 
 # Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
@@ -508,16 +534,20 @@ def _epilogue_table(v: np.ndarray | None, dtype: np.dtype, rows: int) -> np.ndar
 def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk: int | None,
              scale: np.ndarray | None, bias: np.ndarray | None, relu: bool) -> np.ndarray:
     """The shared body of `matmul` and `integer_matmul`: c = epilogue(a @ b) in `out`."""
-    if a.ndim == 0 or b.ndim == 0:
+    packed = b if isinstance(b, PackedMatrix) else None
+    if packed is not None and packed.dtype != work:
+        raise ValueError(f"matmul: b is packed for {packed.dtype}, the product runs in {work}")
+    if a.ndim == 0 or len(b.shape) == 0:
         raise ValueError("matmul: operands must have at least one dimension")
     a2 = a[None, :] if a.ndim == 1 else a
-    b2 = b[:, None] if b.ndim == 1 else b
+    b2 = packed.stack[0] if packed is not None else b[:, None] if b.ndim == 1 else b
     if a2.shape[-1] != b2.shape[-2]:
         raise ValueError(f"matmul: contraction mismatch: {a.shape} @ {b.shape}")
     batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
     (m, k), n = a2.shape[-2:], b2.shape[-1]
     sa, ia = _batches(a2, batch, work)
-    sb, ib = _batches(b2, batch, work)
+    sb, ib = _batches(b2, batch, work) if packed is None else (
+        packed.stack, np.zeros(int(np.prod(batch)), np.int64))
     epilogue = scale is not None or bias is not None or relu
     c = np.empty((ia.size, m, n), out) if k or epilogue else np.zeros((ia.size, m, n), out)
     if c.size:
@@ -531,11 +561,12 @@ def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk:
         elif m <= 2 * TILE_ROWS:
             _gemm_in_place(sa, sb, c, ia, ib, _panel_columns(work), *tables, serial)
         else:
-            _gemm_packed(sa, sb, c, ia, ib, _panel_columns(work), *tables, serial)
+            _gemm_packed(sa, sb, c, ia, ib, _panel_columns(work), *tables, serial,
+                         None if packed is None else packed.panels)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
-    if b.ndim == 1:
+    if len(b.shape) == 1:
         y = y[..., 0]
     return y
 
@@ -548,6 +579,9 @@ def matmul(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None,
     `bias` (one value per row of the result, or per row of every matrix of the batch, in
     batch-major order) and `relu` are applied as each output is stored, the float operations
     `y + bias` and np.maximum(y, 0) would do: the same bits without another pass over memory."""
+    if isinstance(b, PackedMatrix):
+        a = np.asarray(a)
+        return _product(a, b, np.result_type(a, b.dtype), b.dtype, None, None, bias, relu)
     a, b = np.asarray(a), np.asarray(b)
     dtype = np.result_type(a, b)
     if dtype.kind != "f":
