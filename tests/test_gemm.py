@@ -31,10 +31,11 @@ def bits(a: np.ndarray) -> bytes:
 
 # Tile edges (rows not a multiple of 8, columns not of 32 or 512), an empty contraction, and
 # each path both serial and parallel: fewer than 8 rows (row by row), 8 to 16 (panels read in
-# place), more (packed panels, summed in slices of K by blocks of rows and panels: 300 x 300
-# is 25 blocks, the last ones partial, and K = 520 three slices).
+# place), more (panels read in place where b is wide and read by few rows, 33 x 257 and
+# 150 x 400; else packed and summed in slices of K by blocks of rows and panels: 520 x 300 is
+# 25 blocks, the last ones partial, and K = 520 three slices).
 SHAPES = [(1, 1, 1), (3, 5, 7), (37, 300, 71), (1, 513, 700), (33, 17, 257), (5, 0, 3),
-          (12, 40, 50), (150, 700, 400), (9, 2100, 1800), (4, 3000, 3000), (300, 520, 300)]
+          (12, 40, 50), (150, 700, 400), (9, 2100, 1800), (4, 3000, 3000), (520, 520, 300)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

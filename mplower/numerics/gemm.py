@@ -9,11 +9,11 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
-the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer), and
-each tile of TILE_ROWS rows by one panel keeps its accumulators in vector registers (`_micro`,
-LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder) over a slice
-of K, then stores them in c, where the next slice continues the same sums: sliced or not, each
-sum runs over k = 0 .. K-1 in order. Rows past the last full tile run one at a time, and a
+the BLIS manner: b is packed into column panels (read in place where packing does not pay),
+and each tile of TILE_ROWS rows by one panel keeps its accumulators in vector registers
+(`_micro`, LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder)
+over K or, packed, over a slice of K, then stores them in c, where the next slice continues
+the same sums: sliced or not, each sum runs over k = 0 .. K-1 in order. Rows past the last full tile run one at a time, and a
 product of fewer than TILE_ROWS rows streams b row by row instead (`_rows`, batch-1
 inference). A tile belongs to one thread (threads claim blocks of tiles,
 mplower.numerics.workers.run_units), SIMD lanes are different output columns, and K is never
@@ -179,8 +179,8 @@ def _pack(b, panels, q, cols, base):
 
 @njit(cache=True, inline="always")
 def _tile(a, b, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
-    """Output tile t of c (B, M, N) of a product of few rows (b not packed, see
-    `_gemm_packed`): batch, then column panel, then row block, accumulated over all of K in
+    """Output tile t of c (B, M, N) of a product whose b is not packed (`_repays_packing`):
+    batch, then column panel, then row block, accumulated over all of K in
     _micro's order and stored through the epilogue (`_store`). Full panels are read from b in
     place, the last partial one is packed. With `chunk` < K (integer operands, see
     `integer_matmul`) each chunk of K is summed on its own, exactly, and the chunks add up in
@@ -299,7 +299,7 @@ _TILES_PER_UNIT = 4
 
 @njit(cache=True, nogil=True)
 def _tile_units(a, b, c, ia, ib, cols, chunk, scale, bias, relu, counter, units):
-    """A product of few rows (b not packed, see `_gemm_packed`): the tiles of c in `_tile`'s order,
+    """A product whose b is not packed (`_repays_packing`): the tiles of c in `_tile`'s order,
     _TILES_PER_UNIT to a unit, for the units claimed from `counter` (workers.run_units);
     returns the number of units done."""
     tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
@@ -411,11 +411,22 @@ def _block_units(a, panels, c, ia, ib, cols, block_rows, block_panels, chunk, sc
         done += 1
 
 
+# Packing b is a pass over it (two where it leaves the cache), repaid where each panel is read
+# by many rows, or b is narrow (fewer than _WIDE panels): on one thread 64 x 576 @ 576 x 25088
+# (a conv's im2col shape) ran at half speed packed, 256 x 1024 @ 1024 x 1568 at two thirds,
+# 1024 x 768 @ 768 x 3072 30% faster. A weight packed once (PackedMatrix) is always read packed.
+_PACK_ROWS, _WIDE = 512, 8
+
+
+def _repays_packing(rows: int, n: int, cols: int) -> bool:
+    """Whether a product whose b (N columns) is read by `rows` rows packs b on each call."""
+    return rows >= _PACK_ROWS or -(-n // cols) < _WIDE
+
+
 def _gemm_packed(a, b, c, ia, ib, cols, chunk, scale, bias, relu, serial, panels=None):
-    """A product of more than 2 * TILE_ROWS rows: every panel is read by enough row tiles to
-    repay packing b, which also keeps the rows of a panel apart from the cache aliasing of a
-    power-of-two stride (b's rows read in place 12 KB apart: a quarter of BERT's GEMM speed
-    lost)."""
+    """A product of more than 2 * TILE_ROWS rows whose b is packed (`_repays_packing`), which
+    also keeps the rows of a panel clear of the cache aliasing of a power-of-two stride (b's
+    rows read in place 12 KB apart: a quarter of BERT's GEMM speed lost)."""
     packed = panels is not None  # b's panels as `PackedMatrix` made them
     if not packed:
         panels = _pack_all(b, cols, serial)
@@ -558,7 +569,8 @@ def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk:
         serial = c.size * max(k, 1) < SERIAL_BELOW
         if m < TILE_ROWS:
             (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib, *tables)
-        elif m <= 2 * TILE_ROWS:
+        elif m <= 2 * TILE_ROWS or packed is None and not _repays_packing(
+                m * ia.size // sb.shape[0], n, _panel_columns(work)):
             _gemm_in_place(sa, sb, c, ia, ib, _panel_columns(work), *tables, serial)
         else:
             _gemm_packed(sa, sb, c, ia, ib, _panel_columns(work), *tables, serial,
