@@ -170,3 +170,38 @@ def test_fp8_conv_relu_fuses_only_where_the_format_keeps_a_negative_overflow_neg
     else:
         assert (got[1] == 0).all()
         assert [s.op for s in program._live] == ["mp.cast", "mp.conv2d"]
+
+
+_WEIGHTED = """func.func @main(%x: tensor<2x24x40xf32>) -> tensor<2x24x48xf32> {
+  %w = mp.constant {value = dense<WEIGHTS> : tensor<40x48xf32>} : () -> tensor<40x48xf32>
+  %y = mp.matmul %x, %w : (tensor<2x24x40xf32>, tensor<40x48xf32>) -> tensor<2x24x48xf32>
+  %t = mp.transpose %w {perm = [1, 0]} : (tensor<40x48xf32>) -> tensor<48x40xf32>
+  %z = mp.matmul %y, %t : (tensor<2x24x48xf32>, tensor<48x40xf32>) -> tensor<2x24x40xf32>
+  %u = mp.matmul %z, %w : (tensor<2x24x40xf32>, tensor<40x48xf32>) -> tensor<2x24x48xf32>
+  return %u : tensor<2x24x48xf32>
+}
+"""
+
+
+def test_constant_matmul_weights_are_packed_once_with_the_bits_of_the_plain_product() -> None:
+    """run_lowered packs a constant b once (gemm.PackedMatrix); the weight's other use (the
+    transpose, folded once into a constant that is packed in turn) still reads the array, and
+    every result is the op-by-op run's bits."""
+    from conftest import sequential_matmul
+
+    from mplower.numerics.gemm import PackedMatrix
+
+    w = np.random.default_rng(8).standard_normal((40, 48)).astype(np.float32)
+    text = _WEIGHTED.replace("WEIGHTS", np.array2string(
+        w, separator=", ", threshold=10**6, floatmode="unique", max_line_width=10**6))
+    program = Program(parse(text, "m.ir"))
+    x = np.random.default_rng(9).standard_normal((2, 24, 40)).astype(np.float32)
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    y = np.stack([sequential_matmul(v, w) for v in x])
+    z = np.stack([sequential_matmul(v, np.ascontiguousarray(w.T)) for v in y])
+    assert got.tobytes() == np.stack([sequential_matmul(v, w) for v in z]).tobytes()
+    packed = [s.run.args[1] for s in program._live if s.op == "mp.matmul"
+              and hasattr(s.run, "args")]
+    assert len(packed) == 3 and all(isinstance(p, PackedMatrix) for p in packed)
+    assert [p.stack.tobytes() for p in packed] == [w.tobytes(), w.T.tobytes(), w.tobytes()]

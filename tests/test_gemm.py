@@ -31,9 +31,11 @@ def bits(a: np.ndarray) -> bytes:
 
 # Tile edges (rows not a multiple of 8, columns not of 32 or 512), an empty contraction, and
 # each path both serial and parallel: fewer than 8 rows (row by row), 8 to 16 (panels read in
-# place), more (packed panels).
+# place), more (panels read in place where b is wide and read by few rows, 33 x 257 and
+# 150 x 400; else packed and summed in slices of K by blocks of rows and panels: 520 x 300 is
+# 25 blocks, the last ones partial, and K = 520 three slices).
 SHAPES = [(1, 1, 1), (3, 5, 7), (37, 300, 71), (1, 513, 700), (33, 17, 257), (5, 0, 3),
-          (12, 40, 50), (150, 700, 400), (9, 2100, 1800), (4, 3000, 3000)]
+          (12, 40, 50), (150, 700, 400), (9, 2100, 1800), (4, 3000, 3000), (520, 520, 300)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -230,3 +232,24 @@ def test_integer_gemm_dequantize_epilogue_is_numpys_float32_arithmetic(k) -> Non
              np.maximum(q.astype(np.float32) * scale[:, None] + bias[:, None], np.float32(0)))):
         got = integer_matmul(a, b, **kwargs)
         assert got.dtype == np.float32 and bits(got) == bits(expect)
+
+
+@pytest.mark.parametrize("rows", [3, 12, 40])  # row by row, panels in place, packed panels
+def test_a_packed_weight_gives_the_bits_of_the_plain_product(rows) -> None:
+    from mplower.numerics.gemm import PackedMatrix
+
+    rng = np.random.default_rng(rows)
+    a = rng.standard_normal((2, rows, 300)).astype(np.float32)
+    b = rng.standard_normal((300, 70)).astype(np.float32)
+    packed = PackedMatrix(b, np.float32)
+    assert bits(matmul(a, packed)) == bits(np.stack([sequential_matmul(x, b) for x in a]))
+    bias = rng.standard_normal(rows).astype(np.float32)
+    assert bits(matmul(a[0], packed, bias=bias, relu=True)) == bits(
+        np.maximum(sequential_matmul(a[0], b) + bias[:, None], np.float32(0)))
+    # An integer weight packed as the float32 it is exact in: np.matmul's integer product.
+    q = rng.integers(-128, 128, (300, 70)).astype(np.int8)
+    ai = rng.integers(-128, 128, (rows, 300)).astype(np.int8)
+    got = matmul(ai.astype(np.float32), PackedMatrix(q, np.float32))
+    assert np.array_equal(got, (ai.astype(np.int64) @ q.astype(np.int64)).astype(np.float32))
+    with pytest.raises(ValueError, match="packed for float32, the product runs in float64"):
+        matmul(a.astype(np.float64), packed)

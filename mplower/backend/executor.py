@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.elementwise import add_relu
 from mplower.numerics.formats import FORMATS
-from mplower.numerics.gemm import matmul
+from mplower.numerics.gemm import PackedMatrix, matmul
 from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize
 from mplower.numerics.rounding import (
@@ -393,7 +394,8 @@ class Program:
                 else:
                     live.append(step)
             self._folded = folded
-            self._live = _fuse_epilogues(live, {i: folded[i] for i in known}, self.outputs)
+            constants = {i: folded[i] for i in known}
+            self._live = _pack_weights(_fuse_epilogues(live, constants, self.outputs), constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
         self._run_steps(self._live, values)
@@ -413,6 +415,27 @@ class Program:
                 return step.run([values[i] for i in step.inputs])
         except (OpError, ValueError, TypeError) as e:
             raise _failed(step, e) from None
+
+
+# ---- packed weights (run_lowered) ----------------------------------------------------------
+# A matmul whose b is a constant matrix (a weight) reads it converted to the product's working
+# precision and packed into panels (mplower.numerics.gemm.PackedMatrix), made once here: on
+# every call that was a pass over b, and for an integer weight a float copy too.
+
+def _pack_weights(steps: list[Step], constants: dict[int, Any]) -> list[Step]:
+    out = []
+    for s in steps:
+        dtype = getattr(s.run, "weight_dtype", None)
+        w = constants.get(s.inputs[1]) if s.op == "mp.matmul" and len(s.inputs) == 2 else None
+        if dtype is not None and isinstance(w, np.ndarray) and w.ndim == 2:
+            s = replace(s, run=partial(_with_weight, s.run, PackedMatrix(w, dtype)))
+        out.append(s)
+    return out
+
+
+def _with_weight(run: Kernel, weight: PackedMatrix,
+                 xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+    return run([xs[0], weight])
 
 
 # ---- epilogue fusion (run_lowered) ---------------------------------------------------------
@@ -725,12 +748,13 @@ def _matmul_kernel(plan: _Plan, in_types: list[TensorType], out_t: TensorType) -
         fmt = FORMATS[elem]  # i32 (storage int32: half of int64's bytes), or an 8-bit result
 
         def run_int(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-            y = matmul(xs[0].astype(work), xs[1].astype(work))
+            y = matmul(xs[0].astype(work), _weight(xs[1], work))
             if elem == "i32":
                 return y.astype(fmt.storage), NO_COUNTS
             # A narrower result saturates, as the clamp of a requantization would.
             over = int(np.count_nonzero((y < fmt.min_value) | (y > fmt.max_finite)))
             return np.clip(y, fmt.min_value, fmt.max_finite).astype(fmt.storage), Counts(over)
+        run_int.weight_dtype = np.dtype(work)  # type: ignore[attr-defined]
         return run_int
     if plan.executed["accum"] == "f16":
         def run_f16(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
@@ -746,8 +770,15 @@ def _matmul_kernel(plan: _Plan, in_types: list[TensorType], out_t: TensorType) -
         return run_sparse
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        return _finish(matmul(_f32(xs[0]), _f32(xs[1])), elem)
+        return _finish(matmul(_f32(xs[0]), _weight(xs[1], np.float32)), elem)
+    run.weight_dtype = np.dtype(np.float32)  # type: ignore[attr-defined]
     return run
+
+
+def _weight(b: np.ndarray | PackedMatrix, dtype: type) -> np.ndarray | PackedMatrix:
+    """A matmul's b in the product's working precision: a PackedMatrix (`_pack_weights`) as
+    it is, it was made in that precision."""
+    return b if isinstance(b, PackedMatrix) else b.astype(dtype, copy=False)
 
 
 def _matmul_f16(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:

@@ -9,17 +9,18 @@ operands, the fp32 reference) each of those changes the last bit. `matmul` fixes
 
 in the result's precision (float32, or float64 when an operand is float64), a rounded product
 and a rounded sum per step, never a fused multiply-add. The kernel is a register-tiled GEMM in
-the BLIS manner: b is packed into column panels (read in place for 16 rows or fewer, or 8
-panels or more), and each tile of TILE_ROWS rows by one panel keeps its accumulators in
-vector registers over the whole of K (`_micro`, LLVM vector IR without fast-math flags, so LLVM
-may neither contract nor reorder); rows past the last full tile run one at a time, and a
+the BLIS manner: b is packed into column panels (read in place where packing does not pay),
+and each tile of TILE_ROWS rows by one panel keeps its accumulators in vector registers
+(`_micro`, LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder)
+over K or, packed, over a slice of K, then stores them in c, where the next slice continues
+the same sums: sliced or not, each sum runs over k = 0 .. K-1 in order. Rows past the last full tile run one at a time, and a
 product of fewer than TILE_ROWS rows streams b row by row instead (`_rows`, batch-1
-inference). A tile belongs to one thread (threads claim a few tiles at a time,
+inference). A tile belongs to one thread (threads claim blocks of tiles,
 mplower.numerics.workers.run_units), SIMD lanes are different output columns, and K is never
-split, so every output element is the same function of its own row of `a` and column of `b`
-whatever the thread count, the BLAS library, the CPU's vector width, the tile a row lands in
-or the batch around it. tests/test_gemm.py checks every path bit for bit against that loop
-written in numpy.
+split between threads or sums, so every output element is the same function of its own row
+of `a` and column of `b` whatever the thread count, the BLAS library, the CPU's vector width,
+the tile a row lands in or the batch around it. tests/test_gemm.py checks every path bit for
+bit against that loop written in numpy.
 
 `conv_product` is the same product with b the im2col of an image, packed panel by panel from
 the image (an implicit GEMM, mplower.numerics.conv).
@@ -158,27 +159,33 @@ def _panel_columns(dtype: np.dtype) -> int:
     return _VECTORS * _VECTOR_BYTES // dtype.itemsize
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _pack(b, panels, q, cols, base):
-    """Column panel q of the stack b (B, K, N), counted batch-major, into panels[base:] as
-    (K, cols) contiguous, zero past N."""
+    """Column panel q of the contiguous stack b (B, K, N), counted batch-major, into
+    panels[base:] as (K, cols) contiguous, zero past N. Each row of the panel is one
+    contiguous copy (unsigned indices, as in _epilogue_in_place, so that it vectorizes)."""
     kk, n = b.shape[1], b.shape[2]
     per = (n + cols - 1) // cols
     batch, j0 = q // per, (q % per) * cols
+    width = np.uint64(min(cols, n - j0))
+    flat = b.reshape(-1)
     for k in range(kk):
-        for j in range(cols):
-            panels[base + k * cols + j] = b[batch, k, j0 + j] if j0 + j < n else 0
+        src, dst = np.uint64((batch * kk + k) * n + j0), np.uint64(base + k * cols)
+        for j in range(width):
+            panels[dst + j] = flat[src + j]
+        for j in range(width, np.uint64(cols)):
+            panels[dst + j] = 0
 
 
 @njit(cache=True, inline="always")
-def _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
-    """Output tile t of c (B, M, N): batch, then column panel, then row block (consecutive
-    tiles share a panel), accumulated over all of K in _micro's order and stored through the
-    epilogue (`_store`). Without `panels` (empty: too few rows to repay packing) full panels
-    are read from b in place. With `chunk` < K (integer operands, see `integer_matmul`) each
-    chunk of K is summed on its own, exactly, and the chunks add up in float64, exactly.
-    cf is c.reshape(-1), made once per product rather than per tile (a reshape is a call into
-    numba's runtime)."""
+def _tile(a, b, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total):
+    """Output tile t of c (B, M, N) of a product whose b is not packed (`_repays_packing`):
+    batch, then column panel, then row block, accumulated over all of K in
+    _micro's order and stored through the epilogue (`_store`). Full panels are read from b in
+    place, the last partial one is packed. With `chunk` < K (integer operands, see
+    `integer_matmul`) each chunk of K is summed on its own, exactly, and the chunks add up in
+    float64, exactly. cf is c.reshape(-1), made once per product rather than per tile (a
+    reshape is a call into numba's runtime)."""
     m, kk, n = a.shape[1], a.shape[2], c.shape[2]
     rows_t = (m + TILE_ROWS - 1) // TILE_ROWS
     per = (n + cols - 1) // cols
@@ -186,16 +193,13 @@ def _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, 
     p, i0 = rest // rows_t, (rest % rows_t) * TILE_ROWS
     j0 = p * cols
     a_offset = (ia[batch] * m + i0) * kk
-    if not panels.size and j0 + cols <= n:
+    if j0 + cols <= n:
         _finish_tile(a, a_offset, b, ib[batch] * kk * n + j0, n, c, cf, batch, i0, j0, cols,
                      chunk, scale, bias, relu, tile, total)
         return
-    if panels.size:
-        source, offset = panels, (ib[batch] * per + p) * kk * cols
-    else:  # the last, partial panel
-        source, offset = np.zeros(kk * cols, b.dtype), 0
-        _pack(b, source, ib[batch] * per + p, cols, 0)
-    _finish_tile(a, a_offset, source, offset, cols, c, cf, batch, i0, j0, cols, chunk, scale,
+    source = np.zeros(kk * cols, b.dtype)
+    _pack(b, source, ib[batch] * per + p, cols, 0)
+    _finish_tile(a, a_offset, source, 0, cols, c, cf, batch, i0, j0, cols, chunk, scale,
                  bias, relu, tile, total)
 
 
@@ -288,47 +292,16 @@ def _store(tile, flat, m, n, batch, i0, rows, j0, cols, scale, bias, relu):
                 flat[base + j] = tile[row + j]
 
 
-_WIDE = 8
-
-
-@njit(cache=True)
-def _panels(b, c, cols):
-    """Room for b packed into column panels, or an empty array where packing does not pay:
-    c has too few rows (each panel would be read by one or two row blocks), or b is wide
-    (_WIDE panels or more, as the im2col of a conv: the packed copy leaves the cache, an extra
-    pass over memory, while its full panels read in place stream well)."""
-    per = (c.shape[2] + cols - 1) // cols
-    size = b.shape[0] * per * b.shape[1] * cols if c.shape[1] > 2 * TILE_ROWS and per < _WIDE else 0
-    return np.empty(size, b.dtype), b.shape[0] * per if size else 0
-
-
-@njit(cache=True)
-def _gemm_serial(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
-    panels, count = _panels(b, c, cols)
-    for q in range(count):
-        _pack(b, panels, q, cols, q * b.shape[1] * cols)
-    tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
-    cf = c.reshape(-1)
-    for t in range(c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS)
-                   * ((c.shape[2] + cols - 1) // cols)):
-        _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
-
-
-@njit(cache=True, nogil=True)
-def _pack_blocks(b, panels, cols, q0, q1):
-    for q in range(q0, q1):
-        _pack(b, panels, q, cols, q * b.shape[1] * cols)
-
-
-# Tiles per work unit of the parallel product: a claim is an atomic on a cache line the threads
+# Tiles per work unit of an in-place product: a claim is an atomic on a cache line the threads
 # share, a few tiles amortize it.
 _TILES_PER_UNIT = 4
 
 
 @njit(cache=True, nogil=True)
-def _tile_units(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, counter, units):
-    """The tiles of c in `_tile`'s order, _TILES_PER_UNIT to a unit, for the units claimed from
-    `counter` (workers.run_units); returns the number of units done."""
+def _tile_units(a, b, c, ia, ib, cols, chunk, scale, bias, relu, counter, units):
+    """A product whose b is not packed (`_repays_packing`): the tiles of c in `_tile`'s order,
+    _TILES_PER_UNIT to a unit, for the units claimed from `counter` (workers.run_units);
+    returns the number of units done."""
     tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
     cf = c.reshape(-1)
     tiles = c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS) \
@@ -339,17 +312,157 @@ def _tile_units(a, b, panels, c, ia, ib, cols, chunk, scale, bias, relu, counter
         if u >= units:
             return done
         for t in range(u * _TILES_PER_UNIT, min(tiles, (u + 1) * _TILES_PER_UNIT)):
-            _tile(a, b, panels, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
+            _tile(a, b, c, cf, ia, ib, t, cols, chunk, scale, bias, relu, tile, total)
         done += 1
 
 
-def _gemm_parallel(a, b, c, ia, ib, cols, chunk, scale, bias, relu):
-    panels, count = _panels(b, c, cols)
-    run_blocks(_pack_blocks, count, b, panels, cols)
-    tiles = c.shape[0] * ((c.shape[1] + TILE_ROWS - 1) // TILE_ROWS) \
-        * ((c.shape[2] + cols - 1) // cols)
-    run_units(_tile_units, -(-tiles // _TILES_PER_UNIT), a, b, panels, c, ia, ib, cols, chunk,
-              scale, bias, relu)
+def _gemm_in_place(a, b, c, ia, ib, cols, chunk, scale, bias, relu, serial):
+    tiles = c.shape[0] * -(-c.shape[1] // TILE_ROWS) * -(-c.shape[2] // cols)
+    args = (a, b, c, ia, ib, cols, chunk, scale, bias, relu)
+    if serial:
+        _tile_units(*args, np.zeros(1, np.int64), -(-tiles // _TILES_PER_UNIT))
+    else:
+        run_units(_tile_units, -(-tiles // _TILES_PER_UNIT), *args)
+
+
+@njit(cache=True, nogil=True)
+def _pack_blocks(b, panels, cols, q0, q1):
+    for q in range(q0, q1):
+        _pack(b, panels, q, cols, q * b.shape[1] * cols)
+
+
+# The cache blocking of a packed product (the BLIS loop order), in units of _BLOCK_ROWS rows
+# by _BLOCK_PANELS panels: K is swept in slices of _DEPTH, over which a slice of a panel
+# (_DEPTH x cols, 32 KB of float32) stays in L1 while the unit's row tiles pass over it, and
+# the unit's slice of a (_BLOCK_ROWS x _DEPTH, 256 KB) stays in L2 while its panels pass. A
+# full tile's sums continue in c from one slice to the next (stored and reloaded as they are,
+# exactly), so every sum keeps the module docstring's order. The sizes change the speed only.
+_DEPTH, _BLOCK_ROWS, _BLOCK_PANELS = 256, 256, 8
+# Units to aim for, so that two threads share a small product (or one with few blocks) and a
+# late thread's share is picked up by the other: blocks are halved (rows first) until there
+# are this many, down to one tile.
+_MIN_UNITS = 16
+
+
+def _blocks(c: np.ndarray, cols: int) -> tuple[int, int, int]:
+    """(rows, panels) of a unit of `_block_units` for c (B, M, N), and the number of units:
+    _BLOCK_ROWS by _BLOCK_PANELS, each halved (the one there are fewer blocks of first) while
+    there are fewer than _MIN_UNITS units."""
+    rows, panels = _BLOCK_ROWS, _BLOCK_PANELS
+    m, per = c.shape[1], -(-c.shape[2] // cols)
+    while c.shape[0] * -(-m // rows) * -(-per // panels) < _MIN_UNITS:
+        if rows > TILE_ROWS and (panels == 1 or -(-m // rows) <= -(-per // panels)):
+            rows //= 2
+        elif panels > 1:
+            panels //= 2
+        else:
+            break
+    return rows, panels, c.shape[0] * -(-m // rows) * -(-per // panels)
+
+
+@njit(cache=True, nogil=True)
+def _block_units(a, panels, c, ia, ib, cols, block_rows, block_panels, chunk, scale, bias,
+                 relu, counter, units):
+    """The blocks of c (B, M, N) claimed from `counter` (workers.run_units): unit u is matrix
+    u // (column blocks * row blocks), then a block of `block_panels` panels, then a block of
+    `block_rows` rows (a multiple of TILE_ROWS); b is packed in `panels` (`_pack`). Full
+    tiles of a float product run sliced over K (see _DEPTH); the rest (the last rows and
+    panel, integer chunks) as `_finish_tile` does for any tile. Returns the number of units
+    done."""
+    m, kk, n = a.shape[1], a.shape[2], c.shape[2]
+    per = (n + cols - 1) // cols
+    row_blocks = (m + block_rows - 1) // block_rows
+    col_blocks = (per + block_panels - 1) // block_panels
+    tile, total = np.empty(TILE_ROWS * cols, a.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    cf = c.reshape(-1)
+    sliced = chunk >= kk > 0 and c.itemsize == a.itemsize
+    epilogue = scale.size or bias.size or relu
+    done = 0
+    while True:
+        u = claim(counter)
+        if u >= units:
+            return done
+        batch, rest = u // (row_blocks * col_blocks), u % (row_blocks * col_blocks)
+        jb, rb = rest // row_blocks, rest % row_blocks
+        i_start, i_end = rb * block_rows, min(m, (rb + 1) * block_rows)
+        p_start, p_end = jb * block_panels, min(per, (jb + 1) * block_panels)
+        # Rows in full tiles, panels full of columns: the sliced tiles when `sliced`.
+        i_full = i_start + (i_end - i_start) // TILE_ROWS * TILE_ROWS if sliced else i_start
+        p_full = min(p_end, n // cols) if sliced else p_start
+        a_base, q_base = ia[batch] * m * kk, ib[batch] * per
+        for k0 in range(0, kk if sliced else 0, _DEPTH):
+            depth = min(_DEPTH, kk - k0)
+            last = k0 + depth == kk
+            for p in range(p_start, p_full):
+                offset = ((q_base + p) * kk + k0) * cols
+                for i0 in range(i_start, i_full, TILE_ROWS):
+                    _micro(a, a_base + i0 * kk + k0, kk, panels, offset, cols, c,
+                           (batch * m + i0) * n + p * cols, n, depth, 1 if k0 == 0 else 0)
+                    if last and epilogue:
+                        _epilogue_in_place(cf, m, n, batch, i0, p * cols, cols, scale, bias,
+                                           relu)
+        for p in range(p_start, p_end):
+            for i0 in range(i_start, i_end, TILE_ROWS):
+                if p < p_full and i0 < i_full:
+                    continue
+                _finish_tile(a, a_base + i0 * kk, panels, (q_base + p) * kk * cols, cols, c,
+                             cf, batch, i0, p * cols, cols, chunk, scale, bias, relu, tile,
+                             total)
+        done += 1
+
+
+# Packing b is a pass over it (two where it leaves the cache), repaid where each panel is read
+# by many rows, or b is narrow (fewer than _WIDE panels): on one thread 64 x 576 @ 576 x 25088
+# (a conv's im2col shape) ran at half speed packed, 256 x 1024 @ 1024 x 1568 at two thirds,
+# 1024 x 768 @ 768 x 3072 30% faster. A weight packed once (PackedMatrix) is always read packed.
+_PACK_ROWS, _WIDE = 512, 8
+
+
+def _repays_packing(rows: int, n: int, cols: int) -> bool:
+    """Whether a product whose b (N columns) is read by `rows` rows packs b on each call."""
+    return rows >= _PACK_ROWS or -(-n // cols) < _WIDE
+
+
+def _gemm_packed(a, b, c, ia, ib, cols, chunk, scale, bias, relu, serial, panels=None):
+    """A product of more than 2 * TILE_ROWS rows whose b is packed (`_repays_packing`), which
+    also keeps the rows of a panel clear of the cache aliasing of a power-of-two stride (b's
+    rows read in place 12 KB apart: a quarter of BERT's GEMM speed lost)."""
+    packed = panels is not None  # b's panels as `PackedMatrix` made them
+    if not packed:
+        panels = _pack_all(b, cols, serial)
+    rows, per_unit, units = _blocks(c, cols)
+    args = (a, panels, c, ia, ib, cols, rows, per_unit, chunk, scale, bias, relu)
+    if serial:
+        _block_units(*args, np.zeros(1, np.int64), units)
+    else:
+        run_units(_block_units, units, *args)
+
+
+def _pack_all(b: np.ndarray, cols: int, serial: bool) -> np.ndarray:
+    """Every column panel of the stack b (B, K, N), batch-major, each (K, cols) (`_pack`)."""
+    count = b.shape[0] * -(-b.shape[2] // cols)
+    panels = np.empty(count * b.shape[1] * cols, b.dtype)
+    if serial:
+        _pack_blocks(b, panels, cols, 0, count)
+    else:
+        run_blocks(_pack_blocks, count, b, panels, cols)
+    return panels
+
+
+class PackedMatrix:
+    """A matrix b (K, N) in the form the product reads it, made once for the many products
+    with one weight (the executor packs its constant weights): `matmul(a, packed)` gives
+    a @ b with the same bits, without converting and packing b on every call. `dtype` is the
+    precision the products run in (float32 or float64); an integer b must be exact in it."""
+
+    def __init__(self, b: np.ndarray, dtype: np.dtype) -> None:
+        if np.ndim(b) != 2:
+            raise ValueError(f"PackedMatrix: b must be 2-D, not {np.shape(b)}")
+        self.dtype = np.dtype(dtype)
+        self.stack = np.ascontiguousarray(np.asarray(b).reshape((1,) + np.shape(b)), self.dtype)
+        self.shape = self.stack.shape[1:]
+        self.panels = _pack_all(self.stack, _panel_columns(self.dtype),
+                                self.stack.size < SERIAL_BELOW)
 
 
 # Fewer rows than a register tile: each row streams b once, row by row, its outputs in chunks
@@ -432,16 +545,20 @@ def _epilogue_table(v: np.ndarray | None, dtype: np.dtype, rows: int) -> np.ndar
 def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk: int | None,
              scale: np.ndarray | None, bias: np.ndarray | None, relu: bool) -> np.ndarray:
     """The shared body of `matmul` and `integer_matmul`: c = epilogue(a @ b) in `out`."""
-    if a.ndim == 0 or b.ndim == 0:
+    packed = b if isinstance(b, PackedMatrix) else None
+    if packed is not None and packed.dtype != work:
+        raise ValueError(f"matmul: b is packed for {packed.dtype}, the product runs in {work}")
+    if a.ndim == 0 or len(b.shape) == 0:
         raise ValueError("matmul: operands must have at least one dimension")
     a2 = a[None, :] if a.ndim == 1 else a
-    b2 = b[:, None] if b.ndim == 1 else b
+    b2 = packed.stack[0] if packed is not None else b[:, None] if b.ndim == 1 else b
     if a2.shape[-1] != b2.shape[-2]:
         raise ValueError(f"matmul: contraction mismatch: {a.shape} @ {b.shape}")
     batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
     (m, k), n = a2.shape[-2:], b2.shape[-1]
     sa, ia = _batches(a2, batch, work)
-    sb, ib = _batches(b2, batch, work)
+    sb, ib = _batches(b2, batch, work) if packed is None else (
+        packed.stack, np.zeros(int(np.prod(batch)), np.int64))
     epilogue = scale is not None or bias is not None or relu
     c = np.empty((ia.size, m, n), out) if k or epilogue else np.zeros((ia.size, m, n), out)
     if c.size:
@@ -452,13 +569,16 @@ def _product(a: np.ndarray, b: np.ndarray, work: np.dtype, out: np.dtype, chunk:
         serial = c.size * max(k, 1) < SERIAL_BELOW
         if m < TILE_ROWS:
             (_rows_serial if serial else _rows_parallel)(sa, sb, c, ia, ib, *tables)
+        elif m <= 2 * TILE_ROWS or packed is None and not _repays_packing(
+                m * ia.size // sb.shape[0], n, _panel_columns(work)):
+            _gemm_in_place(sa, sb, c, ia, ib, _panel_columns(work), *tables, serial)
         else:
-            (_gemm_serial if serial else _gemm_parallel)(
-                sa, sb, c, ia, ib, _panel_columns(work), *tables)
+            _gemm_packed(sa, sb, c, ia, ib, _panel_columns(work), *tables, serial,
+                         None if packed is None else packed.panels)
     y = c.reshape(batch + (m, n))
     if a.ndim == 1:
         y = y[..., 0, :]
-    if b.ndim == 1:
+    if len(b.shape) == 1:
         y = y[..., 0]
     return y
 
@@ -471,6 +591,9 @@ def matmul(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None,
     `bias` (one value per row of the result, or per row of every matrix of the batch, in
     batch-major order) and `relu` are applied as each output is stored, the float operations
     `y + bias` and np.maximum(y, 0) would do: the same bits without another pass over memory."""
+    if isinstance(b, PackedMatrix):
+        a = np.asarray(a)
+        return _product(a, b, np.result_type(a, b.dtype), b.dtype, None, None, bias, relu)
     a, b = np.asarray(a), np.asarray(b)
     dtype = np.result_type(a, b)
     if dtype.kind != "f":
