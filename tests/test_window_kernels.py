@@ -276,10 +276,10 @@ def test_run_lowered_fuses_dequantize_bias_relu_into_depthwise_convs_with_the_sa
 
 
 def test_split_planes_put_every_window_tap_at_its_offset() -> None:
-    """windows.pad_rows + split_columns + tap_offsets (the layout the pooling and depthwise
+    """windows.split_plane + split_stack + tap_offsets (the layout the pooling and depthwise
     kernels compute on) against numpy's padded planes indexed directly: every tap of every
     window of every plane of a stack, for strides, dilations and paddings up to 3."""
-    from mplower.numerics.windows import pad_rows, split_columns, split_shape, tap_offsets
+    from mplower.numerics.windows import split_plane, split_shape, split_stack, tap_offsets
 
     rng = np.random.default_rng(19)
     for trial in range(60):
@@ -294,10 +294,10 @@ def test_split_planes_put_every_window_tap_at_its_offset() -> None:
         x = rng.standard_normal((planes, h, w)).astype(np.float32)
         hq, wq = split_shape((ho, wo), k, s, d)
         rows = np.full((s[0], planes * hq, wq * s[1]), -7.0, np.float32)
-        cols = np.empty((s[1], s[0] * planes * hq * wq), np.float32)
+        cols = np.full((s[1], s[0] * planes * hq * wq), -7.0, np.float32)
         for g in range(planes):
-            pad_rows(x[g], rows, hq, g, pad[0], pad[1])
-        flat = split_columns(rows, cols)
+            split_plane(x[g], rows, cols, hq, g, pad[0], pad[1])
+        flat = split_stack(rows, cols)
         taps = tap_offsets(k, s, d, (hq, wq), planes)
         xp = np.pad(x, ((0, 0), (pad[0], pad[2]), (pad[1], pad[3])), constant_values=-7.0)
         for g, oy, ox, ky, kx in np.ndindex(planes, ho, wo, *k):

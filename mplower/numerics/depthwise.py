@@ -17,11 +17,14 @@ GEMM path does: every product and partial sum of K such products is an integer b
 so float32 sums them exactly, and the result is the exact int64 sum, or with an epilogue
 float32(sum) * scale + bias, then relu, as `integer_matmul` stores it.
 
-Each tap is one contiguous loop over the flattened padded planes of a channel in several
-images (at every position, not only every stride-th: long contiguous loops vectorize), then
-the outputs are picked. Channels are independent, handed to threads in blocks
-(mplower.numerics.workers), and every output is the same sequence of operations wherever
-its plane sits in a stack, so a result depends neither on the thread count nor on its batch.
+The planes of a channel in several images are stacked, padded and split by stride phase
+(mplower.numerics.windows.split_plane), so that each tap of every output of the stack is one
+unit-stride run: a 3x3 window's nine products are summed in a register per output (one
+output per SIMD lane), without the every-position work and picking of a strided window, and
+other windows take one pass over the sums per tap. Work units (a channel and a stack of
+images) are claimed by threads in compiled code (mplower.numerics.workers.run_units), and
+every output is the same sequence of operations wherever its plane sits in a stack, so a
+result depends neither on the thread count nor on its batch.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ import numpy as np
 from numba import njit
 
 from mplower.numerics.gemm import F32_EXACT, int_magnitude
-from mplower.numerics.windows import pad_rows, split_columns, split_shape, tap_offsets
+from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
 from mplower.numerics.workers import claim, run_units
 
-# Below this many multiply-adds (about 1 ms on one core) one thread computes every plane.
+# Below this many multiply-adds (a few tenths of a ms on one core) one thread computes every
+# plane: handing units to a worker costs tens of microseconds, a time slice on a busy machine.
 _SERIAL_BELOW = 1 << 22
-# Padded input elements stacked per tap loop (_planes): one 7x7 plane is too short a loop,
-# a stack much larger than this leaves the L1/L2 cache.
+# Padded input elements stacked per work unit (_units): a loop over one 7x7 plane is too
+# short to run as vector code, a stack much larger than this leaves the L1/L2 cache.
 _STACK = 4096
 
 
@@ -84,7 +88,7 @@ def _units(x, w, scale, bias, y, multiplier, taps, strides, split, pt, pl, relu,
     """Work units claimed from `counter` (workers.run_units) until `units`: unit u is output
     channel u // g of images (u % g) * group .. + group - 1 of y (N, O, Ho, Wo), g the number
     of such image groups; channel o reads input channel o // multiplier of x (N, C, H, W),
-    the planes of a unit split together (windows.pad_rows, split_columns; `split` = (Hq,
+    the planes of a unit split together (windows.split_plane, split_stack; `split` = (Hq,
     Wq)), and weights w[o] (KH * KW) at `taps` (windows.tap_offsets). Returns the number of
     units done."""
     n = x.shape[0]
@@ -92,7 +96,7 @@ def _units(x, w, scale, bias, y, multiplier, taps, strides, split, pt, pl, relu,
     (sh, sw), (hq, wq) = strides, split
     groups = (n + group - 1) // group
     rows = np.zeros((sh, group * hq, wq * sw), y.dtype)  # the padding stays zero
-    cols = np.empty((sw, sh * group * hq * wq), y.dtype)
+    cols = np.zeros((sw, sh * group * hq * wq), y.dtype)
     sums = np.empty(group * hq * wq, y.dtype)
     done = 0
     u = claim(counter)
@@ -100,8 +104,8 @@ def _units(x, w, scale, bias, y, multiplier, taps, strides, split, pt, pl, relu,
         o, i0 = u // groups, u % groups * group
         images = min(group, n - i0)
         for g in range(images):
-            pad_rows(x[i0 + g, o // multiplier], rows, hq, g, pt, pl)
-        flat = split_columns(rows, cols)
+            split_plane(x[i0 + g, o // multiplier], rows, cols, hq, g, pt, pl)
+        flat = split_stack(rows, cols)
         # An absent bias adds -0.0, which changes no value (as the GEMM's epilogue).
         shift = bias[o] if bias.size else y.dtype.type(-0.0)
         factor = scale[o] if scale.size else y.dtype.type(1)
@@ -111,10 +115,7 @@ def _units(x, w, scale, bias, y, multiplier, taps, strides, split, pt, pl, relu,
         else:
             _plane(out, flat, taps, w[o], factor, shift, scale.size > 0, relu)
         for g in range(images):
-            for oy in range(ho):
-                row, start = y[i0 + g, o, oy], (g * hq + oy) * wq
-                for ox in range(wo):
-                    row[ox] = sums[start + ox]
+            keep(sums, g, hq, wq, y[i0 + g, o])
         done += 1
         u = claim(counter)
     return done

@@ -1,20 +1,20 @@
 """Max and average pooling of NCHW planes, compiled, each in one fixed order.
 
-Each (image, channel) plane is pooled on its own by a GIL-free compiled kernel, planes handed
-to threads in blocks (mplower.numerics.workers), so a result depends neither on the thread
-count nor on the batch. Padding is applied per plane, into a scratch copy that stays in the
-cache, instead of a padded copy of the whole tensor. Both kernels run rows first, then
-columns, each pass one long contiguous loop over the flattened padded plane (at every row and
-column, not only every stride-th: such loops vectorize, short or strided ones do not), and
-then pick the outputs.
+Planes are pooled by a GIL-free compiled kernel, stacks of them handed to threads as work
+units (mplower.numerics.workers.run_units), each plane's outputs the same sequence of
+operations wherever it sits, so a result depends neither on the thread count nor on the
+batch. The planes of a unit are padded and split by stride phase into a scratch stack that
+stays in the cache (mplower.numerics.windows.split_plane), so that each tap of every output
+is one unit-stride run over the stack: a 3x3 window's taps are folded in a register per
+output (one output per SIMD lane), other windows take one pass over the outputs per tap,
+and a strided window no longer computes every position and picks.
 
-Max pooling is the fold np.maximum(acc, v) over each window in row-major order, starting from
-the padding value (-inf, or the integer type's minimum, which never wins a window that also
-holds input): a tie between -0.0 and 0.0 takes the later element, a NaN accumulator stays (the
-window's first NaN is the result), a NaN element replaces a number. That fold is associative
-(its result is the first NaN, else the last maximum, in row-major order), so folding each
-row's maxima in row order gives the same bits: today's, pinned by tests/test_window_kernels.py
-against the running np.maximum over the kernel's shifted views that this replaces.
+Max pooling is the fold np.maximum(acc, v) over each window in row-major order (the padding
+value is -inf, or the integer type's minimum, which never wins a window that also holds
+input): a tie between -0.0 and 0.0 takes the later element, a NaN accumulator stays (the
+window's first NaN is the result), a NaN element replaces a number. These are the bits of
+the running np.maximum over the kernel's shifted views, pinned by
+tests/test_window_kernels.py.
 
 Average pooling sums each window in numpy's order, written out, which depends on shapes only:
 from +0.0, the window's rows (`kernel[1]` elements each, zero padding included) are added in
@@ -31,11 +31,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mplower.numerics.windows import pad_rows, split_columns, split_shape, tap_offsets
+from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
 from mplower.numerics.workers import claim, run_blocks, run_units
 
-# Below this many window elements (about 1 ms on one core) one thread pools every plane: a
-# parallel section costs tens of microseconds on an idle machine, a time slice on a busy one.
+# Below this many window elements (a few tenths of a ms on one core) one thread pools every
+# plane: a parallel section costs tens of microseconds on an idle machine, a time slice on a
+# busy one.
 _SERIAL_BELOW = 1 << 22
 # numpy's pairwise summation: runs shorter than this are summed in order, longer ones in
 # _UNROLL interleaved partial sums, runs longer than _BLOCK split in halves (loops_utils.h).
@@ -212,12 +213,12 @@ def _pool_units(x, y, taps, strides, split, pt, pl, fill, kw, counts, group, cou
     """Pooling of planes claimed `group` at a time from `counter` (workers.run_units) until
     `units` (module docstring): max pooling where `counts` is empty, else average pooling
     over counts (the flattened split layout's). The planes of a unit are split together
-    (windows.pad_rows, split_columns; `split` = (Hq, Wq)), the taps at `taps`
+    (windows.split_plane, split_stack; `split` = (Hq, Wq)), the taps at `taps`
     (windows.tap_offsets). Returns the number of units done."""
     p_count, ho, wo = y.shape
     (sh, sw), (hq, wq) = strides, split
     rows = np.full((sh, group * hq, wq * sw), fill, x.dtype)  # the padding stays
-    cols = np.empty((sw, sh * group * hq * wq), x.dtype)
+    cols = np.full((sw, sh * group * hq * wq), fill, x.dtype)
     sums, row = np.empty(group * hq * wq, x.dtype), np.empty(group * hq * wq, x.dtype)
     done = 0
     u = claim(counter)
@@ -225,18 +226,15 @@ def _pool_units(x, y, taps, strides, split, pt, pl, fill, kw, counts, group, cou
         p0 = u * group
         planes = min(group, p_count - p0)
         for g in range(planes):
-            pad_rows(x[p0 + g], rows, hq, g, pt, pl)
-        flat = split_columns(rows, cols)
+            split_plane(x[p0 + g], rows, cols, hq, g, pt, pl)
+        flat = split_stack(rows, cols)
         out = sums[:((planes - 1) * hq + ho - 1) * wq + wo]
         if counts.size:
             _avg_taps(out, flat, taps, kw, counts, row)
         else:
             _max_taps(out, flat, taps)
         for g in range(planes):
-            for oy in range(ho):
-                dst, start = y[p0 + g, oy], (g * hq + oy) * wq
-                for ox in range(wo):
-                    dst[ox] = sums[start + ox]
+            keep(sums, g, hq, wq, y[p0 + g])
         done += 1
         u = claim(counter)
     return done

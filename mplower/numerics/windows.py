@@ -2,9 +2,10 @@
 
 Shared by the reference semantics of mp.conv2d and the pools (mplower.dialect.mp) and by the
 executor's lowered conv, so that both read the same windows of the same padded input; and
-`split_plane` with `tap_offsets`, the padded plane that the compiled window kernels
-(mplower.numerics.pool, mplower.numerics.depthwise) read in unit-stride loops whatever the
-window's strides.
+the layout the compiled window kernels (mplower.numerics.pool, mplower.numerics.depthwise)
+compute on: stacks of padded planes split by stride phase (`split_plane`, `split_stack`),
+where every tap of every window is a unit-stride run (`tap_offsets`), and `keep`, which
+takes the outputs back out.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def pad_hw(x: np.ndarray, padding: tuple[int, ...], fill: Any = 0) -> np.ndarray
 
 def tap_offsets(kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int],
                 shape: tuple[int, int], planes: int = 1) -> np.ndarray:
-    """Where the taps are in `split_columns`' result for `planes` planes split into (Hq, Wq) =
+    """Where the taps are in `split_stack`'s result for `planes` planes split into (Hq, Wq) =
     shape per phase: tap (ky, kx) of the window of output (oy, ox) of plane g is element
     (g * Hq + oy) * Wq + ox + offsets[ky * KW + kx], so that the outputs of the planes are
     one unit-stride run over q = (g * Hq + oy) * Wq + ox for every tap (those at ox >= Wo or
@@ -47,48 +48,78 @@ def tap_offsets(kernel: tuple[int, int], strides: tuple[int, int], dilations: tu
 def split_shape(out: tuple[int, int], kernel: tuple[int, int], strides: tuple[int, int],
                 dilations: tuple[int, int] = (1, 1)) -> tuple[int, int]:
     """(Hq, Wq): the rows and columns of each phase of a plane that the windows of an (Ho,
-    Wo) output read (`pad_rows`, `split_columns`)."""
+    Wo) output read (`split_plane`, `split_stack`)."""
     (ho, wo), (kh, kw), (sh, sw), (dh, dw) = out, kernel, strides, dilations
     return ho + (kh - 1) * dh // sh, wo + (kw - 1) * dw // sw
 
 
-@njit(cache=True, nogil=True)
-def pad_rows(plane, rows, hq, slot, pt, pl):
-    """Copy plane (H, W) into slot g = `slot` of rows (SH, G * Hq, Wq * SW) as the plane
-    padded by pt rows on top and pl columns on the left, its rows split by phase of the row
-    stride SH: padded row i * SH + r of the plane is rows[r, g * Hq + i] (rows from Hq * SH
-    and columns from Wq * SW on are dropped). Elements that are not the plane's (the
-    padding) are left as they are, so a buffer filled once keeps its padding."""
+@njit(cache=True, nogil=True, inline="always")
+def split_plane(plane, rows, cols, hq, slot, pt, pl):
+    """Copy plane (H, W) into slot g = `slot` of a stack of planes padded by pt rows on top
+    and pl columns on the left, split by phase of the strides SH and SW: padded row i * SH +
+    r of the plane is rows[r, g * Hq + i] of rows (SH, G * Hq, Wq * SW) (rows from Hq * SH and
+    columns from Wq * SW on are dropped); where SW is 2, its columns are split at once, into
+    cols (2, SH * G * Hq * Wq) as `split_stack` describes. Elements that are not the plane's
+    (the padding) are left as they are, so buffers filled once keep their padding."""
     h, w = plane.shape
     sh, wr = rows.shape[0], rows.shape[2]
     width = min(w, wr - pl)
+    src_flat, dst_flat = plane.reshape(-1), rows.reshape(-1)
+    if cols.shape[0] == 2:
+        dst_flat, wr = cols.reshape(-1), wr // 2
+    phase = rows.shape[1] * wr  # the distance between row phases
+    # Input column 2k goes to column phase pl % 2, 2k + 1 to the other one, at column
+    # pl // 2 + k and (pl + 1) // 2 + k.
+    even, odd, pairs = pl % 2 * cols.shape[1], (1 - pl % 2) * cols.shape[1], width // 2
     for iy in range(min(h, hq * sh - pt)):  # in memory order, for the prefetcher
         i = iy + pt
-        # An element loop over bounded row views: numba's slice assignment costs several
-        # times the copy itself.
-        src, dst = plane[iy, :width], rows[i % sh, slot * hq + i // sh, pl:pl + width]
-        for j in range(width):
-            dst[j] = src[j]
+        start = i % sh * phase + (slot * hq + i // sh) * wr
+        # Equal bounded views: the loops run several times faster than with numba's slice
+        # assignment, an unbounded view or an index that may be negative.
+        if cols.shape[0] != 2:
+            src, dst = src_flat[iy * w:iy * w + width], dst_flat[start + pl:start + pl + width]
+            for j in range(width):
+                dst[j] = src[j]
+            continue
+        src = src_flat[iy * w:iy * w + 2 * pairs]
+        first = dst_flat[even + start + pl // 2:even + start + pl // 2 + pairs]
+        second = dst_flat[odd + start + (pl + 1) // 2:odd + start + (pl + 1) // 2 + pairs]
+        for k in range(pairs):
+            first[k] = src[2 * k]
+            second[k] = src[2 * k + 1]
+        if width % 2:
+            dst_flat[even + start + pl // 2 + pairs] = src_flat[iy * w + width - 1]
 
 
 @njit(cache=True, nogil=True)
-def split_columns(rows, cols):
-    """rows (SH, G * Hq, Wq * SW) flattened with its columns split by phase of the column
-    stride SW = cols.shape[0]: element (r, i, j * SW + s) is element (s * SH + r) * G * Hq *
-    Wq + i * Wq + j of the result. `rows` itself where SW is 1, else `cols` (SW, SH * G * Hq *
-    Wq) filled in one long pass (loops over one row are too short to run as vector code)."""
-    flat = rows.reshape(-1)
+def split_stack(rows, cols):
+    """The stack of planes filled by `split_plane`, flattened, its columns split by phase of
+    the column stride SW = cols.shape[0]: element (r, i, j * SW + s) of rows (SH, G * Hq, Wq *
+    SW) is element (s * SH + r) * G * Hq * Wq + i * Wq + j of the result. `rows` itself
+    where SW is 1; `cols` (SW, SH * G * Hq * Wq), which split_plane filled where SW is 2, or
+    filled here in one long pass per phase."""
     sw, n = cols.shape
     if sw == 1:
-        return flat
-    if sw == 2:
-        even, odd = cols[0], cols[1]
-        for k in range(n):
-            even[k] = flat[2 * k]
-            odd[k] = flat[2 * k + 1]
-    else:
+        return rows.reshape(-1)
+    if sw > 2:
+        flat = rows.reshape(-1)
         for s in range(sw):
             phase = cols[s]
             for k in range(n):
                 phase[k] = flat[sw * k + s]
     return cols.reshape(-1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def keep(sums, slot, hq, wq, out):
+    """out (Ho, Wo) = the outputs of plane g = `slot` of a stack computed over q = (g * Hq +
+    oy) * Wq + ox (tap_offsets): sums[q] for oy < Ho, ox < Wo."""
+    ho, wo = out.shape
+    flat = out.reshape(-1)
+    for oy in range(ho):
+        # Equal bounded views on both sides: the loop runs several times faster than with
+        # an unbounded one or an index that may be negative.
+        start = (slot * hq + oy) * wq
+        dst, src = flat[oy * wo:oy * wo + wo], sums[start:start + wo]
+        for ox in range(wo):
+            dst[ox] = src[ox]
