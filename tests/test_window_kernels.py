@@ -273,3 +273,59 @@ def test_run_lowered_fuses_dequantize_bias_relu_into_depthwise_convs_with_the_sa
     assert [s.op for s in program._live] == ["mp.quantize", "mp.quantize", "mp.conv2d",
                                               "mp.conv2d"]
     assert all((y == 0).any() and (y > 0).any() for y in got)
+
+
+def test_split_planes_put_every_window_tap_at_its_offset() -> None:
+    """windows.split_plane + split_stack + tap_offsets (the layout the pooling and depthwise
+    kernels compute on) against numpy's padded planes indexed directly: every tap of every
+    window of every plane of a stack, for strides, dilations and paddings up to 3."""
+    from mplower.numerics.windows import split_plane, split_shape, split_stack, tap_offsets
+
+    rng = np.random.default_rng(19)
+    for trial in range(60):
+        h, w = (int(v) for v in rng.integers(1, 12, 2))
+        k, s, d = (tuple(int(v) for v in rng.integers(1, 4, 2)) for _ in range(3))
+        pad = tuple(int(v) for v in rng.integers(0, 4, 4))
+        hp, wp = h + pad[0] + pad[2], w + pad[1] + pad[3]
+        if d[0] * (k[0] - 1) >= hp or d[1] * (k[1] - 1) >= wp:
+            continue
+        ho, wo = (hp - d[0] * (k[0] - 1) - 1) // s[0] + 1, (wp - d[1] * (k[1] - 1) - 1) // s[1] + 1
+        planes = int(rng.integers(1, 4))
+        x = rng.standard_normal((planes, h, w)).astype(np.float32)
+        hq, wq = split_shape((ho, wo), k, s, d)
+        rows = np.full((s[0], planes * hq, wq * s[1]), -7.0, np.float32)
+        cols = np.full((s[1], s[0] * planes * hq * wq), -7.0, np.float32)
+        for g in range(planes):
+            split_plane(x[g], rows, cols, hq, g, pad[0], pad[1])
+        flat = split_stack(rows, cols)
+        taps = tap_offsets(k, s, d, (hq, wq), planes)
+        xp = np.pad(x, ((0, 0), (pad[0], pad[2]), (pad[1], pad[3])), constant_values=-7.0)
+        for g, oy, ox, ky, kx in np.ndindex(planes, ho, wo, *k):
+            got = flat[(g * hq + oy) * wq + ox + taps[ky * k[1] + kx]]
+            assert got == xp[g, oy * s[0] + ky * d[0], ox * s[1] + kx * d[1]], (trial, k, s, d)
+
+
+@pytest.mark.parametrize("s,pad", [((1, 1), (1, 1, 1, 1)), ((2, 2), (0, 0, 0, 0)),
+                                   ((2, 2), (1, 1, 1, 1)), ((3, 2), (2, 1, 0, 1))])
+def test_window_kernels_on_planes_larger_than_a_stack_keep_the_numpy_bits(threads, s,
+                                                                          pad) -> None:
+    """Planes of more padded elements than a stack (`_STACK`, one plane per work unit): 3x3
+    max and average pooling and depthwise conv against numpy written out."""
+    rng = np.random.default_rng(20)
+    x = (rng.standard_normal((2, 3, 67, 66)) * 10.0 ** rng.integers(-5, 5, (2, 3, 67, 66))
+         ).astype(np.float32)
+    x[0, 0, :4, :4] = np.nan
+    xp = padded(x, pad, -np.inf)
+    expect = windows(xp, (3, 3), s).max(axis=(-2, -1))
+    got = pool.max_pool2d(x, (3, 3), s, pad)
+    assert got.tobytes() == expect.tobytes()
+    x[0, 0, :4, :4] = 0.5
+    sums = windows(padded(x, pad), (3, 3), s).sum(axis=(-2, -1))
+    ones = padded(np.ones((1, 1, 67, 66), np.float32), pad)
+    expect = sums / windows(ones, (3, 3), s).sum(axis=(-2, -1))
+    assert pool.avg_pool2d(x, (3, 3), s, pad).tobytes() == expect.tobytes()
+    w = rng.standard_normal((3, 1, 3, 3)).astype(np.float32)
+    bias = rng.standard_normal(3).astype(np.float32)
+    expect = depthwise_loop(x, w, bias, s, pad, (1, 1), True)
+    got = depthwise.depthwise_conv2d(x, w, s, pad, (1, 1), bias=bias, relu=True)
+    assert got.tobytes() == expect.tobytes()

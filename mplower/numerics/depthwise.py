@@ -17,11 +17,14 @@ GEMM path does: every product and partial sum of K such products is an integer b
 so float32 sums them exactly, and the result is the exact int64 sum, or with an epilogue
 float32(sum) * scale + bias, then relu, as `integer_matmul` stores it.
 
-Each tap is one contiguous loop over the flattened padded planes of a channel in several
-images (at every position, not only every stride-th: long contiguous loops vectorize), then
-the outputs are picked. Channels are independent, handed to threads in blocks
-(mplower.numerics.workers), and every output is the same sequence of operations wherever
-its plane sits in a stack, so a result depends neither on the thread count nor on its batch.
+The planes of a channel in several images are stacked, padded and split by stride phase
+(mplower.numerics.windows.split_plane), so that each tap of every output of the stack is one
+unit-stride run: a 3x3 window's nine products are summed in a register per output (one
+output per SIMD lane), without the every-position work and picking of a strided window, and
+other windows take one pass over the sums per tap. Work units (a channel and a stack of
+images) are claimed by threads in compiled code (mplower.numerics.workers.run_units), and
+every output is the same sequence of operations wherever its plane sits in a stack, so a
+result depends neither on the thread count nor on its batch.
 """
 
 from __future__ import annotations
@@ -30,52 +33,92 @@ import numpy as np
 from numba import njit
 
 from mplower.numerics.gemm import F32_EXACT, int_magnitude
-from mplower.numerics.workers import run_blocks
+from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
+from mplower.numerics.workers import claim, run_units
 
-# Below this many multiply-adds (about 1 ms on one core) one thread computes every plane.
+# Below this many multiply-adds (a few tenths of a ms on one core) one thread computes every
+# plane: handing units to a worker costs tens of microseconds, a time slice on a busy machine.
 _SERIAL_BELOW = 1 << 22
-# Padded input elements stacked per tap loop (_planes): one 7x7 plane is too short a loop,
-# a stack much larger than this leaves the L1/L2 cache.
+# Padded input elements stacked per work unit (_units): a loop over one 7x7 plane is too
+# short to run as vector code, a stack much larger than this leaves the L1/L2 cache.
 _STACK = 4096
 
 
 @njit(cache=True, nogil=True)
-def _planes(x, w, scale, bias, y, multiplier, kh, kw, sh, sw, dh, dw, pt, pl, hp, wp, relu,
-            group, o0, o1):
-    """Output channels o0 .. o1 - 1 of y (N, O, Ho, Wo): channel o reads input channel
-    o // multiplier of x (N, C, H, W) and weights w[o] (KH * KW). The padded planes of a
-    channel in `group` images at a time are stacked, so that each tap is one loop over all of
-    them; the positions between planes are computed and not used."""
-    n, h, wd = x.shape[0], x.shape[2], x.shape[3]
+def _plane9(out, flat, taps, w, factor, shift, scaled, relu):
+    """out[q] = the epilogue of the nine taps flat[q + taps[t]] * w[t] summed in order from
+    +0, each sum held in a register (one output per SIMD lane)."""
+    n, zero = out.size, out.dtype.type(0)
+    t0, t1, t2 = flat[taps[0]:], flat[taps[1]:], flat[taps[2]:]
+    t3, t4, t5 = flat[taps[3]:], flat[taps[4]:], flat[taps[5]:]
+    t6, t7, t8 = flat[taps[6]:], flat[taps[7]:], flat[taps[8]:]
+    w0, w1, w2, w3, w4, w5, w6, w7, w8 = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]
+    for q in range(n):
+        acc = zero
+        acc += t0[q] * w0
+        acc += t1[q] * w1
+        acc += t2[q] * w2
+        acc += t3[q] * w3
+        acc += t4[q] * w4
+        acc += t5[q] * w5
+        acc += t6[q] * w6
+        acc += t7[q] * w7
+        acc += t8[q] * w8
+        v = acc * factor + shift if scaled else acc + shift
+        out[q] = zero if relu and v <= zero else v
+
+
+@njit(cache=True, nogil=True)
+def _plane(out, flat, taps, w, factor, shift, scaled, relu):
+    """`_plane9` for any number of taps: each tap one pass over the sums in `out`."""
+    n, zero = out.size, out.dtype.type(0)
+    out[:] = zero
+    for t in range(taps.size):
+        tap, weight = flat[taps[t]:], w[t]
+        for q in range(n):
+            out[q] += tap[q] * weight
+    for q in range(n):
+        v = out[q] * factor + shift if scaled else out[q] + shift
+        out[q] = zero if relu and v <= zero else v
+
+
+@njit(cache=True, nogil=True)
+def _units(x, w, scale, bias, y, multiplier, taps, strides, split, pt, pl, relu, group,
+           counter, units):
+    """Work units claimed from `counter` (workers.run_units) until `units`: unit u is output
+    channel u // g of images (u % g) * group .. + group - 1 of y (N, O, Ho, Wo), g the number
+    of such image groups; channel o reads input channel o // multiplier of x (N, C, H, W),
+    the planes of a unit split together (windows.split_plane, split_stack; `split` = (Hq,
+    Wq)), and weights w[o] (KH * KW) at `taps` (windows.tap_offsets). Returns the number of
+    units done."""
+    n = x.shape[0]
     ho, wo = y.shape[2], y.shape[3]
-    zero = y.dtype.type(0)
-    plane, span = hp * wp, (wo - 1) * sw + 1
-    stack = np.zeros((group, hp, wp), y.dtype)  # the padding stays zero
-    src = stack.reshape(-1)
-    acc = np.empty((group - 1) * plane + (ho - 1) * sh * wp + span, y.dtype)
-    for o in range(o0, o1):
+    (sh, sw), (hq, wq) = strides, split
+    groups = (n + group - 1) // group
+    rows = np.zeros((sh, group * hq, wq * sw), y.dtype)  # the padding stays zero
+    cols = np.zeros((sw, sh * group * hq * wq), y.dtype)
+    sums = np.empty(group * hq * wq, y.dtype)
+    done = 0
+    u = claim(counter)
+    while u < units:
+        o, i0 = u // groups, u % groups * group
+        images = min(group, n - i0)
+        for g in range(images):
+            split_plane(x[i0 + g, o // multiplier], rows, cols, hq, g, pt, pl)
+        flat = split_stack(rows, cols)
         # An absent bias adds -0.0, which changes no value (as the GEMM's epilogue).
         shift = bias[o] if bias.size else y.dtype.type(-0.0)
         factor = scale[o] if scale.size else y.dtype.type(1)
-        for i0 in range(0, n, group):
-            images = min(group, n - i0)
-            for i in range(images):
-                stack[i, pt:pt + h, pl:pl + wd] = x[i0 + i, o // multiplier]
-            size = acc.size - (group - images) * plane
-            acc[:size] = zero
-            for ky in range(kh):
-                for kx in range(kw):
-                    weight = w[o, ky * kw + kx]
-                    tap = src[ky * dh * wp + kx * dw:ky * dh * wp + kx * dw + size]
-                    for j in range(size):
-                        acc[j] += tap[j] * weight
-            for i in range(images):
-                for oy in range(ho):
-                    start = i * plane + oy * sh * wp
-                    row, out = acc[start:start + span:sw], y[i0 + i, o, oy]
-                    for ox in range(wo):
-                        v = row[ox] * factor + shift if scale.size else row[ox] + shift
-                        out[ox] = zero if relu and v <= 0 else v
+        out = sums[:((images - 1) * hq + ho - 1) * wq + wo]
+        if taps.size == 9:
+            _plane9(out, flat, taps, w[o], factor, shift, scale.size > 0, relu)
+        else:
+            _plane(out, flat, taps, w[o], factor, shift, scale.size > 0, relu)
+        for g in range(images):
+            keep(sums, g, hq, wq, y[i0 + g, o])
+        done += 1
+        u = claim(counter)
+    return done
 
 
 def is_depthwise(x: np.ndarray, w: np.ndarray, groups: int) -> bool:
@@ -114,11 +157,15 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     weights = np.ascontiguousarray(w, dtype).reshape(o, kh * kw)
     factor = np.empty(0, dtype) if scale is None else np.ascontiguousarray(scale, dtype).reshape(o)
     shift = np.empty(0, dtype) if bias is None else np.ascontiguousarray(bias, dtype).reshape(o)
-    args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, kh, kw, sh, sw,
-            dh, dw, pt, pl, hp, wp, relu, min(n, max(1, _STACK // (hp * wp))))
+    group = min(n, max(1, _STACK // (hp * wp)))
+    units = o * -(-n // group)
+    split = split_shape((ho, wo), (kh, kw), strides, dilations)
+    taps = tap_offsets((kh, kw), strides, dilations, split, group)
+    args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, taps,
+            (int(sh), int(sw)), split, pt, pl, relu, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
-        _planes(*args, 0, o)
+        _units(*args, np.zeros(1, np.int64), units)
     elif y.size:
-        run_blocks(_planes, o, *args)
+        run_units(_units, units, *args)
     epilogue = scale is not None or bias is not None or relu
     return y.astype(np.int64) if integer and not epilogue else y

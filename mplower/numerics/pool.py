@@ -1,20 +1,20 @@
 """Max and average pooling of NCHW planes, compiled, each in one fixed order.
 
-Each (image, channel) plane is pooled on its own by a GIL-free compiled kernel, planes handed
-to threads in blocks (mplower.numerics.workers), so a result depends neither on the thread
-count nor on the batch. Padding is applied per plane, into a scratch copy that stays in the
-cache, instead of a padded copy of the whole tensor. Both kernels run rows first, then
-columns, each pass one long contiguous loop over the flattened padded plane (at every row and
-column, not only every stride-th: such loops vectorize, short or strided ones do not), and
-then pick the outputs.
+Planes are pooled by a GIL-free compiled kernel, stacks of them handed to threads as work
+units (mplower.numerics.workers.run_units), each plane's outputs the same sequence of
+operations wherever it sits, so a result depends neither on the thread count nor on the
+batch. The planes of a unit are padded and split by stride phase into a scratch stack that
+stays in the cache (mplower.numerics.windows.split_plane), so that each tap of every output
+is one unit-stride run over the stack: a 3x3 window's taps are folded in a register per
+output (one output per SIMD lane), other windows take one pass over the outputs per tap,
+and a strided window no longer computes every position and picks.
 
-Max pooling is the fold np.maximum(acc, v) over each window in row-major order, starting from
-the padding value (-inf, or the integer type's minimum, which never wins a window that also
-holds input): a tie between -0.0 and 0.0 takes the later element, a NaN accumulator stays (the
-window's first NaN is the result), a NaN element replaces a number. That fold is associative
-(its result is the first NaN, else the last maximum, in row-major order), so folding each
-row's maxima in row order gives the same bits: today's, pinned by tests/test_window_kernels.py
-against the running np.maximum over the kernel's shifted views that this replaces.
+Max pooling is the fold np.maximum(acc, v) over each window in row-major order (the padding
+value is -inf, or the integer type's minimum, which never wins a window that also holds
+input): a tie between -0.0 and 0.0 takes the later element, a NaN accumulator stays (the
+window's first NaN is the result), a NaN element replaces a number. These are the bits of
+the running np.maximum over the kernel's shifted views, pinned by
+tests/test_window_kernels.py.
 
 Average pooling sums each window in numpy's order, written out, which depends on shapes only:
 from +0.0, the window's rows (`kernel[1]` elements each, zero padding included) are added in
@@ -31,14 +31,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mplower.numerics.workers import run_blocks
+from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
+from mplower.numerics.workers import claim, run_blocks, run_units
 
-# Below this many window elements (about 1 ms on one core) one thread pools every plane: a
-# parallel section costs tens of microseconds on an idle machine, a time slice on a busy one.
+# Below this many window elements (a few tenths of a ms on one core) one thread pools every
+# plane: a parallel section costs tens of microseconds on an idle machine, a time slice on a
+# busy one.
 _SERIAL_BELOW = 1 << 22
 # numpy's pairwise summation: runs shorter than this are summed in order, longer ones in
 # _UNROLL interleaved partial sums, runs longer than _BLOCK split in halves (loops_utils.h).
 _UNROLL, _BLOCK = 8, 128
+# Padded input elements stacked per tap loop: the planes of a work unit, split together, so
+# that each tap is one long loop over all of them (a loop over one small plane is too short
+# to run as vector code); a stack much larger than this leaves the L1/L2 cache.
+_STACK = 4096
 
 
 @njit(cache=True, nogil=True)
@@ -102,19 +108,6 @@ def _pairwise(a, start, n):
 
 
 @njit(cache=True, nogil=True)
-def _padded_plane(x, p, pt, pl, fill, buf):
-    """Plane p of x (P, H, W) padded by pt rows on top and pl columns on the left and with
-    `fill` up to buf's shape (Hp, Wp), flattened: buf's copy, or x's own plane where there is
-    no padding."""
-    h, w = x.shape[1], x.shape[2]
-    if buf.shape[0] == h and buf.shape[1] == w:
-        return x[p].reshape(-1)
-    buf[:, :] = fill
-    buf[pt:pt + h, pl:pl + w] = x[p]
-    return buf.reshape(-1)
-
-
-@njit(cache=True, nogil=True)
 def _max2(out, a, b):
     """out[i] = np.maximum(a[i], b[i]): a NaN in a stays, a NaN in b replaces a number, a tie
     (-0.0 and 0.0) takes b. `a` may be `out` itself."""
@@ -124,87 +117,127 @@ def _max2(out, a, b):
 
 
 @njit(cache=True, nogil=True)
-def _max3(out, a, b, c):
-    """out[i] = np.maximum(np.maximum(a[i], b[i]), c[i]) in one pass over memory."""
-    for i in range(out.size):
-        x, y, z = a[i], b[i], c[i]
-        x = x if (x > y) | np.isnan(x) else y
-        out[i] = x if (x > z) | np.isnan(x) else z
+def _max9(out, flat, taps):
+    """out[q] = the np.maximum fold of the nine taps flat[q + taps[t]] in order, each
+    output's fold held in a register (one output per SIMD lane)."""
+    t0, t1, t2 = flat[taps[0]:], flat[taps[1]:], flat[taps[2]:]
+    t3, t4, t5 = flat[taps[3]:], flat[taps[4]:], flat[taps[5]:]
+    t6, t7, t8 = flat[taps[6]:], flat[taps[7]:], flat[taps[8]:]
+    for q in range(out.size):
+        m, v = t0[q], t1[q]
+        m = m if (m > v) | np.isnan(m) else v
+        v = t2[q]
+        m = m if (m > v) | np.isnan(m) else v
+        v = t3[q]
+        m = m if (m > v) | np.isnan(m) else v
+        v = t4[q]
+        m = m if (m > v) | np.isnan(m) else v
+        v = t5[q]
+        m = m if (m > v) | np.isnan(m) else v
+        v = t6[q]
+        m = m if (m > v) | np.isnan(m) else v
+        v = t7[q]
+        m = m if (m > v) | np.isnan(m) else v
+        v = t8[q]
+        out[q] = m if (m > v) | np.isnan(m) else v
 
 
 @njit(cache=True, nogil=True)
-def _fold_max(out, values, step, taps):
-    """out = the np.maximum fold of the taps values[t * step:][:out.size], t = 0 .. taps - 1,
-    in that order, three (the first) or two taps per pass over memory. Slices, not
-    values[offset + i]: an index that may be negative defeats vectorization."""
+def _max_taps(out, flat, taps):
+    """`_max9` for any number of taps: each tap one pass over the folds in `out`."""
     n = out.size
-    if taps == 1:
-        out[:] = values[:n]
+    if taps.size == 9:
+        _max9(out, flat, taps)
         return
-    if taps == 2:
-        _max2(out, values[:n], values[step:step + n])
+    out[:] = flat[taps[0]:taps[0] + n]
+    for t in range(1, taps.size):
+        _max2(out, out, flat[taps[t]:taps[t] + n])
+
+
+@njit(cache=True, nogil=True)
+def _avg9(out, flat, taps, counts):
+    """out[q] = the nine taps flat[q + taps[t]] summed as three rows of three, each row and
+    then the rows in order from +0, over counts[q]; each sum held in a register."""
+    zero = out.dtype.type(0)
+    t0, t1, t2 = flat[taps[0]:], flat[taps[1]:], flat[taps[2]:]
+    t3, t4, t5 = flat[taps[3]:], flat[taps[4]:], flat[taps[5]:]
+    t6, t7, t8 = flat[taps[6]:], flat[taps[7]:], flat[taps[8]:]
+    for q in range(out.size):
+        row = zero
+        row += t0[q]
+        row += t1[q]
+        row += t2[q]
+        total = zero
+        total += row
+        row = zero
+        row += t3[q]
+        row += t4[q]
+        row += t5[q]
+        total += row
+        row = zero
+        row += t6[q]
+        row += t7[q]
+        row += t8[q]
+        out[q] = total + row
+    # Divided in a pass of its own: with the counts, the loop above reads one array too many
+    # for the compiler to vectorize it.
+    for q in range(out.size):
+        out[q] = out[q] / counts[q]
+
+
+@njit(cache=True, nogil=True)
+def _avg_taps(out, flat, taps, kw, counts, row):
+    """`_avg9` for windows of any number of rows of kw (< _UNROLL) taps, one pass over
+    `out` (the sums) or `row` (a row's sums) per tap."""
+    n, zero = out.size, out.dtype.type(0)
+    if taps.size == 9 and kw == 3:
+        _avg9(out, flat, taps, counts)
         return
-    _max3(out, values[:n], values[step:step + n], values[2 * step:2 * step + n])
-    t = 3
-    while t < taps:
-        if taps - t >= 2:
-            b, c = t * step, (t + 1) * step
-            _max3(out, out, values[b:b + n], values[c:c + n])
-            t += 2
+    row = row[:n]
+    out[:] = zero
+    for t in range(taps.size):
+        if t % kw == 0:
+            row[:] = zero
+        tap = flat[taps[t]:taps[t] + n]
+        for q in range(n):
+            row[q] += tap[q]
+        if t % kw == kw - 1:
+            for q in range(n):
+                out[q] += row[q]
+    for q in range(n):
+        out[q] = out[q] / counts[q]
+
+
+@njit(cache=True, nogil=True)
+def _pool_units(x, y, taps, strides, split, pt, pl, fill, kw, counts, group, counter, units):
+    """Pooling of planes claimed `group` at a time from `counter` (workers.run_units) until
+    `units` (module docstring): max pooling where `counts` is empty, else average pooling
+    over counts (the flattened split layout's). The planes of a unit are split together
+    (windows.split_plane, split_stack; `split` = (Hq, Wq)), the taps at `taps`
+    (windows.tap_offsets). Returns the number of units done."""
+    p_count, ho, wo = y.shape
+    (sh, sw), (hq, wq) = strides, split
+    rows = np.full((sh, group * hq, wq * sw), fill, x.dtype)  # the padding stays
+    cols = np.full((sw, sh * group * hq * wq), fill, x.dtype)
+    sums, row = np.empty(group * hq * wq, x.dtype), np.empty(group * hq * wq, x.dtype)
+    done = 0
+    u = claim(counter)
+    while u < units:
+        p0 = u * group
+        planes = min(group, p_count - p0)
+        for g in range(planes):
+            split_plane(x[p0 + g], rows, cols, hq, g, pt, pl)
+        flat = split_stack(rows, cols)
+        out = sums[:((planes - 1) * hq + ho - 1) * wq + wo]
+        if counts.size:
+            _avg_taps(out, flat, taps, kw, counts, row)
         else:
-            _max2(out, out, values[t * step:t * step + n])
-            t += 1
-
-
-@njit(cache=True, nogil=True)
-def _add(acc, values, offset, n):
-    """acc[i] += values[offset + i] for i < n."""
-    vs = values[offset:offset + n]
-    for i in range(n):
-        acc[i] += vs[i]
-
-
-@njit(cache=True, nogil=True)
-def _max_planes(x, y, kh, kw, sh, sw, pt, pl, hp, wp, lowest, p0, p1):
-    """Max pooling of planes p0 .. p1 - 1 (module docstring). The fold is associative (its result is
-    the window's first NaN, else its last maximum), so folding each row's maxima in row
-    order gives the row-major fold's bits."""
-    ho, wo = y.shape[1], y.shape[2]
-    buf = np.empty((hp, wp), x.dtype)
-    n, span = hp * wp - kw + 1, (wo - 1) * sw + 1
-    rows, cols = np.empty(n, x.dtype), np.empty((ho - 1) * sh * wp + span, x.dtype)
-    for p in range(p0, p1):
-        src = _padded_plane(x, p, pt, pl, lowest, buf)
-        _fold_max(rows, src, 1, kw)
-        _fold_max(cols, rows, wp, kh)
-        for oy in range(ho):
-            y[p, oy] = cols[oy * sh * wp:oy * sh * wp + span:sw]
-
-
-@njit(cache=True, nogil=True)
-def _avg_planes(x, y, counts, kh, kw, sh, sw, pt, pl, hp, wp, p0, p1):
-    """Average pooling of planes p0 .. p1 - 1 (module docstring): each window row summed in order
-    from +0, then the rows in order from +0; `_avg_windows` where numpy sums otherwise."""
-    ho, wo = y.shape[1], y.shape[2]
-    if wo == 1 or kw >= _UNROLL:
-        _avg_windows(x, y, counts, kh, kw, sh, sw, pt, pl, p0, p1)
-        return
-    zero = x.dtype.type(0)
-    buf = np.empty((hp, wp), x.dtype)
-    n, span = hp * wp - kw + 1, (wo - 1) * sw + 1
-    rows, cols = np.empty(n, x.dtype), np.empty((ho - 1) * sh * wp + span, x.dtype)
-    for p in range(p0, p1):
-        src = _padded_plane(x, p, pt, pl, zero, buf)
-        rows[:] = zero
-        for kx in range(kw):
-            _add(rows, src, kx, n)
-        cols[:] = zero
-        for ky in range(kh):
-            _add(cols, rows, ky * wp, cols.size)
-        for oy in range(ho):
-            sums, share = cols[oy * sh * wp:oy * sh * wp + span:sw], counts[oy]
-            for ox in range(wo):
-                y[p, oy, ox] = sums[ox] / share[ox]
+            _max_taps(out, flat, taps)
+        for g in range(planes):
+            keep(sums, g, hq, wq, y[p0 + g])
+        done += 1
+        u = claim(counter)
+    return done
 
 
 @njit(cache=True, nogil=True)
@@ -233,33 +266,53 @@ def _avg_windows(x, y, counts, kh, kw, sh, sw, pt, pl, p0, p1):
                 y[p, oy, ox] = total / counts[oy, ox]
 
 
-def _run(kernel, planes: int, work: int, *args) -> None:
-    if work < _SERIAL_BELOW:
-        kernel(*args, 0, planes)
-    else:
-        run_blocks(kernel, planes, *args)
-
-
 def _geometry(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
-              padding: tuple[int, ...]) -> tuple[int, int, int, int, np.ndarray]:
-    """(Ho, Wo, padded height, padded width, x as contiguous (N * C, H, W) planes)."""
+              padding: tuple[int, ...]) -> tuple[int, int, np.ndarray]:
+    """(Ho, Wo, x as contiguous (N * C, H, W) planes)."""
     (kh, kw), (sh, sw), (pt, pl, pb, pr) = kernel, strides, padding
     n, c, h, w = x.shape
     ho = (h + pt + pb - kh) // sh + 1
     wo = (w + pl + pr - kw) // sw + 1
-    return ho, wo, h + pt + pb, w + pl + pr, np.ascontiguousarray(x).reshape(n * c, h, w)
+    return ho, wo, np.ascontiguousarray(x).reshape(n * c, h, w)
+
+
+def _pool(planes: np.ndarray, y: np.ndarray, kernel: tuple[int, int],
+          strides: tuple[int, int], padding: tuple[int, ...], fill: np.generic,
+          counts: np.ndarray | None) -> None:
+    """y (P, Ho, Wo) = `_pool_units` of planes (P, H, W): max pooling, or average pooling
+    over `counts` (Ho, Wo)."""
+    p_count, h, w = planes.shape
+    ho, wo = y.shape[1:]
+    group = min(p_count, max(1, _STACK // ((h + padding[0] + padding[2])
+                                           * (w + padding[1] + padding[3]))))
+    split = split_shape((ho, wo), kernel, strides)
+    taps = tap_offsets(kernel, strides, (1, 1), split, group)
+    if counts is None:
+        flat_counts = np.empty(0, planes.dtype)
+    else:
+        # The layout of the stacked planes' outputs; the positions not kept divide by 1.
+        flat_counts = np.ones((group,) + split, planes.dtype)
+        flat_counts[:, :ho, :wo] = counts
+        flat_counts = flat_counts.reshape(-1)
+    units = -(-p_count // group)
+    args = (planes, y, taps, tuple(int(v) for v in strides), split, *padding[:2], fill,
+            kernel[1], flat_counts, group)
+    if y.size * kernel[0] * kernel[1] < _SERIAL_BELOW:
+        _pool_units(*args, np.zeros(1, np.int64), units)
+    else:
+        run_units(_pool_units, units, *args)
 
 
 def max_pool2d(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
                padding: tuple[int, int, int, int]) -> np.ndarray:
     """Max over each window of NCHW x (float or integer), padded by (top, left, bottom,
     right) with values that never win (-inf, or the integer type's minimum)."""
-    ho, wo, hp, wp, planes = _geometry(x, kernel, strides, padding)
+    ho, wo, planes = _geometry(x, kernel, strides, padding)
     lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
     y = np.empty(x.shape[:2] + (ho, wo), x.dtype)
-    _run(_max_planes, planes.shape[0], y.size * kernel[0] * kernel[1], planes,
-         y.reshape(-1, ho, wo), *kernel, *strides, *padding[:2], hp, wp,
-         x.dtype.type(lowest))
+    if y.size:
+        _pool(planes, y.reshape(-1, ho, wo), kernel, strides, padding, x.dtype.type(lowest),
+              None)
     return y
 
 
@@ -268,12 +321,20 @@ def avg_pool2d(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
     """Mean of each window of float NCHW x, zero-padded by (top, left, bottom, right), over
     the input elements under it (count_include_pad=0), in the module docstring's order."""
     (kh, kw), (sh, sw), (pt, pl) = kernel, strides, padding[:2]
-    ho, wo, hp, wp, planes = _geometry(x, kernel, strides, padding)
+    ho, wo, planes = _geometry(x, kernel, strides, padding)
     h, w = x.shape[2:]
     inside_h = np.minimum(np.arange(ho) * sh - pt + kh, h) - np.maximum(np.arange(ho) * sh - pt, 0)
     inside_w = np.minimum(np.arange(wo) * sw - pl + kw, w) - np.maximum(np.arange(wo) * sw - pl, 0)
     counts = np.multiply.outer(inside_h, inside_w).astype(x.dtype)
     y = np.empty(x.shape[:2] + (ho, wo), x.dtype)
-    _run(_avg_planes, planes.shape[0], y.size * kh * kw, planes, y.reshape(-1, ho, wo), counts,
-         kh, kw, sh, sw, pt, pl, hp, wp)
+    if not y.size:
+        return y
+    if wo == 1 or kw >= _UNROLL:
+        args = (planes, y.reshape(-1, ho, wo), counts, kh, kw, sh, sw, pt, pl)
+        if y.size * kh * kw < _SERIAL_BELOW:
+            _avg_windows(*args, 0, planes.shape[0])
+        else:
+            run_blocks(_avg_windows, planes.shape[0], *args)
+    else:
+        _pool(planes, y.reshape(-1, ho, wo), kernel, strides, padding, x.dtype.type(0), counts)
     return y
