@@ -205,3 +205,53 @@ def test_constant_matmul_weights_are_packed_once_with_the_bits_of_the_plain_prod
               and hasattr(s.run, "args")]
     assert len(packed) == 3 and all(isinstance(p, PackedMatrix) for p in packed)
     assert [p.stack.tobytes() for p in packed] == [w.tobytes(), w.T.tobytes(), w.tobytes()]
+
+
+_SHUFFLE = """func.func @main(%x: tensor<3x12x9x10xf32>) -> (tensor<3x12x5x5xf32>, OUTPUTS) {
+  %w = mp.constant {value = dense<WEIGHTS> : tensor<12x1x3x3xf32>} : () -> tensor<12x1x3x3xf32>
+  %b = mp.constant {value = dense<BIAS> : tensor<12xf32>} : () -> tensor<12xf32>
+  %s = mp.reshape %x : (tensor<3x12x9x10xf32>) -> tensor<3x4x3x9x10xf32>
+  %t = mp.transpose %s {perm = [0, 2, 1, 3, 4]} : (tensor<3x4x3x9x10xf32>) -> tensor<3x3x4x9x10xf32>
+  %u = mp.reshape %t : (tensor<3x3x4x9x10xf32>) -> tensor<3x12x9x10xf32>
+  %y = mp.conv2d %u, %w, %b {strides = [2, 2], padding = [1, 1, 1, 0], groups = 12} : (tensor<3x12x9x10xf32>, tensor<12x1x3x3xf32>, tensor<12xf32>) -> tensor<3x12x5x5xf32>
+  return %y, RETURNED
+}
+"""
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_channel_shuffle_read_by_a_depthwise_conv_is_read_in_place(shared) -> None:
+    """ShuffleNet's shuffle (reshape, swap, reshape) feeding a depthwise conv: the conv reads
+    the channels in the shuffled order (no copy), with the bits of numpy's shuffle and the
+    sequential depthwise sum; a shuffle that something else reads too stays."""
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((12, 1, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(12).astype(np.float32)
+
+    def dense(v: np.ndarray) -> str:
+        return np.array2string(v, separator=", ", threshold=10**6, floatmode="unique",
+                               max_line_width=10**6)
+    text = _SHUFFLE.replace("WEIGHTS", dense(w)).replace("BIAS", dense(b))
+    if shared:
+        text = text.replace("OUTPUTS", "tensor<3x12x9x10xf32>").replace(
+            "RETURNED", "%u : tensor<3x12x5x5xf32>, tensor<3x12x9x10xf32>")
+    else:
+        text = text.replace(", OUTPUTS)", ")").replace("RETURNED", ": tensor<3x12x5x5xf32>")
+        text = text.replace("return %y, :", "return %y :")
+    program = Program(parse(text, "m.ir"))
+    x = rng.standard_normal((3, 12, 9, 10)).astype(np.float32)
+    x[0, 5, 2, 3] = np.nan
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    ops = [s.op for s in program._live]
+    assert ops == (["mp.reshape", "mp.transpose", "mp.reshape", "mp.conv2d"] if shared
+                   else ["mp.conv2d"])
+    u = x.reshape(3, 4, 3, 9, 10).transpose(0, 2, 1, 3, 4).reshape(3, 12, 9, 10)
+    padded = np.pad(u, ((0, 0), (0, 0), (1, 1), (1, 0)))
+    expect = np.zeros((3, 12, 5, 5), np.float32)
+    for ky in range(3):
+        for kx in range(3):
+            expect += padded[:, :, ky:ky + 9:2, kx:kx + 10:2][:, :, :5, :5] * w[:, 0, ky, kx][
+                None, :, None, None]
+    expect += b[None, :, None, None]
+    assert got.tobytes() == expect.tobytes()
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()

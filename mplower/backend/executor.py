@@ -395,7 +395,8 @@ class Program:
                     live.append(step)
             self._folded = folded
             constants = {i: folded[i] for i in known}
-            self._live = _pack_weights(_fuse_epilogues(live, constants, self.outputs), constants)
+            self._live = _pack_weights(_fuse_shuffles(
+                _fuse_epilogues(live, constants, self.outputs), self.outputs), constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
         self._run_steps(self._live, values)
@@ -539,6 +540,66 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
                                   run=_add_relu_kernel(None if elem == "f32" else elem))
         gone.add(relu.node)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+# ---- a channel shuffle read by a depthwise conv (run_lowered) ------------------------------
+# ShuffleNet's channel shuffle (reshape to (N, g, C/g, H, W), swap axes 1 and 2, reshape back)
+# copies the tensor, and a depthwise conv, which reads each input channel as one plane, is its
+# only reader: the conv reads the planes in the shuffled order instead
+# (numerics.depthwise's `channels`), the same values, so the same bits, without the copy.
+
+def _fuse_shuffles(steps: list[Step], outputs: list[int]) -> list[Step]:
+    producer = {s.output: s for s in steps}
+    readers: dict[int, int] = {}
+    for s in steps:
+        for i in s.inputs:
+            readers[i] = readers.get(i, 0) + 1
+    kept = set(outputs)
+
+    def only_read(slot: int, op: str) -> Step | None:
+        p = producer.get(slot)
+        if p is None or p.op != op or readers.get(slot) != 1 or slot in kept:
+            return None
+        return p
+
+    fused: dict[int, Step] = {}
+    gone: set[int] = set()
+    for conv in steps:
+        x_t = conv.in_types[0]
+        if conv.op != "mp.conv2d" or not getattr(conv.run, "generic", False) \
+                or x_t.rank != 4 or conv.attrs["groups"] != x_t.shape[1] \
+                or conv.in_types[1].shape[1] != 1 \
+                or not all(FORMATS[t.elem].is_float and t.elem != "f64" for t in conv.in_types):
+            continue
+        back = only_read(conv.inputs[0], "mp.reshape")
+        swap = back and only_read(back.inputs[0], "mp.transpose")
+        split = swap and only_read(swap.inputs[0], "mp.reshape")
+        if not split or tuple(swap.attrs["perm"]) != (0, 2, 1, 3, 4) \
+                or split.in_types[0] != x_t \
+                or any(s.out_type.elem != x_t.elem for s in (back, swap, split)):
+            continue
+        # back's channel i * g + j is swap's (i, j), split's (j, i): input channel j * a + i.
+        a, g = swap.out_type.shape[1], swap.out_type.shape[2]
+        c = np.arange(a * g)
+        channels = (c % g) * a + c // g
+        fused[conv.node] = replace(conv, inputs=[split.inputs[0], *conv.inputs[1:]],
+                                   run=_shuffled_depthwise(conv, channels))
+        gone.update((back.node, swap.node, split.node))
+    return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _shuffled_depthwise(conv: Step, channels: np.ndarray) -> Kernel:
+    """The conv's own kernel (the float reference, conv2d, then its rounding) on the input
+    channels in the order `channels`."""
+    from mplower.numerics.depthwise import depthwise_conv2d
+
+    a, elem = conv.attrs, conv.out_type.elem
+
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        bias = _f32(xs[2]) if len(xs) == 3 else None
+        return _finish(depthwise_conv2d(_f32(xs[0]), _f32(xs[1]), a["strides"], a["padding"],
+                                        a["dilations"], bias=bias, channels=channels), elem)
+    return run
 
 
 def _add_relu_kernel(rounded: str | None) -> Kernel:
@@ -698,6 +759,7 @@ def _generic_kernel(reference: Callable, attrs: dict, out_types: list[TensorType
         y = reference([_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x
                        for x in xs], attrs, rt)[k]
         return (y, None) if exact else _finish(y, elem)
+    run.generic = True  # type: ignore[attr-defined]  # the op's own reference: _fuse_shuffles
     return run
 
 

@@ -83,11 +83,12 @@ def _plane(out, flat, taps, w, factor, shift, scaled, relu):
 
 
 @njit(cache=True, nogil=True)
-def _units(x, w, scale, bias, y, multiplier, taps, strides, split, pt, pl, relu, group,
-           counter, units):
+def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt, pl, relu,
+           group, counter, units):
     """Work units claimed from `counter` (workers.run_units) until `units`: unit u is output
     channel u // g of images (u % g) * group .. + group - 1 of y (N, O, Ho, Wo), g the number
-    of such image groups; channel o reads input channel o // multiplier of x (N, C, H, W),
+    of such image groups; channel o reads input channel o // multiplier, which is channel
+    channels[o // multiplier] of x (N, C, H, W),
     the planes of a unit split together (windows.split_plane, split_stack; `split` = (Hq,
     Wq)), and weights w[o] (KH * KW) at `taps` (windows.tap_offsets). Returns the number of
     units done."""
@@ -104,7 +105,7 @@ def _units(x, w, scale, bias, y, multiplier, taps, strides, split, pt, pl, relu,
         o, i0 = u // groups, u % groups * group
         images = min(group, n - i0)
         for g in range(images):
-            split_plane(x[i0 + g, o // multiplier], rows, cols, hq, g, pt, pl)
+            split_plane(x[i0 + g, channels[o // multiplier]], rows, cols, hq, g, pt, pl)
         flat = split_stack(rows, cols)
         # An absent bias adds -0.0, which changes no value (as the GEMM's epilogue).
         shift = bias[o] if bias.size else y.dtype.type(-0.0)
@@ -137,11 +138,14 @@ def is_depthwise(x: np.ndarray, w: np.ndarray, groups: int) -> bool:
 def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                      padding: tuple[int, int, int, int], dilations: tuple[int, int], *,
                      scale: np.ndarray | None = None, bias: np.ndarray | None = None,
-                     relu: bool = False) -> np.ndarray:
+                     relu: bool = False, channels: np.ndarray | None = None) -> np.ndarray:
     """conv2d (mplower.numerics.conv) of x (N, C, H, W) with w (O, 1, KH, KW), groups C,
     zero-padded by (top, left, bottom, right), where `is_depthwise`: float32, or float64 if
     an operand is, exact int64 for integer operands (float32 with an epilogue), with the GEMM
-    convolution's bits, its `scale` (integer operands), `bias` and `relu` epilogue included."""
+    convolution's bits, its `scale` (integer operands), `bias` and `relu` epilogue included.
+
+    `channels` (C indices) convolves x[:, channels] instead of x, without the copy: the
+    executor folds a channel shuffle into the depthwise conv that reads it."""
     integer = x.dtype.kind in "iub"
     if integer or np.result_type(x, w) != np.float64:
         dtype = np.dtype(np.float32)
@@ -161,7 +165,10 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     units = o * -(-n // group)
     split = split_shape((ho, wo), (kh, kw), strides, dilations)
     taps = tap_offsets((kh, kw), strides, dilations, split, group)
-    args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, taps,
+    channels = np.arange(c) if channels is None else np.asarray(channels, np.int64)
+    if channels.shape != (c,) or c and not 0 <= channels.min() <= channels.max() < c:
+        raise ValueError(f"depthwise_conv2d: channels must be {c} indices below {c}")
+    args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels, taps,
             (int(sh), int(sw)), split, pt, pl, relu, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
         _units(*args, np.zeros(1, np.int64), units)
