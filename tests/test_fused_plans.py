@@ -255,3 +255,37 @@ def test_a_channel_shuffle_read_by_a_depthwise_conv_is_read_in_place(shared) -> 
     expect += b[None, :, None, None]
     assert got.tobytes() == expect.tobytes()
     assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+
+
+_SHUFFLE_INT8 = """func.func @main(%x: tensor<2x12x7x7xf32>) -> tensor<2x12x7x7xf32> {
+  %w = mp.constant {value = dense<WEIGHTS> : tensor<12x1x3x3xi8>} : () -> tensor<12x1x3x3xi8>
+  %s = mp.reshape %x : (tensor<2x12x7x7xf32>) -> tensor<2x3x4x7x7xf32>
+  %t = mp.transpose %s {perm = [0, 2, 1, 3, 4]} : (tensor<2x3x4x7x7xf32>) -> tensor<2x4x3x7x7xf32>
+  %u = mp.reshape %t : (tensor<2x4x3x7x7xf32>) -> tensor<2x12x7x7xf32>
+  %q = mp.quantize %u {scale = 0.05 : f32, zero_point = 3 : ui8} : (tensor<2x12x7x7xf32>) -> tensor<2x12x7x7xui8>
+  %c = mp.conv2d %q, %w {padding = [1, 1, 1, 1], groups = 12} : (tensor<2x12x7x7xui8>, tensor<12x1x3x3xi8>) -> tensor<2x12x7x7xi32>
+  %y = mp.dequantize %c {scale = 0.001 : f32} : (tensor<2x12x7x7xi32>) -> tensor<2x12x7x7xf32>
+  return %y : tensor<2x12x7x7xf32>
+}
+"""
+
+
+def test_a_shuffle_quantized_per_tensor_for_an_int8_depthwise_conv_is_read_in_place() -> None:
+    """In an int8 plan a per-tensor quantize sits between the shuffle and the conv: it runs on
+    the unshuffled tensor and the conv (with its dequantize fused) reads the channels in the
+    shuffled order, the exact integer sums numpy gives on the shuffled codes."""
+    rng = np.random.default_rng(13)
+    w = rng.integers(-128, 128, (12, 1, 3, 3)).astype(np.int8)
+    text = _SHUFFLE_INT8.replace("WEIGHTS", np.array2string(w, separator=", "))
+    program = Program(parse(text, "m.ir"))
+    x = (rng.standard_normal((2, 12, 7, 7)) * 4).astype(np.float32)
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert [s.op for s in program._live] == ["mp.quantize", "mp.conv2d"]
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    u = x.reshape(2, 3, 4, 7, 7).transpose(0, 2, 1, 3, 4).reshape(2, 12, 7, 7)
+    # The conv multiplies the stored codes (the zero point is the plan's business).
+    codes = np.clip(np.round(u / np.float32(0.05)) + 3, 0, 255).astype(np.int64)
+    padded = np.pad(codes, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    acc = sum(padded[:, :, ky:ky + 7, kx:kx + 7] * w[:, 0, ky, kx].astype(np.int64)[
+        None, :, None, None] for ky in range(3) for kx in range(3))
+    assert got.tobytes() == (acc.astype(np.float32) * np.float32(0.001)).tobytes()

@@ -95,6 +95,9 @@ class Step:
     scale_stats: list[ScaleStats] | None = None  # mp.scaled_quant: its last step's account
     attrs: dict = field(default_factory=dict)  # checked attributes
     in_types: list[TensorType] = field(default_factory=list)
+    # A depthwise conv's input channel c is channel channels[c] of its operand (run_lowered's
+    # shuffle fusion, _fuse_shuffles).
+    channels: np.ndarray | None = None
 
 
 @dataclass
@@ -395,8 +398,8 @@ class Program:
                     live.append(step)
             self._folded = folded
             constants = {i: folded[i] for i in known}
-            self._live = _pack_weights(_fuse_shuffles(
-                _fuse_epilogues(live, constants, self.outputs), self.outputs), constants)
+            self._live = _pack_weights(_fuse_epilogues(
+                _fuse_shuffles(live, self.outputs), constants, self.outputs), constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
         self._run_steps(self._live, values)
@@ -545,8 +548,19 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
 # ---- a channel shuffle read by a depthwise conv (run_lowered) ------------------------------
 # ShuffleNet's channel shuffle (reshape to (N, g, C/g, H, W), swap axes 1 and 2, reshape back)
 # copies the tensor, and a depthwise conv, which reads each input channel as one plane, is its
-# only reader: the conv reads the planes in the shuffled order instead
-# (numerics.depthwise's `channels`), the same values, so the same bits, without the copy.
+# only reader: the conv reads the planes in the shuffled order instead (`Step.channels`,
+# numerics.depthwise), the same values, so the same bits, without the copy. Per-tensor
+# elementwise ops in between (a lowered plan's quantize, scaled_quant or cast) run on the
+# unshuffled tensor: each element gets the same operation, and the scale of a per-tensor
+# recipe (the amax of the tensor) does not depend on the order of the elements.
+
+def _per_tensor(s: Step) -> bool:
+    if s.op == "mp.cast":
+        return True
+    if s.op == "mp.quantize":
+        return attr_array(s.attrs["scale"]).size == 1 and not s.attrs["block_size"]
+    return s.op == "mp.scaled_quant" and s.attrs["recipe"] != "block"
+
 
 def _fuse_shuffles(steps: list[Step], outputs: list[int]) -> list[Step]:
     producer = {s.output: s for s in steps}
@@ -556,11 +570,9 @@ def _fuse_shuffles(steps: list[Step], outputs: list[int]) -> list[Step]:
             readers[i] = readers.get(i, 0) + 1
     kept = set(outputs)
 
-    def only_read(slot: int, op: str) -> Step | None:
-        p = producer.get(slot)
-        if p is None or p.op != op or readers.get(slot) != 1 or slot in kept:
-            return None
-        return p
+    def only_reader(slot: int) -> Step | None:
+        """The step that computes `slot`, where one step reads it and it is not an output."""
+        return None if readers.get(slot) != 1 or slot in kept else producer.get(slot)
 
     fused: dict[int, Step] = {}
     gone: set[int] = set()
@@ -568,37 +580,52 @@ def _fuse_shuffles(steps: list[Step], outputs: list[int]) -> list[Step]:
         x_t = conv.in_types[0]
         if conv.op != "mp.conv2d" or not getattr(conv.run, "generic", False) \
                 or x_t.rank != 4 or conv.attrs["groups"] != x_t.shape[1] \
-                or conv.in_types[1].shape[1] != 1 \
-                or not all(FORMATS[t.elem].is_float and t.elem != "f64" for t in conv.in_types):
+                or conv.in_types[1].shape[1] != 1 or conv.node in fused \
+                or any(FORMATS[t.elem].is_int and FORMATS[t.elem].bits > 8
+                       for t in conv.in_types[:2]):  # 8-bit integers: numerics.depthwise
             continue
-        back = only_read(conv.inputs[0], "mp.reshape")
-        swap = back and only_read(back.inputs[0], "mp.transpose")
-        split = swap and only_read(swap.inputs[0], "mp.reshape")
-        if not split or tuple(swap.attrs["perm"]) != (0, 2, 1, 3, 4) \
-                or split.in_types[0] != x_t \
-                or any(s.out_type.elem != x_t.elem for s in (back, swap, split)):
+        chain, back = [], only_reader(conv.inputs[0])
+        while back is not None and back.op != "mp.reshape" and _per_tensor(back) \
+                and back.in_types[0].shape == x_t.shape and back.node not in fused:
+            chain.append(back)
+            back = only_reader(back.inputs[0])
+        swap = back and back.op == "mp.reshape" and only_reader(back.inputs[0])
+        split = swap and swap.op == "mp.transpose" and only_reader(swap.inputs[0])
+        if not split or split.op != "mp.reshape" or tuple(swap.attrs["perm"]) != (0, 2, 1, 3, 4) \
+                or split.in_types[0].shape != x_t.shape \
+                or len({s.out_type.elem for s in (back, swap, split)}) != 1:
             continue
         # back's channel i * g + j is swap's (i, j), split's (j, i): input channel j * a + i.
         a, g = swap.out_type.shape[1], swap.out_type.shape[2]
         c = np.arange(a * g)
         channels = (c % g) * a + c // g
-        fused[conv.node] = replace(conv, inputs=[split.inputs[0], *conv.inputs[1:]],
-                                   run=_shuffled_depthwise(conv, channels))
+        first = chain[-1] if chain else conv  # the step that read the shuffled tensor
+        fused[first.node] = replace(first, inputs=[split.inputs[0], *first.inputs[1:]])
+        conv = fused.get(conv.node, conv)
+        fused[conv.node] = replace(conv, channels=channels,
+                                   run=_depthwise_in_order(conv, channels))
         gone.update((back.node, swap.node, split.node))
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
 
 
-def _shuffled_depthwise(conv: Step, channels: np.ndarray) -> Kernel:
-    """The conv's own kernel (the float reference, conv2d, then its rounding) on the input
-    channels in the order `channels`."""
-    from mplower.numerics.depthwise import depthwise_conv2d
+def _depthwise_in_order(conv: Step, channels: np.ndarray) -> Kernel:
+    """The conv's own kernel (its reference, conv2d, then the rounding or conversion of its
+    result) on the input channels in the order `channels`."""
+    from mplower.numerics.conv import conv2d
 
     a, elem = conv.attrs, conv.out_type.elem
+    geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        bias = _f32(xs[2]) if len(xs) == 3 else None
-        return _finish(depthwise_conv2d(_f32(xs[0]), _f32(xs[1]), a["strides"], a["padding"],
-                                        a["dilations"], bias=bias, channels=channels), elem)
+        x, w, *bias = (_f32(v) if v.dtype.kind == "f" and v.dtype != np.float64 else v
+                       for v in xs)
+        if x.dtype.kind in "iub" and w.dtype.kind in "iub":  # as mp.conv2d's reference
+            y = conv2d(x, w, *geometry, channels=channels)
+            if bias:
+                y = y + bias[0].astype(np.int64, copy=False).reshape(1, -1, 1, 1)
+        else:
+            y = conv2d(x, w, *geometry, bias=bias[0] if bias else None, channels=channels)
+        return _finish(y, elem)
     return run
 
 
@@ -640,16 +667,17 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
                        relu: bool, rounded: str | None) -> Kernel:
     from mplower.numerics.conv import conv2d
 
-    a = conv.attrs
+    a, channels = conv.attrs, conv.channels
     geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         x, w = xs[0], xs[1]
         if scale is None:  # a float conv: its own bias operand or the added one, the relu
             b = _f32(xs[2]) if len(xs) == 3 else bias
-            y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu)
+            y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels)
             return (y, None) if rounded is None else _finish(y, rounded)
-        return conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu), None
+        return conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu,
+                      channels=channels), None
     return run
 
 

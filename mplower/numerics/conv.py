@@ -66,7 +66,7 @@ def _column_phases(x: np.ndarray, sw: int) -> np.ndarray:
 def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            padding: tuple[int, int, int, int], dilations: tuple[int, int],
            groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
-           relu: bool = False) -> np.ndarray:
+           relu: bool = False, channels: np.ndarray | None = None) -> np.ndarray:
     """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
     int64 for integer operands.
@@ -74,10 +74,13 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     Epilogue, per output channel (float32 or float64 vectors of length O): `bias` added and
     `relu` applied as y + bias and np.maximum(y, 0) would; for integer operands a `scale` or
     `bias` makes the result float32(y) * scale + bias (DequantizeLinear of the int32 result
-    with zero point 0, then Add), which needs 8-bit operands (int_magnitude)."""
+    with zero point 0, then Add), which needs 8-bit operands (int_magnitude). `channels`
+    reads x's channels in that order (a depthwise conv only: depthwise_conv2d)."""
     if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
         return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
-                                relu=relu)
+                                relu=relu, channels=channels)
+    if channels is not None:
+        raise ValueError("conv2d: an input channel order applies to a depthwise conv only")
     integer = x.dtype.kind in "iub"
     bound = int_magnitude(x) * int_magnitude(w) if integer else 0
     if integer and bound <= F32_EXACT:
