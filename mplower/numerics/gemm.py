@@ -72,11 +72,15 @@ def _micro_kernel(rows: int):
     return micro
 
 
-def _codegen(rows: int, lanes: int, vty: ir.VectorType):
+def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
     i64 = ir.IntType(64)
 
     def codegen(context, builder, signature, args):
-        av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
+        if fused:
+            av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, sv, hv, e_off, relu = args
+            zero = ir.Constant(i64, 1)
+        else:
+            av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
         a_ptr = builder.gep(context.make_array(signature.args[0])(context, builder, av).data,
                             [a_off])
         p_ptr = builder.gep(context.make_array(signature.args[3])(context, builder, pv).data,
@@ -143,14 +147,72 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
             final[rv] = builder.phi(vty)
             final[rv].add_incoming(init[rv], entry)
             final[rv].add_incoming(new[rv], loop)
+        if fused:
+            final = _fused_epilogue(context, builder, signature, final, rows, vty,
+                                    (sv, hv, e_off, relu))
         for (r, v), value in final.items():
             builder.store(value, vector_at(t_ptr, at(r, v)), align=4)
         return context.get_dummy_value()
     return codegen
 
 
+def _fused_epilogue(context, builder, signature, final, rows, vty, args):
+    """`_store`'s epilogue on the accumulators before they are stored: y = acc * s + h, then
+    relu (+0 where y <= 0, NaN kept), with s and h of row r at s[e_off + r] and h[e_off + r] in
+    the tile's type. An absent scale is s = 1 and an absent bias h = -0.0, which give every
+    sum back unchanged (sums are never signalling NaNs), so one code path serves all."""
+    sv, hv, e_off, relu = args
+    s_ptr = context.make_array(signature.args[10])(context, builder, sv).data
+    h_ptr = context.make_array(signature.args[11])(context, builder, hv).data
+    lanes = vty.count
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    # relu as a vector of flags, all lanes equal: +0 where it is set and y <= 0 (ordered: NaN
+    # stays).
+    clamp = builder.icmp_signed("!=", relu, ir.Constant(relu.type, 0))
+    clamp = builder.shuffle_vector(
+        builder.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), lanes), None), clamp,
+                               ir.Constant(ir.IntType(32), 0)),
+        ir.Constant(ir.VectorType(ir.IntType(1), lanes), None), zeros)
+    out = {}
+    for r in range(rows):
+        s, h = (builder.shuffle_vector(
+            builder.insert_element(
+                ir.Constant(vty, ir.Undefined),
+                builder.load(builder.gep(ptr, [builder.add(e_off, ir.Constant(e_off.type, r))])),
+                ir.Constant(ir.IntType(32), 0)),
+            ir.Constant(vty, ir.Undefined), zeros) for ptr in (s_ptr, h_ptr))
+        for v in range(_VECTORS):
+            y = builder.fadd(builder.fmul(final[r, v], s), h)
+            low = builder.and_(builder.fcmp_ordered("<=", y, ir.Constant(vty, None)), clamp)
+            out[r, v] = builder.select(low, ir.Constant(vty, None), y)
+    return out
+
+
 _micro = _micro_kernel(TILE_ROWS)
 _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
+
+
+def _stored_kernel(rows: int):
+    """An intrinsic `stored(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc,
+    depth, s, h, e_offset, relu)`: `_micro_kernel(rows)` from +0, with `_fused_epilogue` applied
+    to the registers as they are stored into c, so that a tile costs no second pass over its
+    outputs."""
+
+    @intrinsic
+    def stored(typingctx, a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
+               s, h, e_offset, relu):
+        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
+                         s, h, e_offset, relu)
+        width = 8 if a.dtype == types.float64 else 4
+        fty = ir.DoubleType() if width == 8 else ir.FloatType()
+        lanes = _VECTOR_BYTES // width
+        return sig, _codegen(rows, lanes, ir.VectorType(fty, lanes), fused=True)
+    return stored
+
+
+# A conv's rows past its last full tile in blocks of 4, 2 and 1 rows, each block reading the
+# panel once (instead of once per row).
+_stored8, _stored4, _stored2, _stored1 = (_stored_kernel(r) for r in (8, 4, 2, 1))
 
 
 def _panel_columns(dtype: np.dtype) -> int:
@@ -529,7 +591,7 @@ def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, len
 
 @njit(cache=True, nogil=True)
 def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias, relu,
-                counter, units):
+                post_s, post_h, counter, units):
     """The work units of c (N * G, O/G, Ho*Wo) claimed from `counter`: unit u is image-group
     u // (panels * blocks) (batch index n * G + g), then pixel panel, then a block of
     rows_per_unit output channels, so that consecutive units share a panel and a thread that
@@ -560,11 +622,41 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
             _pack_panel(x, panel, batch // groups, g * shape[0], shape, p * cols, cols, starts,
                         offsets, lengths)
             packed = q
+        direct = chunk >= kk and c.itemsize == w.itemsize and (p + 1) * cols <= pixels
         for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
                         TILE_ROWS):
-            _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, cf, batch, i0, p * cols,
-                         cols, chunk, scale, bias, relu, tile, total)
+            if direct:
+                _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldp, c,
+                             (batch * m + i0) * pixels + p * cols, pixels, post_s, post_h,
+                             g * m + i0, relu, min(TILE_ROWS, m - i0))
+            else:
+                _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, cf, batch, i0,
+                             p * cols, cols, chunk, scale, bias, relu, tile, total)
         done += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e_offset, relu,
+                 rows):
+    """`rows` (1 .. TILE_ROWS) rows of a full-width tile summed from +0 straight into c through
+    the fused epilogue (`_stored_kernel`): a full tile at once, fewer rows in blocks of 4, 2
+    and 1."""
+    if rows == TILE_ROWS:
+        _stored8(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
+                 relu)
+        return
+    r = 0
+    if rows >= 4:
+        _stored4(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
+                 relu)
+        r = 4
+    if rows - r >= 2:
+        _stored2(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
+                 s, h, e_offset + r, relu)
+        r += 2
+    if rows > r:
+        _stored1(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
+                 s, h, e_offset + r, relu)
 
 
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
@@ -584,10 +676,16 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     split = min(tiles, -(-_UNITS // panels))
     rows_per_unit = TILE_ROWS * -(-tiles // split)
     blocks = -(-m // rows_per_unit)
+    scale = _epilogue_table(scale, np.float32, m)
+    bias = _epilogue_table(bias, wmat.dtype if scale.size == 0 else np.float32, m)
+    # The fused epilogue's per-channel factors (`_fused_epilogue`) in the tile's type, exact:
+    # it runs only where c has that type.
+    post_s = (np.ones(groups * m, wmat.dtype) if scale.size == 0
+              else scale.astype(wmat.dtype).ravel())
+    post_h = (np.full(groups * m, -0.0, wmat.dtype) if bias.size == 0
+              else bias.astype(wmat.dtype).ravel())
     args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, rows_per_unit, chunk,
-            _epilogue_table(scale, np.float32, m),
-            _epilogue_table(bias, wmat.dtype if scale is None else np.float32, m),
-            relu)
+            scale, bias, relu, post_s, post_h)
     if c.size * max(kk, 1) < SERIAL_BELOW:
         _conv_units(*args, np.zeros(1, np.int64), panels * blocks)
     else:
