@@ -115,6 +115,13 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
             init[rv] = builder.phi(vty)
             init[rv].add_incoming(ir.Constant(vty, None), zero_block)
             init[rv].add_incoming(loaded[rv], from_memory)
+        if fused:
+            # The same rows of the next panel: the tile's next neighbour to the right, which
+            # the hardware prefetchers miss among M (row) streams; stores to lines not in the
+            # cache would otherwise wait on memory for every tile.
+            for r, v in slots:
+                _prefetch(builder, vector_at(t_ptr, builder.add(at(r, v), const(_VECTORS * lanes))),
+                          write=True)
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
         done = builder.append_basic_block("gemm_done")
@@ -154,6 +161,28 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
             builder.store(value, vector_at(t_ptr, at(r, v)), align=4)
         return context.get_dummy_value()
     return codegen
+
+
+def _prefetch(builder, pointer, write: bool) -> None:
+    """A hint that the cache line at `pointer` is about to be read or written."""
+    i32 = ir.IntType(32)
+    pointer = builder.bitcast(pointer, ir.IntType(8).as_pointer())
+    fn = builder.module.declare_intrinsic(
+        "llvm.prefetch.p0", fnty=ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]))
+    builder.call(fn, [pointer, ir.Constant(i32, int(write)), ir.Constant(i32, 3),
+                      ir.Constant(i32, 1)])
+
+
+@intrinsic
+def _prefetch_read(typingctx, array, index):
+    """A hint that array.flat[index] is about to be read (nothing if it lies outside)."""
+    sig = types.void(array, index)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        _prefetch(builder, builder.gep(data, [args[1]]), write=False)
+        return context.get_dummy_value()
+    return sig, codegen
 
 
 def _fused_epilogue(context, builder, signature, final, rows, vty, args):
@@ -549,6 +578,9 @@ def matmul(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None,
 # The convolution's kernels live here, not in conv.py, because numba's cache of a file is not
 # invalidated when a function it inlines from another file changes (TILE_ROWS, _finish_tile).
 _UNITS = 32
+# How far ahead (in panels) the rows of an in-place panel are prefetched: 2 to 8 measured
+# alike, 1 too late (docs/benchmarks.md).
+_PREFETCH_PANELS = 4
 
 
 @njit(cache=True, nogil=True)
@@ -607,7 +639,7 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
     # them, a strided gather over K planes, cost more than it saved).
     in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
     flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
-    packed, done = -1, 0
+    packed, fetched, done = -1, -1, 0
     while True:
         u = claim(counter)
         if u >= units:
@@ -623,6 +655,13 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
                         offsets, lengths)
             packed = q
         direct = chunk >= kk and c.itemsize == w.itemsize and (p + 1) * cols <= pixels
+        if ldp != cols and q != fetched:
+            # An in-place panel's K rows lie a plane apart, too many streams for the hardware
+            # prefetchers: ask for the rows of the panel _PREFETCH_PANELS ahead.
+            for k in range(kk):
+                for j in range(0, cols, cols // _VECTORS):
+                    _prefetch_read(flat, offset + _PREFETCH_PANELS * cols + k * plane + j)
+            fetched = q
         for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
                         TILE_ROWS):
             if direct:
