@@ -584,17 +584,34 @@ _PREFETCH_PANELS = 4
 
 
 @njit(cache=True, nogil=True)
-def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, lengths):
+def _tap_offsets(x, shape):
+    """For each row (c, ky, kx) of the im2col, c * KH * KW + ky * KW + kx, where its pixels
+    start in the planes of one image and group of x (`_pack_panel`), computed once per
+    convolution instead of per panel (the column phase is a division)."""
+    cg, kh, kw, sh, sw, dh, dw, ho, wo = shape
+    plane, wq = x.shape[2] * x.shape[3], x.shape[3]
+    taps = np.empty(cg * kh * kw, np.int64)
+    row = 0
+    for c in range(cg):
+        for ky in range(kh):
+            for kx in range(kw):
+                taps[row] = (c * sw + kx * dw % sw) * plane + ky * dh * wq + kx * dw // sw
+                row += 1
+    return taps
+
+
+@njit(cache=True, nogil=True)
+def _pack_panel(x, panel, image, channel0, shape, taps, q0, cols, starts, offsets, lengths):
     """Output pixels q0 .. q0 + cols - 1 (row-major, zero past Ho*Wo) of the im2col of image
     `image`, input channels channel0 .. channel0 + Cg - 1, into panel as (K, cols) contiguous,
-    row (c, ky, kx) at c * KH * KW + ky * KW + kx. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho,
-    Wo); x is the padded input with its columns split into sw phases, (N, C * sw, Hp, Wp /
-    sw), plane c * sw + p holding columns p, p + sw, ... of channel c, so that the pixels of a
-    kernel tap along an output row are contiguous whatever the stride. A panel's pixels lie in
-    runs along output rows; each run of a tap is copied as one loop."""
-    cg, kh, kw, sh, sw, dh, dw, ho, wo = shape
-    hp, wq = x.shape[2], x.shape[3]
-    plane = hp * wq
+    row (c, ky, kx) at c * KH * KW + ky * KW + kx, starting at `taps` (`_tap_offsets`) in the
+    image's planes. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho, Wo); x is the padded input with
+    its columns split into sw phases, (N, C * sw, Hp, Wp / sw), plane c * sw + p holding
+    columns p, p + sw, ... of channel c, so that the pixels of a kernel tap along an output row
+    are contiguous whatever the stride. A panel's pixels lie in runs along output rows; each
+    run of a tap is copied as one loop."""
+    sh, sw, ho, wo = shape[3], shape[4], shape[7], shape[8]
+    wq = x.shape[3]
     flat = x.reshape(-1)
     width = min(cols, ho * wo - q0)
     runs, j = 0, 0
@@ -604,21 +621,16 @@ def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, len
         lengths[runs] = min(width - j, wo - ox)
         j += lengths[runs]
         runs += 1
-    base = (image * x.shape[1] + channel0 * sw) * plane
-    row = 0
-    for c in range(cg):
-        for ky in range(kh):
-            for kx in range(kw):
-                src = base + (c * sw + kx * dw % sw) * plane + ky * dh * wq + kx * dw // sw
-                dst = row * cols
-                for r in range(runs):
-                    # Unsigned indices, as in _epilogue_in_place.
-                    d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
-                    for t in range(np.uint64(lengths[r])):
-                        panel[d + t] = flat[o + t]
-                for t in range(width, cols):
-                    panel[dst + t] = 0
-                row += 1
+    base = (image * x.shape[1] + channel0 * sw) * x.shape[2] * wq
+    for row in range(taps.size):
+        src, dst = base + taps[row], row * cols
+        for r in range(runs):
+            # Unsigned indices, as in _epilogue_in_place.
+            d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
+            for t in range(np.uint64(lengths[r])):
+                panel[d + t] = flat[o + t]
+        for t in range(width, cols):
+            panel[dst + t] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -639,6 +651,7 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
     # them, a strided gather over K planes, cost more than it saved).
     in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
     flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
+    taps = _tap_offsets(x, shape)
     packed, fetched, done = -1, -1, 0
     while True:
         u = claim(counter)
@@ -651,8 +664,8 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
         if in_place and (p + 1) * cols <= pixels:
             source, offset, ldp = flat, (batch * kk) * plane + p * cols, plane
         elif q != packed:
-            _pack_panel(x, panel, batch // groups, g * shape[0], shape, p * cols, cols, starts,
-                        offsets, lengths)
+            _pack_panel(x, panel, batch // groups, g * shape[0], shape, taps, p * cols, cols,
+                        starts, offsets, lengths)
             packed = q
         direct = chunk >= kk and c.itemsize == w.itemsize and (p + 1) * cols <= pixels
         if ldp != cols and q != fetched:
