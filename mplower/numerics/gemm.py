@@ -588,7 +588,7 @@ def _tap_offsets(x, shape):
     """For each row (c, ky, kx) of the im2col, c * KH * KW + ky * KW + kx, where its pixels
     start in the planes of one image and group of x (`_pack_panel`), computed once per
     convolution instead of per panel (the column phase is a division)."""
-    cg, kh, kw, sh, sw, dh, dw, ho, wo = shape
+    cg, kh, kw, sw, dh, dw = shape[0], shape[1], shape[2], shape[4], shape[5], shape[6]
     plane, wq = x.shape[2] * x.shape[3], x.shape[3]
     taps = np.empty(cg * kh * kw, np.int64)
     row = 0
