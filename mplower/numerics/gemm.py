@@ -77,7 +77,8 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
 
     def codegen(context, builder, signature, args):
         if fused:
-            av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, sv, hv, e_off, relu = args
+            (av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, sv, hv, e_off, relu,
+             width) = args
             zero = ir.Constant(i64, 1)
         else:
             av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
@@ -157,8 +158,36 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
         if fused:
             final = _fused_epilogue(context, builder, signature, final, rows, vty,
                                     (sv, hv, e_off, relu))
+            # The columns below `width` only: a partial panel (the last of an image) stores
+            # through a lane mask, so that it too takes this path.
+            partial = builder.append_basic_block("gemm_partial")
+            stored = builder.append_basic_block("gemm_stored")
+            whole = builder.append_basic_block("gemm_whole")
+            builder.cbranch(builder.icmp_signed("<", width, const(_VECTORS * lanes)), partial,
+                            whole)
+            builder.position_at_end(partial)
+            i1v = ir.VectorType(ir.IntType(1), lanes)
+            mask_store = builder.module.declare_intrinsic(
+                f"llvm.masked.store.v{lanes}{'f64' if lanes == 8 else 'f32'}.p0",
+                fnty=ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), ir.IntType(32),
+                                                     i1v]))
+            limit = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
+                                       width, ir.Constant(ir.IntType(32), 0)),
+                ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
+                ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+            for (r, v), value in final.items():
+                lane = ir.Constant(ir.VectorType(i64, lanes), [v * lanes + j for j in range(lanes)])
+                builder.call(mask_store, [value, vector_at(t_ptr, at(r, v)),
+                                          ir.Constant(ir.IntType(32), 4),
+                                          builder.icmp_signed("<", lane, limit)])
+            builder.branch(stored)
+            builder.position_at_end(whole)
         for (r, v), value in final.items():
             builder.store(value, vector_at(t_ptr, at(r, v)), align=4)
+        if fused:
+            builder.branch(stored)
+            builder.position_at_end(stored)
         return context.get_dummy_value()
     return codegen
 
@@ -223,15 +252,15 @@ _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 def _stored_kernel(rows: int):
     """An intrinsic `stored(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc,
-    depth, s, h, e_offset, relu)`: `_micro_kernel(rows)` from +0, with `_fused_epilogue` applied
-    to the registers as they are stored into c, so that a tile costs no second pass over its
-    outputs."""
+    depth, s, h, e_offset, relu, columns)`: `_micro_kernel(rows)` from +0, with
+    `_fused_epilogue` applied to the registers as they are stored into c (its first `columns`
+    columns), so that a tile costs no second pass over its outputs."""
 
     @intrinsic
     def stored(typingctx, a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
-               s, h, e_offset, relu):
+               s, h, e_offset, relu, columns):
         sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
-                         s, h, e_offset, relu)
+                         s, h, e_offset, relu, columns)
         width = 8 if a.dtype == types.float64 else 4
         fty = ir.DoubleType() if width == 8 else ir.FloatType()
         lanes = _VECTOR_BYTES // width
@@ -667,7 +696,8 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
             _pack_panel(x, panel, batch // groups, g * shape[0], shape, taps, p * cols, cols,
                         starts, offsets, lengths)
             packed = q
-        direct = chunk >= kk and c.itemsize == w.itemsize and (p + 1) * cols <= pixels
+        direct = chunk >= kk and c.itemsize == w.itemsize
+        width = min(cols, pixels - p * cols)
         if ldp != cols and q != fetched:
             # An in-place panel's K rows lie a plane apart, too many streams for the hardware
             # prefetchers: ask for the rows of the panel _PREFETCH_PANELS ahead.
@@ -680,7 +710,7 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
             if direct:
                 _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldp, c,
                              (batch * m + i0) * pixels + p * cols, pixels, post_s, post_h,
-                             g * m + i0, relu, min(TILE_ROWS, m - i0))
+                             g * m + i0, relu, min(TILE_ROWS, m - i0), width)
             else:
                 _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, cf, batch, i0,
                              p * cols, cols, chunk, scale, bias, relu, tile, total)
@@ -689,26 +719,26 @@ def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias,
 
 @njit(cache=True, nogil=True, inline="always")
 def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e_offset, relu,
-                 rows):
-    """`rows` (1 .. TILE_ROWS) rows of a full-width tile summed from +0 straight into c through
-    the fused epilogue (`_stored_kernel`): a full tile at once, fewer rows in blocks of 4, 2
-    and 1."""
+                 rows, width):
+    """`rows` (1 .. TILE_ROWS) rows and the first `width` columns of a tile summed from +0
+    straight into c through the fused epilogue (`_stored_kernel`): a full tile at once, fewer
+    rows in blocks of 4, 2 and 1."""
     if rows == TILE_ROWS:
         _stored8(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
-                 relu)
+                 relu, width)
         return
     r = 0
     if rows >= 4:
         _stored4(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
-                 relu)
+                 relu, width)
         r = 4
     if rows - r >= 2:
         _stored2(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
-                 s, h, e_offset + r, relu)
+                 s, h, e_offset + r, relu, width)
         r += 2
     if rows > r:
         _stored1(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
-                 s, h, e_offset + r, relu)
+                 s, h, e_offset + r, relu, width)
 
 
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
