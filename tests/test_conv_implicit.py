@@ -220,3 +220,27 @@ def test_int8_conv_dequantize_epilogue_in_the_register_store_is_numpys_float32_a
     got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1, scale=scale, bias=bias, relu=True)
     assert got.dtype == np.float32 and bits(got) == bits(expect)
     assert (got == 0).any() and (got > 0).any()
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_units_spanning_several_panels_give_the_sequential_sum(monkeypatch, kernel) -> None:
+    # 4 images of 41x41 pixels: 53 panels each (the last one partial), 212 in all, enough for
+    # work units of 6 consecutive panels (gemm._SPAN, at least gemm._UNITS units), the last
+    # span of each image 5 panels long; 1x1 panels read in place, 3x3 panels packed.
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((4, 4, 41, 41)).astype(np.float32)
+    w = rng.standard_normal((20, 4, kernel, kernel)).astype(np.float32)
+    bias = rng.standard_normal(20).astype(np.float32)
+    pad = (kernel // 2,) * 4
+    expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 1, bias, relu=True)
+    assert 212 // gemm._UNITS == 6 < gemm._SPAN
+    threads = numba.get_num_threads()
+    try:
+        for serial_below in (gemm.SERIAL_BELOW, 0):
+            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+            for n in _threads():
+                numba.set_num_threads(n)
+                got = conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True)
+                assert bits(got) == bits(expect)
+    finally:
+        numba.set_num_threads(threads)

@@ -610,6 +610,12 @@ _UNITS = 32
 # How far ahead (in panels) the rows of an in-place panel are prefetched: 2 to 8 measured
 # alike, 1 too late (docs/benchmarks.md).
 _PREFETCH_PANELS = 4
+# Consecutive pixel panels per work unit, each row tile running over all of them, so that each
+# output row is written in runs of up to 8 panels (1 KiB) instead of one (128 bytes), while the
+# packed panels of a span fit in _SPAN_BYTES (a quarter of this Zen 5 core's L2; a span of
+# ResNet-50's 3x3 256-channel panels, 295 KB each, is one panel, as before). 1, 2, 4 and 8
+# measured in docs/benchmarks.md.
+_SPAN, _SPAN_BYTES = 8, 1 << 18
 
 
 @njit(cache=True, nogil=True)
@@ -630,9 +636,10 @@ def _tap_offsets(x, shape):
 
 
 @njit(cache=True, nogil=True)
-def _pack_panel(x, panel, image, channel0, shape, taps, q0, cols, starts, offsets, lengths):
+def _pack_panel(x, panel, at, image, channel0, shape, taps, q0, cols, starts, offsets,
+                lengths):
     """Output pixels q0 .. q0 + cols - 1 (row-major, zero past Ho*Wo) of the im2col of image
-    `image`, input channels channel0 .. channel0 + Cg - 1, into panel as (K, cols) contiguous,
+    `image`, input channels channel0 .. channel0 + Cg - 1, into panel[at:] as (K, cols),
     row (c, ky, kx) at c * KH * KW + ky * KW + kx, starting at `taps` (`_tap_offsets`) in the
     image's planes. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho, Wo); x is the padded input with
     its columns split into sw phases, (N, C * sw, Hp, Wp / sw), plane c * sw + p holding
@@ -652,7 +659,7 @@ def _pack_panel(x, panel, image, channel0, shape, taps, q0, cols, starts, offset
         runs += 1
     base = (image * x.shape[1] + channel0 * sw) * x.shape[2] * wq
     for row in range(taps.size):
-        src, dst = base + taps[row], row * cols
+        src, dst = base + taps[row], at + row * cols
         for r in range(runs):
             # Unsigned indices, as in _epilogue_in_place.
             d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
@@ -663,57 +670,70 @@ def _pack_panel(x, panel, image, channel0, shape, taps, q0, cols, starts, offset
 
 
 @njit(cache=True, nogil=True)
-def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias, relu,
+def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
                 post_s, post_h, counter, units):
     """The work units of c (N * G, O/G, Ho*Wo) claimed from `counter`: unit u is image-group
-    u // (panels * blocks) (batch index n * G + g), then pixel panel, then a block of
-    rows_per_unit output channels, so that consecutive units share a panel and a thread that
-    claims them in a row packs it once. Returns the number of units done."""
+    u // (spans * blocks) (batch index n * G + g), then a span of `span` consecutive pixel
+    panels, then a block of rows_per_unit output channels, so that consecutive units share
+    their panels and a thread that claims them in a row packs them once. Each row tile runs
+    over the span's panels in turn: its rows are written `span` panels long, a few long
+    streams instead of many short ones. Returns the number of units done."""
     m, pixels, kk = c.shape[1], c.shape[2], w.shape[2]
     panels = (pixels + cols - 1) // cols
+    spans = (panels + span - 1) // span
     blocks = (m + rows_per_unit - 1) // rows_per_unit
-    panel = np.empty(kk * cols, w.dtype)
+    panel = np.empty(span * kk * cols, w.dtype)
     tile, total = np.empty(TILE_ROWS * cols, w.dtype), np.empty(TILE_ROWS * cols, np.float64)
     starts, offsets, lengths = (np.empty(cols, np.int64), np.empty(cols, np.int64),
                                 np.empty(cols, np.int64))
+    sources, ldps = np.empty(span, np.int64), np.empty(span, np.int64)
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
     # them, a strided gather over K planes, cost more than it saved).
     in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
     flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
     taps = _tap_offsets(x, shape)
-    packed, fetched, done = -1, -1, 0
+    direct = chunk >= kk and c.itemsize == w.itemsize
+    packed, done = -1, 0
     while True:
         u = claim(counter)
         if u >= units:
             return done
         q, block = u // blocks, u % blocks
-        batch, p = q // panels, q % panels
+        batch, p0 = q // spans, (q % spans) * span
         g = batch % groups
-        source, offset, ldp = panel, 0, cols
-        if in_place and (p + 1) * cols <= pixels:
-            source, offset, ldp = flat, (batch * kk) * plane + p * cols, plane
-        elif q != packed:
-            _pack_panel(x, panel, batch // groups, g * shape[0], shape, taps, p * cols, cols,
-                        starts, offsets, lengths)
+        count = min(span, panels - p0)
+        if q != packed:
+            for j in range(count):
+                p = p0 + j
+                if in_place and (p + 1) * cols <= pixels:
+                    sources[j], ldps[j] = (batch * kk) * plane + p * cols, plane
+                    # An in-place panel's K rows lie a plane apart, too many streams for the
+                    # hardware prefetchers: ask for the rows of the panel _PREFETCH_PANELS
+                    # ahead.
+                    for k in range(kk):
+                        for f in range(0, cols, cols // _VECTORS):
+                            _prefetch_read(flat, sources[j] + _PREFETCH_PANELS * cols
+                                           + k * plane + f)
+                else:
+                    sources[j], ldps[j] = -1 - j * kk * cols, cols
+                    _pack_panel(x, panel, j * kk * cols, batch // groups, g * shape[0], shape,
+                                taps, p * cols, cols, starts, offsets, lengths)
             packed = q
-        direct = chunk >= kk and c.itemsize == w.itemsize
-        width = min(cols, pixels - p * cols)
-        if ldp != cols and q != fetched:
-            # An in-place panel's K rows lie a plane apart, too many streams for the hardware
-            # prefetchers: ask for the rows of the panel _PREFETCH_PANELS ahead.
-            for k in range(kk):
-                for j in range(0, cols, cols // _VECTORS):
-                    _prefetch_read(flat, offset + _PREFETCH_PANELS * cols + k * plane + j)
-            fetched = q
         for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
                         TILE_ROWS):
-            if direct:
-                _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldp, c,
-                             (batch * m + i0) * pixels + p * cols, pixels, post_s, post_h,
-                             g * m + i0, relu, min(TILE_ROWS, m - i0), width)
-            else:
-                _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, cf, batch, i0,
-                             p * cols, cols, chunk, scale, bias, relu, tile, total)
+            for j in range(count):
+                p = p0 + j
+                # A packed panel's offset in `panel` is stored as -1 - offset.
+                source, offset = (flat, sources[j]) if sources[j] >= 0 else \
+                    (panel, -1 - sources[j])
+                if direct:
+                    _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c,
+                                 (batch * m + i0) * pixels + p * cols, pixels, post_s, post_h,
+                                 g * m + i0, relu, min(TILE_ROWS, m - i0),
+                                 min(cols, pixels - p * cols))
+                else:
+                    _finish_tile(w, (g * m + i0) * kk, source, offset, ldps[j], c, cf, batch,
+                                 i0, p * cols, cols, chunk, scale, bias, relu, tile, total)
         done += 1
 
 
@@ -753,9 +773,13 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
     c = np.empty((n * groups, m, shape[7] * shape[8]), out)
     cols = _panel_columns(wmat.dtype)
-    panels = n * groups * ((c.shape[2] + cols - 1) // cols)
+    panels = -(-c.shape[2] // cols)
+    # Spans of up to _SPAN panels, while that leaves _UNITS units or more.
+    span = max(1, min(_SPAN, _SPAN_BYTES // max(1, kk * cols * wmat.itemsize),
+                      n * groups * panels // _UNITS))
+    spans = n * groups * -(-panels // span)
     tiles = (m + TILE_ROWS - 1) // TILE_ROWS
-    split = min(tiles, -(-_UNITS // panels))
+    split = min(tiles, -(-_UNITS // spans))
     rows_per_unit = TILE_ROWS * -(-tiles // split)
     blocks = -(-m // rows_per_unit)
     scale = _epilogue_table(scale, np.float32, m)
@@ -766,12 +790,12 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
               else scale.astype(wmat.dtype).ravel())
     post_h = (np.full(groups * m, -0.0, wmat.dtype) if bias.size == 0
               else bias.astype(wmat.dtype).ravel())
-    args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, rows_per_unit, chunk,
-            scale, bias, relu, post_s, post_h)
+    args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
+            chunk, scale, bias, relu, post_s, post_h)
     if c.size * max(kk, 1) < SERIAL_BELOW:
-        _conv_units(*args, np.zeros(1, np.int64), panels * blocks)
+        _conv_units(*args, np.zeros(1, np.int64), spans * blocks)
     else:
-        run_units(_conv_units, panels * blocks, *args)
+        run_units(_conv_units, spans * blocks, *args)
     return c
 
 
