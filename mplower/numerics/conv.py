@@ -6,12 +6,12 @@ Ho*Wo), where row (c, ky, kx) of `cols` (the im2col) holds the input pixels that
 (input channel of its group, kernel row, kernel column) in that order (mplower.numerics.gemm),
 so a pixel's result depends neither on its image, its neighbours nor the machine.
 
-The im2col is never built: a work unit (image and group, a panel of output pixels as wide as
-the register tile, a block of output channels) packs its panel of `cols` straight from the
-padded input into a small buffer of its thread (L2-resident, reused by every row tile of the
-unit) and runs the GEMM's tiles on it (mplower.numerics.gemm.conv_product): the same micro
-kernel, the same k order, the same bits as the product of the materialized im2col, without
-writing and reading back K times the input. Threads claim units with an atomic counter
+The im2col is never built: a work unit (image and group, a span of consecutive panels of
+output pixels as wide as the register tile, a block of output channels) packs its panels of
+`cols` straight from the padded input into a small buffer of its thread (L2-resident, reused
+by every row tile of the unit) and runs the GEMM's tiles on them
+(mplower.numerics.gemm.conv_product): the same k order, the same bits as the product of the
+materialized im2col, without writing and reading back K times the input. Threads claim units with an atomic counter
 (mplower.numerics.workers.run_units). Depthwise convolutions have their own direct kernel
 (mplower.numerics.depthwise); other groups of fewer output channels than a register tile take
 the materialized im2col through `matmul`, which streams such narrow products.

@@ -22,7 +22,9 @@ or the batch around it. tests/test_gemm.py checks every path bit for bit against
 written in numpy.
 
 `conv_product` is the same product with b the im2col of an image, packed panel by panel from
-the image (an implicit GEMM, mplower.numerics.conv).
+the image (an implicit GEMM, mplower.numerics.conv). Its tiles start from +0 and apply the
+epilogue to the registers as they store them (`_stored_kernel`), rows past the last full tile
+in blocks of 4, 2 and 1.
 
 Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exactly.
 `integer_matmul` gives the same exact products at float32 GEMM speed where the operands are
