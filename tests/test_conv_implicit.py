@@ -174,3 +174,73 @@ def test_run_units_raises_a_units_error_in_the_caller() -> None:
     out = np.ones(10, np.int64)
     with pytest.raises(ValueError, match="a unit claimed twice"):
         run_units(_squares, out.size, out)
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_every_count_of_rows_past_the_last_full_tile_gives_the_sequential_sum(monkeypatch,
+                                                                              kernel) -> None:
+    # O/G = 9 .. 15 leave 1 .. 7 rows past a full tile (stored in blocks of 4, 2 and 1 rows);
+    # 81 pixels: two full panels and a partial one; a NaN runs through the fused relu.
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 6, 9, 9)).astype(np.float32)
+    x[1, 2, 4, 4] = np.nan
+    pad = (kernel // 2,) * 4
+    threads = numba.get_num_threads()
+    try:
+        for serial_below in (gemm.SERIAL_BELOW, 0):
+            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+            for n in _threads():
+                numba.set_num_threads(n)
+                for rows in range(9, 16):
+                    w = rng.standard_normal((2 * rows, 3, kernel, kernel)).astype(np.float32)
+                    bias = rng.standard_normal(2 * rows).astype(np.float32)
+                    expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 2, bias, relu=True)
+                    got = conv2d(x, w, (1, 1), pad, (1, 1), 2, bias=bias, relu=True)
+                    assert bits(got) == bits(expect), rows
+                    assert np.isnan(got).any() and (got == 0).any()
+                    plain = sequential_conv(x, w, (1, 1), pad, (1, 1), 2)
+                    assert bits(conv2d(x, w, (1, 1), pad, (1, 1), 2)) == bits(plain), rows
+    finally:
+        numba.set_num_threads(threads)
+
+
+def test_int8_conv_dequantize_epilogue_in_the_register_store_is_numpys_float32_arithmetic(
+        ) -> None:
+    # K = 144: one exact float32 chunk, so the tiles sum straight into the result and apply
+    # scale, bias and relu there (12 channels: a full tile and 4 rows past it).
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 256, (2, 16, 7, 7)).astype(np.uint8)
+    w = rng.integers(-128, 128, (12, 16, 3, 3)).astype(np.int8)
+    scale = (rng.random(12) * 1e-3).astype(np.float32)
+    bias = rng.standard_normal(12).astype(np.float32)
+    cols = im2col(x.astype(np.int64), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    q = np.matmul(w.reshape(1, 12, -1).astype(np.int64), cols).reshape(2, 12, 7, 7)
+    expect = np.maximum(q.astype(np.float32) * scale.reshape(1, -1, 1, 1)
+                        + bias.reshape(1, -1, 1, 1), np.float32(0))
+    got = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1, scale=scale, bias=bias, relu=True)
+    assert got.dtype == np.float32 and bits(got) == bits(expect)
+    assert (got == 0).any() and (got > 0).any()
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_units_spanning_several_panels_give_the_sequential_sum(monkeypatch, kernel) -> None:
+    # 4 images of 41x41 pixels: 53 panels each (the last one partial), 212 in all, enough for
+    # work units of 6 consecutive panels (gemm._SPAN, at least gemm._UNITS units), the last
+    # span of each image 5 panels long; 1x1 panels read in place, 3x3 panels packed.
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((4, 4, 41, 41)).astype(np.float32)
+    w = rng.standard_normal((20, 4, kernel, kernel)).astype(np.float32)
+    bias = rng.standard_normal(20).astype(np.float32)
+    pad = (kernel // 2,) * 4
+    expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 1, bias, relu=True)
+    assert 212 // gemm._UNITS == 6 < gemm._SPAN
+    threads = numba.get_num_threads()
+    try:
+        for serial_below in (gemm.SERIAL_BELOW, 0):
+            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+            for n in _threads():
+                numba.set_num_threads(n)
+                got = conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True)
+                assert bits(got) == bits(expect)
+    finally:
+        numba.set_num_threads(threads)

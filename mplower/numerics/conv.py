@@ -6,12 +6,12 @@ Ho*Wo), where row (c, ky, kx) of `cols` (the im2col) holds the input pixels that
 (input channel of its group, kernel row, kernel column) in that order (mplower.numerics.gemm),
 so a pixel's result depends neither on its image, its neighbours nor the machine.
 
-The im2col is never built: a work unit (image and group, a panel of output pixels as wide as
-the register tile, a block of output channels) packs its panel of `cols` straight from the
-padded input into a small buffer of its thread (L2-resident, reused by every row tile of the
-unit) and runs the GEMM's tiles on it (mplower.numerics.gemm.conv_product): the same micro
-kernel, the same k order, the same bits as the product of the materialized im2col, without
-writing and reading back K times the input. Threads claim units with an atomic counter
+The im2col is never built: a work unit (image and group, a span of consecutive panels of
+output pixels as wide as the register tile, a block of output channels) packs its panels of
+`cols` straight from the padded input into a small buffer of its thread (L2-resident, reused
+by every row tile of the unit) and runs the GEMM's tiles on them
+(mplower.numerics.gemm.conv_product): the same k order, the same bits as the product of the
+materialized im2col, without writing and reading back K times the input. Threads claim units with an atomic counter
 (mplower.numerics.workers.run_units). Depthwise convolutions have their own direct kernel
 (mplower.numerics.depthwise); other groups of fewer output channels than a register tile take
 the materialized im2col through `matmul`, which streams such narrow products.
@@ -52,15 +52,22 @@ def _padded(x: np.ndarray, padding: tuple[int, ...], dtype: np.dtype) -> np.ndar
     return out
 
 
-def _column_phases(x: np.ndarray, sw: int) -> np.ndarray:
-    """x (N, C, H, W) as (N, C * sw, H, ceil(W / sw)): plane c * sw + p holds columns p, p +
-    sw, ... of channel c (zero past W), so that a conv of column stride sw reads each kernel
-    tap's pixels along an output row contiguously."""
+def _padded_phases(x: np.ndarray, padding: tuple[int, ...], sw: int,
+                   dtype: np.dtype) -> np.ndarray:
+    """x (N, C, H, W) zero-padded by (top, left, bottom, right) to (Hp, Wp) and split into
+    column phases, (N, C * sw, Hp, ceil(Wp / sw)): plane c * sw + p holds padded columns p,
+    p + sw, ... of channel c (zero past Wp), so that a conv of column stride sw reads each
+    kernel tap's pixels along an output row contiguously. One strided copy per phase, in
+    `dtype` (padding first and splitting after cost two more passes over the input)."""
+    pt, pl, pb, pr = padding
     n, c, h, w = x.shape
-    wide = np.zeros((n, c, h, -(-w // sw) * sw), x.dtype)
-    wide[..., :w] = x
-    return np.ascontiguousarray(
-        wide.reshape(n, c, h, -1, sw).transpose(0, 1, 4, 2, 3)).reshape(n, c * sw, h, -1)
+    hp, wq = h + pt + pb, -(-(w + pl + pr) // sw)
+    out = np.zeros((n, c, sw, hp, wq), dtype)
+    for p in range(sw):
+        first = (p - pl) % sw  # the first column of x that lands in phase p
+        j0, count = (first + pl) // sw, len(range(first, w, sw))
+        out[:, :, p, pt:pt + h, j0:j0 + count] = x[:, :, :, first::sw]
+    return out.reshape(n, c * sw, hp, wq)
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
@@ -89,12 +96,12 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         work = np.dtype(np.int64)
     else:  # float16 operands are computed in float32, as `matmul` does
         work = np.dtype(np.float64 if np.result_type(x, w) == np.float64 else np.float32)
-    x, w = _padded(x, padding, work), w.astype(work, copy=False)
+    w = w.astype(work, copy=False)
     n, g = x.shape[0], groups
     o, cg, kh, kw = w.shape
     (sh, sw), (dh, dw) = strides, dilations
-    ho = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    wo = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    ho = (x.shape[2] + padding[0] + padding[2] - dh * (kh - 1) - 1) // sh + 1
+    wo = (x.shape[3] + padding[1] + padding[3] - dw * (kw - 1) - 1) // sw + 1
     wmat = np.ascontiguousarray(w.reshape(g, o // g, cg * kh * kw))
     if work.kind == "f" and o // g >= TILE_ROWS and n and ho * wo and cg * kh * kw:
         epilogue = scale is not None or bias is not None or relu
@@ -104,12 +111,15 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             # A strided 1x1 conv is a 1x1 stride-1 conv of the pixels it reads: one copy of
             # them, then panels read in place, instead of a strided gather over K planes per
             # panel.
-            x, sh, sw = x[:, :, ::sh, ::sw], 1, 1
+            x, sh, sw = _padded(x, padding, work)[:, :, ::sh, ::sw], 1, 1
         elif sw > 1:
-            x = _column_phases(x, sw)
+            x = _padded_phases(x, padding, sw, work)
+        else:
+            x = _padded(x, padding, work)
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
                          g, out, chunk, scale, bias, relu)
         return y.reshape(n, o, ho, wo)
+    x = _padded(x, padding, work)
     if kh == kw == 1 and sh == sw == 1:
         cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
     else:

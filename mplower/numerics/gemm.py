@@ -23,7 +23,9 @@ the tile a row lands in or the batch around it. tests/test_gemm.py checks every 
 bit against that loop written in numpy.
 
 `conv_product` is the same product with b the im2col of an image, packed panel by panel from
-the image (an implicit GEMM, mplower.numerics.conv).
+the image (an implicit GEMM, mplower.numerics.conv). Its tiles start from +0 and apply the
+epilogue to the registers as they store them (`_stored_kernel`), rows past the last full tile
+in blocks of 4, 2 and 1.
 
 Integer operands stay on np.matmul: numpy multiplies integers without BLAS, exactly.
 `integer_matmul` gives the same exact products at float32 GEMM speed where the operands are
@@ -73,11 +75,16 @@ def _micro_kernel(rows: int):
     return micro
 
 
-def _codegen(rows: int, lanes: int, vty: ir.VectorType):
+def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
     i64 = ir.IntType(64)
 
     def codegen(context, builder, signature, args):
-        av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
+        if fused:
+            (av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, sv, hv, e_off, relu,
+             width) = args
+            zero = ir.Constant(i64, 1)
+        else:
+            av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
         a_ptr = builder.gep(context.make_array(signature.args[0])(context, builder, av).data,
                             [a_off])
         p_ptr = builder.gep(context.make_array(signature.args[3])(context, builder, pv).data,
@@ -112,6 +119,13 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
             init[rv] = builder.phi(vty)
             init[rv].add_incoming(ir.Constant(vty, None), zero_block)
             init[rv].add_incoming(loaded[rv], from_memory)
+        if fused:
+            # The same rows of the next panel: the tile's next neighbour to the right, which
+            # the hardware prefetchers miss among M (row) streams; stores to lines not in the
+            # cache would otherwise wait on memory for every tile.
+            for r, v in slots:
+                _prefetch(builder, vector_at(t_ptr, builder.add(at(r, v), const(_VECTORS * lanes))),
+                          write=True)
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
         done = builder.append_basic_block("gemm_done")
@@ -144,14 +158,122 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType):
             final[rv] = builder.phi(vty)
             final[rv].add_incoming(init[rv], entry)
             final[rv].add_incoming(new[rv], loop)
+        if fused:
+            final = _fused_epilogue(context, builder, signature, final, rows, vty,
+                                    (sv, hv, e_off, relu))
+            # The columns below `width` only: a partial panel (the last of an image) stores
+            # through a lane mask, so that it too takes this path.
+            partial = builder.append_basic_block("gemm_partial")
+            stored = builder.append_basic_block("gemm_stored")
+            whole = builder.append_basic_block("gemm_whole")
+            builder.cbranch(builder.icmp_signed("<", width, const(_VECTORS * lanes)), partial,
+                            whole)
+            builder.position_at_end(partial)
+            i1v = ir.VectorType(ir.IntType(1), lanes)
+            mask_store = builder.module.declare_intrinsic(
+                f"llvm.masked.store.v{lanes}{'f64' if lanes == 8 else 'f32'}.p0",
+                fnty=ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), ir.IntType(32),
+                                                     i1v]))
+            limit = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
+                                       width, ir.Constant(ir.IntType(32), 0)),
+                ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
+                ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+            for (r, v), value in final.items():
+                lane = ir.Constant(ir.VectorType(i64, lanes), [v * lanes + j for j in range(lanes)])
+                builder.call(mask_store, [value, vector_at(t_ptr, at(r, v)),
+                                          ir.Constant(ir.IntType(32), 4),
+                                          builder.icmp_signed("<", lane, limit)])
+            builder.branch(stored)
+            builder.position_at_end(whole)
         for (r, v), value in final.items():
             builder.store(value, vector_at(t_ptr, at(r, v)), align=4)
+        if fused:
+            builder.branch(stored)
+            builder.position_at_end(stored)
         return context.get_dummy_value()
     return codegen
 
 
+def _prefetch(builder, pointer, write: bool) -> None:
+    """A hint that the cache line at `pointer` is about to be read or written."""
+    i32 = ir.IntType(32)
+    pointer = builder.bitcast(pointer, ir.IntType(8).as_pointer())
+    fn = builder.module.declare_intrinsic(
+        "llvm.prefetch.p0", fnty=ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]))
+    builder.call(fn, [pointer, ir.Constant(i32, int(write)), ir.Constant(i32, 3),
+                      ir.Constant(i32, 1)])
+
+
+@intrinsic
+def _prefetch_read(typingctx, array, index):
+    """A hint that array.flat[index] is about to be read (nothing if it lies outside)."""
+    sig = types.void(array, index)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        _prefetch(builder, builder.gep(data, [args[1]]), write=False)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _fused_epilogue(context, builder, signature, final, rows, vty, args):
+    """`_store`'s epilogue on the accumulators before they are stored: y = acc * s + h, then
+    relu (+0 where y <= 0, NaN kept), with s and h of row r at s[e_off + r] and h[e_off + r] in
+    the tile's type. An absent scale is s = 1 and an absent bias h = -0.0, which give every
+    sum back unchanged (sums are never signalling NaNs), so one code path serves all."""
+    sv, hv, e_off, relu = args
+    s_ptr = context.make_array(signature.args[10])(context, builder, sv).data
+    h_ptr = context.make_array(signature.args[11])(context, builder, hv).data
+    lanes = vty.count
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    # relu as a vector of flags, all lanes equal: +0 where it is set and y <= 0 (ordered: NaN
+    # stays).
+    clamp = builder.icmp_signed("!=", relu, ir.Constant(relu.type, 0))
+    clamp = builder.shuffle_vector(
+        builder.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), lanes), None), clamp,
+                               ir.Constant(ir.IntType(32), 0)),
+        ir.Constant(ir.VectorType(ir.IntType(1), lanes), None), zeros)
+    out = {}
+    for r in range(rows):
+        s, h = (builder.shuffle_vector(
+            builder.insert_element(
+                ir.Constant(vty, ir.Undefined),
+                builder.load(builder.gep(ptr, [builder.add(e_off, ir.Constant(e_off.type, r))])),
+                ir.Constant(ir.IntType(32), 0)),
+            ir.Constant(vty, ir.Undefined), zeros) for ptr in (s_ptr, h_ptr))
+        for v in range(_VECTORS):
+            y = builder.fadd(builder.fmul(final[r, v], s), h)
+            low = builder.and_(builder.fcmp_ordered("<=", y, ir.Constant(vty, None)), clamp)
+            out[r, v] = builder.select(low, ir.Constant(vty, None), y)
+    return out
+
+
 _micro = _micro_kernel(TILE_ROWS)
 _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
+
+
+def _stored_kernel(rows: int):
+    """An intrinsic `stored(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc,
+    depth, s, h, e_offset, relu, columns)`: `_micro_kernel(rows)` from +0, with
+    `_fused_epilogue` applied to the registers as they are stored into c (its first `columns`
+    columns), so that a tile costs no second pass over its outputs."""
+
+    @intrinsic
+    def stored(typingctx, a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
+               s, h, e_offset, relu, columns):
+        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
+                         s, h, e_offset, relu, columns)
+        width = 8 if a.dtype == types.float64 else 4
+        fty = ir.DoubleType() if width == 8 else ir.FloatType()
+        lanes = _VECTOR_BYTES // width
+        return sig, _codegen(rows, lanes, ir.VectorType(fty, lanes), fused=True)
+    return stored
+
+
+# A conv's rows past its last full tile in blocks of 4, 2 and 1 rows, each block reading the
+# panel once (instead of once per row).
+_stored8, _stored4, _stored2, _stored1 = (_stored_kernel(r) for r in (8, 4, 2, 1))
 
 
 def _panel_columns(dtype: np.dtype) -> int:
@@ -610,20 +732,48 @@ def matmul(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None,
 # The convolution's kernels live here, not in conv.py, because numba's cache of a file is not
 # invalidated when a function it inlines from another file changes (TILE_ROWS, _finish_tile).
 _UNITS = 32
+# How far ahead (in panels) the rows of an in-place panel are prefetched: 8 images of a 1x1
+# 128->16 conv at 55x55 on one thread took 1.13 ms without, 0.83 / 0.83 / 0.81 ms at 2 / 4 /
+# 8 panels (min of 36 runs each, interleaved).
+_PREFETCH_PANELS = 4
+# Consecutive pixel panels per work unit, each row tile running over all of them, so that each
+# output row is written in runs of up to 8 panels (1 KiB) instead of one (128 bytes), while the
+# packed panels of a span fit in _SPAN_BYTES (a quarter of this Zen 5 core's L2; a span of
+# ResNet-50's 3x3 256-channel panels, 295 KB each, is one panel, as before). 1, 2, 4 and 8
+# measured in docs/benchmarks.md.
+_SPAN, _SPAN_BYTES = 8, 1 << 18
 
 
 @njit(cache=True, nogil=True)
-def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, lengths):
+def _tap_offsets(x, shape):
+    """For each row (c, ky, kx) of the im2col, c * KH * KW + ky * KW + kx, where its pixels
+    start in the planes of one image and group of x (`_pack_panel`), computed once per
+    convolution instead of per panel (the column phase is a division)."""
+    cg, kh, kw, sw, dh, dw = shape[0], shape[1], shape[2], shape[4], shape[5], shape[6]
+    plane, wq = x.shape[2] * x.shape[3], x.shape[3]
+    taps = np.empty(cg * kh * kw, np.int64)
+    row = 0
+    for c in range(cg):
+        for ky in range(kh):
+            for kx in range(kw):
+                taps[row] = (c * sw + kx * dw % sw) * plane + ky * dh * wq + kx * dw // sw
+                row += 1
+    return taps
+
+
+@njit(cache=True, nogil=True)
+def _pack_panel(x, panel, at, image, channel0, shape, taps, q0, cols, starts, offsets,
+                lengths):
     """Output pixels q0 .. q0 + cols - 1 (row-major, zero past Ho*Wo) of the im2col of image
-    `image`, input channels channel0 .. channel0 + Cg - 1, into panel as (K, cols) contiguous,
-    row (c, ky, kx) at c * KH * KW + ky * KW + kx. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho,
-    Wo); x is the padded input with its columns split into sw phases, (N, C * sw, Hp, Wp /
-    sw), plane c * sw + p holding columns p, p + sw, ... of channel c, so that the pixels of a
-    kernel tap along an output row are contiguous whatever the stride. A panel's pixels lie in
-    runs along output rows; each run of a tap is copied as one loop."""
-    cg, kh, kw, sh, sw, dh, dw, ho, wo = shape
-    hp, wq = x.shape[2], x.shape[3]
-    plane = hp * wq
+    `image`, input channels channel0 .. channel0 + Cg - 1, into panel[at:] as (K, cols),
+    row (c, ky, kx) at c * KH * KW + ky * KW + kx, starting at `taps` (`_tap_offsets`) in the
+    image's planes. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho, Wo); x is the padded input with
+    its columns split into sw phases, (N, C * sw, Hp, Wp / sw), plane c * sw + p holding
+    columns p, p + sw, ... of channel c, so that the pixels of a kernel tap along an output row
+    are contiguous whatever the stride. A panel's pixels lie in runs along output rows; each
+    run of a tap is copied as one loop."""
+    sh, sw, ho, wo = shape[3], shape[4], shape[7], shape[8]
+    wq = x.shape[3]
     flat = x.reshape(-1)
     width = min(cols, ho * wo - q0)
     runs, j = 0, 0
@@ -633,61 +783,108 @@ def _pack_panel(x, panel, image, channel0, shape, q0, cols, starts, offsets, len
         lengths[runs] = min(width - j, wo - ox)
         j += lengths[runs]
         runs += 1
-    base = (image * x.shape[1] + channel0 * sw) * plane
-    row = 0
-    for c in range(cg):
-        for ky in range(kh):
-            for kx in range(kw):
-                src = base + (c * sw + kx * dw % sw) * plane + ky * dh * wq + kx * dw // sw
-                dst = row * cols
-                for r in range(runs):
-                    # Unsigned indices, as in _epilogue_in_place.
-                    d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
-                    for t in range(np.uint64(lengths[r])):
-                        panel[d + t] = flat[o + t]
-                for t in range(width, cols):
-                    panel[dst + t] = 0
-                row += 1
+    base = (image * x.shape[1] + channel0 * sw) * x.shape[2] * wq
+    for row in range(taps.size):
+        src, dst = base + taps[row], at + row * cols
+        for r in range(runs):
+            # Unsigned indices, as in _epilogue_in_place.
+            d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
+            for t in range(np.uint64(lengths[r])):
+                panel[d + t] = flat[o + t]
+        for t in range(width, cols):
+            panel[dst + t] = 0
 
 
 @njit(cache=True, nogil=True)
-def _conv_units(x, w, c, shape, groups, cols, rows_per_unit, chunk, scale, bias, relu,
-                counter, units):
+def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
+                post_s, post_h, counter, units):
     """The work units of c (N * G, O/G, Ho*Wo) claimed from `counter`: unit u is image-group
-    u // (panels * blocks) (batch index n * G + g), then pixel panel, then a block of
-    rows_per_unit output channels, so that consecutive units share a panel and a thread that
-    claims them in a row packs it once. Returns the number of units done."""
+    u // (spans * blocks) (batch index n * G + g), then a span of `span` consecutive pixel
+    panels, then a block of rows_per_unit output channels, so that consecutive units share
+    their panels and a thread that claims them in a row packs them once. Each row tile runs
+    over the span's panels in turn: its rows are written `span` panels long, a few long
+    streams instead of many short ones. Returns the number of units done."""
     m, pixels, kk = c.shape[1], c.shape[2], w.shape[2]
     panels = (pixels + cols - 1) // cols
+    spans = (panels + span - 1) // span
     blocks = (m + rows_per_unit - 1) // rows_per_unit
-    panel = np.empty(kk * cols, w.dtype)
+    panel = np.empty(span * kk * cols, w.dtype)
     tile, total = np.empty(TILE_ROWS * cols, w.dtype), np.empty(TILE_ROWS * cols, np.float64)
     starts, offsets, lengths = (np.empty(cols, np.int64), np.empty(cols, np.int64),
                                 np.empty(cols, np.int64))
+    sources, ldps = np.empty(span, np.int64), np.empty(span, np.int64)
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
     # them, a strided gather over K planes, cost more than it saved).
     in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
     flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
+    taps = _tap_offsets(x, shape)
+    direct = chunk >= kk and c.itemsize == w.itemsize
     packed, done = -1, 0
     while True:
         u = claim(counter)
         if u >= units:
             return done
         q, block = u // blocks, u % blocks
-        batch, p = q // panels, q % panels
+        batch, p0 = q // spans, (q % spans) * span
         g = batch % groups
-        source, offset, ldp = panel, 0, cols
-        if in_place and (p + 1) * cols <= pixels:
-            source, offset, ldp = flat, (batch * kk) * plane + p * cols, plane
-        elif q != packed:
-            _pack_panel(x, panel, batch // groups, g * shape[0], shape, p * cols, cols, starts,
-                        offsets, lengths)
+        count = min(span, panels - p0)
+        if q != packed:
+            for j in range(count):
+                p = p0 + j
+                if in_place and (p + 1) * cols <= pixels:
+                    sources[j], ldps[j] = (batch * kk) * plane + p * cols, plane
+                    # An in-place panel's K rows lie a plane apart, too many streams for the
+                    # hardware prefetchers: ask for the rows of the panel _PREFETCH_PANELS
+                    # ahead.
+                    for k in range(kk):
+                        for f in range(0, cols, cols // _VECTORS):
+                            _prefetch_read(flat, sources[j] + _PREFETCH_PANELS * cols
+                                           + k * plane + f)
+                else:
+                    sources[j], ldps[j] = -1 - j * kk * cols, cols
+                    _pack_panel(x, panel, j * kk * cols, batch // groups, g * shape[0], shape,
+                                taps, p * cols, cols, starts, offsets, lengths)
             packed = q
         for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
                         TILE_ROWS):
-            _finish_tile(w, (g * m + i0) * kk, source, offset, ldp, c, cf, batch, i0, p * cols,
-                         cols, chunk, scale, bias, relu, tile, total)
+            for j in range(count):
+                p = p0 + j
+                # A packed panel's offset in `panel` is stored as -1 - offset.
+                source, offset = (flat, sources[j]) if sources[j] >= 0 else \
+                    (panel, -1 - sources[j])
+                if direct:
+                    _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c,
+                                 (batch * m + i0) * pixels + p * cols, pixels, post_s, post_h,
+                                 g * m + i0, relu, min(TILE_ROWS, m - i0),
+                                 min(cols, pixels - p * cols))
+                else:
+                    _finish_tile(w, (g * m + i0) * kk, source, offset, ldps[j], c, cf, batch,
+                                 i0, p * cols, cols, chunk, scale, bias, relu, tile, total)
         done += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e_offset, relu,
+                 rows, width):
+    """`rows` (1 .. TILE_ROWS) rows and the first `width` columns of a tile summed from +0
+    straight into c through the fused epilogue (`_stored_kernel`): a full tile at once, fewer
+    rows in blocks of 4, 2 and 1."""
+    if rows == TILE_ROWS:
+        _stored8(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
+                 relu, width)
+        return
+    r = 0
+    if rows >= 4:
+        _stored4(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
+                 relu, width)
+        r = 4
+    if rows - r >= 2:
+        _stored2(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
+                 s, h, e_offset + r, relu, width)
+        r += 2
+    if rows > r:
+        _stored1(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
+                 s, h, e_offset + r, relu, width)
 
 
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
@@ -702,19 +899,29 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
     c = np.empty((n * groups, m, shape[7] * shape[8]), out)
     cols = _panel_columns(wmat.dtype)
-    panels = n * groups * ((c.shape[2] + cols - 1) // cols)
+    panels = -(-c.shape[2] // cols)
+    # Spans of up to _SPAN panels, while that leaves _UNITS units or more.
+    span = max(1, min(_SPAN, _SPAN_BYTES // max(1, kk * cols * wmat.itemsize),
+                      n * groups * panels // _UNITS))
+    spans = n * groups * -(-panels // span)
     tiles = (m + TILE_ROWS - 1) // TILE_ROWS
-    split = min(tiles, -(-_UNITS // panels))
+    split = min(tiles, -(-_UNITS // spans))
     rows_per_unit = TILE_ROWS * -(-tiles // split)
     blocks = -(-m // rows_per_unit)
-    args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, rows_per_unit, chunk,
-            _epilogue_table(scale, np.float32, m),
-            _epilogue_table(bias, wmat.dtype if scale is None else np.float32, m),
-            relu)
+    scale = _epilogue_table(scale, np.float32, m)
+    bias = _epilogue_table(bias, wmat.dtype if scale.size == 0 else np.float32, m)
+    # The fused epilogue's per-channel factors (`_fused_epilogue`) in the tile's type, exact:
+    # it runs only where c has that type.
+    post_s = (np.ones(groups * m, wmat.dtype) if scale.size == 0
+              else scale.astype(wmat.dtype).ravel())
+    post_h = (np.full(groups * m, -0.0, wmat.dtype) if bias.size == 0
+              else bias.astype(wmat.dtype).ravel())
+    args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
+            chunk, scale, bias, relu, post_s, post_h)
     if c.size * max(kk, 1) < SERIAL_BELOW:
-        _conv_units(*args, np.zeros(1, np.int64), panels * blocks)
+        _conv_units(*args, np.zeros(1, np.int64), spans * blocks)
     else:
-        run_units(_conv_units, panels * blocks, *args)
+        run_units(_conv_units, spans * blocks, *args)
     return c
 
 
