@@ -289,3 +289,76 @@ def test_a_shuffle_quantized_per_tensor_for_an_int8_depthwise_conv_is_read_in_pl
     acc = sum(padded[:, :, ky:ky + 7, kx:kx + 7] * w[:, 0, ky, kx].astype(np.int64)[
         None, :, None, None] for ky in range(3) for kx in range(3))
     assert got.tobytes() == (acc.astype(np.float32) * np.float32(0.001)).tobytes()
+
+
+_FIRE = """func.func @main(%x: tensor<2x16x9x9xf32>) -> tensor<2x40x9x9xf32> {
+  %w1 = mp.constant {value = dense<W1> : tensor<16x16x1x1xf32>} : () -> tensor<16x16x1x1xf32>
+  %b1 = mp.constant {value = dense<B1> : tensor<16xf32>} : () -> tensor<16xf32>
+  %w3 = mp.constant {value = dense<W3> : tensor<24x16x3x3xf32>} : () -> tensor<24x16x3x3xf32>
+  %b3 = mp.constant {value = dense<B3> : tensor<24xf32>} : () -> tensor<24xf32>
+  %e1 = mp.conv2d %x, %w1, %b1 : (tensor<2x16x9x9xf32>, tensor<16x16x1x1xf32>, tensor<16xf32>) -> tensor<2x16x9x9xf32>
+  %r1 = mp.relu %e1 : (tensor<2x16x9x9xf32>) -> tensor<2x16x9x9xf32>
+  %e3 = mp.conv2d %x, %w3, %b3 {padding = [1, 1, 1, 1]} : (tensor<2x16x9x9xf32>, tensor<24x16x3x3xf32>, tensor<24xf32>) -> tensor<2x24x9x9xf32>
+  %c = mp.concat %r1, %e3 {axis = 1} : (tensor<2x16x9x9xf32>, tensor<2x24x9x9xf32>) -> tensor<2x40x9x9xf32>
+  return %c : tensor<2x40x9x9xf32>
+}
+"""
+
+
+def test_convs_concatenated_along_channels_write_their_channels_in_place() -> None:
+    """SqueezeNet's fire module: two convs (one with its relu fused) concatenated along the
+    channels write straight into the concatenation, with the bits of the separate ops."""
+    rng = np.random.default_rng(14)
+
+    def dense(v: np.ndarray) -> str:
+        return np.array2string(v, separator=", ", threshold=10**6, floatmode="unique",
+                               max_line_width=10**6)
+    w1 = rng.standard_normal((16, 16, 1, 1)).astype(np.float32)
+    w3 = rng.standard_normal((24, 16, 3, 3)).astype(np.float32)
+    b1, b3 = rng.standard_normal(16).astype(np.float32), rng.standard_normal(24).astype(np.float32)
+    text = _FIRE.replace("W1", dense(w1)).replace("W3", dense(w3)).replace(
+        "B1", dense(b1)).replace("B3", dense(b3))
+    program = Program(parse(text, "m.ir"))
+    x = rng.standard_normal((2, 16, 9, 9)).astype(np.float32)
+    x[1, 3, 4, 4] = np.nan
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert [s.op for s in program._live] == ["mp.conv2d", "mp.conv2d"]
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    from conftest import sequential_matmul
+
+    e1 = np.stack([sequential_matmul(w1.reshape(16, 16), v.reshape(16, 81)) for v in x])
+    e1 = np.maximum(e1 + b1[None, :, None], np.float32(0)).reshape(2, 16, 9, 9)
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    cols = np.stack([padded[:, c, ky:ky + 9, kx:kx + 9] for c in range(16) for ky in range(3)
+                     for kx in range(3)], axis=1).reshape(2, 144, 81)
+    e3 = np.stack([sequential_matmul(w3.reshape(24, 144), v) for v in cols])
+    e3 = (e3 + b3[None, :, None]).reshape(2, 24, 9, 9)
+    assert got.tobytes() == np.concatenate([e1, e3], axis=1).tobytes()
+
+
+@pytest.mark.parametrize("case", ["float", "int8", "int8 chunked", "depthwise", "two groups"])
+def test_conv_into_a_concatenation_gives_the_bits_of_the_conv_then_a_copy(case) -> None:
+    """conv2d(into=(y, c0)) writes the result into channels c0.. of y: in place where the
+    implicit GEMM stores each sum once (float, an 8-bit product within one exact chunk), as
+    a copy elsewhere; every other channel of y is left as it was."""
+    from mplower.numerics.conv import conv2d
+
+    rng = np.random.default_rng(15)
+    c, o, groups, k = {"float": (8, 16, 1, 3), "int8": (8, 16, 1, 3),
+                       "int8 chunked": (80, 16, 1, 3), "depthwise": (8, 8, 8, 3),
+                       "two groups": (8, 16, 2, 1)}[case]
+    if case.startswith("int8"):
+        x = rng.integers(0, 256, (2, c, 6, 7)).astype(np.uint8)
+        w = rng.integers(-128, 128, (o, c // groups, k, k)).astype(np.int8)
+        kwargs = {"scale": (rng.random(o) * 1e-3).astype(np.float32),
+                  "bias": rng.standard_normal(o).astype(np.float32), "relu": True}
+    else:
+        x = rng.standard_normal((2, c, 6, 7)).astype(np.float32)
+        w = rng.standard_normal((o, c // groups, k, k)).astype(np.float32)
+        kwargs = {"bias": rng.standard_normal(o).astype(np.float32), "relu": True}
+    geometry = ((1, 1), (k // 2,) * 4, (1, 1), groups)
+    alone = conv2d(x, w, *geometry, **kwargs)
+    y = np.full((2, o + 5, 6, 7), 7.0, np.float32)
+    got = conv2d(x, w, *geometry, **kwargs, into=(y, 3))
+    assert got is y and y[:, 3:3 + o].tobytes() == np.ascontiguousarray(alone).tobytes()
+    assert (y[:, :3] == 7).all() and (y[:, 3 + o:] == 7).all()

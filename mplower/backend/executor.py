@@ -98,6 +98,8 @@ class Step:
     # A depthwise conv's input channel c is channel channels[c] of its operand (run_lowered's
     # shuffle fusion, _fuse_shuffles).
     channels: np.ndarray | None = None
+    # A conv's fused epilogue (scale, bias, relu, rounded format), as _fuse_epilogues built it.
+    epilogue: tuple | None = None
 
 
 @dataclass
@@ -398,8 +400,9 @@ class Program:
                     live.append(step)
             self._folded = folded
             constants = {i: folded[i] for i in known}
-            self._live = _pack_weights(_fuse_epilogues(
-                _fuse_shuffles(live, self.outputs), constants, self.outputs), constants)
+            self._live = _pack_weights(_fuse_concats(_fuse_epilogues(
+                _fuse_shuffles(live, self.outputs), constants, self.outputs), self.outputs),
+                constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
         self._run_steps(self._live, values)
@@ -526,7 +529,8 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
             continue
         fused[conv.node] = replace(conv, name=last.name, output=last.output, out_type=last.out_type,
                                    run=_fused_conv_kernel(conv, scale, bias, relu is not None,
-                                                          rounded))
+                                                          rounded),
+                                   epilogue=(scale, bias, relu is not None, rounded))
         gone.update(s.node for s in chain)
     for add in steps:
         # A residual add and its relu: one pass (mplower.numerics.elementwise.add_relu).
@@ -626,6 +630,92 @@ def _depthwise_in_order(conv: Step, channels: np.ndarray) -> Kernel:
         else:
             y = conv2d(x, w, *geometry, bias=bias[0] if bias else None, channels=channels)
         return _finish(y, elem)
+    return run
+
+
+# ---- convs that write their channels of a concatenation (run_lowered) ----------------------
+# A concat along channels of conv results that nothing else reads (SqueezeNet's fire modules,
+# Inception's branches) copies every one of them once more: each conv writes its channels of
+# the concatenation instead (conv2d's `into`). The first conv to run allocates the result, each
+# later one takes it as an extra operand and adds its channels, and the last one's value is the
+# concat's. The same sums and epilogue, stored elsewhere: the same bits.
+
+def _fuse_concats(steps: list[Step], outputs: list[int]) -> list[Step]:
+    position = {s.output: i for i, s in enumerate(steps)}
+    readers: dict[int, int] = {}
+    for s in steps:
+        for i in s.inputs:
+            readers[i] = readers.get(i, 0) + 1
+    kept = set(outputs)
+    fused: dict[int, Step] = {}
+    gone: set[int] = set()
+    for cat in steps:
+        t = cat.out_type
+        if cat.op != "mp.concat" or t.rank != 4 or cat.attrs["axis"] % 4 != 1 \
+                or len(set(cat.inputs)) != len(cat.inputs):
+            continue
+        convs = [steps[position[i]] if i in position else None for i in cat.inputs]
+        if not all(c is not None and _writes_into(c) and c.out_type.elem == t.elem
+                   and readers.get(c.output) == 1 and c.output not in kept
+                   and c.node not in fused for c in convs):
+            continue
+        offsets = np.cumsum([0] + [c.out_type.shape[1] for c in convs])[:-1]
+        order = sorted(range(len(convs)), key=lambda j: position[convs[j].output])
+        previous = None
+        for j in order:
+            conv, first = convs[j], previous is None
+            new = replace(conv, run=_conv_into_kernel(conv, int(offsets[j]), t.shape, first,
+                                                      j == order[-1]),
+                          inputs=conv.inputs if first else [*conv.inputs, previous.output])
+            if j == order[-1]:
+                new = replace(new, name=cat.name, output=cat.output, out_type=t)
+            fused[conv.node] = previous = new
+        gone.add(cat.node)
+    return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _writes_into(conv: Step) -> bool:
+    """Whether a conv step computes a float result of one group on the implicit GEMM (float
+    operands, f32 sums), with at most a bias and relu epilogue and a rounding to its type,
+    whose kernel can write it into a concatenation."""
+    out = conv.out_type.elem
+    if conv.op != "mp.conv2d" or conv.attrs["groups"] != 1 \
+            or conv.in_types[1].shape[0] < 8 or conv.executed["kernel"] != DENSE \
+            or out != "f32" and out not in ROUNDING_FORMATS:
+        return False
+    if conv.epilogue is not None and conv.epilogue[0] is not None:
+        # An integer conv with its dequantize (the int8 plan): float32(sum) * scale ...
+        return conv.executed["accum"] == "i32"
+    if conv.executed["accum"] != "f32" \
+            or not all(FORMATS[t.elem].is_float and t.elem != "f64" for t in conv.in_types):
+        return False
+    # A relu before the rounding gives the same bits.
+    return conv.epilogue is not None or getattr(conv.run, "generic", False)
+
+
+def _conv_into_kernel(conv: Step, channel0: int, shape: tuple[int, ...], first: bool,
+                      last: bool) -> Kernel:
+    """The conv's kernel (its own bias operand or fused bias, its relu), writing channels
+    channel0 .. of the concatenation `shape`: allocated by the `first` conv, the last operand
+    of the others. A result in a narrower format is rounded by the `last` conv, all of the
+    concatenation at once: rounding is elementwise, so the same bits."""
+    from mplower.numerics.conv import conv2d
+
+    a, channels, elem = conv.attrs, conv.channels, conv.out_type.elem
+    geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
+    scale, bias, relu, _ = conv.epilogue or (None, None, False, None)
+    operands = len(conv.inputs)
+
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        y = np.empty(shape, np.float32) if first else xs[-1]
+        if scale is not None:  # as _fused_conv_kernel: the integer operands as they are
+            y = conv2d(xs[0], xs[1], *geometry, scale=scale, bias=bias, relu=relu,
+                       channels=channels, into=(y, channel0))
+        else:
+            b = _f32(xs[2]) if operands == 3 else bias
+            y = conv2d(_f32(xs[0]), _f32(xs[1]), *geometry, bias=b, relu=relu,
+                       channels=channels, into=(y, channel0))
+        return _finish(y, elem) if last and elem != "f32" else (y, None)
     return run
 
 

@@ -73,7 +73,8 @@ def _padded_phases(x: np.ndarray, padding: tuple[int, ...], sw: int,
 def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            padding: tuple[int, int, int, int], dilations: tuple[int, int],
            groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
-           relu: bool = False, channels: np.ndarray | None = None) -> np.ndarray:
+           relu: bool = False, channels: np.ndarray | None = None,
+           into: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
     int64 for integer operands.
@@ -82,7 +83,21 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     `relu` applied as y + bias and np.maximum(y, 0) would; for integer operands a `scale` or
     `bias` makes the result float32(y) * scale + bias (DequantizeLinear of the int32 result
     with zero point 0, then Add), which needs 8-bit operands (int_magnitude). `channels`
-    reads x's channels in that order (a depthwise conv only: depthwise_conv2d)."""
+    reads x's channels in that order (a depthwise conv only: depthwise_conv2d). `into` = (y,
+    c0) writes a float32 result into channels c0 .. c0 + O - 1 of y (N, C, Ho, Wo) instead (a
+    concatenation without the copy), where the implicit-GEMM path computes it (one group, at
+    least TILE_ROWS output channels, float operands), and returns y; elsewhere the result is
+    computed as usual and copied there."""
+    if into is not None and x.dtype.kind in "iub" and scale is None and bias is None \
+            and not relu:
+        raise ValueError("conv2d: an integer result (no epilogue) cannot go `into` float32")
+    if into is not None and (groups != 1 or w.shape[0] < TILE_ROWS
+                             or into[0].dtype != np.float32
+                             or np.result_type(x, w) == np.float64):
+        y, c0 = into
+        y[:, c0:c0 + w.shape[0]] = conv2d(x, w, strides, padding, dilations, groups,
+                                         scale=scale, bias=bias, relu=relu, channels=channels)
+        return y
     if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
         return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
                                 relu=relu, channels=channels)
@@ -116,9 +131,19 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             x = _padded_phases(x, padding, sw, work)
         else:
             x = _padded(x, padding, work)
+        # Written in place where each sum is stored once (float32 sums over all of K); an
+        # integer product summed in several chunks is copied there.
+        target = None if into is None or out != np.float32 or chunk < cg * kh * kw else (
+            into[0].reshape(n, into[0].shape[1], -1), into[1])
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
-                         g, out, chunk, scale, bias, relu)
-        return y.reshape(n, o, ho, wo)
+                         g, out, chunk, scale, bias, relu, target)
+        if target is not None:
+            return into[0]
+        y = y.reshape(n, o, ho, wo)
+        if into is not None:
+            into[0][:, into[1]:into[1] + o] = y
+            return into[0]
+        return y
     x = _padded(x, padding, work)
     if kh == kw == 1 and sh == sw == 1:
         cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
@@ -129,4 +154,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         y = integer_matmul(wmat, cols, bound, scale=scale, bias=bias, relu=relu)
     else:
         y = matmul(wmat, cols, bias=bias, relu=relu)
+    if into is not None:
+        into[0][:, into[1]:into[1] + o] = y.reshape(n, o, ho, wo)
+        return into[0]
     return y.reshape(n, o, ho, wo)

@@ -797,14 +797,16 @@ def _pack_panel(x, panel, at, image, channel0, shape, taps, q0, cols, starts, of
 
 @njit(cache=True, nogil=True)
 def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
-                post_s, post_h, counter, units):
-    """The work units of c (N * G, O/G, Ho*Wo) claimed from `counter`: unit u is image-group
+                post_s, post_h, channel0, counter, units):
+    """The work units of the conv's result, channels channel0 .. channel0 + O/G - 1 of c
+    (N * G, C, Ho*Wo) (all of c unless the result is written into a concatenation, see
+    conv_product's `into`), claimed from `counter`: unit u is image-group
     u // (spans * blocks) (batch index n * G + g), then a span of `span` consecutive pixel
     panels, then a block of rows_per_unit output channels, so that consecutive units share
     their panels and a thread that claims them in a row packs them once. Each row tile runs
     over the span's panels in turn: its rows are written `span` panels long, a few long
     streams instead of many short ones. Returns the number of units done."""
-    m, pixels, kk = c.shape[1], c.shape[2], w.shape[2]
+    m, pixels, kk, channels = w.shape[1], c.shape[2], w.shape[2], c.shape[1]
     panels = (pixels + cols - 1) // cols
     spans = (panels + span - 1) // span
     blocks = (m + rows_per_unit - 1) // rows_per_unit
@@ -854,7 +856,8 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                     (panel, -1 - sources[j])
                 if direct:
                     _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c,
-                                 (batch * m + i0) * pixels + p * cols, pixels, post_s, post_h,
+                                 (batch * channels + channel0 + i0) * pixels + p * cols, pixels,
+                                 post_s, post_h,
                                  g * m + i0, relu, min(TILE_ROWS, m - i0),
                                  min(cols, pixels - p * cols))
                 else:
@@ -889,15 +892,27 @@ def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e
 
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
                  out: np.dtype, chunk: int, scale: np.ndarray | None, bias: np.ndarray | None,
-                 relu: bool) -> np.ndarray:
+                 relu: bool, into: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """The convolution of the padded x with the weights `wmat` (G, O/G, K) as c (N * G, O/G,
     Ho*Wo) in `out`: the product of the weights and the im2col of each image and group
     (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh, sw,
     dh, dw, Ho, Wo); x is (N, C * sw, Hp, Wp / sw), its columns split into sw phases as
     `_pack_panel` reads them (a 1x1 conv has stride 1); chunk, scale, bias and relu as in
-    `_product`."""
+    `_product`.
+
+    `into` = (y, c0): write the result into channels c0 .. c0 + O - 1 of y (N, C, Ho*Wo)
+    instead, a float result of one group (a concatenation along channels, without the copy);
+    returns y."""
     n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
-    c = np.empty((n * groups, m, shape[7] * shape[8]), out)
+    if into is None:
+        c, channel0 = np.empty((n * groups, m, shape[7] * shape[8]), out), 0
+    else:
+        c, channel0 = into
+        if groups != 1 or c.dtype != out or out != wmat.dtype or chunk < kk \
+                or not c.flags.c_contiguous or c.shape[0] != n \
+                or c.shape[2] != shape[7] * shape[8] or not 0 <= channel0 <= c.shape[1] - m:
+            raise ValueError("conv_product: `into` takes a float result of one group, "
+                             "within the channels of a contiguous (N, C, Ho*Wo) array")
     cols = _panel_columns(wmat.dtype)
     panels = -(-c.shape[2] // cols)
     # Spans of up to _SPAN panels, while that leaves _UNITS units or more.
@@ -917,8 +932,8 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     post_h = (np.full(groups * m, -0.0, wmat.dtype) if bias.size == 0
               else bias.astype(wmat.dtype).ravel())
     args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
-            chunk, scale, bias, relu, post_s, post_h)
-    if c.size * max(kk, 1) < SERIAL_BELOW:
+            chunk, scale, bias, relu, post_s, post_h, channel0)
+    if n * groups * m * c.shape[2] * max(kk, 1) < SERIAL_BELOW:
         _conv_units(*args, np.zeros(1, np.int64), spans * blocks)
     else:
         run_units(_conv_units, spans * blocks, *args)
