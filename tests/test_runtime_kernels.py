@@ -346,3 +346,23 @@ def test_histogram_of_a_relu_output_counted_in_parts_equals_numpys_counts() -> N
     pos, neg, exps = numpy_histograms([x], 512)
     assert np.array_equal(stats.pos, pos) and np.array_equal(stats.neg, neg)
     assert np.array_equal(stats.exponents, exps)
+
+
+@pytest.mark.parametrize("dtype, axis", [("ui8", None), ("i8", 1), ("i8", None), ("ui8", 0)])
+def test_a_prepared_quantizer_gives_the_codes_and_counts_of_quantize(dtype, axis) -> None:
+    """quant.quantizer (the executor's per-op quantize: checks and tables made once) against
+    quantize itself, with NaN, infinities and saturating values; another shape falls back."""
+    from mplower.numerics.quant import quantize, quantizer
+
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((3, 5, 70)) * 40).astype(np.float32)
+    x[0, 0, :4] = [np.nan, np.inf, -np.inf, 1e9]
+    n = x.shape[axis] if axis is not None else 1
+    scale = (rng.random(n) * 0.3 + 0.05).astype(np.float32)
+    zp = rng.integers(-5, 5, n) + (128 if dtype == "ui8" else 0)
+    prepared = quantizer(x.shape, scale, zp, dtype, axis)
+    for v in (x, x[..., :30]):  # the prepared shape, and another one
+        got, counts = prepared(np.ascontiguousarray(v))
+        expect, expect_counts = quantize(np.ascontiguousarray(v), scale, zp, dtype, axis)
+        assert got.dtype == expect.dtype and got.tobytes() == expect.tobytes()
+        assert counts == expect_counts and counts.overflow > 0

@@ -49,7 +49,7 @@ from mplower.numerics.elementwise import add_relu
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import PackedMatrix, matmul
 from mplower.numerics.metrics import drift
-from mplower.numerics.quant import dequantize, quantize
+from mplower.numerics.quant import dequantize, quantize, quantizer
 from mplower.numerics.rounding import (
     ROUNDING_FORMATS,
     Counts,
@@ -896,9 +896,11 @@ def _quant_kernel(op: str, attrs: dict, in_t: TensorType, out_t: TensorType) -> 
     block = attrs["block_size"]
     if op == "mp.quantize":
         elem = out_t.elem
+        # The checks and scale tables once, not per call (in_t's shape is every call's).
+        quantized = quantizer(in_t.shape, scale, zp, elem, axis, block_size=block)
 
         def run_q(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-            q, counts = quantize(_f32(xs[0]), scale, zp, elem, axis, block_size=block)
+            q, counts = quantized(_f32(xs[0]))
             return (decode(q, elem) if FORMATS[elem].is_float else q), counts  # f8/f4: values
         return run_q
     if op == "mp.dequantize":

@@ -22,6 +22,8 @@ for quotients beyond ±2^31 it wraps where the ONNX spec (and this module) satur
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numba import njit
 
@@ -260,6 +262,44 @@ def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | 
         run_blocks(_quantize_blocks, counts.shape[0], *args)
     total = counts.sum(axis=0)
     return out, Counts(int(total[0]), int(total[1]), int(total[2]))
+
+
+def quantizer(shape: tuple[int, ...], scale: np.ndarray | float,
+              zero_point: np.ndarray | int | None, dtype: str, axis: int | None = None,
+              block_size: int = 0) -> Callable[[np.ndarray], tuple[np.ndarray, Counts]]:
+    """`quantize(x, scale, zero_point, dtype, axis, block_size=block_size)` for the many x of
+    one `shape` (an executor's op): the checks and scale tables of an integer format made
+    once, the same kernels per call, so the same bits and counts. Anything else (another
+    shape, a float or blocked format, a zero point out of range) goes through `quantize`,
+    which checks it and raises its errors."""
+    def checked(x: np.ndarray) -> tuple[np.ndarray, Counts]:
+        return quantize(x, scale, zero_point, dtype, axis, block_size=block_size)
+    f = FORMATS.get(dtype)
+    if block_size or dtype not in QUANT_FORMATS or f.is_float:
+        return checked
+    try:
+        s, zp, post, _ = _channels(shape, scale, zero_point, axis, "quantize")
+    except (ValueError, TypeError):
+        return checked
+    if not np.all((zp >= f.min_value) & (zp <= f.max_finite)):
+        return checked
+    s, zp, period, per_element = _scale_table(s, zp.astype(np.float32), post)
+    lo, hi, size = np.float32(f.min_value), np.float32(f.max_finite), int(np.prod(shape))
+    chunks = (size + _CHUNK - 1) // _CHUNK
+
+    def run(x: np.ndarray) -> tuple[np.ndarray, Counts]:
+        if x.dtype != np.float32 or x.shape != shape or not x.flags.c_contiguous:
+            return checked(x)
+        out = np.empty(shape, f.storage)
+        counts = np.zeros((chunks, 3), np.int64)
+        args = (x.reshape(-1), s, zp, period, per_element, lo, hi, out.reshape(-1), counts)
+        if size < SERIAL_BELOW:
+            _quantize_serial(*args)
+        else:
+            run_blocks(_quantize_blocks, chunks, *args)
+        total = counts.sum(axis=0)
+        return out, Counts(int(total[0]), int(total[1]), int(total[2]))
+    return run
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray | float,
