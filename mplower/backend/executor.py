@@ -764,8 +764,10 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
         x, w = xs[0], xs[1]
         if scale is None:  # a float conv: its own bias operand or the added one, the relu
             b = _f32(xs[2]) if len(xs) == 3 else bias
-            y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels)
-            return (y, None) if rounded is None else _finish(y, rounded)
+            # The rounding too as the conv stores its tiles (conv2d's rounding: round_to's
+            # kernel, the same bits; run_lowered keeps no counts).
+            return conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels,
+                          rounding=rounded), None
         return conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu,
                       channels=channels), None
     return run

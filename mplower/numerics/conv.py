@@ -39,6 +39,7 @@ from mplower.numerics.gemm import (
     integer_matmul,
     matmul,
 )
+from mplower.numerics.rounding import round_to
 from mplower.numerics.windows import conv_windows
 
 
@@ -74,7 +75,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            padding: tuple[int, int, int, int], dilations: tuple[int, int],
            groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
            relu: bool = False, channels: np.ndarray | None = None,
-           into: tuple[np.ndarray, int] | None = None) -> np.ndarray:
+           into: tuple[np.ndarray, int] | None = None,
+           rounding: str | None = None) -> np.ndarray:
     """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
     int64 for integer operands.
@@ -87,7 +89,25 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     c0) writes a float32 result into channels c0 .. c0 + O - 1 of y (N, C, Ho, Wo) instead (a
     concatenation without the copy), where the implicit-GEMM path computes it (one group, at
     least TILE_ROWS output channels, float operands), and returns y; elsewhere the result is
-    computed as usual and copied there."""
+    computed as usual and copied there. `rounding` (a round_to format) rounds a float32 result
+    after its epilogue: in the implicit GEMM's tiles, while they are in cache, where each sum
+    is stored once, else with round_to; the same kernel, so the same bits."""
+    if rounding is not None:
+        if into is not None or x.dtype.kind in "iub" or np.result_type(x, w) == np.float64:
+            raise ValueError("conv2d: rounding applies to a float32 result, not `into`")
+        y, rounded = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu,
+                             channels, None, rounding)
+        return y if rounded else round_to(np.ascontiguousarray(y), rounding)[0]
+    return _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels, into,
+                   None)[0]
+
+
+def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
+            padding: tuple[int, int, int, int], dilations: tuple[int, int], groups: int,
+            scale: np.ndarray | None, bias: np.ndarray | None, relu: bool,
+            channels: np.ndarray | None, into: tuple[np.ndarray, int] | None,
+            rounding: str | None) -> tuple[np.ndarray, bool]:
+    """conv2d, and whether the result is rounded to `rounding` already (in the tiles)."""
     if into is not None and x.dtype.kind in "iub" and scale is None and bias is None \
             and not relu:
         raise ValueError("conv2d: an integer result (no epilogue) cannot go `into` float32")
@@ -97,10 +117,10 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         y, c0 = into
         y[:, c0:c0 + w.shape[0]] = conv2d(x, w, strides, padding, dilations, groups,
                                          scale=scale, bias=bias, relu=relu, channels=channels)
-        return y
+        return y, False
     if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
         return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
-                                relu=relu, channels=channels)
+                                relu=relu, channels=channels), False
     if channels is not None:
         raise ValueError("conv2d: an input channel order applies to a depthwise conv only")
     integer = x.dtype.kind in "iub"
@@ -133,17 +153,19 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             x = _padded(x, padding, work)
         # Written in place where each sum is stored once (float32 sums over all of K); an
         # integer product summed in several chunks is copied there.
-        target = None if into is None or out != np.float32 or chunk < cg * kh * kw else (
+        exact = out == np.float32 and chunk >= cg * kh * kw
+        target = None if into is None or not exact else (
             into[0].reshape(n, into[0].shape[1], -1), into[1])
+        rounded = rounding if exact and wmat.dtype == np.float32 else None
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
-                         g, out, chunk, scale, bias, relu, target)
+                         g, out, chunk, scale, bias, relu, target, rounded)
         if target is not None:
-            return into[0]
+            return into[0], False
         y = y.reshape(n, o, ho, wo)
         if into is not None:
             into[0][:, into[1]:into[1] + o] = y
-            return into[0]
-        return y
+            return into[0], False
+        return y, rounded is not None
     x = _padded(x, padding, work)
     if kh == kw == 1 and sh == sw == 1:
         cols = x.reshape(n, g, cg, ho * wo)  # a view: the input is its own im2col
@@ -156,5 +178,5 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         y = matmul(wmat, cols, bias=bias, relu=relu)
     if into is not None:
         into[0][:, into[1]:into[1] + o] = y.reshape(n, o, ho, wo)
-        return into[0]
-    return y.reshape(n, o, ho, wo)
+        return into[0], False
+    return y.reshape(n, o, ho, wo), False

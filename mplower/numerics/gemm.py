@@ -39,6 +39,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from mplower.numerics.rounding import _param_array, _param_tuple, _round_one
 from mplower.numerics.workers import claim, run_blocks, run_units
 
 # The register tile: TILE_ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8
@@ -797,7 +798,7 @@ def _pack_panel(x, panel, at, image, channel0, shape, taps, q0, cols, starts, of
 
 @njit(cache=True, nogil=True)
 def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
-                post_s, post_h, channel0, counter, units):
+                post_s, post_h, channel0, rounding, rbits, rpa, counter, units):
     """The work units of the conv's result, channels channel0 .. channel0 + O/G - 1 of c
     (N * G, C, Ho*Wo) (all of c unless the result is written into a concatenation, see
     conv_product's `into`), claimed from `counter`: unit u is image-group
@@ -815,6 +816,7 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     starts, offsets, lengths = (np.empty(cols, np.int64), np.empty(cols, np.int64),
                                 np.empty(cols, np.int64))
     sources, ldps = np.empty(span, np.int64), np.empty(span, np.int64)
+    rp = _param_tuple(rpa)
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
     # them, a strided gather over K planes, cost more than it saved).
     in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
@@ -855,11 +857,16 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                 source, offset = (flat, sources[j]) if sources[j] >= 0 else \
                     (panel, -1 - sources[j])
                 if direct:
-                    _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c,
-                                 (batch * channels + channel0 + i0) * pixels + p * cols, pixels,
-                                 post_s, post_h,
-                                 g * m + i0, relu, min(TILE_ROWS, m - i0),
-                                 min(cols, pixels - p * cols))
+                    at, rows, width = ((batch * channels + channel0 + i0) * pixels + p * cols,
+                                       min(TILE_ROWS, m - i0), min(cols, pixels - p * cols))
+                    _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c, at,
+                                 pixels, post_s, post_h, g * m + i0, relu, rows, width)
+                    if rounding:  # the tile, still in L1, rounded as round_to rounds it
+                        for r in range(rows):
+                            # Unsigned indices, as in _epilogue_in_place.
+                            row = np.uint64(at + r * pixels)
+                            for t in range(np.uint64(width)):
+                                rbits[row + t] = _round_one(rbits[row + t], rp)[0]
                 else:
                     _finish_tile(w, (g * m + i0) * kk, source, offset, ldps[j], c, cf, batch,
                                  i0, p * cols, cols, chunk, scale, bias, relu, tile, total)
@@ -892,7 +899,8 @@ def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e
 
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
                  out: np.dtype, chunk: int, scale: np.ndarray | None, bias: np.ndarray | None,
-                 relu: bool, into: tuple[np.ndarray, int] | None = None) -> np.ndarray:
+                 relu: bool, into: tuple[np.ndarray, int] | None = None,
+                 rounding: str | None = None) -> np.ndarray:
     """The convolution of the padded x with the weights `wmat` (G, O/G, K) as c (N * G, O/G,
     Ho*Wo) in `out`: the product of the weights and the im2col of each image and group
     (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh, sw,
@@ -902,7 +910,9 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
 
     `into` = (y, c0): write the result into channels c0 .. c0 + O - 1 of y (N, C, Ho*Wo)
     instead, a float result of one group (a concatenation along channels, without the copy);
-    returns y."""
+    returns y. `rounding` (a format of rounding.round_to, not an MX one) rounds each float32
+    result after its epilogue, as round_to would (the same kernel), while its tile is in
+    cache; only where each sum is stored once (float32 sums over all of K)."""
     n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
     if into is None:
         c, channel0 = np.empty((n * groups, m, shape[7] * shape[8]), out), 0
@@ -931,14 +941,20 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
               else scale.astype(wmat.dtype).ravel())
     post_h = (np.full(groups * m, -0.0, wmat.dtype) if bias.size == 0
               else bias.astype(wmat.dtype).ravel())
+    if rounding is not None and (out != np.float32 or wmat.dtype != np.float32 or chunk < kk):
+        raise ValueError("conv_product: rounding applies to float32 sums over all of K")
     args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
-            chunk, scale, bias, relu, post_s, post_h, channel0)
+            chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
+            c.reshape(-1).view(np.uint32) if rounding is not None else _NO_BITS,
+            _param_array(rounding or "bf16", False))
     if n * groups * m * c.shape[2] * max(kk, 1) < SERIAL_BELOW:
         _conv_units(*args, np.zeros(1, np.int64), spans * blocks)
     else:
         run_units(_conv_units, spans * blocks, *args)
     return c
 
+
+_NO_BITS = np.zeros(0, np.uint32)
 
 # Every integer of magnitude up to 2**24 is a float32, so is every sum and product of such
 # integers that stays within it: in that range float32 arithmetic is integer arithmetic.
