@@ -47,7 +47,7 @@ from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.elementwise import add_relu
 from mplower.numerics.formats import FORMATS
-from mplower.numerics.gemm import PackedMatrix, matmul
+from mplower.numerics.gemm import TILE_ROWS, PackedMatrix, matmul
 from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, quantize, quantizer
 from mplower.numerics.rounding import (
@@ -400,9 +400,9 @@ class Program:
                     live.append(step)
             self._folded = folded
             constants = {i: folded[i] for i in known}
-            self._live = _pack_weights(_fuse_concats(_fuse_epilogues(
-                _fuse_shuffles(live, self.outputs), constants, self.outputs), self.outputs),
-                constants)
+            fused = _fuse_epilogues(live, constants, self.outputs)
+            fused = _fuse_concats(_fuse_shuffles(fused, self.outputs), self.outputs)
+            self._live = _pack_weights(fused, constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
         self._run_steps(self._live, values)
@@ -549,6 +549,31 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
 
 
+def _readers(steps: list[Step]) -> dict[int, int]:
+    """How many steps read each slot."""
+    readers: dict[int, int] = {}
+    for s in steps:
+        for i in s.inputs:
+            readers[i] = readers.get(i, 0) + 1
+    return readers
+
+
+def _rebuildable(conv: Step) -> tuple | None:
+    """The (scale, bias, relu, rounded) with which `_fused_conv_kernel` computes what a conv
+    step's kernel computes (so that it can be rebuilt reading another channel order, or
+    writing into a concatenation), or None where its kernel is another (an integer result,
+    float64, the f16 accumulator, a sparse kernel)."""
+    if conv.epilogue is not None:
+        return conv.epilogue
+    out = conv.out_type.elem
+    if not getattr(conv.run, "generic", False) or conv.executed["accum"] != "f32" \
+            or conv.executed["kernel"] != DENSE \
+            or out != "f32" and out not in ROUNDING_FORMATS \
+            or not all(FORMATS[t.elem].is_float and t.elem != "f64" for t in conv.in_types):
+        return None
+    return None, None, False, None if out == "f32" else out
+
+
 # ---- a channel shuffle read by a depthwise conv (run_lowered) ------------------------------
 # ShuffleNet's channel shuffle (reshape to (N, g, C/g, H, W), swap axes 1 and 2, reshape back)
 # copies the tensor, and a depthwise conv, which reads each input channel as one plane, is its
@@ -568,11 +593,7 @@ def _per_tensor(s: Step) -> bool:
 
 def _fuse_shuffles(steps: list[Step], outputs: list[int]) -> list[Step]:
     producer = {s.output: s for s in steps}
-    readers: dict[int, int] = {}
-    for s in steps:
-        for i in s.inputs:
-            readers[i] = readers.get(i, 0) + 1
-    kept = set(outputs)
+    readers, kept = _readers(steps), set(outputs)
 
     def only_reader(slot: int) -> Step | None:
         """The step that computes `slot`, where one step reads it and it is not an output."""
@@ -582,11 +603,9 @@ def _fuse_shuffles(steps: list[Step], outputs: list[int]) -> list[Step]:
     gone: set[int] = set()
     for conv in steps:
         x_t = conv.in_types[0]
-        if conv.op != "mp.conv2d" or not getattr(conv.run, "generic", False) \
-                or x_t.rank != 4 or conv.attrs["groups"] != x_t.shape[1] \
+        if conv.op != "mp.conv2d" or x_t.rank != 4 or conv.attrs["groups"] != x_t.shape[1] \
                 or conv.in_types[1].shape[1] != 1 or conv.node in fused \
-                or any(FORMATS[t.elem].is_int and FORMATS[t.elem].bits > 8
-                       for t in conv.in_types[:2]):  # 8-bit integers: numerics.depthwise
+                or (epilogue := _rebuildable(conv)) is None:
             continue
         chain, back = [], only_reader(conv.inputs[0])
         while back is not None and back.op != "mp.reshape" and _per_tensor(back) \
@@ -605,32 +624,10 @@ def _fuse_shuffles(steps: list[Step], outputs: list[int]) -> list[Step]:
         channels = (c % g) * a + c // g
         first = chain[-1] if chain else conv  # the step that read the shuffled tensor
         fused[first.node] = replace(first, inputs=[split.inputs[0], *first.inputs[1:]])
-        conv = fused.get(conv.node, conv)
-        fused[conv.node] = replace(conv, channels=channels,
-                                   run=_depthwise_in_order(conv, channels))
+        conv = replace(fused.get(conv.node, conv), channels=channels)
+        fused[conv.node] = replace(conv, run=_fused_conv_kernel(conv, *epilogue))
         gone.update((back.node, swap.node, split.node))
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
-
-
-def _depthwise_in_order(conv: Step, channels: np.ndarray) -> Kernel:
-    """The conv's own kernel (its reference, conv2d, then the rounding or conversion of its
-    result) on the input channels in the order `channels`."""
-    from mplower.numerics.conv import conv2d
-
-    a, elem = conv.attrs, conv.out_type.elem
-    geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
-
-    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        x, w, *bias = (_f32(v) if v.dtype.kind == "f" and v.dtype != np.float64 else v
-                       for v in xs)
-        if x.dtype.kind in "iub" and w.dtype.kind in "iub":  # as mp.conv2d's reference
-            y = conv2d(x, w, *geometry, channels=channels)
-            if bias:
-                y = y + bias[0].astype(np.int64, copy=False).reshape(1, -1, 1, 1)
-        else:
-            y = conv2d(x, w, *geometry, bias=bias[0] if bias else None, channels=channels)
-        return _finish(y, elem)
-    return run
 
 
 # ---- convs that write their channels of a concatenation (run_lowered) ----------------------
@@ -642,11 +639,7 @@ def _depthwise_in_order(conv: Step, channels: np.ndarray) -> Kernel:
 
 def _fuse_concats(steps: list[Step], outputs: list[int]) -> list[Step]:
     position = {s.output: i for i, s in enumerate(steps)}
-    readers: dict[int, int] = {}
-    for s in steps:
-        for i in s.inputs:
-            readers[i] = readers.get(i, 0) + 1
-    kept = set(outputs)
+    readers, kept = _readers(steps), set(outputs)
     fused: dict[int, Step] = {}
     gone: set[int] = set()
     for cat in steps:
@@ -664,8 +657,8 @@ def _fuse_concats(steps: list[Step], outputs: list[int]) -> list[Step]:
         previous = None
         for j in order:
             conv, first = convs[j], previous is None
-            new = replace(conv, run=_conv_into_kernel(conv, int(offsets[j]), t.shape, first,
-                                                      j == order[-1]),
+            concat = (int(offsets[j]), t.shape, first, j == order[-1])
+            new = replace(conv, run=_fused_conv_kernel(conv, *_rebuildable(conv), concat),
                           inputs=conv.inputs if first else [*conv.inputs, previous.output])
             if j == order[-1]:
                 new = replace(new, name=cat.name, output=cat.output, out_type=t)
@@ -675,48 +668,13 @@ def _fuse_concats(steps: list[Step], outputs: list[int]) -> list[Step]:
 
 
 def _writes_into(conv: Step) -> bool:
-    """Whether a conv step computes a float result of one group on the implicit GEMM (float
-    operands, f32 sums), with at most a bias and relu epilogue and a rounding to its type,
-    whose kernel can write it into a concatenation."""
-    out = conv.out_type.elem
-    if conv.op != "mp.conv2d" or conv.attrs["groups"] != 1 \
-            or conv.in_types[1].shape[0] < 8 or conv.executed["kernel"] != DENSE \
-            or out != "f32" and out not in ROUNDING_FORMATS:
-        return False
-    if conv.epilogue is not None and conv.epilogue[0] is not None:
-        # An integer conv with its dequantize (the int8 plan): float32(sum) * scale ...
-        return conv.executed["accum"] == "i32"
-    if conv.executed["accum"] != "f32" \
-            or not all(FORMATS[t.elem].is_float and t.elem != "f64" for t in conv.in_types):
-        return False
-    # A relu before the rounding gives the same bits.
-    return conv.epilogue is not None or getattr(conv.run, "generic", False)
-
-
-def _conv_into_kernel(conv: Step, channel0: int, shape: tuple[int, ...], first: bool,
-                      last: bool) -> Kernel:
-    """The conv's kernel (its own bias operand or fused bias, its relu), writing channels
-    channel0 .. of the concatenation `shape`: allocated by the `first` conv, the last operand
-    of the others. A result in a narrower format is rounded by the `last` conv, all of the
-    concatenation at once: rounding is elementwise, so the same bits."""
-    from mplower.numerics.conv import conv2d
-
-    a, channels, elem = conv.attrs, conv.channels, conv.out_type.elem
-    geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
-    scale, bias, relu, _ = conv.epilogue or (None, None, False, None)
-    operands = len(conv.inputs)
-
-    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        y = np.empty(shape, np.float32) if first else xs[-1]
-        if scale is not None:  # as _fused_conv_kernel: the integer operands as they are
-            y = conv2d(xs[0], xs[1], *geometry, scale=scale, bias=bias, relu=relu,
-                       channels=channels, into=(y, channel0))
-        else:
-            b = _f32(xs[2]) if operands == 3 else bias
-            y = conv2d(_f32(xs[0]), _f32(xs[1]), *geometry, bias=b, relu=relu,
-                       channels=channels, into=(y, channel0))
-        return _finish(y, elem) if last and elem != "f32" else (y, None)
-    return run
+    """Whether a conv step's kernel can write its result into a concatenation: one group of
+    at least a register tile of output channels on the implicit GEMM, float32 sums or an
+    integer conv with its dequantize, rebuilt by `_fused_conv_kernel`."""
+    epilogue = _rebuildable(conv)
+    return conv.op == "mp.conv2d" and conv.attrs["groups"] == 1 \
+        and conv.in_types[1].shape[0] >= TILE_ROWS and epilogue is not None \
+        and (epilogue[0] is None or conv.executed["accum"] == "i32")
 
 
 def _add_relu_kernel(rounded: str | None) -> Kernel:
@@ -754,22 +712,33 @@ def _channel_bias(value: Any, add: Step, channels: int) -> np.ndarray | None:
 
 
 def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | None,
-                       relu: bool, rounded: str | None) -> Kernel:
+                       relu: bool, rounded: str | None,
+                       concat: tuple[int, tuple[int, ...], bool, bool] | None = None) -> Kernel:
+    """The conv with its fused epilogue, reading its input channels in `conv.channels` order.
+    `concat` = (channel0, shape, first, last) writes the result into channels channel0.. of a
+    concatenation of `shape` (_fuse_concats): the `first` conv allocates it, the others take
+    it as their last operand, and the `last` one rounds all of it (rounding is elementwise)."""
     from mplower.numerics.conv import conv2d
 
-    a, channels = conv.attrs, conv.channels
+    a, channels, operands = conv.attrs, conv.channels, len(conv.inputs)
     geometry = (a["strides"], a["padding"], a["dilations"], a["groups"])
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        x, w = xs[0], xs[1]
+        x, w, into = xs[0], xs[1], None
+        if concat is not None:
+            into = (np.empty(concat[1], np.float32) if concat[2] else xs[-1], concat[0])
         if scale is None:  # a float conv: its own bias operand or the added one, the relu
-            b = _f32(xs[2]) if len(xs) == 3 else bias
+            b = _f32(xs[2]) if operands == 3 else bias
             # The rounding too as the conv stores its tiles (conv2d's rounding: round_to's
             # kernel, the same bits; run_lowered keeps no counts).
-            return conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels,
-                          rounding=rounded), None
-        return conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu,
-                      channels=channels), None
+            y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels,
+                       into=into, rounding=None if into else rounded)
+        else:
+            y = conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu, channels=channels,
+                       into=into)
+        if into is not None and concat[3] and rounded is not None:
+            return _finish(y, rounded)
+        return y, None
     return run
 
 
@@ -879,7 +848,7 @@ def _generic_kernel(reference: Callable, attrs: dict, out_types: list[TensorType
         y = reference([_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x
                        for x in xs], attrs, rt)[k]
         return (y, None) if exact else _finish(y, elem)
-    run.generic = True  # type: ignore[attr-defined]  # the op's own reference: _fuse_shuffles
+    run.generic = True  # type: ignore[attr-defined]  # the op's own reference: _rebuildable
     return run
 
 

@@ -11,10 +11,11 @@ output pixels as wide as the register tile, a block of output channels) packs it
 `cols` straight from the padded input into a small buffer of its thread (L2-resident, reused
 by every row tile of the unit) and runs the GEMM's tiles on them
 (mplower.numerics.gemm.conv_product): the same k order, the same bits as the product of the
-materialized im2col, without writing and reading back K times the input. Threads claim units with an atomic counter
-(mplower.numerics.workers.run_units). Depthwise convolutions have their own direct kernel
-(mplower.numerics.depthwise); other groups of fewer output channels than a register tile take
-the materialized im2col through `matmul`, which streams such narrow products.
+materialized im2col, without writing and reading back K times the input. Threads claim units
+with an atomic counter (mplower.numerics.workers.run_units). Depthwise convolutions have
+their own direct kernel (mplower.numerics.depthwise); other groups of fewer output channels
+than a register tile take the materialized im2col through `matmul`, which streams such narrow
+products.
 
 Integer operands are summed exactly: values whose products stay within float32's integers
 (8-bit quantized values) are packed as float32, and the tiles split K into chunks so that no
@@ -39,7 +40,7 @@ from mplower.numerics.gemm import (
     integer_matmul,
     matmul,
 )
-from mplower.numerics.rounding import round_to
+from mplower.numerics.rounding import MX_ROUNDING_FORMATS, round_to
 from mplower.numerics.windows import conv_windows
 
 
@@ -156,7 +157,8 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         exact = out == np.float32 and chunk >= cg * kh * kw
         target = None if into is None or not exact else (
             into[0].reshape(n, into[0].shape[1], -1), into[1])
-        rounded = rounding if exact and wmat.dtype == np.float32 else None
+        rounded = rounding if exact and wmat.dtype == np.float32 \
+            and rounding not in MX_ROUNDING_FORMATS else None
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
                          g, out, chunk, scale, bias, relu, target, rounded)
         if target is not None:

@@ -13,9 +13,9 @@ the BLIS manner: b is packed into column panels (read in place where packing doe
 and each tile of TILE_ROWS rows by one panel keeps its accumulators in vector registers
 (`_micro`, LLVM vector IR without fast-math flags, so LLVM may neither contract nor reorder)
 over K or, packed, over a slice of K, then stores them in c, where the next slice continues
-the same sums: sliced or not, each sum runs over k = 0 .. K-1 in order. Rows past the last full tile run one at a time, and a
-product of fewer than TILE_ROWS rows streams b row by row instead (`_rows`, batch-1
-inference). A tile belongs to one thread (threads claim blocks of tiles,
+the same sums: sliced or not, each sum runs over k = 0 .. K-1 in order. Rows past the last
+full tile run one at a time, and a product of fewer than TILE_ROWS rows streams b row by row
+instead (`_rows`, batch-1 inference). A tile belongs to one thread (threads claim blocks of tiles,
 mplower.numerics.workers.run_units), SIMD lanes are different output columns, and K is never
 split between threads or sums, so every output element is the same function of its own row
 of `a` and column of `b` whatever the thread count, the BLAS library, the CPU's vector width,
@@ -39,7 +39,12 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from mplower.numerics.rounding import _param_array, _param_tuple, _round_one
+from mplower.numerics.rounding import (
+    MX_ROUNDING_FORMATS,
+    _param_array,
+    _param_tuple,
+    _round_one,
+)
 from mplower.numerics.workers import claim, run_blocks, run_units
 
 # The register tile: TILE_ROWS output rows x _VECTORS vectors of 64 bytes (16 float32 or 8
@@ -125,7 +130,8 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
             # the hardware prefetchers miss among M (row) streams; stores to lines not in the
             # cache would otherwise wait on memory for every tile.
             for r, v in slots:
-                _prefetch(builder, vector_at(t_ptr, builder.add(at(r, v), const(_VECTORS * lanes))),
+                _prefetch(builder, vector_at(t_ptr, builder.add(at(r, v),
+                                                                const(_VECTORS * lanes))),
                           write=True)
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
@@ -807,7 +813,7 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     their panels and a thread that claims them in a row packs them once. Each row tile runs
     over the span's panels in turn: its rows are written `span` panels long, a few long
     streams instead of many short ones. Returns the number of units done."""
-    m, pixels, kk, channels = w.shape[1], c.shape[2], w.shape[2], c.shape[1]
+    m, pixels, kk, c_rows = w.shape[1], c.shape[2], w.shape[2], c.shape[1]
     panels = (pixels + cols - 1) // cols
     spans = (panels + span - 1) // span
     blocks = (m + rows_per_unit - 1) // rows_per_unit
@@ -857,7 +863,7 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                 source, offset = (flat, sources[j]) if sources[j] >= 0 else \
                     (panel, -1 - sources[j])
                 if direct:
-                    at, rows, width = ((batch * channels + channel0 + i0) * pixels + p * cols,
+                    at, rows, width = ((batch * c_rows + channel0 + i0) * pixels + p * cols,
                                        min(TILE_ROWS, m - i0), min(cols, pixels - p * cols))
                     _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c, at,
                                  pixels, post_s, post_h, g * m + i0, relu, rows, width)
@@ -941,8 +947,10 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
               else scale.astype(wmat.dtype).ravel())
     post_h = (np.full(groups * m, -0.0, wmat.dtype) if bias.size == 0
               else bias.astype(wmat.dtype).ravel())
-    if rounding is not None and (out != np.float32 or wmat.dtype != np.float32 or chunk < kk):
-        raise ValueError("conv_product: rounding applies to float32 sums over all of K")
+    if rounding is not None and (out != np.float32 or wmat.dtype != np.float32 or chunk < kk
+                                 or rounding in MX_ROUNDING_FORMATS):
+        raise ValueError("conv_product: rounding applies to float32 sums over all of K, to "
+                         "a format of _round_one")
     args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
             chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
             c.reshape(-1).view(np.uint32) if rounding is not None else _NO_BITS,

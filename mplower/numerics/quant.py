@@ -247,15 +247,26 @@ def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | 
             raise ValueError(f"quantize: the zero point of {dtype} must be 0 (ONNX)")
         # ONNX divides in float32 and rounds the quotient once, to the f8 format.
         return encode_counted(x / s.reshape(broadcast), dtype, saturate)
+    return _quantize_ints(x, _int_table(f, s, zp, post, dtype))
+
+
+def _int_table(f, s: np.ndarray, zp: np.ndarray, post: int, dtype: str) -> tuple:
+    """What the integer quantize kernels read, from `_channels`' scales and zero points."""
     if not np.all((zp >= f.min_value) & (zp <= f.max_finite)):
         raise ValueError(f"quantize: zero_point outside the {dtype} range "
                          f"[{int(f.min_value)}, {int(f.max_finite)}]")
-    out = np.empty(x.shape, dtype=f.storage)
-    counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
     s, zp, period, per_element = _scale_table(s, zp.astype(np.float32), post)
+    return s, zp, period, per_element, np.float32(f.min_value), np.float32(f.max_finite), \
+        f.storage
+
+
+def _quantize_ints(x: np.ndarray, table: tuple) -> tuple[np.ndarray, Counts]:
+    """The integer quantize of contiguous float32 x with `_int_table`'s table."""
+    s, zp, period, per_element, lo, hi, storage = table
+    out = np.empty(x.shape, dtype=storage)
+    counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
     # Small tensors on one thread, as in rounding.py (SERIAL_BELOW says why).
-    args = (x.reshape(-1), s, zp, period, per_element, np.float32(f.min_value),
-            np.float32(f.max_finite), out.reshape(-1), counts)
+    args = (x.reshape(-1), s, zp, period, per_element, lo, hi, out.reshape(-1), counts)
     if x.size < SERIAL_BELOW:
         _quantize_serial(*args)
     else:
@@ -279,26 +290,14 @@ def quantizer(shape: tuple[int, ...], scale: np.ndarray | float,
         return checked
     try:
         s, zp, post, _ = _channels(shape, scale, zero_point, axis, "quantize")
+        table = _int_table(f, s, zp, post, dtype)
     except (ValueError, TypeError):
         return checked
-    if not np.all((zp >= f.min_value) & (zp <= f.max_finite)):
-        return checked
-    s, zp, period, per_element = _scale_table(s, zp.astype(np.float32), post)
-    lo, hi, size = np.float32(f.min_value), np.float32(f.max_finite), int(np.prod(shape))
-    chunks = (size + _CHUNK - 1) // _CHUNK
 
     def run(x: np.ndarray) -> tuple[np.ndarray, Counts]:
         if x.dtype != np.float32 or x.shape != shape or not x.flags.c_contiguous:
             return checked(x)
-        out = np.empty(shape, f.storage)
-        counts = np.zeros((chunks, 3), np.int64)
-        args = (x.reshape(-1), s, zp, period, per_element, lo, hi, out.reshape(-1), counts)
-        if size < SERIAL_BELOW:
-            _quantize_serial(*args)
-        else:
-            run_blocks(_quantize_blocks, chunks, *args)
-        total = counts.sum(axis=0)
-        return out, Counts(int(total[0]), int(total[1]), int(total[2]))
+        return _quantize_ints(x, table)
     return run
 
 

@@ -22,8 +22,8 @@ kernel: glibc's erf is one portable C implementation (fdlibm's algorithm) on eve
 AArch64 Linux, with no CPU-dependent variant, so the sweep's comparison, and with it the
 bound, holds wherever both sides compute the same bits; numba is never given fast-math here,
 and without Intel's SVML (numba.config.USING_SVML, off unless icc_rt is installed) LLVM has no
-vector erf to swap in. tests/test_special.py and tests/test_runtime_kernels.py pin the kernel against math.erf
-bit for bit.
+vector erf to swap in. tests/test_special.py and tests/test_runtime_kernels.py pin the kernel
+against math.erf bit for bit.
 """
 
 from __future__ import annotations
