@@ -148,6 +148,55 @@ def test_a_failing_block_is_raised_in_the_caller() -> None:
         run_blocks(kernel, 100)
 
 
+def test_a_helper_woken_on_the_callers_cpu_moves_to_the_callers_other_cpus(monkeypatch) -> None:
+    """A packing scheduler (sched_vcpu_pack) wakes the helper on the caller's CPU: the helper
+    leaves it for the CPUs the caller may use, and every block is still done once."""
+    import threading
+    import time
+
+    from mplower.numerics import workers
+
+    if numba.get_num_threads() < 2:
+        pytest.skip("needs two numba threads")
+    on = {threading.get_ident(): 3}  # thread -> the CPU it runs on; all start on CPU 3
+    moves: list[tuple[int, set[int]]] = []
+
+    def getcpu() -> int:
+        return on.get(threading.get_ident(), 3)
+
+    def setaffinity(pid: int, cpus: set[int]) -> None:
+        assert pid == 0  # only ever this thread
+        moves.append((threading.get_ident(), set(cpus)))
+        on[threading.get_ident()] = min(cpus)
+
+    asked: list[int] = []
+
+    def getaffinity(pid: int) -> set[int]:
+        asked.append(pid)
+        return {1, 3, 5}
+
+    monkeypatch.setattr(workers, "_getcpu", getcpu)
+    monkeypatch.setattr(workers.os, "sched_setaffinity", setaffinity)
+    monkeypatch.setattr(workers.os, "sched_getaffinity", getaffinity)
+    done: list[tuple[int, int]] = []
+
+    def kernel(start: int, stop: int) -> None:
+        done.append((start, stop))
+        time.sleep(0.002)  # long enough for the helper to start and claim blocks too
+
+    workers.run_blocks(kernel, 64)
+    assert sorted(done) == [(64 * i // len(done), 64 * (i + 1) // len(done))
+                            for i in range(len(done))]
+    helpers = {t for t, _ in moves}
+    assert threading.get_ident() not in helpers and len(helpers) >= 1
+    assert asked == [threading.get_native_id()] * len(moves)  # the caller's allowed CPUs
+    assert moves[0][1] == {1, 5}  # all but the caller's CPU 3
+    # A helper already off the caller's CPU is left where it is.
+    moves.clear()
+    workers.run_blocks(kernel, 64)
+    assert moves == []
+
+
 @pytest.mark.determinism
 def test_parallel_rounding_without_a_running_helper_is_numpys_f16_cast_with_exact_counts(
         unscheduled_helpers) -> None:

@@ -12,10 +12,19 @@ results are the same bits for any thread count and any schedule.
 into the compiled kernel, which claims work units itself with an atomic fetch-add (`claim`) on
 a counter the threads share, so units can be small (a few microseconds of work) and a late
 thread's units are still taken by the others.
+
+A helper never computes on the CPU of another thread of the same call. Some Linux schedulers
+(this VM's guest kernel packs vCPUs: `sched_vcpu_pack` on its command line) wake an idle
+process's threads onto one CPU: after 50 ms without work, a ShuffleNet call found its helper
+on the caller's CPU for up to half of its parallel loops and ran 20% slower. A helper that
+finds itself on a CPU taken in the call moves to the caller's other allowed CPUs
+(`_apart`), as OpenMP's OMP_PROC_BIND and onnxruntime's thread affinities keep threads
+apart; which thread computes which unit does not change any result.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import queue
@@ -36,6 +45,41 @@ _tasks: queue.SimpleQueue = queue.SimpleQueue()
 _helpers: list[threading.Thread] = []
 _start_lock = threading.Lock()
 _pid = os.getpid()  # a forked child inherits the list but not the threads
+
+
+def _cpu_reader() -> Callable[[], int] | None:
+    """The C library's sched_getcpu (the CPU the calling thread runs on), or None where there
+    is none or threads cannot be moved (os.sched_setaffinity is Linux only)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        getcpu = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError, TypeError):
+        return None
+    getcpu.argtypes, getcpu.restype = [], ctypes.c_int
+    return getcpu
+
+
+_getcpu = _cpu_reader()
+
+
+def _apart(taken: set[int], lock: threading.Lock, caller: int) -> None:
+    """Move this helper thread off the CPUs in `taken` (those the call's other threads run
+    on) to the others that thread `caller` (a native id) may run on, if it is on one and
+    there are others; then add its CPU to `taken`."""
+    here = _getcpu()
+    with lock:
+        if here not in taken:
+            taken.add(here)
+            return
+    try:
+        free = os.sched_getaffinity(caller) - taken
+        if free:
+            os.sched_setaffinity(0, free)  # moves this thread at once
+    except OSError:  # the caller has exited its cpuset, or a sandbox forbids it
+        return
+    with lock:
+        taken.add(_getcpu())
 
 
 def _helper(tasks: queue.SimpleQueue) -> None:
@@ -63,10 +107,14 @@ def _share(threads: int, total: int, step: Callable[[], int]) -> None:
     lock = threading.Lock()
     finished = threading.Event()
     state = {"done": 0, "error": None}
+    caller, native = threading.get_ident(), threading.get_native_id()
+    taken = set() if _getcpu is None else {_getcpu()}
 
     def work() -> None:
         done = 0
         try:
+            if taken and threading.get_ident() != caller:
+                _apart(taken, lock, native)
             done = step()
         except BaseException as e:  # noqa: BLE001 - handed to the caller below
             state["error"] = e
