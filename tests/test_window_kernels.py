@@ -199,6 +199,37 @@ def test_depthwise_conv_is_the_fixed_order_loop_and_the_gemm_conv_bit_for_bit(
     assert gemm.tobytes() == depthwise_loop(x, w, bias, s, pad, d, False).tobytes()
 
 
+@pytest.mark.parametrize("k,pad", [((3, 3), (1, 1, 1, 1)), ((5, 5), (2, 2, 2, 2)),
+                                   ((3, 3), (0, 2, 2, 0)), ((1, 3), (0, 0, 0, 2)),
+                                   ((3, 1), (2, 0, 0, 0)), ((2, 4), (1, 3, 0, 0))])
+@pytest.mark.parametrize("stack", [1, 2 * 64, 4096])  # one, a few or all images per stack
+def test_same_size_depthwise_convs_mask_the_columns_with_the_padded_bits(
+        threads, monkeypatch, k, pad, stack) -> None:
+    """Stride 1 with the output the input's size takes the unpadded-columns layout: a tap
+    outside the plane's columns reads the next row's element there and adds +0, which gives
+    the padding's bits. Infinities and NaN next to the border, -0 in the border columns."""
+    rng = np.random.default_rng(21)
+    n, c, h, wd, m = 3, 4, 7, 8, 2
+    x = (rng.standard_normal((n, c, h, wd)) * 10.0 ** rng.integers(-5, 5, (n, c, h, wd))
+         ).astype(np.float32)
+    x[0, 0, :, 0], x[0, 1, :, -1] = np.inf, np.nan  # read through the wrap, then dropped
+    x[1, 2, 3, :] = -np.inf
+    x[2, :, :, :2] = -0.0
+    w = rng.standard_normal((c * m, 1, *k)).astype(np.float32)
+    w[1] = -w[1] * 0  # -0 and +0 weights: -0 products
+    bias = rng.standard_normal(c * m).astype(np.float32)
+    monkeypatch.setattr(depthwise, "_STACK", stack)
+    channels = np.array([2, 0, 3, 1])
+    for b, relu in ((None, False), (bias, True)):
+        expect = depthwise_loop(x, w, b, (1, 1), pad, (1, 1), relu)
+        got = depthwise.depthwise_conv2d(x, w, (1, 1), pad, (1, 1), bias=b, relu=relu)
+        assert got.tobytes() == expect.tobytes()
+        shuffled = depthwise.depthwise_conv2d(x, w, (1, 1), pad, (1, 1), bias=b, relu=relu,
+                                              channels=channels)
+        expect = depthwise_loop(x[:, channels], w, b, (1, 1), pad, (1, 1), relu)
+        assert shuffled.tobytes() == expect.tobytes()
+
+
 @pytest.mark.parametrize("stack", [144, 2 * 144, 4096])  # 1, 2 or all images per stack
 def test_depthwise_results_do_not_depend_on_the_batch_or_the_stacking(monkeypatch,
                                                                        stack) -> None:

@@ -25,6 +25,15 @@ other windows take one pass over the sums per tap. Work units (a channel and a s
 images) are claimed by threads in compiled code (mplower.numerics.workers.run_units), and
 every output is the same sequence of operations wherever its plane sits in a stack, so a
 result depends neither on the thread count nor on its batch.
+
+A stride-1 conv whose output keeps the input's size (ShuffleNet's and MobileNet's 3x3 with
+one pixel of padding) takes a cheaper layout (`_same_units`): its planes are stacked with
+their padding rows but without padding columns, so a plane goes in and its outputs come out
+as one contiguous run each instead of a short run per row. A tap whose column falls outside
+the plane reads the neighbouring row's element there and adds +0 instead of its product
+(`_plane9_masked`): the padding's product 0 * w is +-0, and adding +-0 or +0 to a sum that
+started at +0 gives the same bits (such a sum is never -0: x + y is -0 only where both are).
+With a weight that is not finite 0 * w is NaN, so those convs keep the padded layout.
 """
 
 from __future__ import annotations
@@ -80,6 +89,88 @@ def _plane(out, flat, taps, w, factor, shift, scaled, relu):
     for q in range(n):
         v = out[q] * factor + shift if scaled else out[q] + shift
         out[q] = zero if relu and v <= zero else v
+
+
+@njit(cache=True, nogil=True)
+def _plane9_masked(out, flat, taps, w, masks, factor, shift, scaled, relu):
+    """`_plane9` where tap t adds +0 instead of its product at the q where masks[t % 3, q]
+    is 0 (its column is outside the plane)."""
+    n, zero = out.size, out.dtype.type(0)
+    t0, t1, t2 = flat[taps[0]:], flat[taps[1]:], flat[taps[2]:]
+    t3, t4, t5 = flat[taps[3]:], flat[taps[4]:], flat[taps[5]:]
+    t6, t7, t8 = flat[taps[6]:], flat[taps[7]:], flat[taps[8]:]
+    m0, m1, m2 = masks[0, :n], masks[1, :n], masks[2, :n]
+    w0, w1, w2, w3, w4, w5, w6, w7, w8 = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]
+    for q in range(n):
+        a, b, c = m0[q] != 0, m1[q] != 0, m2[q] != 0
+        acc = zero
+        acc += t0[q] * w0 if a else zero
+        acc += t1[q] * w1 if b else zero
+        acc += t2[q] * w2 if c else zero
+        acc += t3[q] * w3 if a else zero
+        acc += t4[q] * w4 if b else zero
+        acc += t5[q] * w5 if c else zero
+        acc += t6[q] * w6 if a else zero
+        acc += t7[q] * w7 if b else zero
+        acc += t8[q] * w8 if c else zero
+        v = acc * factor + shift if scaled else acc + shift
+        out[q] = zero if relu and v <= zero else v
+
+
+@njit(cache=True, nogil=True)
+def _plane_masked(out, flat, taps, w, masks, factor, shift, scaled, relu):
+    """`_plane9_masked` for any number of taps (KW = masks.shape[0] per row of taps): each
+    tap one pass over the sums in `out`."""
+    n, zero, kw = out.size, out.dtype.type(0), masks.shape[0]
+    out[:] = zero
+    for t in range(taps.size):
+        tap, weight, mask = flat[taps[t]:], w[t], masks[t % kw, :n]
+        for q in range(n):
+            out[q] += tap[q] * weight if mask[q] != 0 else zero
+    for q in range(n):
+        v = out[q] * factor + shift if scaled else out[q] + shift
+        out[q] = zero if relu and v <= zero else v
+
+
+@njit(cache=True, nogil=True)
+def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl, hq, relu,
+                group, counter, units):
+    """`_units` for a stride-1, dilation-1 conv with y's planes the size of x's (H, W): the
+    planes of a unit stacked at rows g * Hq + pt of width W (Hq = H + KH - 1; the rows
+    between them are zeros) after pl elements, so that output q = (g * Hq + oy) * W + ox
+    reads tap (ky, kx) at q + taps[ky * KW + kx], where masks[kx, q] says whether its column
+    is inside the plane."""
+    n, h, wd = x.shape[0], x.shape[2], x.shape[3]
+    plane = h * wd
+    groups = (n + group - 1) // group
+    flat = np.zeros(group * hq * wd + masks.shape[0] - 1, y.dtype)  # padding rows stay zero
+    sums = np.empty(group * hq * wd, y.dtype)
+    done = 0
+    u = claim(counter)
+    while u < units:
+        o, i0 = u // groups, u % groups * group
+        images = min(group, n - i0)
+        for g in range(images):
+            src = x[i0 + g, channels[o // multiplier]].reshape(-1)
+            start = pl + (g * hq + pt) * wd
+            dst = flat[start:start + plane]
+            for j in range(plane):
+                dst[j] = src[j]
+        shift = bias[o] if bias.size else y.dtype.type(-0.0)
+        factor = scale[o] if scale.size else y.dtype.type(1)
+        out = sums[:((images - 1) * hq + h) * wd]
+        if taps.size == 9:
+            _plane9_masked(out, flat, taps, w[o], masks, factor, shift, scale.size > 0, relu)
+        else:
+            _plane_masked(out, flat, taps, w[o], masks, factor, shift, scale.size > 0, relu)
+        for g in range(images):
+            src = sums[g * hq * wd:g * hq * wd + plane]
+            dst = y[i0 + g, o].reshape(-1)
+            for j in range(plane):
+                dst[j] = src[j]
+        done += 1
+        u = claim(counter)
+    return done
 
 
 @njit(cache=True, nogil=True)
@@ -163,16 +254,28 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     shift = np.empty(0, dtype) if bias is None else np.ascontiguousarray(bias, dtype).reshape(o)
     group = min(n, max(1, _STACK // (hp * wp)))
     units = o * -(-n // group)
-    split = split_shape((ho, wo), (kh, kw), strides, dilations)
-    taps = tap_offsets((kh, kw), strides, dilations, split, group)
     channels = np.arange(c) if channels is None else np.asarray(channels, np.int64)
     if channels.shape != (c,) or c and not 0 <= channels.min() <= channels.max() < c:
         raise ValueError(f"depthwise_conv2d: channels must be {c} indices below {c}")
-    args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels, taps,
-            (int(sh), int(sw)), split, pt, pl, relu, group)
+    if (sh, sw, dh, dw) == (1, 1, 1, 1) and (ho, wo) == (h, wd) and wd > 0 \
+            and np.isfinite(weights).all():
+        kernel = _same_units
+        # Output q of a stack reads column q % W + kx - pl for tap column kx.
+        column = np.arange(group * hp * wd) % wd
+        masks = np.stack([(column + kx - pl >= 0) & (column + kx - pl < wd)
+                          for kx in range(kw)]).astype(np.uint8)
+        taps = (np.arange(kh * kw) // kw * wd + np.arange(kh * kw) % kw).astype(np.int64)
+        args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
+                taps, masks, pt, pl, hp, relu, group)
+    else:
+        kernel = _units
+        split = split_shape((ho, wo), (kh, kw), strides, dilations)
+        taps = tap_offsets((kh, kw), strides, dilations, split, group)
+        args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
+                taps, (int(sh), int(sw)), split, pt, pl, relu, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
-        _units(*args, np.zeros(1, np.int64), units)
+        kernel(*args, np.zeros(1, np.int64), units)
     elif y.size:
-        run_units(_units, units, *args)
+        run_units(kernel, units, *args)
     epilogue = scale is not None or bias is not None or relu
     return y.astype(np.int64) if integer and not epilogue else y
