@@ -386,3 +386,44 @@ def test_conv_rounding_in_its_tiles_is_round_to_of_the_result(fmt, relu) -> None
         got = conv2d(x, w, *geometry, bias=bias, relu=relu, rounding=fmt)
         assert got.tobytes() == round_to(np.ascontiguousarray(plain), fmt)[0].tobytes()
         assert np.isnan(got).any()
+
+
+_QDQ = """func.func @main(%x: tensor<2x4x5x6xf32>) -> tensor<2x4x5x6xf32> {
+  %q = mp.quantize %x {scale = SCALE, zero_point = ZP, axis = 1} : (tensor<2x4x5x6xf32>) -> tensor<2x4x5x6xELEM>
+  %d = mp.dequantize %q {scale = SCALE, zero_point = ZP, axis = 1} : (tensor<2x4x5x6xELEM>) -> tensor<2x4x5x6xf32>
+  %r = mp.relu %d : (tensor<2x4x5x6xf32>) -> tensor<2x4x5x6xf32>
+  return %r : tensor<2x4x5x6xf32>
+}
+"""
+
+
+@pytest.mark.parametrize("elem,per_channel", [("i8", True), ("ui8", True), ("i8", False)])
+def test_a_quantize_read_only_by_its_dequantize_runs_as_one_pass_with_numpys_bits(
+        elem, per_channel) -> None:
+    """The int8 plan's QDQ pair in front of a float32 op: one step computes (q - zp) * s
+    without storing q; the bits of ONNX's formulas written in numpy."""
+    rng = np.random.default_rng(14)
+    s = np.array([0.05, 0.11, 0.013, 0.3], np.float32)
+    zp = np.array([0, 3, -7, 1]) if elem == "i8" else np.array([128, 0, 255, 7])
+    if not per_channel:
+        s, zp = s[:1], zp[:1]
+    text = _QDQ.replace("ELEM", elem)
+    if per_channel:
+        text = text.replace("SCALE", f"dense<{s.tolist()}> : tensor<4xf32>").replace(
+            "ZP", f"dense<{zp.tolist()}> : tensor<4x{elem}>")
+    else:
+        text = text.replace("SCALE", f"{float(s[0])} : f32").replace(
+            "ZP", f"{int(zp[0])} : {elem}").replace(", axis = 1", "")
+    program = Program(parse(text, "m.ir"))
+    x = (rng.standard_normal((2, 4, 5, 6)) * 20).astype(np.float32)
+    x[0, 0, 0, :3] = [np.inf, -np.inf, 1e30]
+    x[1, 2, 3, :2] = [-0.0, s[-1] * np.float32(2.5)]  # a tie: half to even
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert [st.op for st in program._live] == ["mp.quantize", "mp.relu"]
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    info = np.iinfo(np.int8 if elem == "i8" else np.uint8)
+    shape = (1, -1, 1, 1)
+    with np.errstate(over="ignore"):
+        q = np.clip(np.rint(x / s.reshape(shape)) + zp.reshape(shape), info.min, info.max)
+    expect = (q - zp.reshape(shape)).astype(np.int32).astype(np.float32) * s.reshape(shape)
+    assert got.tobytes() == np.maximum(expect, np.float32(0)).tobytes()

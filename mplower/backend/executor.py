@@ -49,7 +49,7 @@ from mplower.numerics.elementwise import add_relu
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import TILE_ROWS, PackedMatrix, matmul
 from mplower.numerics.metrics import drift
-from mplower.numerics.quant import dequantize, quantize, quantizer
+from mplower.numerics.quant import dequantize, fake_quantizer, quantize, quantizer
 from mplower.numerics.rounding import (
     ROUNDING_FORMATS,
     Counts,
@@ -402,6 +402,7 @@ class Program:
             constants = {i: folded[i] for i in known}
             fused = _fuse_epilogues(live, constants, self.outputs)
             fused = _fuse_concats(_fuse_shuffles(fused, self.outputs), self.outputs)
+            fused = _fuse_fake_quants(fused, self.outputs)
             self._live = _pack_weights(fused, constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
@@ -667,6 +668,36 @@ def _fuse_concats(steps: list[Step], outputs: list[int]) -> list[Step]:
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
 
 
+# ---- an integer quantize read only by its dequantize (run_lowered) -------------------------
+# A QDQ pair in front of an op that runs in float32 (the int8 plan's fallbacks: ShuffleNet's
+# grouped 1x1 convs) stores the integers and reads them straight back: one pass computes the
+# dequantized values instead (quant.fake_quantizer), the same float32 bits.
+
+def _fuse_fake_quants(steps: list[Step], outputs: list[int]) -> list[Step]:
+    producer = {s.output: s for s in steps}
+    readers, kept = _readers(steps), set(outputs)
+    fused: dict[int, Step] = {}
+    gone: set[int] = set()
+    for dq in steps:
+        q = producer.get(dq.inputs[0]) if dq.op == "mp.dequantize" else None
+        if q is None or q.op != "mp.quantize" or readers.get(q.output) != 1 \
+                or q.output in kept or dq.out_type.elem != "f32" \
+                or q.attrs["block_size"] or dq.attrs["block_size"]:
+            continue
+        scale, zp = (attr_array(q.attrs[a]) for a in ("scale", "zero_point"))
+        axis = q.attrs["axis"] if scale.size > 1 else None
+        if not np.array_equal(scale, attr_array(dq.attrs["scale"])) \
+                or not np.array_equal(zp, attr_array(dq.attrs["zero_point"])) \
+                or axis is not None and axis % q.out_type.rank != dq.attrs["axis"] % q.out_type.rank \
+                or (run := fake_quantizer(q.in_types[0].shape, scale.astype(np.float32), zp,
+                                          q.out_type.elem, axis)) is None:
+            continue
+        fused[q.node] = replace(q, name=dq.name, output=dq.output, out_type=dq.out_type,
+                                run=lambda xs, run=run: (run(_f32(xs[0])), None))
+        gone.add(dq.node)
+    return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
 def _writes_into(conv: Step) -> bool:
     """Whether a conv step's kernel can write its result into a concatenation: one group of
     at least a register tile of output channels on the implicit GEMM, float32 sums or an
@@ -878,7 +909,7 @@ def _quant_kernel(op: str, attrs: dict, in_t: TensorType, out_t: TensorType) -> 
         # f8/f4 operands arrive as their float32 values, integers as int64.
         fl = FORMATS[in_t.elem].is_float
         storage, dtype, out = FORMATS[in_t.elem].storage, in_t.elem if fl else None, out_t.elem
-        return lambda xs: _finish(dequantize(xs[0] if fl else xs[0].astype(storage), scale, zp,
+        return lambda xs: _finish(dequantize(xs[0] if fl else xs[0].astype(storage, copy=False), scale, zp,
                                              axis, dtype, block_size=block), out)
     qelem, out = attr_type(attrs["dtype"]), out_t.elem
 

@@ -74,6 +74,28 @@ def _quantize_span(xs, qs, ss, zs, lo, hi):
 
 
 @njit(cache=True, error_model="numpy")
+def _fake_span(xs, ys, ss, zs, lo, hi):
+    """`_quantize_span`, storing (q - z) * s in float32 as _dequantize_span computes it from
+    the stored q, instead of q."""
+    over = _U32(0)
+    under = _U32(0)
+    nan = _U32(0)
+    if ss.size == 1:
+        s = ss[0]
+        z = np.int32(zs[0])
+        for j in range(xs.size):
+            q, o, u, n = _quantize_one(xs[j], s, zs[0], lo, hi)
+            ys[j] = np.float32(np.int32(q - z)) * s
+            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
+    else:
+        for j in range(xs.size):
+            q, o, u, n = _quantize_one(xs[j], ss[j], zs[j], lo, hi)
+            ys[j] = np.float32(np.int32(q - np.int32(zs[j]))) * ss[j]
+            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
+    return over, under, nan
+
+
+@njit(cache=True, error_model="numpy")
 def _dequantize_span(qs, ys, ss, zs):
     # The difference is exact in int32 (8-bit values, or i32 with a zero zero point); ONNX
     # then rounds it to float32 (a no-op except for large i32 values) and multiplies in float32.
@@ -99,7 +121,8 @@ def _span(i, stop, period, per_element, n_scales):
 
 
 @njit(cache=True, error_model="numpy")
-def _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, c):
+def _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, fake,
+                    c):
     i = c * _CHUNK
     stop = min(x.size, i + _CHUNK)
     over = 0
@@ -107,7 +130,10 @@ def _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, coun
     nan = 0
     while i < stop:
         end, a, b = _span(i, stop, period, per_element, scale.size)
-        o, u, n = _quantize_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
+        if fake:
+            o, u, n = _fake_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
+        else:
+            o, u, n = _quantize_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
         over += o
         under += u
         nan += n
@@ -118,15 +144,16 @@ def _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, coun
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _quantize_blocks(x, scale, zero_point, period, per_element, lo, hi, out, counts, c0, c1):
+def _quantize_blocks(x, scale, zero_point, period, per_element, lo, hi, out, counts, fake, c0,
+                     c1):
     for c in range(c0, c1):
-        _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, c)
+        _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, fake, c)
 
 
 @njit(cache=True, error_model="numpy")
-def _quantize_serial(x, scale, zero_point, period, per_element, lo, hi, out, counts):
+def _quantize_serial(x, scale, zero_point, period, per_element, lo, hi, out, counts, fake):
     for c in range(counts.shape[0]):
-        _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, c)
+        _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, counts, fake, c)
 
 
 @njit(cache=True, error_model="numpy")
@@ -260,13 +287,15 @@ def _int_table(f, s: np.ndarray, zp: np.ndarray, post: int, dtype: str) -> tuple
         f.storage
 
 
-def _quantize_ints(x: np.ndarray, table: tuple) -> tuple[np.ndarray, Counts]:
-    """The integer quantize of contiguous float32 x with `_int_table`'s table."""
+def _quantize_ints(x: np.ndarray, table: tuple,
+                   fake: bool = False) -> tuple[np.ndarray, Counts]:
+    """The integer quantize of contiguous float32 x with `_int_table`'s table; with `fake`,
+    its dequantize with the same scales and zero points (float32), in the same pass."""
     s, zp, period, per_element, lo, hi, storage = table
-    out = np.empty(x.shape, dtype=storage)
+    out = np.empty(x.shape, dtype=np.float32 if fake else storage)
     counts = np.zeros(((x.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
     # Small tensors on one thread, as in rounding.py (SERIAL_BELOW says why).
-    args = (x.reshape(-1), s, zp, period, per_element, lo, hi, out.reshape(-1), counts)
+    args = (x.reshape(-1), s, zp, period, per_element, lo, hi, out.reshape(-1), counts, fake)
     if x.size < SERIAL_BELOW:
         _quantize_serial(*args)
     else:
@@ -298,6 +327,30 @@ def quantizer(shape: tuple[int, ...], scale: np.ndarray | float,
         if x.dtype != np.float32 or x.shape != shape or not x.flags.c_contiguous:
             return checked(x)
         return _quantize_ints(x, table)
+    return run
+
+
+def fake_quantizer(shape: tuple[int, ...], scale: np.ndarray | float,
+                   zero_point: np.ndarray | int | None, dtype: str,
+                   axis: int | None = None) -> Callable[[np.ndarray], np.ndarray] | None:
+    """dequantize(quantize(x, scale, zero_point, dtype, axis), scale, zero_point, axis) for
+    the many float32 x of one `shape`, in one pass that never stores the integers: the same
+    float32 bits as the two calls. None where `quantizer` would not make its own kernels
+    (a float or blocked format, a zero point out of range, scales that do not fit shape)."""
+    f = FORMATS.get(dtype)
+    if dtype not in QUANT_FORMATS or f.is_float:
+        return None
+    try:
+        s, zp, post, _ = _channels(shape, scale, zero_point, axis, "quantize")
+        table = _int_table(f, s, zp, post, dtype)
+    except (ValueError, TypeError):
+        return None
+
+    def run(x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        if x.shape != shape:
+            raise ValueError(f"fake quantize: expected shape {list(shape)}, got {list(x.shape)}")
+        return _quantize_ints(x, table, fake=True)[0]
     return run
 
 
