@@ -213,7 +213,7 @@ def _prefetch(builder, pointer, write: bool) -> None:
 
 
 @intrinsic
-def _prefetch_read(typingctx, array, index):
+def prefetch_read(typingctx, array, index):
     """A hint that array.flat[index] is about to be read (nothing if it lies outside)."""
     sig = types.void(array, index)
 
@@ -848,7 +848,7 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                     # ahead.
                     for k in range(kk):
                         for f in range(0, cols, cols // _VECTORS):
-                            _prefetch_read(flat, sources[j] + _PREFETCH_PANELS * cols
+                            prefetch_read(flat, sources[j] + _PREFETCH_PANELS * cols
                                            + k * plane + f)
                 else:
                     sources[j], ldps[j] = -1 - j * kk * cols, cols
