@@ -368,20 +368,22 @@ def test_conv_into_a_concatenation_gives_the_bits_of_the_conv_then_a_copy(case) 
 @pytest.mark.parametrize("relu", [False, True])
 def test_conv_rounding_in_its_tiles_is_round_to_of_the_result(fmt, relu) -> None:
     """conv2d(rounding=...) rounds each tile as the GEMM stores it (16 output channels: the
-    implicit GEMM) and elsewhere after it (4 channels, a depthwise conv): the bits of
-    rounding.round_to of the plain result, overflow, underflow and NaN included."""
+    implicit GEMM), each work unit's outputs as a depthwise conv stores them (same-size and
+    strided layouts) and elsewhere after it (4 channels): the bits of rounding.round_to of
+    the plain result, overflow, underflow and NaN included."""
     from mplower.numerics.conv import conv2d
     from mplower.numerics.rounding import round_to
 
     rng = np.random.default_rng(17)
     x = (rng.standard_normal((2, 8, 9, 9)) * 30).astype(np.float32)
     x[0, 0, 0, :4] = [np.nan, np.inf, 1e30, 1e-30]
-    for w, groups in ((rng.standard_normal((16, 8, 3, 3)), 1),
-                      (rng.standard_normal((4, 8, 1, 1)), 1),
-                      (rng.standard_normal((8, 1, 3, 3)), 8)):
+    for w, groups, s in ((rng.standard_normal((16, 8, 3, 3)), 1, 1),
+                         (rng.standard_normal((4, 8, 1, 1)), 1, 1),
+                         (rng.standard_normal((8, 1, 3, 3)), 8, 1),
+                         (rng.standard_normal((16, 1, 3, 3)), 8, 2)):
         w = (w * 40).astype(np.float32)
         bias = rng.standard_normal(w.shape[0]).astype(np.float32)
-        geometry = ((1, 1), (1, 1, 1, 1), (1, 1), groups)
+        geometry = ((s, s), (1, 1, 1, 1), (1, 1), groups)
         plain = conv2d(x, w, *geometry, bias=bias, relu=relu)
         got = conv2d(x, w, *geometry, bias=bias, relu=relu, rounding=fmt)
         assert got.tobytes() == round_to(np.ascontiguousarray(plain), fmt)[0].tobytes()

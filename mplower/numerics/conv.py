@@ -120,8 +120,10 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                                          scale=scale, bias=bias, relu=relu, channels=channels)
         return y, False
     if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
+        rounded = rounding if rounding not in MX_ROUNDING_FORMATS else None
         return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
-                                relu=relu, channels=channels), False
+                                relu=relu, channels=channels, rounding=rounded), \
+            rounded is not None
     if channels is not None:
         raise ValueError("conv2d: an input channel order applies to a depthwise conv only")
     integer = x.dtype.kind in "iub"

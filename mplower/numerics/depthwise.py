@@ -42,6 +42,12 @@ import numpy as np
 from numba import njit
 
 from mplower.numerics.gemm import F32_EXACT, int_magnitude, prefetch_read
+from mplower.numerics.rounding import (
+    MX_ROUNDING_FORMATS,
+    _param_array,
+    _param_tuple,
+    _round_one,
+)
 from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
 from mplower.numerics.workers import claim, run_units
 
@@ -63,6 +69,13 @@ def _prefetch_planes(flat, plane, channels, c, i0, images):
         start = ((i0 + g) * channels + c) * plane
         for k in range(start, start + plane, 16):  # one hint per 64-byte line of float32
             prefetch_read(flat, k)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _round_sums(bits, n, rp):
+    """The first n sums (their float32 bit patterns) rounded as round_to rounds them."""
+    for q in range(n):
+        bits[q] = _round_one(bits[q], rp)[0]
 
 
 @njit(cache=True, nogil=True)
@@ -146,18 +159,20 @@ def _plane_masked(out, flat, taps, w, masks, factor, shift, scaled, relu):
 
 @njit(cache=True, nogil=True)
 def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl, hq, relu,
-                group, counter, units):
+                rounding, rpa, group, counter, units):
     """`_units` for a stride-1, dilation-1 conv with y's planes the size of x's (H, W): the
     planes of a unit stacked at rows g * Hq + pt of width W (Hq = H + KH - 1; the rows
     between them are zeros) after pl elements, so that output q = (g * Hq + oy) * W + ox
     reads tap (ky, kx) at q + taps[ky * KW + kx], where masks[kx, q] says whether its column
-    is inside the plane."""
+    is inside the plane. With `rounding`, the outputs are rounded (rounding._round_one with
+    the parameters `rpa`) after the epilogue, while they are in cache."""
     n, c, h, wd = x.shape
     o_count, plane = y.shape[1], h * wd
     xf, yf = x.reshape(-1), y.reshape(-1)
     groups = (n + group - 1) // group
     flat = np.zeros(group * hq * wd + masks.shape[0] - 1, y.dtype)  # padding rows stay zero
     sums = np.empty(group * hq * wd, y.dtype)
+    bits, rp = sums.view(np.uint32), _param_tuple(rpa)
     done = 0
     u = claim(counter)
     while u < units:
@@ -179,6 +194,8 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
             _plane9_masked(out, flat, taps, w[o], masks, factor, shift, scale.size > 0, relu)
         else:
             _plane_masked(out, flat, taps, w[o], masks, factor, shift, scale.size > 0, relu)
+        if rounding:
+            _round_sums(bits, out.size, rp)
         for g in range(images):
             at = ((i0 + g) * o_count + o) * plane
             src, dst = sums[g * hq * wd:g * hq * wd + plane], yf[at:at + plane]
@@ -191,7 +208,7 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
 
 @njit(cache=True, nogil=True)
 def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt, pl, relu,
-           group, counter, units):
+           rounding, rpa, group, counter, units):
     """Work units claimed from `counter` (workers.run_units) until `units`: unit u is output
     channel u // g of images (u % g) * group .. + group - 1 of y (N, O, Ho, Wo), g the number
     of such image groups; channel o reads input channel o // multiplier, which is channel
@@ -206,6 +223,7 @@ def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt,
     rows = np.zeros((sh, group * hq, wq * sw), y.dtype)  # the padding stays zero
     cols = np.zeros((sw, sh * group * hq * wq), y.dtype)
     sums = np.empty(group * hq * wq, y.dtype)
+    bits, rp = sums.view(np.uint32), _param_tuple(rpa)
     done = 0
     u = claim(counter)
     while u < units:
@@ -225,6 +243,8 @@ def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt,
             _plane9(out, flat, taps, w[o], factor, shift, scale.size > 0, relu)
         else:
             _plane(out, flat, taps, w[o], factor, shift, scale.size > 0, relu)
+        if rounding:
+            _round_sums(bits, out.size, rp)
         for g in range(images):
             keep(sums, g, hq, wq, y[i0 + g, o])
         done += 1
@@ -248,19 +268,26 @@ def is_depthwise(x: np.ndarray, w: np.ndarray, groups: int) -> bool:
 def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                      padding: tuple[int, int, int, int], dilations: tuple[int, int], *,
                      scale: np.ndarray | None = None, bias: np.ndarray | None = None,
-                     relu: bool = False, channels: np.ndarray | None = None) -> np.ndarray:
+                     relu: bool = False, channels: np.ndarray | None = None,
+                     rounding: str | None = None) -> np.ndarray:
     """conv2d (mplower.numerics.conv) of x (N, C, H, W) with w (O, 1, KH, KW), groups C,
     zero-padded by (top, left, bottom, right), where `is_depthwise`: float32, or float64 if
     an operand is, exact int64 for integer operands (float32 with an epilogue), with the GEMM
     convolution's bits, its `scale` (integer operands), `bias` and `relu` epilogue included.
 
     `channels` (C indices) convolves x[:, channels] instead of x, without the copy: the
-    executor folds a channel shuffle into the depthwise conv that reads it."""
+    executor folds a channel shuffle into the depthwise conv that reads it. `rounding` (a
+    round_to format, not an MX one) rounds a float32 result after its epilogue, as round_to
+    would, while each unit's outputs are in cache."""
     integer = x.dtype.kind in "iub"
     if integer or np.result_type(x, w) != np.float64:
         dtype = np.dtype(np.float32)
     else:
         dtype = np.dtype(np.float64)
+    if rounding is not None and (dtype != np.float32 or rounding in MX_ROUNDING_FORMATS):
+        raise ValueError("depthwise_conv2d: rounding applies to a float32 result, in a format "
+                         "of round_to other than the MX ones")
+    rounds = (rounding is not None, _param_array(rounding or "bf16", False))
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, padding
@@ -285,13 +312,13 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                           for kx in range(kw)]).astype(np.uint8)
         taps = (np.arange(kh * kw) // kw * wd + np.arange(kh * kw) % kw).astype(np.int64)
         args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
-                taps, masks, pt, pl, hp, relu, group)
+                taps, masks, pt, pl, hp, relu, *rounds, group)
     else:
         kernel = _units
         split = split_shape((ho, wo), (kh, kw), strides, dilations)
         taps = tap_offsets((kh, kw), strides, dilations, split, group)
         args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
-                taps, (int(sh), int(sw)), split, pt, pl, relu, group)
+                taps, (int(sh), int(sw)), split, pt, pl, relu, *rounds, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
         kernel(*args, np.zeros(1, np.int64), units)
     elif y.size:
