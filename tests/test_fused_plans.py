@@ -152,6 +152,21 @@ def test_residual_add_and_relu_run_as_one_pass_with_numpys_bits(elem) -> None:
     assert np.isinf(got).any() == (elem == "f16")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "f16", "f8E5M2"])
+@pytest.mark.parametrize("n", [333, 3 * SERIAL_BELOW + 7])  # one thread, and the blocks
+def test_add_relu_rounds_as_it_stores_with_the_bits_of_ml_dtypes_after_numpy(fmt, n) -> None:
+    from mplower.numerics.elementwise import add_relu
+
+    a, b = _awkward(n, 3), _awkward(n, 4)[::-1].copy()
+    with np.errstate(all="ignore"):
+        expect = np.maximum(a + b, np.float32(0)).astype(ML[fmt]).astype(np.float32)
+    got = add_relu(a, b, fmt)
+    assert got.tobytes() == expect.tobytes()
+    assert np.isnan(got).any() and (got == 0).any()
+    with pytest.raises(ValueError, match="float32"):
+        add_relu(a.astype(np.float64), b.astype(np.float64), fmt)
+
+
 @pytest.mark.parametrize("elem", ["f8E4M3FN", "f8E5M2"])
 def test_fp8_conv_relu_fuses_only_where_the_format_keeps_a_negative_overflow_negative(elem):
     """f8E4M3FN has no infinity: a conv result below -448 rounds to NaN, which the relu after

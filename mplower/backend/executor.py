@@ -712,8 +712,7 @@ def _add_relu_kernel(rounded: str | None) -> Kernel:
     """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
     result takes its relu before the rounding (see _RELU_BEFORE_ROUNDING: the same bits)."""
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        y = add_relu(_f32(xs[0]), _f32(xs[1]))
-        return (y, None) if rounded is None else _finish(y, rounded)
+        return add_relu(_f32(xs[0]), _f32(xs[1]), rounded), None  # run_lowered keeps no counts
     return run
 
 
