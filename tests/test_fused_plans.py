@@ -444,3 +444,93 @@ def test_a_quantize_read_only_by_its_dequantize_runs_as_one_pass_with_numpys_bit
         q = np.clip(np.rint(x / s.reshape(shape)) + zp.reshape(shape), info.min, info.max)
     expect = (q - zp.reshape(shape)).astype(np.int32).astype(np.float32) * s.reshape(shape)
     assert got.tobytes() == np.maximum(expect, np.float32(0)).tobytes()
+
+
+@pytest.mark.parametrize("case", ["gemm", "gemm-bf16", "depthwise", "depthwise-s2", "narrow"])
+def test_conv_amax_is_taken_as_the_outputs_are_stored_with_rounding_amaxs_value(
+        monkeypatch, case) -> None:
+    """conv2d(amax=) gives rounding.amax of its result: from the tiles of the implicit GEMM and
+    the depthwise kernel's units (no pass after them), from a pass elsewhere (4 channels)."""
+    from mplower.numerics import conv
+    from mplower.numerics.rounding import amax
+
+    rng = np.random.default_rng(19)
+    x = (rng.standard_normal((2, 8, 9, 9)) * 30).astype(np.float32)
+    w_shape, groups, s, rounding = {
+        "gemm": ((16, 8, 3, 3), 1, 1, None), "gemm-bf16": ((16, 8, 3, 3), 1, 1, "bf16"),
+        "depthwise": ((8, 1, 3, 3), 8, 1, None), "depthwise-s2": ((16, 1, 3, 3), 8, 2, "f16"),
+        "narrow": ((4, 8, 1, 1), 1, 1, None)}[case]
+    w = (rng.standard_normal(w_shape) * 3).astype(np.float32)
+    geometry = ((s, s), (1, 1, 1, 1), (1, 1), groups)
+    passes = []
+    monkeypatch.setattr(conv, "rounding_amax", lambda y: passes.append(1) or amax(y))
+    for relu in (False, True):
+        found = []
+        y = conv.conv2d(x, w, *geometry, relu=relu, rounding=rounding, amax=found)
+        assert np.float32(found[0]).tobytes() == np.float32(np.max(np.abs(y))).tobytes()
+    assert len(passes) == (2 if case == "narrow" else 0)
+    x[1, 3, 4, 4] = np.nan  # a NaN output makes the amax NaN, as rounding.amax
+    found = []
+    conv.conv2d(x, w, *geometry, rounding=rounding, amax=found)
+    assert np.isnan(found[0])
+
+
+@pytest.mark.parametrize("n", [333, 3 * SERIAL_BELOW + 7])
+def test_add_relu_amax_is_numpys_max_of_abs_of_its_result(n) -> None:
+    from mplower.numerics.elementwise import add_relu
+
+    a, b = _awkward(n, 5), _awkward(n, 6)
+    a[np.isnan(a)] = 1.0
+    b[np.isnan(b)] = 2.0
+    for rounding in (None, "bf16"):
+        found = []
+        y = add_relu(a, b, rounding, amax=found)
+        with np.errstate(invalid="ignore"):
+            expect = np.max(np.abs(y))
+        assert np.float32(found[0]).tobytes() == np.float32(expect).tobytes()
+    a[7] = np.nan
+    found = []
+    add_relu(a, b, amax=found)
+    assert np.isnan(found[0])
+
+
+_FP8_CHAIN = """func.func @main(%x: tensor<2x8x7x7xf32>, %s: tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf32> {
+  %w = mp.constant {value = dense<0.25> : tensor<4x8x3x3xf32>} : () -> tensor<4x8x3x3xf32>
+  %w2 = mp.constant {value = dense<-0.5> : tensor<4x1x3x3xf32>} : () -> tensor<4x1x3x3xf32>
+  %xq = mp.scaled_quant %x {recipe = "current"} : (tensor<2x8x7x7xf32>) -> tensor<2x8x7x7xf8E4M3FN>
+  %wq = mp.scaled_quant %w {recipe = "current"} : (tensor<4x8x3x3xf32>) -> tensor<4x8x3x3xf8E4M3FN>
+  %c = mp.conv2d %xq, %wq {padding = [1, 1, 1, 1], mp.precision = f8E4M3FN, mp.accum = f32} : (tensor<2x8x7x7xf8E4M3FN>, tensor<4x8x3x3xf8E4M3FN>) -> tensor<2x4x7x7xf32>
+  %a = mp.add %c, %s : (tensor<2x4x7x7xf32>, tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf32>
+  %r = mp.relu %a : (tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf32>
+  %rq = mp.scaled_quant %r {recipe = "current"} : (tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf8E4M3FN>
+  %w2q = mp.scaled_quant %w2 {recipe = "current"} : (tensor<4x1x3x3xf32>) -> tensor<4x1x3x3xf8E4M3FN>
+  %d = mp.conv2d %rq, %w2q {padding = [1, 1, 1, 1], groups = 4, mp.precision = f8E4M3FN, mp.accum = f32} : (tensor<2x4x7x7xf8E4M3FN>, tensor<4x1x3x3xf8E4M3FN>) -> tensor<2x4x7x7xf32>
+  %dq = mp.scaled_quant %d {recipe = "current"} : (tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf8E4M3FN>
+  %y = mp.add %dq, %r : (tensor<2x4x7x7xf8E4M3FN>, tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf32>
+  return %y : tensor<2x4x7x7xf32>
+}
+"""
+
+
+def test_scaled_quants_of_conv_and_residual_results_take_the_amax_their_producer_took(
+        monkeypatch) -> None:
+    """Current scaling after a residual add + relu and after a depthwise conv: the producers
+    take the amax as they store, the scaled_quants make no pass of their own; the bits of the
+    ops run one at a time."""
+    from mplower.numerics import rounding
+
+    program = Program(parse(_FP8_CHAIN, "m.ir"))
+    rng = np.random.default_rng(23)
+    x = (rng.standard_normal((2, 8, 7, 7)) * 3).astype(np.float32)
+    s = (rng.standard_normal((2, 4, 7, 7)) * 5).astype(np.float32)
+    expect = program.run([x, s], reference=False).outputs[0]
+    inputs = program.prepare_inputs([x, s])
+    program.run_lowered(inputs)  # folds the weights' scaled_quants, fuses
+    passes = []
+    original = rounding.amax
+    monkeypatch.setattr(rounding, "amax", lambda v: passes.append(v.shape) or original(v))
+    got = program.run_lowered(inputs)[0]
+    assert got.tobytes() == expect.tobytes()
+    assert passes == [(2, 8, 7, 7)]  # only the input's: no step computes x
+    ops = [st.op for st in program._live]
+    assert ops.count("mp.scaled_quant") == 3 and "mp.relu" not in ops  # add + relu fused

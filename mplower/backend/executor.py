@@ -26,6 +26,7 @@ operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -100,6 +101,11 @@ class Step:
     channels: np.ndarray | None = None
     # A conv's fused epilogue (scale, bias, relu, rounded format), as _fuse_epilogues built it.
     epilogue: tuple | None = None
+    # A conv writing its channels of a concatenation (_fuse_concats): (channel0, shape, first,
+    # last).
+    concat: tuple | None = None
+    # This step's kernel, built to also leave the amax of its result in a box (_fuse_amax).
+    amax_kernel: Callable[[Any], Kernel] | None = None
 
 
 @dataclass
@@ -402,7 +408,7 @@ class Program:
             constants = {i: folded[i] for i in known}
             fused = _fuse_epilogues(live, constants, self.outputs)
             fused = _fuse_concats(_fuse_shuffles(fused, self.outputs), self.outputs)
-            fused = _fuse_fake_quants(fused, self.outputs)
+            fused = _fuse_amax(_fuse_fake_quants(fused, self.outputs))
             self._live = _pack_weights(fused, constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
@@ -544,8 +550,10 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
                 or any(t != add.out_type.with_elem(t.elem) or t.elem not in ("f32", elem)
                        for t in add.in_types):
             continue
+        rounded = None if elem == "f32" else elem
         fused[add.node] = replace(add, name=relu.name, output=relu.output,
-                                  run=_add_relu_kernel(None if elem == "f32" else elem))
+                                  run=_add_relu_kernel(rounded),
+                                  amax_kernel=partial(_add_relu_kernel, rounded))
         gone.add(relu.node)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
 
@@ -660,7 +668,8 @@ def _fuse_concats(steps: list[Step], outputs: list[int]) -> list[Step]:
             conv, first = convs[j], previous is None
             concat = (int(offsets[j]), t.shape, first, j == order[-1])
             new = replace(conv, run=_fused_conv_kernel(conv, *_rebuildable(conv), concat),
-                          inputs=conv.inputs if first else [*conv.inputs, previous.output])
+                          inputs=conv.inputs if first else [*conv.inputs, previous.output],
+                          concat=concat)
             if j == order[-1]:
                 new = replace(new, name=cat.name, output=cat.output, out_type=t)
             fused[conv.node] = previous = new
@@ -698,6 +707,35 @@ def _fuse_fake_quants(steps: list[Step], outputs: list[int]) -> list[Step]:
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
 
 
+# ---- the amax a scaled_quant reads, taken by the step that computes its operand -----------
+# A per-tensor mp.scaled_quant (an fp8 plan's current scaling) reads its whole operand once for
+# its amax before it rounds. Where the operand comes from a conv or a residual add + relu, that
+# kernel takes the amax as it stores each output (conv2d's and add_relu's `amax`) and leaves it
+# in a box the scaled_quant reads instead: the same value (max is exact in any order), one pass
+# over the tensor fewer. The box is per thread, as each run_lowered runs its steps in turn.
+
+def _fuse_amax(steps: list[Step]) -> list[Step]:
+    producer = {s.output: s for s in steps}
+    fused: dict[int, Step] = {}
+    for sq in steps:
+        if sq.op != "mp.scaled_quant" or sq.attrs["recipe"] not in ("current", "static"):
+            continue
+        p = producer.get(sq.inputs[0])
+        if p is None or p.node in fused or p.out_type.elem != "f32":
+            continue
+        box = threading.local()
+        if p.amax_kernel is not None:
+            run = p.amax_kernel(box)
+        elif p.op == "mp.conv2d" and p.concat is None and (epilogue := _rebuildable(p)):
+            run = _fused_conv_kernel(p, *epilogue, box=box)
+        else:
+            continue
+        fused[p.node] = replace(p, run=run)
+        fused[sq.node] = replace(sq, run=scaled_quant_kernel(
+            sq.attrs, sq.out_type, amax_of=lambda box=box: box.amax)[0])
+    return [fused.get(s.node, s) for s in steps]
+
+
 def _writes_into(conv: Step) -> bool:
     """Whether a conv step's kernel can write its result into a concatenation: one group of
     at least a register tile of output channels on the implicit GEMM, float32 sums or an
@@ -708,11 +746,16 @@ def _writes_into(conv: Step) -> bool:
         and (epilogue[0] is None or conv.executed["accum"] == "i32")
 
 
-def _add_relu_kernel(rounded: str | None) -> Kernel:
+def _add_relu_kernel(rounded: str | None, box: Any = None) -> Kernel:
     """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
-    result takes its relu before the rounding (see _RELU_BEFORE_ROUNDING: the same bits)."""
+    result takes its relu before the rounding (see _RELU_BEFORE_ROUNDING: the same bits).
+    With a `box` (_fuse_amax), box.amax is set to the result's amax, from the same pass."""
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        return add_relu(_f32(xs[0]), _f32(xs[1]), rounded), None  # run_lowered keeps no counts
+        found = None if box is None else []
+        y = add_relu(_f32(xs[0]), _f32(xs[1]), rounded, amax=found)
+        if box is not None:
+            box.amax = found[0]
+        return y, None  # run_lowered keeps no counts
     return run
 
 
@@ -743,11 +786,14 @@ def _channel_bias(value: Any, add: Step, channels: int) -> np.ndarray | None:
 
 def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | None,
                        relu: bool, rounded: str | None,
-                       concat: tuple[int, tuple[int, ...], bool, bool] | None = None) -> Kernel:
+                       concat: tuple[int, tuple[int, ...], bool, bool] | None = None,
+                       box: Any = None) -> Kernel:
     """The conv with its fused epilogue, reading its input channels in `conv.channels` order.
     `concat` = (channel0, shape, first, last) writes the result into channels channel0.. of a
     concatenation of `shape` (_fuse_concats): the `first` conv allocates it, the others take
-    it as their last operand, and the `last` one rounds all of it (rounding is elementwise)."""
+    it as their last operand, and the `last` one rounds all of it (rounding is elementwise).
+    With a `box` (_fuse_amax, no concat), box.amax is set to the result's amax, which the
+    conv kernels take as they store it."""
     from mplower.numerics.conv import conv2d
 
     a, channels, operands = conv.attrs, conv.channels, len(conv.inputs)
@@ -757,15 +803,18 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
         x, w, into = xs[0], xs[1], None
         if concat is not None:
             into = (np.empty(concat[1], np.float32) if concat[2] else xs[-1], concat[0])
+        found = None if box is None else []
         if scale is None:  # a float conv: its own bias operand or the added one, the relu
             b = _f32(xs[2]) if operands == 3 else bias
             # The rounding too as the conv stores its tiles (conv2d's rounding: round_to's
             # kernel, the same bits; run_lowered keeps no counts).
             y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels,
-                       into=into, rounding=None if into else rounded)
+                       into=into, rounding=None if into else rounded, amax=found)
         else:
             y = conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu, channels=channels,
-                       into=into)
+                       into=into, amax=found)
+        if box is not None:
+            box.amax = found[0]
         if into is not None and concat[3] and rounded is not None:
             return _finish(y, rounded)
         return y, None

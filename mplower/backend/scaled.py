@@ -35,9 +35,12 @@ class ScaleStats:
     tensor_scale: float | None = None  # NVFP4's second level
 
 
-def scaled_quant_kernel(attrs: dict, out_t: TensorType) -> tuple[
+def scaled_quant_kernel(attrs: dict, out_t: TensorType,
+                        amax_of: Callable[[], float] | None = None) -> tuple[
         Callable[[list[np.ndarray]], tuple[np.ndarray, Counts]], list[ScaleStats]]:
-    """The kernel and the one-element list its last step's ScaleStats is written to."""
+    """The kernel and the one-element list its last step's ScaleStats is written to.
+    `amax_of` gives the amax of the operand where the step that computed it took it already
+    (run_lowered's amax fusion), instead of a pass over it (per-tensor recipes)."""
     elem, recipe = out_t.elem, attrs["recipe"]
     last: list[ScaleStats] = []
     delayed = None
@@ -48,7 +51,7 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType) -> tuple[
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
         x = np.ascontiguousarray(xs[0], dtype=np.float32)
-        amax = rounding.amax(x)
+        amax = rounding.amax(x) if amax_of is None or recipe == "block" else amax_of()
         scale, per_element, tensor_scale = None, 4 / max(1, x.size), None
         if recipe == "block":
             r = mx.quantize_blocked(x, elem, tuple(attrs["block"]), attrs["scale_format"])

@@ -41,6 +41,7 @@ from mplower.numerics.gemm import (
     matmul,
 )
 from mplower.numerics.rounding import MX_ROUNDING_FORMATS, round_to
+from mplower.numerics.rounding import amax as rounding_amax
 from mplower.numerics.windows import conv_windows
 
 
@@ -77,7 +78,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
            relu: bool = False, channels: np.ndarray | None = None,
            into: tuple[np.ndarray, int] | None = None,
-           rounding: str | None = None) -> np.ndarray:
+           rounding: str | None = None, amax: list | None = None) -> np.ndarray:
     """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
     int64 for integer operands.
@@ -92,23 +93,35 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     least TILE_ROWS output channels, float operands), and returns y; elsewhere the result is
     computed as usual and copied there. `rounding` (a round_to format) rounds a float32 result
     after its epilogue: in the implicit GEMM's tiles, while they are in cache, where each sum
-    is stored once, else with round_to; the same kernel, so the same bits."""
+    is stored once, else with round_to; the same kernel, so the same bits. `amax` (a list)
+    is set to [rounding.amax of the result] (NaN if it holds one), taken as the implicit
+    GEMM and the depthwise kernel store their outputs (what a following mp.scaled_quant
+    needs, without its own pass), else by rounding.amax after."""
+    found: list | None = None if amax is None else []
     if rounding is not None:
         if into is not None or x.dtype.kind in "iub" or np.result_type(x, w) == np.float64:
             raise ValueError("conv2d: rounding applies to a float32 result, not `into`")
         y, rounded = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu,
-                             channels, None, rounding)
-        return y if rounded else round_to(np.ascontiguousarray(y), rounding)[0]
-    return _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels, into,
-                   None)[0]
+                             channels, None, rounding, found)
+        if not rounded:
+            y, found = round_to(np.ascontiguousarray(y), rounding)[0], None if found is None else []
+    else:
+        y = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels,
+                    into, None, found)[0]
+    if amax is not None:
+        if into is not None:  # the whole concatenation is the result
+            found = []
+        amax[:] = found or [rounding_amax(np.ascontiguousarray(y, np.float32))]
+    return y
 
 
 def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             padding: tuple[int, int, int, int], dilations: tuple[int, int], groups: int,
             scale: np.ndarray | None, bias: np.ndarray | None, relu: bool,
             channels: np.ndarray | None, into: tuple[np.ndarray, int] | None,
-            rounding: str | None) -> tuple[np.ndarray, bool]:
-    """conv2d, and whether the result is rounded to `rounding` already (in the tiles)."""
+            rounding: str | None, amax: list | None = None) -> tuple[np.ndarray, bool]:
+    """conv2d, and whether the result is rounded to `rounding` already (in the tiles); `amax`
+    set to [its amax] where the kernel takes it as it stores (else left empty)."""
     if into is not None and x.dtype.kind in "iub" and scale is None and bias is None \
             and not relu:
         raise ValueError("conv2d: an integer result (no epilogue) cannot go `into` float32")
@@ -122,8 +135,8 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
         rounded = rounding if rounding not in MX_ROUNDING_FORMATS else None
         return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
-                                relu=relu, channels=channels, rounding=rounded), \
-            rounded is not None
+                                relu=relu, channels=channels, rounding=rounded,
+                                amax=amax), rounded is not None
     if channels is not None:
         raise ValueError("conv2d: an input channel order applies to a depthwise conv only")
     integer = x.dtype.kind in "iub"
@@ -162,7 +175,8 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         rounded = rounding if exact and wmat.dtype == np.float32 \
             and rounding not in MX_ROUNDING_FORMATS else None
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
-                         g, out, chunk, scale, bias, relu, target, rounded)
+                         g, out, chunk, scale, bias, relu, target, rounded,
+                         amax if rounding is None or rounded is not None else None)
         if target is not None:
             return into[0], False
         y = y.reshape(n, o, ho, wo)

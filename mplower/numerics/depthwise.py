@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mplower.numerics.gemm import F32_EXACT, int_magnitude, prefetch_read
+from mplower.numerics.gemm import F32_EXACT, amax_of_bits, int_magnitude, prefetch_read
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     _param_array,
@@ -76,6 +76,17 @@ def _round_sums(bits, n, rp):
     """The first n sums (their float32 bit patterns) rounded as round_to rounds them."""
     for q in range(n):
         bits[q] = _round_one(bits[q], rp)[0]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _kept_amax(bits, slot, hq, wq, ho, wo, largest):
+    """max(largest, the largest |output| bit pattern of plane g = `slot` of a stack's sums
+    (their bits), over the outputs that `keep` keeps)."""
+    for oy in range(ho):
+        row = bits[(slot * hq + oy) * wq:(slot * hq + oy) * wq + wo]
+        for ox in range(wo):
+            largest = max(largest, np.uint32(row[ox] & np.uint32(0x7FFFFFFF)))
+    return largest
 
 
 @njit(cache=True, nogil=True)
@@ -159,13 +170,15 @@ def _plane_masked(out, flat, taps, w, masks, factor, shift, scaled, relu):
 
 @njit(cache=True, nogil=True)
 def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl, hq, relu,
-                rounding, rpa, group, counter, units):
+                rounding, rpa, parts, group, counter, units):
     """`_units` for a stride-1, dilation-1 conv with y's planes the size of x's (H, W): the
     planes of a unit stacked at rows g * Hq + pt of width W (Hq = H + KH - 1; the rows
     between them are zeros) after pl elements, so that output q = (g * Hq + oy) * W + ox
     reads tap (ky, kx) at q + taps[ky * KW + kx], where masks[kx, q] says whether its column
     is inside the plane. With `rounding`, the outputs are rounded (rounding._round_one with
-    the parameters `rpa`) after the epilogue, while they are in cache."""
+    the parameters `rpa`) after the epilogue, while they are in cache; with `parts` (one per
+    unit), parts[u] is the largest |output| of unit u as a float32 bit pattern with the sign
+    cleared."""
     n, c, h, wd = x.shape
     o_count, plane = y.shape[1], h * wd
     xf, yf = x.reshape(-1), y.reshape(-1)
@@ -201,6 +214,11 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
             src, dst = sums[g * hq * wd:g * hq * wd + plane], yf[at:at + plane]
             for j in range(plane):
                 dst[j] = src[j]
+        if parts.size:
+            largest = np.uint32(0)
+            for g in range(images):
+                largest = _kept_amax(bits, g, hq, wd, h, wd, largest)
+            parts[u] = largest
         done += 1
         u = claim(counter)
     return done
@@ -208,7 +226,7 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
 
 @njit(cache=True, nogil=True)
 def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt, pl, relu,
-           rounding, rpa, group, counter, units):
+           rounding, rpa, parts, group, counter, units):
     """Work units claimed from `counter` (workers.run_units) until `units`: unit u is output
     channel u // g of images (u % g) * group .. + group - 1 of y (N, O, Ho, Wo), g the number
     of such image groups; channel o reads input channel o // multiplier, which is channel
@@ -247,6 +265,11 @@ def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt,
             _round_sums(bits, out.size, rp)
         for g in range(images):
             keep(sums, g, hq, wq, y[i0 + g, o])
+        if parts.size:
+            largest = np.uint32(0)
+            for g in range(images):
+                largest = _kept_amax(bits, g, hq, wq, ho, wo, largest)
+            parts[u] = largest
         done += 1
         u = claim(counter)
     return done
@@ -269,7 +292,7 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                      padding: tuple[int, int, int, int], dilations: tuple[int, int], *,
                      scale: np.ndarray | None = None, bias: np.ndarray | None = None,
                      relu: bool = False, channels: np.ndarray | None = None,
-                     rounding: str | None = None) -> np.ndarray:
+                     rounding: str | None = None, amax: list | None = None) -> np.ndarray:
     """conv2d (mplower.numerics.conv) of x (N, C, H, W) with w (O, 1, KH, KW), groups C,
     zero-padded by (top, left, bottom, right), where `is_depthwise`: float32, or float64 if
     an operand is, exact int64 for integer operands (float32 with an epilogue), with the GEMM
@@ -278,7 +301,8 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     `channels` (C indices) convolves x[:, channels] instead of x, without the copy: the
     executor folds a channel shuffle into the depthwise conv that reads it. `rounding` (a
     round_to format, not an MX one) rounds a float32 result after its epilogue, as round_to
-    would, while each unit's outputs are in cache."""
+    would, while each unit's outputs are in cache. `amax` (a list) is set to [the amax of
+    a float32 result] (rounding.amax), taken from each unit's outputs as it stores them."""
     integer = x.dtype.kind in "iub"
     if integer or np.result_type(x, w) != np.float64:
         dtype = np.dtype(np.float32)
@@ -300,6 +324,7 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     shift = np.empty(0, dtype) if bias is None else np.ascontiguousarray(bias, dtype).reshape(o)
     group = min(n, max(1, _STACK // (hp * wp)))
     units = o * -(-n // group)
+    parts = np.zeros(units if amax is not None and dtype == np.float32 else 0, np.uint32)
     channels = np.arange(c) if channels is None else np.asarray(channels, np.int64)
     if channels.shape != (c,) or c and not 0 <= channels.min() <= channels.max() < c:
         raise ValueError(f"depthwise_conv2d: channels must be {c} indices below {c}")
@@ -312,16 +337,18 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                           for kx in range(kw)]).astype(np.uint8)
         taps = (np.arange(kh * kw) // kw * wd + np.arange(kh * kw) % kw).astype(np.int64)
         args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
-                taps, masks, pt, pl, hp, relu, *rounds, group)
+                taps, masks, pt, pl, hp, relu, *rounds, parts, group)
     else:
         kernel = _units
         split = split_shape((ho, wo), (kh, kw), strides, dilations)
         taps = tap_offsets((kh, kw), strides, dilations, split, group)
         args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
-                taps, (int(sh), int(sw)), split, pt, pl, relu, *rounds, group)
+                taps, (int(sh), int(sw)), split, pt, pl, relu, *rounds, parts, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
         kernel(*args, np.zeros(1, np.int64), units)
     elif y.size:
         run_units(kernel, units, *args)
+    if amax is not None and dtype == np.float32:
+        amax[:] = [amax_of_bits(parts.max() if parts.size else np.uint32(0))]
     epilogue = scale is not None or bias is not None or relu
     return y.astype(np.int64) if integer and not epilogue else y

@@ -15,36 +15,51 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from mplower.numerics.gemm import amax_of_bits
 from mplower.numerics.rounding import MX_ROUNDING_FORMATS, _param_array, _param_tuple, _round_one
 from mplower.numerics.workers import run_blocks
 
 # Below this many elements one thread does the whole loop (about 0.1 ms of streaming; see
 # gemm.SERIAL_BELOW for why small work stays off the worker threads).
 SERIAL_BELOW = 1 << 18
+_CHUNK = 1 << 16  # elements per parallel chunk (a few per thread at SERIAL_BELOW)
 
 
 @njit(cache=True, nogil=True)
-def _add_relu_serial(a, b, y, bits, rounding, rpa):
+def _add_relu_serial(a, b, y, bits, rounding, rpa, largest):
+    """The loop over one block; returns max(largest, the block's largest |y| bit pattern)
+    where `largest` is given as an unsigned int (bits: y's float32 bit patterns)."""
     zero, rp = y.dtype.type(0), _param_tuple(rpa)
     for i in range(y.size):
         v = a[i] + b[i]
         v = zero if v <= zero else v  # noqa: FURB136 - max(0, NaN) would be 0
-        if rounding:  # bits: y's float32 bit patterns
+        if rounding:
             bits[i] = _round_one(np.float32(v).view(np.uint32), rp)[0]
         else:
             y[i] = v
+    if largest >= 0:
+        for i in range(bits.size):
+            largest = max(largest, np.int64(bits[i] & np.uint32(0x7FFFFFFF)))
+    return largest
 
 
 @njit(cache=True, nogil=True)
-def _add_relu_blocks(a, b, y, bits, rounding, rpa, i0, i1):
-    _add_relu_serial(a[i0:i1], b[i0:i1], y[i0:i1], bits[i0:i1] if rounding else bits,
-                     rounding, rpa)
+def _add_relu_chunks(a, b, y, bits, rounding, rpa, parts, c0, c1):
+    """Chunks c0 .. c1 - 1 of _CHUNK elements; parts[c] gets chunk c's largest |y| bits."""
+    for c in range(c0, c1):
+        lo, hi = c * _CHUNK, min(y.size, (c + 1) * _CHUNK)
+        m = _add_relu_serial(a[lo:hi], b[lo:hi], y[lo:hi], bits[lo:hi] if bits.size else bits,
+                             rounding, rpa, 0 if parts.size else -1)
+        if parts.size:
+            parts[c] = m
 
 
-def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None) -> np.ndarray:
+def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None,
+             amax: list | None = None) -> np.ndarray:
     """np.maximum(a + b, 0) for float arrays of the same shape and dtype, in one pass; then
     rounded to `rounding` (a round_to format other than the MX ones; float32 operands) as
-    round_to rounds."""
+    round_to rounds. `amax` (a list) is set to [rounding.amax of a float32 result], taken
+    in the same pass."""
     if a.shape != b.shape or a.dtype != b.dtype or a.dtype.kind != "f":
         raise ValueError(f"add_relu: operands must be float arrays of one shape and dtype, "
                          f"got {a.dtype}{a.shape} and {b.dtype}{b.shape}")
@@ -53,10 +68,16 @@ def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None) -> np.nd
                          "round_to other than the MX ones")
     fa, fb = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
     y = np.empty(fa.size, a.dtype)
-    bits = y.view(np.uint32) if rounding is not None else np.zeros(0, np.uint32)
+    counted = amax is not None and a.dtype == np.float32
+    bits = y.view(np.uint32) if rounding is not None or counted else np.zeros(0, np.uint32)
     args = (fa, fb, y, bits, rounding is not None, _param_array(rounding or "bf16", False))
     if y.size < SERIAL_BELOW:
-        _add_relu_serial(*args)
+        largest = _add_relu_serial(*args, 0 if counted else -1)
     else:
-        run_blocks(_add_relu_blocks, y.size, *args)
+        chunks = -(-y.size // _CHUNK)
+        parts = np.zeros(chunks if counted else 0, np.int64)
+        run_blocks(_add_relu_chunks, chunks, *args, parts)
+        largest = int(parts.max()) if counted else -1
+    if counted:
+        amax[:] = [amax_of_bits(np.uint32(largest))]
     return y.reshape(a.shape)

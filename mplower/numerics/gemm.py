@@ -804,7 +804,7 @@ def _pack_panel(x, panel, at, image, channel0, shape, taps, q0, cols, starts, of
 
 @njit(cache=True, nogil=True)
 def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
-                post_s, post_h, channel0, rounding, rbits, rpa, counter, units):
+                post_s, post_h, channel0, rounding, rbits, rpa, parts, counter, units):
     """The work units of the conv's result, channels channel0 .. channel0 + O/G - 1 of c
     (N * G, C, Ho*Wo) (all of c unless the result is written into a concatenation, see
     conv_product's `into`), claimed from `counter`: unit u is image-group
@@ -812,7 +812,9 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     panels, then a block of rows_per_unit output channels, so that consecutive units share
     their panels and a thread that claims them in a row packs them once. Each row tile runs
     over the span's panels in turn: its rows are written `span` panels long, a few long
-    streams instead of many short ones. Returns the number of units done."""
+    streams instead of many short ones. With `parts` (one per unit), parts[u] is the largest
+    |result| of unit u as a float32 bit pattern with the sign cleared (rbits: c's bits).
+    Returns the number of units done."""
     m, pixels, kk, c_rows = w.shape[1], c.shape[2], w.shape[2], c.shape[1]
     panels = (pixels + cols - 1) // cols
     spans = (panels + span - 1) // span
@@ -836,6 +838,7 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
             return done
         q, block = u // blocks, u % blocks
         batch, p0 = q // spans, (q % spans) * span
+        largest = np.uint32(0)
         g = batch % groups
         count = min(span, panels - p0)
         if q != packed:
@@ -873,9 +876,17 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                             row = np.uint64(at + r * pixels)
                             for t in range(np.uint64(width)):
                                 rbits[row + t] = _round_one(rbits[row + t], rp)[0]
+                    if parts.size:  # and its amax, as rounding.amax takes it
+                        for r in range(rows):
+                            row = np.uint64(at + r * pixels)
+                            for t in range(np.uint64(width)):
+                                largest = max(largest,
+                                              np.uint32(rbits[row + t] & np.uint32(0x7FFFFFFF)))
                 else:
                     _finish_tile(w, (g * m + i0) * kk, source, offset, ldps[j], c, cf, batch,
                                  i0, p * cols, cols, chunk, scale, bias, relu, tile, total)
+        if parts.size:
+            parts[u] = largest
         done += 1
 
 
@@ -906,7 +917,7 @@ def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
                  out: np.dtype, chunk: int, scale: np.ndarray | None, bias: np.ndarray | None,
                  relu: bool, into: tuple[np.ndarray, int] | None = None,
-                 rounding: str | None = None) -> np.ndarray:
+                 rounding: str | None = None, amax: list | None = None) -> np.ndarray:
     """The convolution of the padded x with the weights `wmat` (G, O/G, K) as c (N * G, O/G,
     Ho*Wo) in `out`: the product of the weights and the im2col of each image and group
     (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh, sw,
@@ -918,7 +929,9 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     instead, a float result of one group (a concatenation along channels, without the copy);
     returns y. `rounding` (a format of rounding.round_to, not an MX one) rounds each float32
     result after its epilogue, as round_to would (the same kernel), while its tile is in
-    cache; only where each sum is stored once (float32 sums over all of K)."""
+    cache; only where each sum is stored once (float32 sums over all of K). `amax` (a list)
+    gets rounding.amax of the result, taken from each tile as it is stored (after the
+    rounding), where each sum is stored once; elsewhere it is left empty."""
     n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
     if into is None:
         c, channel0 = np.empty((n * groups, m, shape[7] * shape[8]), out), 0
@@ -951,15 +964,28 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
                                  or rounding in MX_ROUNDING_FORMATS):
         raise ValueError("conv_product: rounding applies to float32 sums over all of K, to "
                          "a format of _round_one")
+    tiled_amax = amax is not None and out == np.float32 and wmat.dtype == np.float32 \
+        and chunk >= kk and into is None
+    parts = np.zeros(spans * blocks if tiled_amax else 0, np.uint32)
     args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
             chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
-            c.reshape(-1).view(np.uint32) if rounding is not None else _NO_BITS,
-            _param_array(rounding or "bf16", False))
+            c.reshape(-1).view(np.uint32) if rounding is not None or tiled_amax else _NO_BITS,
+            _param_array(rounding or "bf16", False), parts)
     if n * groups * m * c.shape[2] * max(kk, 1) < SERIAL_BELOW:
         _conv_units(*args, np.zeros(1, np.int64), spans * blocks)
     else:
         run_units(_conv_units, spans * blocks, *args)
+    if tiled_amax:
+        amax[:] = [amax_of_bits(parts.max() if parts.size else np.uint32(0))]
     return c
+
+
+def amax_of_bits(largest: np.uint32) -> float:
+    """The amax (rounding.amax) whose largest |x| bit pattern is `largest`: NaN above +inf."""
+    return float("nan") if largest > _F32_INF_BITS else float(np.uint32(largest).view(np.float32))
+
+
+_F32_INF_BITS = 0x7F800000
 
 
 _NO_BITS = np.zeros(0, np.uint32)
