@@ -82,10 +82,12 @@ def _round_sums(bits, n, rp):
 def _kept_amax(bits, slot, hq, wq, ho, wo, largest):
     """max(largest, the largest |output| bit pattern of plane g = `slot` of a stack's sums
     (their bits), over the outputs that `keep` keeps)."""
+    mask = np.uint32(0x7FFFFFFF)
     for oy in range(ho):
-        row = bits[(slot * hq + oy) * wq:(slot * hq + oy) * wq + wo]
-        for ox in range(wo):
-            largest = max(largest, np.uint32(row[ox] & np.uint32(0x7FFFFFFF)))
+        # Unsigned indices: no view per row, no check for a negative index.
+        row = np.uint64((slot * hq + oy) * wq)
+        for ox in range(np.uint64(wo)):
+            largest = max(largest, np.uint32(bits[row + ox] & mask))
     return largest
 
 
@@ -209,15 +211,17 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
             _plane_masked(out, flat, taps, w[o], masks, factor, shift, scale.size > 0, relu)
         if rounding:
             _round_sums(bits, out.size, rp)
+        largest = np.uint32(0)
         for g in range(images):
             at = ((i0 + g) * o_count + o) * plane
             src, dst = sums[g * hq * wd:g * hq * wd + plane], yf[at:at + plane]
             for j in range(plane):
                 dst[j] = src[j]
+            if parts.size:  # a plane's outputs are one run of the sums here
+                run = bits[g * hq * wd:g * hq * wd + plane]
+                for j in range(plane):
+                    largest = max(largest, np.uint32(run[j] & np.uint32(0x7FFFFFFF)))
         if parts.size:
-            largest = np.uint32(0)
-            for g in range(images):
-                largest = _kept_amax(bits, g, hq, wd, h, wd, largest)
             parts[u] = largest
         done += 1
         u = claim(counter)
