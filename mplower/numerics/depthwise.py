@@ -241,6 +241,7 @@ def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt,
     n = x.shape[0]
     ho, wo = y.shape[2], y.shape[3]
     (sh, sw), (hq, wq) = strides, split
+    xf, plane = x.reshape(-1), x.shape[2] * x.shape[3]
     groups = (n + group - 1) // group
     rows = np.zeros((sh, group * hq, wq * sw), y.dtype)  # the padding stays zero
     cols = np.zeros((sw, sh * group * hq * wq), y.dtype)
@@ -252,8 +253,8 @@ def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt,
         o, i0 = u // groups, u % groups * group
         images = min(group, n - i0)
         if o + 1 < y.shape[1]:
-            _prefetch_planes(x.reshape(-1), x.shape[2] * x.shape[3], x.shape[1],
-                             channels[(o + 1) // multiplier], i0, images)
+            _prefetch_planes(xf, plane, x.shape[1], channels[(o + 1) // multiplier], i0,
+                             images)
         for g in range(images):
             split_plane(x[i0 + g, channels[o // multiplier]], rows, cols, hq, g, pt, pl)
         flat = split_stack(rows, cols)

@@ -304,6 +304,21 @@ def _quantize_ints(x: np.ndarray, table: tuple,
     return out, Counts(int(total[0]), int(total[1]), int(total[2]))
 
 
+def _prepared_table(shape: tuple[int, ...], scale: np.ndarray | float,
+                    zero_point: np.ndarray | int | None, dtype: str,
+                    axis: int | None) -> tuple | None:
+    """`_int_table`'s table for the integer quantize of x of `shape`, or None where `quantize`
+    would refuse it or it is not an integer format."""
+    f = FORMATS.get(dtype)
+    if dtype not in QUANT_FORMATS or f.is_float:
+        return None
+    try:
+        s, zp, post, _ = _channels(shape, scale, zero_point, axis, "quantize")
+        return _int_table(f, s, zp, post, dtype)
+    except (ValueError, TypeError):
+        return None
+
+
 def quantizer(shape: tuple[int, ...], scale: np.ndarray | float,
               zero_point: np.ndarray | int | None, dtype: str, axis: int | None = None,
               block_size: int = 0) -> Callable[[np.ndarray], tuple[np.ndarray, Counts]]:
@@ -314,13 +329,8 @@ def quantizer(shape: tuple[int, ...], scale: np.ndarray | float,
     which checks it and raises its errors."""
     def checked(x: np.ndarray) -> tuple[np.ndarray, Counts]:
         return quantize(x, scale, zero_point, dtype, axis, block_size=block_size)
-    f = FORMATS.get(dtype)
-    if block_size or dtype not in QUANT_FORMATS or f.is_float:
-        return checked
-    try:
-        s, zp, post, _ = _channels(shape, scale, zero_point, axis, "quantize")
-        table = _int_table(f, s, zp, post, dtype)
-    except (ValueError, TypeError):
+    table = None if block_size else _prepared_table(shape, scale, zero_point, dtype, axis)
+    if table is None:
         return checked
 
     def run(x: np.ndarray) -> tuple[np.ndarray, Counts]:
@@ -337,13 +347,8 @@ def fake_quantizer(shape: tuple[int, ...], scale: np.ndarray | float,
     the many float32 x of one `shape`, in one pass that never stores the integers: the same
     float32 bits as the two calls. None where `quantizer` would not make its own kernels
     (a float or blocked format, a zero point out of range, scales that do not fit shape)."""
-    f = FORMATS.get(dtype)
-    if dtype not in QUANT_FORMATS or f.is_float:
-        return None
-    try:
-        s, zp, post, _ = _channels(shape, scale, zero_point, axis, "quantize")
-        table = _int_table(f, s, zp, post, dtype)
-    except (ValueError, TypeError):
+    table = _prepared_table(shape, scale, zero_point, dtype, axis)
+    if table is None:
         return None
 
     def run(x: np.ndarray) -> np.ndarray:
