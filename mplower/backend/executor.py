@@ -14,13 +14,16 @@ sums for i8 x i8 -> i32.
 
 The fp32 reference is the same schedule with every cast and quantize/dequantize removed and
 nothing rounded; `run` executes both side by side and keeps per-op statistics, `run_lowered`
-only the lowered plan (what `mplower bench` times), with its constant-only ops run once and a
-conv's dequantize, bias add and relu run as the conv's GEMM stores each output (the same bits
-as the separate ops, which `run` keeps for its statistics). An op/format pair the backend has no kernel
-for runs on the nearest wider path and is reported as a fallback with its reason code: a
-sparse kernel (`no-sparse-kernel`: run densely), an integer plan that was never quantized
-(`not-quantized`: its float operands run in their own format), an fp16 accumulator over
-operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's fallbacks
+only the lowered plan (what `mplower bench` times), with its constant-only ops run once and
+fusions that give the same bits as the separate ops (which `run` keeps for its statistics): a
+conv's dequantize, bias add, relu and rounding run as the conv stores each output, a residual
+add and its relu in one pass, a channel shuffle read in place by its depthwise conv, convs
+written into their concatenation, an integer quantize -> dequantize pair in one pass, and a
+scaled_quant's amax taken by the conv or add that computed its operand. An op/format pair the
+backend has no kernel for runs on the nearest wider path and is reported as a fallback with its
+reason code: a sparse kernel (`no-sparse-kernel`: run densely), an integer plan that was never
+quantized (`not-quantized`: its float operands run in their own format), an fp16 accumulator
+over operands whose products do not fit it exactly (`no-f16-accum`: f32). Legalize's fallbacks
 (`mp.fallback`, `mp.requested`) are reported as the pass recorded them.
 """
 
