@@ -67,7 +67,7 @@ def _prefetch_planes(flat, plane, channels, c, i0, images):
     faster with this, caches flushed between convs)."""
     for g in range(images):
         start = ((i0 + g) * channels + c) * plane
-        for k in range(start, start + plane, 16):  # one hint per 64-byte line of float32
+        for k in range(start, start + plane, 64 // flat.itemsize):  # a hint per 64-byte line
             prefetch_read(flat, k)
 
 
@@ -333,6 +333,9 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     channels = np.arange(c) if channels is None else np.asarray(channels, np.int64)
     if channels.shape != (c,) or c and not 0 <= channels.min() <= channels.max() < c:
         raise ValueError(f"depthwise_conv2d: channels must be {c} indices below {c}")
+    # Integer operands stay as they are: the kernels convert each element as they copy its plane
+    # (exactly: 8-bit values), instead of a pass over x before.
+    operand = np.ascontiguousarray(x) if integer else np.ascontiguousarray(x, dtype)
     if (sh, sw, dh, dw) == (1, 1, 1, 1) and (ho, wo) == (h, wd) and wd > 0 \
             and np.isfinite(weights).all():
         kernel = _same_units
@@ -341,13 +344,13 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         masks = np.stack([(column + kx - pl >= 0) & (column + kx - pl < wd)
                           for kx in range(kw)]).astype(np.uint8)
         taps = (np.arange(kh * kw) // kw * wd + np.arange(kh * kw) % kw).astype(np.int64)
-        args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
+        args = (operand, weights, factor, shift, y, o // c, channels,
                 taps, masks, pt, pl, hp, relu, *rounds, parts, group)
     else:
         kernel = _units
         split = split_shape((ho, wo), (kh, kw), strides, dilations)
         taps = tap_offsets((kh, kw), strides, dilations, split, group)
-        args = (np.ascontiguousarray(x, dtype), weights, factor, shift, y, o // c, channels,
+        args = (operand, weights, factor, shift, y, o // c, channels,
                 taps, (int(sh), int(sw)), split, pt, pl, relu, *rounds, parts, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
         kernel(*args, np.zeros(1, np.int64), units)
