@@ -534,3 +534,39 @@ def test_scaled_quants_of_conv_and_residual_results_take_the_amax_their_producer
     assert passes == [(2, 8, 7, 7)]  # only the input's: no step computes x
     ops = [st.op for st in program._live]
     assert ops.count("mp.scaled_quant") == 3 and "mp.relu" not in ops  # add + relu fused
+
+
+_DW_QDQ = """func.func @main(%x: tensor<2x4x6x6xf32>) -> tensor<2x4x6x6xf32> {
+  %w = mp.constant {value = dense<WEIGHTS> : tensor<4x1x3x3xf32>} : () -> tensor<4x1x3x3xf32>
+  %b = mp.constant {value = dense<[0.5, -1.0, 0.25, 2.0]> : tensor<4xf32>} : () -> tensor<4xf32>
+  %c = mp.conv2d %x, %w, %b {padding = [1, 1, 1, 1], groups = 4} : (tensor<2x4x6x6xf32>, tensor<4x1x3x3xf32>, tensor<4xf32>) -> tensor<2x4x6x6xf32>
+  %q = mp.quantize %c {scale = dense<[0.05, 0.11, 0.013, 0.3]> : tensor<4xf32>, zero_point = dense<[0, 3, -7, 1]> : tensor<4xi8>, axis = 1} : (tensor<2x4x6x6xf32>) -> tensor<2x4x6x6xi8>
+  %d = mp.dequantize %q {scale = dense<[0.05, 0.11, 0.013, 0.3]> : tensor<4xf32>, zero_point = dense<[0, 3, -7, 1]> : tensor<4xi8>, axis = 1} : (tensor<2x4x6x6xi8>) -> tensor<2x4x6x6xf32>
+  return %d : tensor<2x4x6x6xf32>
+}
+"""
+
+
+def test_a_depthwise_conv_read_only_by_a_qdq_pair_requantizes_as_it_stores() -> None:
+    """The int8 plan's depthwise conv -> quantize -> dequantize: the conv's kernel quantizes
+    and dequantizes each output as it stores it; the bits of the three ops, and of ONNX's
+    formulas in numpy on the conv's result."""
+    rng = np.random.default_rng(29)
+    w = (rng.standard_normal((4, 1, 3, 3)) * 2).astype(np.float32)
+    program = Program(parse(_DW_QDQ.replace("WEIGHTS", np.array2string(
+        w, separator=", ", floatmode="unique")), "m.ir"))
+    x = (rng.standard_normal((2, 4, 6, 6)) * 3).astype(np.float32)
+    x[0, 0, 0, 0] = np.inf
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert [st.op for st in program._live] == ["mp.conv2d"]
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    from mplower.numerics.conv import conv2d
+
+    bias = np.array([0.5, -1.0, 0.25, 2.0], np.float32)
+    y = conv2d(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 4, bias=bias)
+    s = np.array([0.05, 0.11, 0.013, 0.3], np.float32).reshape(1, -1, 1, 1)
+    zp = np.array([0, 3, -7, 1]).reshape(1, -1, 1, 1)
+    with np.errstate(invalid="ignore"):
+        q = np.clip(np.nan_to_num(np.rint(y / s), nan=0.0) + zp, -128, 127)
+    expect = (q - zp).astype(np.int32).astype(np.float32) * s
+    assert got.tobytes() == expect.tobytes()

@@ -704,10 +704,58 @@ def _fuse_fake_quants(steps: list[Step], outputs: list[int]) -> list[Step]:
                 or (run := fake_quantizer(q.in_types[0].shape, scale.astype(np.float32), zp,
                                           q.out_type.elem, axis)) is None:
             continue
+        conv = producer.get(q.inputs[0])
+        channels = q.in_types[0].shape[1] if q.in_types[0].rank == 4 else 0
+        if conv is not None and _requantizable(conv) and readers.get(conv.output) == 1 \
+                and conv.output not in kept and (axis is None or axis % 4 == 1):
+            # The depthwise conv that computes q's operand quantizes and dequantizes each
+            # output as it stores it: one pass fewer again.
+            per_channel = (np.broadcast_to(scale.astype(np.float32).reshape(-1), (channels,)),
+                           np.broadcast_to(zp.reshape(-1), (channels,)), q.out_type.elem)
+            fused[conv.node] = replace(conv, name=dq.name, output=dq.output,
+                                       out_type=dq.out_type,
+                                       run=_requantized_depthwise_kernel(conv, per_channel))
+            gone.update((q.node, dq.node))
+            continue
         fused[q.node] = replace(q, name=dq.name, output=dq.output, out_type=dq.out_type,
                                 run=lambda xs, run=run: (run(_f32(xs[0])), None))
         gone.add(dq.node)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _requantizable(conv: Step) -> bool:
+    """Whether a conv step is a depthwise conv whose kernel (numerics.depthwise) can also
+    quantize and dequantize its float32 result as it stores it (`depthwise_conv2d`'s
+    `requantize`): float operands, or 8-bit integers with a dequantize epilogue."""
+    if conv.op != "mp.conv2d" or conv.concat is not None or conv.out_type.elem != "f32" \
+            or (epilogue := _rebuildable(conv)) is None or epilogue[3] is not None:
+        return False
+    x_t, w_t = conv.in_types[:2]
+    if x_t.rank != 4 or conv.attrs["groups"] != x_t.shape[1] or w_t.shape[1] != 1:
+        return False
+    ints = [FORMATS[t.elem].is_int for t in (x_t, w_t)]
+    return not any(ints) or all(ints) and epilogue[0] is not None \
+        and all(FORMATS[t.elem].bits == 8 for t in (x_t, w_t))
+
+
+def _requantized_depthwise_kernel(conv: Step, requantize: tuple) -> Kernel:
+    """The depthwise conv step `conv` (_requantizable) with its epilogue, then its result
+    quantized and dequantized with `requantize` = (scales, zero points, format) per output
+    channel, in the kernel's store."""
+    from mplower.numerics.depthwise import depthwise_conv2d
+
+    scale, bias, relu, _ = _rebuildable(conv)
+    a, operands = conv.attrs, len(conv.inputs)
+    geometry = (a["strides"], a["padding"], a["dilations"])
+
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        if scale is None:
+            b = _f32(xs[2]) if operands == 3 else bias
+            return depthwise_conv2d(_f32(xs[0]), _f32(xs[1]), *geometry, bias=b, relu=relu,
+                                    channels=conv.channels, requantize=requantize), None
+        return depthwise_conv2d(xs[0], xs[1], *geometry, scale=scale, bias=bias, relu=relu,
+                                channels=conv.channels, requantize=requantize), None
+    return run
 
 
 # ---- the amax a scaled_quant reads, taken by the step that computes its operand -----------

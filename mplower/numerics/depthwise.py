@@ -41,7 +41,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import F32_EXACT, amax_of_bits, int_magnitude, prefetch_read
+from mplower.numerics.quant import _quantize_one
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     _param_array,
@@ -76,6 +78,16 @@ def _round_sums(bits, n, rp):
     """The first n sums (their float32 bit patterns) rounded as round_to rounds them."""
     for q in range(n):
         bits[q] = _round_one(bits[q], rp)[0]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fake_quantize(out, s, z, lo, hi):
+    """out = dequantize(quantize(out, s, z), s, z) in place, as quant.fake_quantizer computes
+    it (quant._quantize_one, then (q - z) * s in float32)."""
+    zi = np.int32(z)
+    for q in range(out.size):
+        qi = _quantize_one(out[q], s, z, lo, hi)[0]
+        out[q] = np.float32(np.int32(qi - zi)) * s
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -172,7 +184,7 @@ def _plane_masked(out, flat, taps, w, masks, factor, shift, scaled, relu):
 
 @njit(cache=True, nogil=True)
 def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl, hq, relu,
-                rounding, rpa, parts, group, counter, units):
+                rounding, rpa, parts, fq, group, counter, units):
     """`_units` for a stride-1, dilation-1 conv with y's planes the size of x's (H, W): the
     planes of a unit stacked at rows g * Hq + pt of width W (Hq = H + KH - 1; the rows
     between them are zeros) after pl elements, so that output q = (g * Hq + oy) * W + ox
@@ -211,6 +223,8 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
             _plane_masked(out, flat, taps, w[o], masks, factor, shift, scale.size > 0, relu)
         if rounding:
             _round_sums(bits, out.size, rp)
+        if fq.shape[1]:
+            _fake_quantize(out, fq[0, o], fq[1, o], fq[2, 0], fq[3, 0])
         largest = np.uint32(0)
         for g in range(images):
             at = ((i0 + g) * o_count + o) * plane
@@ -230,7 +244,7 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
 
 @njit(cache=True, nogil=True)
 def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt, pl, relu,
-           rounding, rpa, parts, group, counter, units):
+           rounding, rpa, parts, fq, group, counter, units):
     """Work units claimed from `counter` (workers.run_units) until `units`: unit u is output
     channel u // g of images (u % g) * group .. + group - 1 of y (N, O, Ho, Wo), g the number
     of such image groups; channel o reads input channel o // multiplier, which is channel
@@ -268,6 +282,8 @@ def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt,
             _plane(out, flat, taps, w[o], factor, shift, scale.size > 0, relu)
         if rounding:
             _round_sums(bits, out.size, rp)
+        if fq.shape[1]:
+            _fake_quantize(out, fq[0, o], fq[1, o], fq[2, 0], fq[3, 0])
         for g in range(images):
             keep(sums, g, hq, wq, y[i0 + g, o])
         if parts.size:
@@ -297,7 +313,8 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                      padding: tuple[int, int, int, int], dilations: tuple[int, int], *,
                      scale: np.ndarray | None = None, bias: np.ndarray | None = None,
                      relu: bool = False, channels: np.ndarray | None = None,
-                     rounding: str | None = None, amax: list | None = None) -> np.ndarray:
+                     rounding: str | None = None, amax: list | None = None,
+                     requantize: tuple | None = None) -> np.ndarray:
     """conv2d (mplower.numerics.conv) of x (N, C, H, W) with w (O, 1, KH, KW), groups C,
     zero-padded by (top, left, bottom, right), where `is_depthwise`: float32, or float64 if
     an operand is, exact int64 for integer operands (float32 with an epilogue), with the GEMM
@@ -307,7 +324,10 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     executor folds a channel shuffle into the depthwise conv that reads it. `rounding` (a
     round_to format, not an MX one) rounds a float32 result after its epilogue, as round_to
     would, while each unit's outputs are in cache. `amax` (a list) is set to [the amax of
-    a float32 result] (rounding.amax), taken from each unit's outputs as it stores them."""
+    a float32 result] (rounding.amax), taken from each unit's outputs as it stores them.
+    `requantize` = (scales, zero points, dtype), one scale and zero point per output channel
+    (float32, int), an integer format of quant: a float32 result is quantized and dequantized
+    as it is stored (quant.fake_quantizer's bits, on axis 1), instead of rounded."""
     integer = x.dtype.kind in "iub"
     if integer or np.result_type(x, w) != np.float64:
         dtype = np.dtype(np.float32)
@@ -317,6 +337,17 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         raise ValueError("depthwise_conv2d: rounding applies to a float32 result, in a format "
                          "of round_to other than the MX ones")
     rounds = (rounding is not None, _param_array(rounding or "bf16", False))
+    fq = np.zeros((4, 0), np.float32)
+    if requantize is not None:
+        scales, zps, fmt = requantize
+        f = FORMATS[fmt]
+        if rounding is not None or dtype != np.float32 or f.is_float \
+                or np.shape(scales) != (w.shape[0],) or np.shape(zps) != (w.shape[0],):
+            raise ValueError("depthwise_conv2d: requantize takes one scale and zero point per "
+                             "output channel of a float32 result, in an integer format")
+        fq = np.stack([np.asarray(scales, np.float32), np.asarray(zps, np.float32),
+                       np.full(w.shape[0], f.min_value, np.float32),
+                       np.full(w.shape[0], f.max_finite, np.float32)])
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, padding
@@ -345,13 +376,13 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                           for kx in range(kw)]).astype(np.uint8)
         taps = (np.arange(kh * kw) // kw * wd + np.arange(kh * kw) % kw).astype(np.int64)
         args = (operand, weights, factor, shift, y, o // c, channels,
-                taps, masks, pt, pl, hp, relu, *rounds, parts, group)
+                taps, masks, pt, pl, hp, relu, *rounds, parts, fq, group)
     else:
         kernel = _units
         split = split_shape((ho, wo), (kh, kw), strides, dilations)
         taps = tap_offsets((kh, kw), strides, dilations, split, group)
         args = (operand, weights, factor, shift, y, o // c, channels,
-                taps, (int(sh), int(sw)), split, pt, pl, relu, *rounds, parts, group)
+                taps, (int(sh), int(sw)), split, pt, pl, relu, *rounds, parts, fq, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
         kernel(*args, np.zeros(1, np.int64), units)
     elif y.size:
