@@ -712,9 +712,10 @@ def _fuse_fake_quants(steps: list[Step], outputs: list[int]) -> list[Step]:
             # output as it stores it: one pass fewer again.
             per_channel = (np.broadcast_to(scale.astype(np.float32).reshape(-1), (channels,)),
                            np.broadcast_to(zp.reshape(-1), (channels,)), q.out_type.elem)
+            # epilogue=None: no later fusion rebuilds it without the requantize.
             fused[conv.node] = replace(conv, name=dq.name, output=dq.output,
-                                       out_type=dq.out_type,
-                                       run=_requantized_depthwise_kernel(conv, per_channel))
+                                       out_type=dq.out_type, epilogue=None, run=_fused_conv_kernel(
+                                           conv, *_rebuildable(conv), requantize=per_channel))
             gone.update((q.node, dq.node))
             continue
         fused[q.node] = replace(q, name=dq.name, output=dq.output, out_type=dq.out_type,
@@ -736,26 +737,6 @@ def _requantizable(conv: Step) -> bool:
     ints = [FORMATS[t.elem].is_int for t in (x_t, w_t)]
     return not any(ints) or all(ints) and epilogue[0] is not None \
         and all(FORMATS[t.elem].bits == 8 for t in (x_t, w_t))
-
-
-def _requantized_depthwise_kernel(conv: Step, requantize: tuple) -> Kernel:
-    """The depthwise conv step `conv` (_requantizable) with its epilogue, then its result
-    quantized and dequantized with `requantize` = (scales, zero points, format) per output
-    channel, in the kernel's store."""
-    from mplower.numerics.depthwise import depthwise_conv2d
-
-    scale, bias, relu, _ = _rebuildable(conv)
-    a, operands = conv.attrs, len(conv.inputs)
-    geometry = (a["strides"], a["padding"], a["dilations"])
-
-    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        if scale is None:
-            b = _f32(xs[2]) if operands == 3 else bias
-            return depthwise_conv2d(_f32(xs[0]), _f32(xs[1]), *geometry, bias=b, relu=relu,
-                                    channels=conv.channels, requantize=requantize), None
-        return depthwise_conv2d(xs[0], xs[1], *geometry, scale=scale, bias=bias, relu=relu,
-                                channels=conv.channels, requantize=requantize), None
-    return run
 
 
 # ---- the amax a scaled_quant reads, taken by the step that computes its operand -----------
@@ -838,13 +819,14 @@ def _channel_bias(value: Any, add: Step, channels: int) -> np.ndarray | None:
 def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | None,
                        relu: bool, rounded: str | None,
                        concat: tuple[int, tuple[int, ...], bool, bool] | None = None,
-                       box: Any = None) -> Kernel:
+                       box: Any = None, requantize: tuple | None = None) -> Kernel:
     """The conv with its fused epilogue, reading its input channels in `conv.channels` order.
     `concat` = (channel0, shape, first, last) writes the result into channels channel0.. of a
     concatenation of `shape` (_fuse_concats): the `first` conv allocates it, the others take
     it as their last operand, and the `last` one rounds all of it (rounding is elementwise).
     With a `box` (_fuse_amax, no concat), box.amax is set to the result's amax, which the
-    conv kernels take as they store it."""
+    conv kernels take as they store it; with `requantize` (_fuse_fake_quants, a depthwise
+    conv) the result is quantized and dequantized as it is stored."""
     from mplower.numerics.conv import conv2d
 
     a, channels, operands = conv.attrs, conv.channels, len(conv.inputs)
@@ -860,10 +842,11 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
             # The rounding too as the conv stores its tiles (conv2d's rounding: round_to's
             # kernel, the same bits; run_lowered keeps no counts).
             y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels,
-                       into=into, rounding=None if into else rounded, amax=found)
+                       into=into, rounding=None if into else rounded, amax=found,
+                       requantize=requantize)
         else:
             y = conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu, channels=channels,
-                       into=into, amax=found)
+                       into=into, amax=found, requantize=requantize)
         if box is not None:
             box.amax = found[0]
         if into is not None and concat[3] and rounded is not None:

@@ -78,7 +78,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
            relu: bool = False, channels: np.ndarray | None = None,
            into: tuple[np.ndarray, int] | None = None,
-           rounding: str | None = None, amax: list | None = None) -> np.ndarray:
+           rounding: str | None = None, amax: list | None = None,
+           requantize: tuple | None = None) -> np.ndarray:
     """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
     int64 for integer operands.
@@ -96,7 +97,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     is stored once, else with round_to; the same kernel, so the same bits. `amax` (a list)
     is set to [rounding.amax of the result] (NaN if it holds one), taken as the implicit
     GEMM and the depthwise kernel store their outputs (what a following mp.scaled_quant
-    needs, without its own pass), else by rounding.amax after."""
+    needs, without its own pass), else by rounding.amax after. `requantize` (a depthwise
+    conv only) quantizes and dequantizes the result as it is stored (depthwise_conv2d's)."""
     found: list | None = None if amax is None else []
     if rounding is not None:
         if into is not None or x.dtype.kind in "iub" or np.result_type(x, w) == np.float64:
@@ -107,7 +109,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             y, found = round_to(np.ascontiguousarray(y), rounding)[0], None if found is None else []
     else:
         y = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels,
-                    into, None, found)[0]
+                    into, None, found, requantize)[0]
     if amax is not None:
         if into is not None:  # the whole concatenation is the result
             found = []
@@ -119,7 +121,8 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             padding: tuple[int, int, int, int], dilations: tuple[int, int], groups: int,
             scale: np.ndarray | None, bias: np.ndarray | None, relu: bool,
             channels: np.ndarray | None, into: tuple[np.ndarray, int] | None,
-            rounding: str | None, amax: list | None = None) -> tuple[np.ndarray, bool]:
+            rounding: str | None, amax: list | None = None,
+            requantize: tuple | None = None) -> tuple[np.ndarray, bool]:
     """conv2d, and whether the result is rounded to `rounding` already (in the tiles); `amax`
     set to [its amax] where the kernel takes it as it stores (else left empty)."""
     if into is not None and x.dtype.kind in "iub" and scale is None and bias is None \
@@ -135,10 +138,11 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     if is_depthwise(x, w, groups):  # the same sums, without im2col (numerics.depthwise)
         rounded = rounding if rounding not in MX_ROUNDING_FORMATS else None
         return depthwise_conv2d(x, w, strides, padding, dilations, scale=scale, bias=bias,
-                                relu=relu, channels=channels, rounding=rounded,
-                                amax=amax), rounded is not None
-    if channels is not None:
-        raise ValueError("conv2d: an input channel order applies to a depthwise conv only")
+                                relu=relu, channels=channels, rounding=rounded, amax=amax,
+                                requantize=requantize), rounded is not None
+    if channels is not None or requantize is not None:
+        raise ValueError("conv2d: an input channel order and requantize apply to a depthwise "
+                         "conv only")
     integer = x.dtype.kind in "iub"
     bound = int_magnitude(x) * int_magnitude(w) if integer else 0
     if integer and bound <= F32_EXACT:

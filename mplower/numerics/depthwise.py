@@ -43,7 +43,7 @@ from numba import njit
 
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import F32_EXACT, amax_of_bits, int_magnitude, prefetch_read
-from mplower.numerics.quant import _quantize_one
+from mplower.numerics.quant import _fake_one
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     _param_array,
@@ -82,12 +82,10 @@ def _round_sums(bits, n, rp):
 
 @njit(cache=True, nogil=True, inline="always")
 def _fake_quantize(out, s, z, lo, hi):
-    """out = dequantize(quantize(out, s, z), s, z) in place, as quant.fake_quantizer computes
-    it (quant._quantize_one, then (q - z) * s in float32)."""
-    zi = np.int32(z)
+    """out = quant.fake_quantizer's values of out, in place (quant._fake_one: one array, so
+    the loop vectorizes; _fake_span over out and out would see them overlap and not)."""
     for q in range(out.size):
-        qi = _quantize_one(out[q], s, z, lo, hi)[0]
-        out[q] = np.float32(np.int32(qi - zi)) * s
+        out[q] = _fake_one(out[q], s, z, lo, hi)[0]
 
 
 @njit(cache=True, nogil=True, inline="always")

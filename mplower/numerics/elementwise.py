@@ -37,6 +37,8 @@ def _add_relu_serial(a, b, y, bits, rounding, rpa, largest):
             bits[i] = _round_one(np.float32(v).view(np.uint32), rp)[0]
         else:
             y[i] = v
+    # The amax in a loop of its own over the block, still in cache: taken in the loop above
+    # it stopped that loop vectorizing (bf16 add_relu of 853k values: 0.16 -> 0.91 ms).
     if largest >= 0:
         for i in range(bits.size):
             largest = max(largest, np.int64(bits[i] & np.uint32(0x7FFFFFFF)))

@@ -74,23 +74,28 @@ def _quantize_span(xs, qs, ss, zs, lo, hi):
 
 
 @njit(cache=True, error_model="numpy")
+def _fake_one(x, s, z, lo, hi):
+    """`_quantize_one`, returning (q - z) * s in float32 (as _dequantize_span computes it from
+    the stored q) instead of q."""
+    q, o, u, n = _quantize_one(x, s, z, lo, hi)
+    return np.float32(np.int32(q - np.int32(z))) * s, o, u, n
+
+
+@njit(cache=True, error_model="numpy")
 def _fake_span(xs, ys, ss, zs, lo, hi):
-    """`_quantize_span`, storing (q - z) * s in float32 as _dequantize_span computes it from
-    the stored q, instead of q."""
+    """`_quantize_span`, storing `_fake_one`'s dequantized values instead of q."""
     over = _U32(0)
     under = _U32(0)
     nan = _U32(0)
     if ss.size == 1:
         s = ss[0]
-        z = np.int32(zs[0])
+        z = zs[0]
         for j in range(xs.size):
-            q, o, u, n = _quantize_one(xs[j], s, zs[0], lo, hi)
-            ys[j] = np.float32(np.int32(q - z)) * s
+            ys[j], o, u, n = _fake_one(xs[j], s, z, lo, hi)
             over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
     else:
         for j in range(xs.size):
-            q, o, u, n = _quantize_one(xs[j], ss[j], zs[j], lo, hi)
-            ys[j] = np.float32(np.int32(q - np.int32(zs[j]))) * ss[j]
+            ys[j], o, u, n = _fake_one(xs[j], ss[j], zs[j], lo, hi)
             over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
     return over, under, nan
 
