@@ -83,7 +83,8 @@ def _round_sums(bits, n, rp):
 @njit(cache=True, nogil=True, inline="always")
 def _fake_quantize(out, s, z, lo, hi):
     """out = quant.fake_quantizer's values of out, in place (quant._fake_one: one array, so
-    the loop vectorizes; _fake_span over out and out would see them overlap and not)."""
+    the loop vectorizes; quant._quantize_span over out as both operands would see them
+    overlap and not)."""
     for q in range(out.size):
         out[q] = _fake_one(out[q], s, z, lo, hi)[0]
 

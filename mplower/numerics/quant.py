@@ -55,25 +55,6 @@ def _quantize_one(x, s, z, lo, hi):
 
 
 @njit(cache=True, error_model="numpy")
-def _quantize_span(xs, qs, ss, zs, lo, hi):
-    """Quantize one span that shares its scales: a scalar (size 1) or one per element."""
-    over = _U32(0)
-    under = _U32(0)
-    nan = _U32(0)
-    if ss.size == 1:
-        s = ss[0]
-        z = zs[0]
-        for j in range(xs.size):
-            qs[j], o, u, n = _quantize_one(xs[j], s, z, lo, hi)
-            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
-    else:
-        for j in range(xs.size):
-            qs[j], o, u, n = _quantize_one(xs[j], ss[j], zs[j], lo, hi)
-            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
-    return over, under, nan
-
-
-@njit(cache=True, error_model="numpy")
 def _fake_one(x, s, z, lo, hi):
     """`_quantize_one`, returning (q - z) * s in float32 (as _dequantize_span computes it from
     the stored q) instead of q."""
@@ -82,21 +63,20 @@ def _fake_one(x, s, z, lo, hi):
 
 
 @njit(cache=True, error_model="numpy")
-def _fake_span(xs, ys, ss, zs, lo, hi):
-    """`_quantize_span`, storing `_fake_one`'s dequantized values instead of q."""
+def _quantize_span(xs, qs, ss, zs, lo, hi, fake):
+    """Quantize one span that shares its scales: a scalar (size 1) or one per element. With
+    `fake`, qs (float32) gets `_fake_one`'s dequantized values instead of q."""
     over = _U32(0)
     under = _U32(0)
     nan = _U32(0)
-    if ss.size == 1:
-        s = ss[0]
-        z = zs[0]
-        for j in range(xs.size):
-            ys[j], o, u, n = _fake_one(xs[j], s, z, lo, hi)
-            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
-    else:
-        for j in range(xs.size):
-            ys[j], o, u, n = _fake_one(xs[j], ss[j], zs[j], lo, hi)
-            over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
+    one = ss.size == 1
+    for j in range(xs.size):
+        s, z = (ss[0], zs[0]) if one else (ss[j], zs[j])
+        if fake:
+            qs[j], o, u, n = _fake_one(xs[j], s, z, lo, hi)
+        else:
+            qs[j], o, u, n = _quantize_one(xs[j], s, z, lo, hi)
+        over, under, nan = _U32(over + o), _U32(under + u), _U32(nan + n)
     return over, under, nan
 
 
@@ -135,10 +115,8 @@ def _quantize_chunk(x, scale, zero_point, period, per_element, lo, hi, out, coun
     nan = 0
     while i < stop:
         end, a, b = _span(i, stop, period, per_element, scale.size)
-        if fake:
-            o, u, n = _fake_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
-        else:
-            o, u, n = _quantize_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi)
+        o, u, n = _quantize_span(x[i:end], out[i:end], scale[a:b], zero_point[a:b], lo, hi,
+                                 fake)
         over += o
         under += u
         nan += n
