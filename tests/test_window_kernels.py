@@ -360,3 +360,28 @@ def test_window_kernels_on_planes_larger_than_a_stack_keep_the_numpy_bits(thread
     expect = depthwise_loop(x, w, bias, s, pad, (1, 1), True)
     got = depthwise.depthwise_conv2d(x, w, s, pad, (1, 1), bias=bias, relu=True)
     assert got.tobytes() == expect.tobytes()
+
+
+def test_depthwise_rounding_and_requantize_refuse_what_they_do_not_apply_to() -> None:
+    """rounding takes a float32 result in a round_to format other than the MX ones;
+    requantize one scale and zero point per output channel in an integer format, and only a
+    depthwise conv (conv2d refuses it elsewhere)."""
+    from mplower.numerics.conv import conv2d
+
+    x = np.ones((1, 2, 4, 4), np.float32)
+    w = np.ones((2, 1, 3, 3), np.float32)
+    geometry = ((1, 1), (1, 1, 1, 1), (1, 1))
+    with pytest.raises(ValueError, match="rounding applies to a float32 result"):
+        depthwise.depthwise_conv2d(x.astype(np.float64), w, *geometry, rounding="bf16")
+    with pytest.raises(ValueError, match="rounding applies to a float32 result"):
+        depthwise.depthwise_conv2d(x, w, *geometry, rounding="f4E2M1FN")
+    scales = np.full(2, 0.5, np.float32)
+    with pytest.raises(ValueError, match="one scale and zero point per output channel"):
+        depthwise.depthwise_conv2d(x, w, *geometry, requantize=(scales[:1], [0], "i8"))
+    with pytest.raises(ValueError, match="in an integer format"):
+        depthwise.depthwise_conv2d(x, w, *geometry, requantize=(scales, [0, 0], "f8E4M3FN"))
+    got = depthwise.depthwise_conv2d(x, w, *geometry, requantize=(scales, [0, 0], "i8"))
+    assert np.array_equal(got[0, 0, 1:3, 1:3], np.full((2, 2), 9, np.float32))  # 9 / 0.5 fits
+    with pytest.raises(ValueError, match="depthwise conv only"):
+        conv2d(x, np.ones((2, 2, 3, 3), np.float32), *geometry, 1,
+               requantize=(scales, [0, 0], "i8"))
