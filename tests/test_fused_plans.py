@@ -50,13 +50,87 @@ def test_scale_round_is_the_saturating_ml_dtypes_cast_of_x_times_scale_decoded(f
     expect = cast * (np.float32(1) / np.float32(sf))
     values, counts = scale_round(x, fmt, sf)
     assert values.tobytes() == expect.astype(np.float32).tobytes()
+    assert (counts.overflow, counts.underflow, counts.nan) == _cast_counts(scaled, fmt)
+
+
+def _cast_counts(scaled: np.ndarray, fmt: str) -> tuple[int, int, int]:
+    """(overflow, underflow, nan) of ml_dtypes' saturating cast of `scaled` to fmt."""
+    top = np.float32(ml_dtypes.finfo(ML[fmt]).max)
+    cast = np.clip(scaled, -top, top).astype(ML[fmt]).astype(np.float32)
     with np.errstate(over="ignore"):
         plain = scaled.astype(ML[fmt]).astype(np.float32)  # the unsaturated cast
     beyond = ~np.isnan(scaled) & (~np.isfinite(plain) | (np.abs(plain) > top))
     beyond &= ~(np.isinf(scaled) & np.isinf(plain) & (np.abs(scaled) == top))
-    assert counts.overflow == int(np.count_nonzero(beyond))
-    assert counts.underflow == int(np.count_nonzero((scaled != 0) & (cast == 0)))
-    assert counts.nan == int(np.count_nonzero(np.isnan(cast)))
+    return (int(np.count_nonzero(beyond)), int(np.count_nonzero((scaled != 0) & (cast == 0))),
+            int(np.count_nonzero(np.isnan(cast))))
+
+
+def _finite_awkward(n: int, seed: int, fmt: str, sf: float) -> np.ndarray:
+    """Finite values that scale to every part of the format's range: zeros of both signs, f32
+    subnormals, the format's subnormals and ties between them, normals, ties at the largest
+    finite and beyond it, and values far beyond (which saturate)."""
+    rng = np.random.default_rng(seed)
+    top = float(ml_dtypes.finfo(ML[fmt]).max)
+    tiny = float(ml_dtypes.finfo(ML[fmt]).smallest_subnormal)
+    parts = [rng.standard_normal(n) * top / 8, rng.uniform(-8, 8, n) * tiny,
+             np.round(rng.uniform(-64, 64, n)) * tiny / 2, rng.uniform(-1.2, 1.2, n) * top,
+             rng.standard_normal(n) * 1e30, rng.standard_normal(n) * 1e-40]
+    f32 = float(np.finfo(np.float32).max) * (1 - 2.0 ** -10)  # finite once scaled back
+    scaled = np.clip(np.stack(parts, axis=1).reshape(-1)[:n], -f32, f32).astype(np.float32)
+    x = (scaled / np.float32(sf)).astype(np.float32)
+    x[::97] = 0.0
+    x[1::89] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["f8E4M3FN", "f8E5M2", "bf16", "f16"])
+@pytest.mark.parametrize("n", [500, SERIAL_BELOW + 4097])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_scale_round_of_finite_data_with_its_amax_is_the_saturating_ml_dtypes_cast(
+        fmt, n, overwrite) -> None:
+    """Given max|x| (all finite once scaled), scale_round takes its NaN-free kernel and may
+    write over x: the values and counts are still those of ml_dtypes' cast after numpy's
+    product."""
+    sf = 3.0
+    x = _finite_awkward(n, 5, fmt, sf)
+    assert np.all(np.isfinite(x * np.float32(sf)))
+    top = np.float32(ml_dtypes.finfo(ML[fmt]).max)
+    scaled = x * np.float32(sf)
+    cast = np.clip(scaled, -top, top).astype(ML[fmt]).astype(np.float32)
+    expect = cast * (np.float32(1) / np.float32(sf))
+    overflow, underflow, nan = _cast_counts(scaled, fmt)
+    assert overflow > 0 and underflow > 0 and nan == 0
+    operand = x.copy()
+    values, counts = scale_round(operand, fmt, sf, float(np.max(np.abs(x))), overwrite)
+    assert values.tobytes() == expect.tobytes()
+    assert (counts.overflow, counts.underflow, counts.nan) == (overflow, underflow, 0)
+    # Written over the operand only where asked and where the finite kernel ran (bf16's
+    # largest spacing has no finite C: it keeps the general kernel and a new array).
+    assert (values is operand) == (overwrite and fmt != "bf16")
+    if values is not operand:
+        assert operand.tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("amax", [float("nan"), float("inf"), 3e38])
+def test_scale_round_with_an_amax_that_is_not_finite_once_scaled_takes_the_general_kernel(
+        amax) -> None:
+    """NaN or inf in the data (as its amax says), or a product that overflows: the general
+    kernel, a new array, and the counts of ml_dtypes' cast."""
+    x = _awkward(SERIAL_BELOW + 11, 3)
+    if not np.isnan(amax):  # its largest value, the data's only non-finite ones
+        x[~np.isfinite(x)] = amax
+    assert np.max(np.abs(x)) == np.float32(amax) or np.isnan(amax)
+    sf = 4.0
+    with np.errstate(over="ignore"):
+        scaled = x * np.float32(sf)
+    top = np.float32(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    cast = np.clip(scaled, -top, top).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    operand = x.copy()
+    values, counts = scale_round(operand, "f8E4M3FN", sf, amax, overwrite=True)
+    assert values is not operand and operand.tobytes() == x.tobytes()
+    assert values.tobytes() == (cast * np.float32(0.25)).tobytes()
+    assert (counts.overflow, counts.underflow, counts.nan) == _cast_counts(scaled, "f8E4M3FN")
+    assert counts.overflow > 0 and (counts.nan > 0) == np.isnan(amax)
 
 
 _FP8_CONV = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x4x7x7xf32> {
@@ -526,12 +600,18 @@ def test_scaled_quants_of_conv_and_residual_results_take_the_amax_their_producer
     expect = program.run([x, s], reference=False).outputs[0]
     inputs = program.prepare_inputs([x, s])
     program.run_lowered(inputs)  # folds the weights' scaled_quants, fuses
-    passes = []
-    original = rounding.amax
+    passes, overwrites = [], []
+    original, scale_round = rounding.amax, rounding.scale_round
     monkeypatch.setattr(rounding, "amax", lambda v: passes.append(v.shape) or original(v))
+    monkeypatch.setattr(rounding, "scale_round", lambda x, *a: overwrites.append(
+        (x.shape, a[-1])) or scale_round(x, *a))
     got = program.run_lowered(inputs)[0]
     assert got.tobytes() == expect.tobytes()
     assert passes == [(2, 8, 7, 7)]  # only the input's: no step computes x
+    # The depthwise conv's result is read by its scaled_quant alone, which writes over it;
+    # the relu's is read by the final add too, and the program's input belongs to the caller.
+    assert overwrites == [((2, 8, 7, 7), False), ((2, 4, 7, 7), False), ((2, 4, 7, 7), True)]
+    assert inputs[0].tobytes() == program.prepare_inputs([x, s])[0].tobytes()
     ops = [st.op for st in program._live]
     assert ops.count("mp.scaled_quant") == 3 and "mp.relu" not in ops  # add + relu fused
 

@@ -36,11 +36,14 @@ class ScaleStats:
 
 
 def scaled_quant_kernel(attrs: dict, out_t: TensorType,
-                        amax_of: Callable[[], float] | None = None) -> tuple[
+                        amax_of: Callable[[], float] | None = None,
+                        overwrite: bool = False) -> tuple[
         Callable[[list[np.ndarray]], tuple[np.ndarray, Counts]], list[ScaleStats]]:
     """The kernel and the one-element list its last step's ScaleStats is written to.
     `amax_of` gives the amax of the operand where the step that computed it took it already
-    (run_lowered's amax fusion), instead of a pass over it (per-tensor recipes)."""
+    (run_lowered's amax fusion), instead of a pass over it (per-tensor recipes). With
+    `overwrite` the kernel may write its values over its float32 operand, which nothing else
+    reads (rounding.scale_round's `overwrite`)."""
     elem, recipe = out_t.elem, attrs["recipe"]
     last: list[ScaleStats] = []
     delayed = None
@@ -69,7 +72,7 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType,
                 r = mx.quantize_per_tensor(x, elem, sf)
                 values, counts = r.values, r.counts
             else:  # quantize_per_tensor's values and counts in one pass over memory
-                values, counts = rounding.scale_round(x, elem, sf)
+                values, counts = rounding.scale_round(x, elem, sf, amax, overwrite)
             scale = float(np.float32(1) / np.float32(sf))
         n = max(1, x.size)
         last[:] = [ScaleStats(recipe, attrs["scale_format"], amax, scale, counts.overflow / n,

@@ -307,14 +307,14 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
     return _counted(_round_serial, _round_blocks, src, dst, _param_array(fmt, saturate), codes)
 
 
-def _counted(serial, blocks, src: np.ndarray, dst: np.ndarray, *args) -> Counts:
-    """serial(src, dst, *args) on one thread for small arrays, else blocks(src, dst, *args,
-    counts) over chunks on the worker threads; the (overflow, underflow, nan) totals."""
+def _counted(serial, blocks, src: np.ndarray, *args) -> Counts:
+    """serial(src, *args) on one thread for small arrays, else blocks(src, *args, counts) over
+    chunks of src on the worker threads; the (overflow, underflow, nan) totals."""
     if src.size < SERIAL_BELOW:
-        over, under, nan = serial(src, dst, *args)
+        over, under, nan = serial(src, *args)
         return Counts(int(over), int(under), int(nan))
     counts = np.zeros(((src.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
-    run_blocks(blocks, counts.shape[0], src, dst, *args, counts)
+    run_blocks(blocks, counts.shape[0], src, *args, counts)
     total = counts.sum(axis=0)
     return Counts(int(total[0]), int(total[1]), int(total[2]))
 
@@ -348,17 +348,116 @@ def _scaled_blocks(src, dst, pa, sf, inv, counts, c0, c1):
             src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], pa, sf, inv)
 
 
-def scale_round(x: np.ndarray, fmt: str, sf: float) -> tuple[np.ndarray, Counts]:
+def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
+                overwrite: bool = False) -> tuple[np.ndarray, Counts]:
     """float32(round(float32(x * sf), fmt, saturating) * float32(1 / sf)) and the rounding's
     counts, in one pass: the values of mplower.numerics.mx.quantize_per_tensor, bit for bit,
-    for the formats other than the MX element types (which it leaves to that function)."""
+    for the formats other than the MX element types (which it leaves to that function).
+
+    `amax`, where the caller has it, must be max|x| exactly (`amax`): when it shows every
+    scaled value finite, the rounding runs on `_scaled_finite_serial`, which has no NaN or
+    infinity to handle and gives the same bits and counts about 2.5 times as fast. There, with
+    `overwrite`, the values are written over x itself (which the caller must not need): the
+    result stays in the cache lines the operand was read from, with no new array to fill."""
     _check_format(fmt, tuple(f for f in ENCODING_FORMATS if f not in MX_ROUNDING_FORMATS),
                   "scale_round")
     x = _f32_input(x, "scale_round")
-    out = np.empty_like(x)
     sf32 = np.float32(sf)
+    inv = np.float32(1) / sf32
+    finite = _finite_params(fmt)
+    with np.errstate(over="ignore", invalid="ignore"):
+        top = np.float32(np.float32(0.0 if amax is None else amax) * sf32)
+    if amax is not None and finite is not None and np.isfinite(amax) and np.isfinite(top) \
+            and sf32 > 0:
+        if overwrite:  # one operand: a second that aliases it would fail numba's overlap
+            # check and run the scalar loop
+            return x, _counted(_scaled_over_serial, _scaled_over_blocks, x.reshape(-1),
+                               finite, sf32, inv)
+        out = np.empty_like(x)
+        return out, _counted(_scaled_finite_serial, _scaled_finite_blocks, x.reshape(-1),
+                             out.reshape(-1), finite, sf32, inv)
+    out = np.empty_like(x)
     return out, _counted(_scaled_serial, _scaled_blocks, x.reshape(-1), out.reshape(-1),
-                         _param_array(fmt, True), sf32, np.float32(1) / sf32)
+                         _param_array(fmt, True), sf32, inv)
+
+
+# ---- the same on data known to be finite once scaled ----------------------------------------
+# Without NaN or infinity to keep, nearest-even needs no bit arithmetic: for |y| with leading
+# bit 2^E (E at least the format's smallest normal exponent), C = 2^(E + 23 - m) has an ulp of
+# exactly the format's spacing 2^(E - m) there, and |y| < 2^(E + 1) <= C keeps |y| + C within
+# [C, 2C), so fl(fl(|y| + C) - C) is |y| rounded to nearest-even on the format's grid: normal
+# and subnormal alike, in two FPU additions. E is capped at the first power of two above the
+# format's largest finite (everything that high saturates whatever C it gets), which keeps C
+# finite; the formats whose cap would not (bf16: C up to 2^143) use `_scaled_serial`.
+
+
+@functools.cache
+def _finite_params(fmt: str) -> np.ndarray | None:
+    """(smallest normal's exponent bits, cap's exponent bits, 23 - m in the exponent field,
+    largest finite's bits) as uint32, or None where C would not be finite."""
+    f = FORMATS[fmt]
+    emin = _f32_bits(f.min_normal) & _F32_INF
+    cap = (_f32_bits(f.max_finite) & _F32_INF) + (1 << 23)  # 2^(E_max + 1)
+    shift = (23 - f.man_bits) << 23
+    if cap + shift >= _F32_INF:
+        return None
+    return np.array([emin, cap, shift, _f32_bits(f.max_finite)], np.uint32)
+
+
+@njit(cache=True, inline="always")
+def _scaled_finite_one(x, emin, cap, shift, max_bits, sf, inv):
+    """One element of `_scaled_finite_serial`: (value, overflowed, underflowed)."""
+    u = np.float32(x * sf).view(np.uint32)
+    sign = _U32(u & _U32(0x80000000))
+    a = _U32(u ^ sign)
+    e = min(max(_U32(a & _U32(_F32_INF)), emin), cap)
+    c = _U32(e + shift).view(np.float32)
+    r = np.float32(np.float32(_U32(a).view(np.float32) + c) - c).view(np.uint32)
+    over = r > max_bits
+    r = max_bits if over else r
+    under = a != _U32(0) and r == _U32(0)
+    return np.float32(_U32(sign | r).view(np.float32) * inv), over, under
+
+
+@njit(cache=True, nogil=True)
+def _scaled_finite_serial(src, dst, pf, sf, inv):
+    emin, cap, shift, max_bits = pf[0], pf[1], pf[2], pf[3]
+    over = _U32(0)
+    under = _U32(0)
+    for i in range(src.size):
+        dst[i], o, un = _scaled_finite_one(src[i], emin, cap, shift, max_bits, sf, inv)
+        over = _U32(over + o)
+        under = _U32(under + un)
+    return over, under, _U32(0)
+
+
+@njit(cache=True, nogil=True)
+def _scaled_over_serial(data, pf, sf, inv):
+    """`_scaled_finite_serial` writing over its operand."""
+    emin, cap, shift, max_bits = pf[0], pf[1], pf[2], pf[3]
+    over = _U32(0)
+    under = _U32(0)
+    for i in range(data.size):
+        data[i], o, un = _scaled_finite_one(data[i], emin, cap, shift, max_bits, sf, inv)
+        over = _U32(over + o)
+        under = _U32(under + un)
+    return over, under, _U32(0)
+
+
+@njit(cache=True, nogil=True)
+def _scaled_over_blocks(data, pf, sf, inv, counts, c0, c1):
+    for c in range(c0, c1):
+        lo = c * _CHUNK
+        counts[c, 0], counts[c, 1], counts[c, 2] = _scaled_over_serial(
+            data[lo:lo + _CHUNK], pf, sf, inv)
+
+
+@njit(cache=True, nogil=True)
+def _scaled_finite_blocks(src, dst, pf, sf, inv, counts, c0, c1):
+    for c in range(c0, c1):
+        lo = c * _CHUNK
+        counts[c, 0], counts[c, 1], counts[c, 2] = _scaled_finite_serial(
+            src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], pf, sf, inv)
 
 
 @njit(cache=True, nogil=True)
