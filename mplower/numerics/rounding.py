@@ -66,6 +66,11 @@ _CHUNK = 1 << 16
 # (a prange region waited 10-15 ms for one when other processes held the cores of a shared
 # 2-core VM, benchmarks/backend.py).
 SERIAL_BELOW = 1 << 18
+# The same for scale_round's kernel of finite data (about 0.1-0.2 ns an element on one thread
+# here): handing a worker its share costs tens of microseconds, as much as the whole of a
+# smaller pass; one thread was 20-40% faster over ShuffleNet's activations (0.1-0.9M
+# values), docs/benchmarks.md.
+FINITE_SERIAL_BELOW = 1 << 20
 
 _F32_INF = 0x7F800000
 _F32_QNAN = 0x00400000  # quiet bit of the f32 mantissa
@@ -307,10 +312,11 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
     return _counted(_round_serial, _round_blocks, src, dst, _param_array(fmt, saturate), codes)
 
 
-def _counted(serial, blocks, src: np.ndarray, *args) -> Counts:
-    """serial(src, *args) on one thread for small arrays, else blocks(src, *args, counts) over
-    chunks of src on the worker threads; the (overflow, underflow, nan) totals."""
-    if src.size < SERIAL_BELOW:
+def _counted(serial, blocks, src: np.ndarray, *args, serial_below: int | None = None) -> Counts:
+    """serial(src, *args) on one thread for arrays under `serial_below` (SERIAL_BELOW by
+    default), else blocks(src, *args, counts) over chunks of src on the worker threads; the
+    (overflow, underflow, nan) totals."""
+    if src.size < (SERIAL_BELOW if serial_below is None else serial_below):
         over, under, nan = serial(src, *args)
         return Counts(int(over), int(under), int(nan))
     counts = np.zeros(((src.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
@@ -372,10 +378,11 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
         if overwrite:  # one operand: a second that aliases it would fail numba's overlap
             # check and run the scalar loop
             return x, _counted(_scaled_over_serial, _scaled_over_blocks, x.reshape(-1),
-                               finite, sf32, inv)
+                               finite, sf32, inv, serial_below=FINITE_SERIAL_BELOW)
         out = np.empty_like(x)
         return out, _counted(_scaled_finite_serial, _scaled_finite_blocks, x.reshape(-1),
-                             out.reshape(-1), finite, sf32, inv)
+                             out.reshape(-1), finite, sf32, inv,
+                             serial_below=FINITE_SERIAL_BELOW)
     out = np.empty_like(x)
     return out, _counted(_scaled_serial, _scaled_blocks, x.reshape(-1), out.reshape(-1),
                          _param_array(fmt, True), sf32, inv)
