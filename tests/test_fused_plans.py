@@ -87,13 +87,10 @@ def _finite_awkward(n: int, seed: int, fmt: str, sf: float) -> np.ndarray:
 @pytest.mark.parametrize("n", [500, SERIAL_BELOW + 4097])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_scale_round_of_finite_data_with_its_amax_is_the_saturating_ml_dtypes_cast(
-        fmt, n, overwrite, monkeypatch) -> None:
+        fmt, n, overwrite) -> None:
     """Given max|x| (all finite once scaled), scale_round takes its NaN-free kernel and may
     write over x: the values and counts are still those of ml_dtypes' cast after numpy's
     product, on one thread and in blocks on the workers."""
-    from mplower.numerics import rounding
-
-    monkeypatch.setattr(rounding, "FINITE_SERIAL_BELOW", SERIAL_BELOW)  # n above: the blocks
     sf = 3.0
     x = _finite_awkward(n, 5, fmt, sf)
     assert np.all(np.isfinite(x * np.float32(sf)))

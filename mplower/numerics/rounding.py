@@ -61,16 +61,14 @@ ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2") + MX_ROUNDING_FORMATS
 
 # Elements per parallel chunk: big enough to amortise scheduling, small enough to balance.
 _CHUNK = 1 << 16
-# Arrays smaller than this are rounded by one thread (it streams 256K values in about 0.15 ms).
-# Larger ones go to mplower.numerics.workers, whose blocks never wait for a descheduled thread
-# (a prange region waited 10-15 ms for one when other processes held the cores of a shared
-# 2-core VM, benchmarks/backend.py).
-SERIAL_BELOW = 1 << 18
-# The same for scale_round's kernel of finite data (about 0.1-0.2 ns an element on one thread
-# here): handing a worker its share costs tens of microseconds, as much as the whole of a
-# smaller pass; one thread was 20-40% faster over ShuffleNet's activations (0.1-0.9M
-# values), docs/benchmarks.md.
-FINITE_SERIAL_BELOW = 1 << 20
+# Arrays smaller than this are rounded by one thread (about 0.1-0.3 ns a value here): handing
+# a worker its share costs tens of microseconds on this 2-core VM, as much as a pass of a few
+# hundred thousand values, so a smaller array is faster on one (ShuffleNet's activations,
+# 0.1-0.9M values: 20-40% less time in its fp8 scaled_quants and int8 quantizes than at the
+# 256K this was, docs/benchmarks.md). Larger ones go to mplower.numerics.workers, whose
+# blocks never wait for a descheduled thread (a prange region waited 10-15 ms for one when
+# other processes held the cores of a shared 2-core VM, benchmarks/backend.py).
+SERIAL_BELOW = 1 << 20
 
 _F32_INF = 0x7F800000
 _F32_QNAN = 0x00400000  # quiet bit of the f32 mantissa
@@ -312,11 +310,10 @@ def _run(x: np.ndarray, out: np.ndarray, fmt: str, saturate: bool, codes: bool) 
     return _counted(_round_serial, _round_blocks, src, dst, _param_array(fmt, saturate), codes)
 
 
-def _counted(serial, blocks, src: np.ndarray, *args, serial_below: int | None = None) -> Counts:
-    """serial(src, *args) on one thread for arrays under `serial_below` (SERIAL_BELOW by
-    default), else blocks(src, *args, counts) over chunks of src on the worker threads; the
-    (overflow, underflow, nan) totals."""
-    if src.size < (SERIAL_BELOW if serial_below is None else serial_below):
+def _counted(serial, blocks, src: np.ndarray, *args) -> Counts:
+    """serial(src, *args) on one thread for small arrays, else blocks(src, *args, counts) over
+    chunks of src on the worker threads; the (overflow, underflow, nan) totals."""
+    if src.size < SERIAL_BELOW:
         over, under, nan = serial(src, *args)
         return Counts(int(over), int(under), int(nan))
     counts = np.zeros(((src.size + _CHUNK - 1) // _CHUNK, 3), dtype=np.int64)
@@ -378,11 +375,10 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
         if overwrite:  # one operand: a second that aliases it would fail numba's overlap
             # check and run the scalar loop
             return x, _counted(_scaled_over_serial, _scaled_over_blocks, x.reshape(-1),
-                               finite, sf32, inv, serial_below=FINITE_SERIAL_BELOW)
+                               finite, sf32, inv)
         out = np.empty_like(x)
         return out, _counted(_scaled_finite_serial, _scaled_finite_blocks, x.reshape(-1),
-                             out.reshape(-1), finite, sf32, inv,
-                             serial_below=FINITE_SERIAL_BELOW)
+                             out.reshape(-1), finite, sf32, inv)
     out = np.empty_like(x)
     return out, _counted(_scaled_serial, _scaled_blocks, x.reshape(-1), out.reshape(-1),
                          _param_array(fmt, True), sf32, inv)
