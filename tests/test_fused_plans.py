@@ -192,6 +192,37 @@ def test_rounded_conv_takes_its_relu_before_rounding_with_the_same_bits(elem, sc
         assert np.isinf(got).any()
 
 
+_ROUNDED_ALONE = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x4x7x7xELEM> {
+  %w = mp.constant {value = dense<WEIGHTS> : tensor<4x4x1x1xf32>} : () -> tensor<4x4x1x1xf32>
+  %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0]> : tensor<4xf32>} : () -> tensor<4xf32>
+  %xc = mp.cast %x : (tensor<2x8x7x7xf32>) -> tensor<2x8x7x7xELEM>
+  %wc = mp.cast %w : (tensor<4x4x1x1xf32>) -> tensor<4x4x1x1xELEM>
+  %bc = mp.cast %b : (tensor<4xf32>) -> tensor<4xELEM>
+  %c = mp.conv2d %xc, %wc, %bc {groups = 2, mp.precision = ELEM, mp.accum = f32} : (tensor<2x8x7x7xELEM>, tensor<4x4x1x1xELEM>, tensor<4xELEM>) -> tensor<2x4x7x7xELEM>
+  return %c : tensor<2x4x7x7xELEM>
+}
+"""
+
+
+@pytest.mark.parametrize("elem,scale", [("bf16", 1.0), ("f16", 1.0), ("f16", 20000.0)])
+def test_rounded_grouped_conv_with_nothing_to_fuse_rounds_as_it_stores(elem, scale) -> None:
+    """A bf16/f16 conv whose result no bias add or relu follows (its bias an operand) still
+    rounds in its tiles: one pass, the bits of the conv then the rounding."""
+    weights = np.random.default_rng(8).standard_normal(16).round(3).reshape(4, 4)
+    text = _ROUNDED_ALONE.replace("ELEM", elem).replace(
+        "WEIGHTS", str([[[[v]] for v in row] for row in weights.tolist()]))
+    program = Program(parse(text, "m.ir"))
+    x = _inputs(6, scale)
+    expect = program.run([x], reference=False).outputs[0]
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert got.tobytes() == expect.tobytes()
+    conv = program._live[-1]
+    assert conv.op == "mp.conv2d" and conv.epilogue == (None, None, False, elem)
+    assert np.isnan(got).any() and (got < 0).any() and (got > 0).any()
+    if scale > 1:
+        assert np.isinf(got).any()
+
+
 _RESIDUAL = """func.func @main(%x: tensor<3x5x9xf32>, %y: tensor<3x5x9xf32>) -> tensor<3x5x9xELEM> {
   %xc = mp.cast %x : (tensor<3x5x9xf32>) -> tensor<3x5x9xELEM>
   %yc = mp.cast %y : (tensor<3x5x9xf32>) -> tensor<3x5x9xELEM>

@@ -92,6 +92,30 @@ def test_round_to_matches_reference_on_random_bit_patterns(random_bits, fmt):
 
 
 @pytest.mark.parametrize("fmt", FMTS)
+def test_rounded_bits_of_the_fused_kernels_match_reference(random_bits, fmt):
+    """rounded_bits, which conv tiles, depthwise sums and residual adds round with as they
+    store (bf16 on its own shorter path), against ml_dtypes / numpy float16."""
+    from numba import njit
+
+    from mplower.numerics.rounding import _params, rounded_bits
+
+    @njit
+    def apply(bits, p):
+        out = np.empty_like(bits)
+        for i in range(bits.size):
+            out[i] = rounded_bits(bits[i], p)
+        return out
+
+    x = np.concatenate([random_bits, special_values(fmt)])
+    got = apply(x.view(np.uint32), _params(fmt, False)).view(np.float32)
+    assert_same_floats(got, reference_round(x, fmt))
+    if fmt == "bf16":  # its NaN: the canonical quiet NaN with the input's sign
+        nan = np.isnan(x)
+        signs = x[nan].view(np.uint32) & np.uint32(0x80000000)
+        assert np.array_equal(got[nan].view(np.uint32), signs | np.uint32(0x7FC00000))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
 def test_encode_matches_reference_on_random_bit_patterns(random_bits, fmt):
     x = random_bits[: 1 << 22]
     want = cast(x, REFERENCE[fmt]).view(np.uint16 if FORMATS[fmt].bits == 16 else np.uint8)

@@ -536,6 +536,12 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
             chain.append(relu)
             last = relu
         if not chain:
+            # A rounded result alone (ShuffleNet's second grouped 1x1 conv of a unit, its bias
+            # an operand) is rounded as the conv stores its tiles too, not in a pass after it.
+            epilogue = _rebuildable(conv) if rounded is not None else None
+            if epilogue is not None:
+                fused[conv.node] = replace(conv, run=_fused_conv_kernel(conv, *epilogue),
+                                           epilogue=epilogue)
             continue
         fused[conv.node] = replace(conv, name=last.name, output=last.output, out_type=last.out_type,
                                    run=_fused_conv_kernel(conv, scale, bias, relu is not None,

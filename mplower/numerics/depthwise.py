@@ -48,7 +48,7 @@ from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     _param_array,
     _param_tuple,
-    _round_one,
+    rounded_bits,
 )
 from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
 from mplower.numerics.workers import claim, run_units
@@ -77,7 +77,7 @@ def _prefetch_planes(flat, plane, channels, c, i0, images):
 def _round_sums(bits, n, rp):
     """The first n sums (their float32 bit patterns) rounded as round_to rounds them."""
     for q in range(n):
-        bits[q] = _round_one(bits[q], rp)[0]
+        bits[q] = rounded_bits(bits[q], rp)
 
 
 @njit(cache=True, nogil=True, inline="always")

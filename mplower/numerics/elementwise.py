@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit
 
 from mplower.numerics.gemm import amax_of_bits
-from mplower.numerics.rounding import MX_ROUNDING_FORMATS, _param_array, _param_tuple, _round_one
+from mplower.numerics.rounding import MX_ROUNDING_FORMATS, _param_array, _param_tuple, rounded_bits
 from mplower.numerics.workers import run_blocks
 
 # Below this many elements one thread does the whole loop (about 0.1 ms of streaming; see
@@ -34,7 +34,7 @@ def _add_relu_serial(a, b, y, bits, rounding, rpa, largest):
         v = a[i] + b[i]
         v = zero if v <= zero else v  # noqa: FURB136 - max(0, NaN) would be 0
         if rounding:
-            bits[i] = _round_one(np.float32(v).view(np.uint32), rp)[0]
+            bits[i] = rounded_bits(np.float32(v).view(np.uint32), rp)
         else:
             y[i] = v
     # The amax in a loop of its own over the block, still in cache: taken in the loop above

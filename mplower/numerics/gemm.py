@@ -43,7 +43,7 @@ from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     _param_array,
     _param_tuple,
-    _round_one,
+    rounded_bits,
 )
 from mplower.numerics.workers import claim, run_blocks, run_units
 
@@ -875,7 +875,7 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                             # Unsigned indices, as in _epilogue_in_place.
                             row = np.uint64(at + r * pixels)
                             for t in range(np.uint64(width)):
-                                rbits[row + t] = _round_one(rbits[row + t], rp)[0]
+                                rbits[row + t] = rounded_bits(rbits[row + t], rp)
                     if parts.size:  # and its amax, as rounding.amax takes it
                         for r in range(rows):
                             row = np.uint64(at + r * pixels)

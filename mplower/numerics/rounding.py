@@ -168,6 +168,25 @@ def _round_one(u, p):
     return _U32(sign | r), _U32(_U32(sign >> sign_shift) | enc), over, under
 
 
+@njit(cache=True, inline="always")
+def rounded_bits(u, p):
+    """`_round_one`(u, p)'s result bits alone, for the kernels that round their outputs as
+    they store them (a conv's tiles, a residual add). Non-saturating bf16 (p[0] = 16 dropped
+    bits, no subnormal step, ±inf on overflow) takes a shorter path: its rounding is
+    nearest-even on the bit pattern with nothing else to do but keep NaN a NaN (a carry out
+    of the mantissa already gives inf on overflow), a third of the operations, the same
+    bits for every float32 (all 2^32 compared with `_round_one`'s when this was written;
+    tests/test_rounding.py compares it with ml_dtypes). The format is the same for a whole
+    loop, so the compiler hoists the test out of it."""
+    if p[0] == _U32(16) and p[4] == _U32(0) and p[7] == _U32(_F32_INF):
+        a = _U32(u & _U32(0x7FFFFFFF))
+        r = _U32(_U32(u + _U32(0x7FFF) + _U32((u >> _U32(16)) & _U32(1))) & _U32(0xFFFF0000))
+        # bf16's canonical quiet NaN, with the sign (the sign bit of u survives the add:
+        # below the NaNs no carry reaches it).
+        return _U32(_U32(u & _U32(0x80000000)) | _U32(0x7FC00000)) if a > _U32(_F32_INF) else r
+    return _round_one(u, p)[0]
+
+
 @njit(cache=True)
 def _round_span(s, d, p, codes):
     """Round the f32 bits `s` into `d` (results, or with `codes` encodings); return counts."""
