@@ -272,6 +272,54 @@ def test_add_relu_rounds_as_it_stores_with_the_bits_of_ml_dtypes_after_numpy(fmt
         add_relu(a.astype(np.float64), b.astype(np.float64), fmt)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [333, 3 * SERIAL_BELOW + 7])  # one thread, and the blocks
+def test_compiled_add_and_relu_are_numpys_bits(dtype, n) -> None:
+    """elementwise.add and relu (the reference's add and relu of large float arrays) against
+    np.add and np.maximum(x, 0): NaN payloads, signed zeros, infinities, subnormals."""
+    from mplower.numerics.elementwise import add, relu
+
+    a, b = _awkward(n, 7).astype(dtype), _awkward(n, 8)[::-1].astype(dtype)
+    a[10:14] = [-0.0, 0.0, -0.0, np.nan]
+    b[10:14] = [-0.0, -0.0, 0.0, 1.0]
+    a[20] = np.array(0x7FC00123, np.uint32).view(np.float32)  # a NaN with a payload
+    with np.errstate(all="ignore"):
+        expect_add = np.add(a, b)
+    assert add(a, b).tobytes() == expect_add.tobytes()
+    assert relu(a).tobytes() == np.maximum(a, dtype(0)).tobytes()
+    assert relu(a.reshape(-1, 1)).shape == (n, 1)
+    with pytest.raises(ValueError, match="one shape"):
+        add(a, b[1:])
+    with pytest.raises(ValueError, match="float32 or float64"):
+        relu(np.ones(3, np.float16))
+
+
+def test_reference_add_and_relu_of_large_arrays_run_compiled_with_numpys_bits(
+        monkeypatch) -> None:
+    """mp.add and mp.relu of float arrays of 64K values and more run in
+    mplower.numerics.elementwise, and `run` gives numpy's bits."""
+    from mplower.numerics import elementwise
+
+    calls = []
+
+    def counted(name: str):
+        f = getattr(elementwise, name)
+        return lambda *a: calls.append(name) or f(*a)
+
+    for name in ("add", "relu"):
+        monkeypatch.setattr(elementwise, name, counted(name))
+    text = _RESIDUAL.replace("ELEM", "f32").replace("3x5x9", "4x130x130")
+    text = "\n".join(line for line in text.splitlines() if "mp.cast" not in line)
+    program = Program(parse(text.replace("%xc", "%x").replace("%yc", "%y"), "m.ir"))
+    rng = np.random.default_rng(9)
+    x, y = (rng.standard_normal((2, 4, 130, 130)) * 3).astype(np.float32)
+    x.reshape(-1)[:3], y.reshape(-1)[:3] = [np.nan, -0.0, -0.0], [1.0, -0.0, 0.0]
+    got = program.run([x, y], reference=False).outputs[0]
+    with np.errstate(all="ignore"):
+        assert got.tobytes() == np.maximum(x + y, np.float32(0)).tobytes()
+    assert calls == ["add", "relu"]
+
+
 @pytest.mark.parametrize("elem", ["f8E4M3FN", "f8E5M2"])
 def test_fp8_conv_relu_fuses_only_where_the_format_keeps_a_negative_overflow_negative(elem):
     """f8E4M3FN has no infinity: a conv result below -448 rounds to NaN, which the relu after
