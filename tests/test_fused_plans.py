@@ -532,6 +532,30 @@ def test_conv_into_a_concatenation_gives_the_bits_of_the_conv_then_a_copy(case) 
     assert (y[:, :3] == 7).all() and (y[:, 3 + o:] == 7).all()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+@pytest.mark.parametrize("case", ["float", "depthwise", "two groups"])
+def test_conv_into_a_concatenation_rounds_its_own_channels_as_ml_dtypes_casts(fmt, case):
+    """conv2d(into=(y, c0), rounding=fmt): channels c0.. of y hold ml_dtypes' cast of the
+    conv's float32 result (rounded in the implicit GEMM's tiles, or after a copy), and every
+    other channel of y is left as it was, unrounded."""
+    from mplower.numerics.conv import conv2d
+
+    rng = np.random.default_rng(16)
+    c, o, groups, k = {"float": (8, 16, 1, 3), "depthwise": (8, 8, 8, 3),
+                       "two groups": (8, 16, 2, 1)}[case]
+    x = (rng.standard_normal((2, c, 6, 7)) * 3e4).astype(np.float32)  # f16 overflows too
+    w = rng.standard_normal((o, c // groups, k, k)).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32)
+    geometry = ((1, 1), (k // 2,) * 4, (1, 1), groups)
+    with np.errstate(over="ignore"):
+        expect = conv2d(x, w, *geometry, bias=b).astype(ML[fmt]).astype(np.float32)
+    y = np.full((2, o + 5, 6, 7), 1.0 + 2.0 ** -20, np.float32)  # not a bf16/f16 value
+    got = conv2d(x, w, *geometry, bias=b, into=(y, 3), rounding=fmt)
+    assert got is y and y[:, 3:3 + o].tobytes() == np.ascontiguousarray(expect).tobytes()
+    assert (y[:, :3] == np.float32(1.0 + 2.0 ** -20)).all()
+    assert (y[:, 3 + o:] == np.float32(1.0 + 2.0 ** -20)).all()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "f16", "f8E4M3FN", "f8E5M2"])
 @pytest.mark.parametrize("relu", [False, True])
 def test_conv_rounding_in_its_tiles_is_round_to_of_the_result(fmt, relu) -> None:

@@ -836,7 +836,7 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
     """The conv with its fused epilogue, reading its input channels in `conv.channels` order.
     `concat` = (channel0, shape, first, last) writes the result into channels channel0.. of a
     concatenation of `shape` (_fuse_concats): the `first` conv allocates it, the others take
-    it as their last operand, and the `last` one rounds all of it (rounding is elementwise).
+    it as their last operand, and each rounds its own channels as it stores them.
     With a `box` (_fuse_amax, no concat), box.amax is set to the result's amax, which the
     conv kernels take as they store it; with `requantize` (_fuse_fake_quants, a depthwise
     conv) the result is quantized and dequantized as it is stored."""
@@ -853,17 +853,15 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
         if scale is None:  # a float conv: its own bias operand or the added one, the relu
             b = _f32(xs[2]) if operands == 3 else bias
             # The rounding too as the conv stores its tiles (conv2d's rounding: round_to's
-            # kernel, the same bits; run_lowered keeps no counts).
+            # kernel, the same bits; run_lowered keeps no counts), of its own channels where
+            # it writes into a concatenation.
             y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels,
-                       into=into, rounding=None if into else rounded, amax=found,
-                       requantize=requantize)
+                       into=into, rounding=rounded, amax=found, requantize=requantize)
         else:
             y = conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu, channels=channels,
                        into=into, amax=found, requantize=requantize)
         if box is not None:
             box.amax = found[0]
-        if into is not None and concat[3] and rounded is not None:
-            return _finish(y, rounded)
         return y, None
     return run
 

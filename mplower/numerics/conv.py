@@ -94,19 +94,23 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     least TILE_ROWS output channels, float operands), and returns y; elsewhere the result is
     computed as usual and copied there. `rounding` (a round_to format) rounds a float32 result
     after its epilogue: in the implicit GEMM's tiles, while they are in cache, where each sum
-    is stored once, else with round_to; the same kernel, so the same bits. `amax` (a list)
+    is stored once, else with round_to; the same kernel, so the same bits (with `into`, this
+    conv's channels of the concatenation). `amax` (a list)
     is set to [rounding.amax of the result] (NaN if it holds one), taken as the implicit
     GEMM and the depthwise kernel store their outputs (what a following mp.scaled_quant
     needs, without its own pass), else by rounding.amax after. `requantize` (a depthwise
     conv only) quantizes and dequantizes the result as it is stored (depthwise_conv2d's)."""
     found: list | None = None if amax is None else []
     if rounding is not None:
-        if into is not None or x.dtype.kind in "iub" or np.result_type(x, w) == np.float64:
-            raise ValueError("conv2d: rounding applies to a float32 result, not `into`")
+        if x.dtype.kind in "iub" or np.result_type(x, w) == np.float64:
+            raise ValueError("conv2d: rounding applies to a float32 result")
         y, rounded = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu,
-                             channels, None, rounding, found)
-        if not rounded:
+                             channels, into, rounding, found)
+        if not rounded and into is None:
             y, found = round_to(np.ascontiguousarray(y), rounding)[0], None if found is None else []
+        elif not rounded:  # only this conv's channels of the concatenation
+            c0, o = into[1], w.shape[0]
+            y[:, c0:c0 + o] = round_to(np.ascontiguousarray(y[:, c0:c0 + o]), rounding)[0]
     else:
         y = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels,
                     into, None, found, requantize)[0]
@@ -182,7 +186,7 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                          g, out, chunk, scale, bias, relu, target, rounded,
                          amax if rounding is None or rounded is not None else None)
         if target is not None:
-            return into[0], False
+            return into[0], rounded is not None
         y = y.reshape(n, o, ho, wo)
         if into is not None:
             into[0][:, into[1]:into[1] + o] = y
