@@ -577,6 +577,16 @@ def _binary_reference(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> _Im
 # below this numpy's own loop is as fast.
 _COMPILED_FROM = 1 << 16
 
+
+def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if a.shape == b.shape and a.dtype == b.dtype and a.dtype in (np.float32, np.float64) \
+            and a.size >= _COMPILED_FROM:
+        from mplower.numerics.elementwise import add  # np.add's bits, on two threads
+
+        return add(a, b)
+    return np.add(a, b)
+
+
 _PICKS = _ELEMENTWISE | _PRESERVES  # each result is one of the operands' values (or its negation)
 
 def _binary_vjp(rule: Callable[[GradBuilder, Value, Value, Value, Value], tuple]) -> Vjp:
@@ -619,7 +629,7 @@ _BINARY_VJP = {
 
 
 for _name, _fn, _allowed, _doc, _traits in (
-    ("add", lambda a, b: _add(a, b), _NUMERIC, "a + b", _ELEMENTWISE),
+    ("add", _add, _NUMERIC, "a + b", _ELEMENTWISE),
     ("sub", np.subtract, _NUMERIC, "a - b", _ELEMENTWISE),
     ("mul", np.multiply, _NUMERIC, "a * b", _ELEMENTWISE),
     # Integer division has no single convention (C truncates, numpy floors): floats only.
@@ -656,15 +666,6 @@ def _relu(x: np.ndarray) -> np.ndarray:
 
         return relu(x)
     return np.maximum(x, x.dtype.type(0))
-
-
-def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if a.shape == b.shape and a.dtype == b.dtype and a.dtype in (np.float32, np.float64) \
-            and a.size >= _COMPILED_FROM:
-        from mplower.numerics.elementwise import add  # np.add's bits, on two threads
-
-        return add(a, b)
-    return np.add(a, b)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

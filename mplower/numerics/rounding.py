@@ -63,11 +63,12 @@ ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2") + MX_ROUNDING_FORMATS
 _CHUNK = 1 << 16
 # Arrays smaller than this are rounded by one thread (about 0.1-0.3 ns a value here): handing
 # a worker its share costs tens of microseconds on this 2-core VM, as much as a pass of a few
-# hundred thousand values, so a smaller array is faster on one (ShuffleNet's activations,
-# 0.1-0.9M values: 20-40% less time in its fp8 scaled_quants and int8 quantizes than at the
-# 256K this was, docs/benchmarks.md). Larger ones go to mplower.numerics.workers, whose
-# blocks never wait for a descheduled thread (a prange region waited 10-15 ms for one when
-# other processes held the cores of a shared 2-core VM, benchmarks/backend.py).
+# hundred thousand values, so a smaller array is faster on one (ShuffleNet b8's activations,
+# 0.1-0.9M values: its fp8 scaled_quants 9.7-11.4 -> 7.1 ms, its int8 plan 54.4 -> 50.8 ms
+# against the 256K this was, docs/benchmarks.md). Larger ones go to
+# mplower.numerics.workers, whose blocks never wait for a descheduled thread (a prange region
+# waited 10-15 ms for one when other processes held the cores of a shared 2-core VM,
+# benchmarks/backend.py).
 SERIAL_BELOW = 1 << 20
 
 _F32_INF = 0x7F800000
@@ -376,7 +377,8 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
     counts, in one pass: the values of mplower.numerics.mx.quantize_per_tensor, bit for bit,
     for the formats other than the MX element types (which it leaves to that function).
 
-    `amax`, where the caller has it, must be max|x| exactly (`amax`): when it shows every
+    `amax`, where the caller has it, must be max|x| exactly (as `amax` gives it): when it
+    shows every
     scaled value finite, the rounding runs on `_scaled_finite_serial`, which has no NaN or
     infinity to handle and gives the same bits and counts about 2.5 times as fast. There, with
     `overwrite`, the values are written over x itself (which the caller must not need): the
@@ -386,11 +388,13 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
     x = _f32_input(x, "scale_round")
     sf32 = np.float32(sf)
     inv = np.float32(1) / sf32
-    finite = _finite_params(fmt)
-    with np.errstate(over="ignore", invalid="ignore"):
-        top = np.float32(np.float32(0.0 if amax is None else amax) * sf32)
-    if amax is not None and finite is not None and np.isfinite(amax) and np.isfinite(top) \
-            and sf32 > 0:
+    # max|x * sf| is fl(amax * sf) (rounding is monotonic): every scaled value is finite
+    # where that is.
+    finite = None if amax is None or not sf32 > 0 else _finite_params(fmt)
+    if finite is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = finite if np.isfinite(np.float32(amax) * sf32) else None
+    if finite is not None:
         if overwrite:  # one operand: a second that aliases it would fail numba's overlap
             # check and run the scalar loop
             return x, _counted(_scaled_over_serial, _scaled_over_blocks, x.reshape(-1),
