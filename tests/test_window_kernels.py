@@ -19,6 +19,7 @@ THREADS = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
 def threads(request, monkeypatch):
     """Run with 1 and 2 threads, every size through the block-parallel path."""
     monkeypatch.setattr(pool, "_SERIAL_BELOW", 0)
+    monkeypatch.setattr(pool, "_MAX3S2_SERIAL_BELOW", 0)
     monkeypatch.setattr(depthwise, "_SERIAL_BELOW", 0)
     before = numba.get_num_threads()
     numba.set_num_threads(request.param)
@@ -75,6 +76,45 @@ def test_max_pool_is_the_running_np_maximum_over_window_taps_bit_for_bit(threads
                     expect = view.copy() if expect is None else np.maximum(expect, view)
             got = run_op("mp.max_pool2d", x, kernel=list(k), strides=list(s), padding=list(pad))
             assert got.dtype == expect.dtype and got.tobytes() == expect.tobytes(), (trial, k, s)
+
+
+def running_maximum(x: np.ndarray, k, s, pad) -> np.ndarray:
+    """np.maximum folded over the kernel's shifted views of x padded with -inf, in row-major
+    order."""
+    xp = padded(x, pad, -np.inf)
+    ho = (xp.shape[2] - k[0]) // s[0] + 1
+    wo = (xp.shape[3] - k[1]) // s[1] + 1
+    expect = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            view = xp[:, :, i:i + s[0] * (ho - 1) + 1:s[0], j:j + s[1] * (wo - 1) + 1:s[1]]
+            expect = view.copy() if expect is None else np.maximum(expect, view)
+    return expect
+
+
+def test_3x3_stride_2_max_pool_folds_rows_with_the_bits_of_the_row_major_fold(threads) -> None:
+    """The float32 3x3 stride-2 kernel folds each row's three columns, sixteen outputs at a
+    time, then the three rows: against the row-major np.maximum fold on rows wider than a
+    vector and narrower, odd and even, with every padding up to 2 on each side (the masked
+    last step reads to the very end of the array), NaN payloads, signed zeros and
+    infinities."""
+    rng = np.random.default_rng(31)
+    nans = np.array([0x7FC00001, 0xFFC00002, 0x7FA00003], np.uint32).view(np.float32)
+    values = np.concatenate([[0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, 0.5, 2.0], nans]).astype(
+        np.float32)
+    shapes = [(2, 3, 111, 111), (1, 2, 112, 112), (2, 2, 27, 27), (1, 3, 13, 14), (1, 1, 3, 3),
+              (1, 2, 5, 37), (2, 1, 34, 35), (1, 1, 2, 2), (1, 2, 40, 66), (1, 1, 9, 33)]
+    for trial, shape in enumerate(shapes):
+        for pad in [(0, 0, 0, 0), (1, 1, 1, 1), (0, 1, 1, 0), (2, 2, 2, 2), (1, 0, 0, 2)]:
+            if 3 > shape[2] + pad[0] + pad[2] or 3 > shape[3] + pad[1] + pad[3]:
+                continue
+            x = rng.choice(values, size=shape)
+            dense = rng.standard_normal(shape).astype(np.float32)
+            for data in (x, dense):
+                got = pool.max_pool2d(data, (3, 3), (2, 2), pad)
+                expect = running_maximum(data, (3, 3), (2, 2), pad)
+                assert got.dtype == np.float32 and got.tobytes() == expect.tobytes(), (trial,
+                                                                                       pad)
 
 
 def test_avg_pool_is_numpys_window_sum_over_the_count_bit_for_bit(threads) -> None:

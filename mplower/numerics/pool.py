@@ -7,7 +7,13 @@ batch. The planes of a unit are padded and split by stride phase into a scratch 
 stays in the cache (mplower.numerics.windows.split_plane), so that each tap of every output
 is one unit-stride run over the stack: a 3x3 window's taps are folded in a register per
 output (one output per SIMD lane), other windows take one pass over the outputs per tap,
-and a strided window no longer computes every position and picks.
+and a strided window no longer computes every position and picks. The float32 3x3
+stride-2 max pool (the stem and reduction pools of the CNNs in benchmarks/runtime.py) skips
+the split, whose per-row cost dominated it: each input row is folded across the three
+columns of every window, sixteen outputs per step with the even and odd columns taken apart
+in registers (`_fold3s2`), then each output across its three rows (`_max3s2_units`). At
+SqueezeNet's batch 8 its three pools took 1.49 + 1.07 + 0.98 ms where the split took about
+twice that (docs/benchmarks.md).
 
 Max pooling is the fold np.maximum(acc, v) over each window in row-major order (the padding
 value is -inf, or the integer type's minimum, which never wins a window that also holds
@@ -29,7 +35,9 @@ reduction this replaces, for every shape tested (tests/test_window_kernels.py).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
 from mplower.numerics.workers import claim, run_blocks, run_units
@@ -38,6 +46,8 @@ from mplower.numerics.workers import claim, run_blocks, run_units
 # plane: a parallel section costs tens of microseconds on an idle machine, a time slice on a
 # busy one.
 _SERIAL_BELOW = 1 << 22
+# The same for the row-folding 3x3 stride-2 max pool, in outputs.
+_MAX3S2_SERIAL_BELOW = 1 << 16
 # numpy's pairwise summation: runs shorter than this are summed in order, longer ones in
 # _UNROLL interleaved partial sums, runs longer than _BLOCK split in halves (loops_utils.h).
 _UNROLL, _BLOCK = 8, 128
@@ -240,6 +250,156 @@ def _pool_units(x, y, taps, strides, split, pt, pl, fill, kw, counts, group, cou
     return done
 
 
+def _fold_ir(builder, a, b):
+    """np.maximum's fold step of `_max2` on vectors: a where a > b or a is NaN, else b."""
+    keep = builder.or_(builder.fcmp_ordered(">", a, b), builder.fcmp_unordered("uno", a, a))
+    return builder.select(keep, a, b)
+
+
+@intrinsic
+def _fold3s2(typingctx, x, x_offset, h, h_offset, count):
+    """h[h_offset + i] = the `_max2` fold of x[x_offset + 2i], x[x_offset + 2i + 1] and
+    x[x_offset + 2i + 2], in that order, for i < count (float32): the row step of a 3-wide,
+    stride-2 max window. Sixteen outputs per step, the even and odd columns taken apart in
+    registers (a shuffle of two loaded vectors); the last partial step loads and stores
+    through lane masks, so it reads no element past x[x_offset + 2 * count]."""
+    sig = types.void(x, x_offset, h, h_offset, count)
+    lanes = 16
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    vty, mty = ir.VectorType(f32, lanes), ir.VectorType(ir.IntType(1), lanes)
+    evens = ir.Constant(ir.VectorType(i32, lanes), list(range(0, 2 * lanes, 2)))
+    odds = ir.Constant(ir.VectorType(i32, lanes), list(range(1, 2 * lanes, 2)))
+
+    def codegen(context, builder, signature, args):
+        x_ptr = builder.gep(context.make_array(signature.args[0])(context, builder,
+                                                                   args[0]).data, [args[1]])
+        h_ptr = builder.gep(context.make_array(signature.args[2])(context, builder,
+                                                                   args[2]).data, [args[3]])
+        count = args[4]
+        module = builder.module
+        masked_load = module.declare_intrinsic(
+            "llvm.masked.load.v16f32.p0",
+            fnty=ir.FunctionType(vty, [vty.as_pointer(), i32, mty, vty]))
+        masked_store = module.declare_intrinsic(
+            "llvm.masked.store.v16f32.p0",
+            fnty=ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32, mty]))
+
+        def at(base, offset):
+            return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
+
+        def step(i, load, store):
+            src = builder.mul(i, ir.Constant(i64, 2))
+            v = [load(at(x_ptr, builder.add(src, ir.Constant(i64, d))), d)
+                 for d in (0, lanes, 2, lanes + 2)]
+            first = builder.shuffle_vector(v[0], v[1], evens)
+            second = builder.shuffle_vector(v[0], v[1], odds)
+            third = builder.shuffle_vector(v[2], v[3], evens)
+            store(_fold_ir(builder, _fold_ir(builder, first, second), third), at(h_ptr, i))
+
+        full = builder.mul(builder.sdiv(count, ir.Constant(i64, lanes)),
+                           ir.Constant(i64, lanes))
+        entry = builder.block
+        loop = builder.append_basic_block("fold_loop")
+        tail = builder.append_basic_block("fold_tail")
+        last = builder.append_basic_block("fold_last")
+        done = builder.append_basic_block("fold_done")
+        builder.cbranch(builder.icmp_signed(">", full, ir.Constant(i64, 0)), loop, tail)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        step(i, lambda ptr, d: builder.load(ptr, align=4),
+             lambda value, ptr: builder.store(value, ptr, align=4))
+        following = builder.add(i, ir.Constant(i64, lanes))
+        i.add_incoming(following, loop)
+        builder.cbranch(builder.icmp_signed("<", following, full), loop, tail)
+        builder.position_at_end(tail)
+        builder.cbranch(builder.icmp_signed("<", full, count), last, done)
+        builder.position_at_end(last)
+        # The elements the last outputs read: x_offset + 2 * full + j for j <= 2 * (count -
+        # full); lanes past them are neither loaded nor stored.
+        rest = builder.sub(count, full)
+        reach = builder.add(builder.mul(rest, ir.Constant(i64, 2)), ir.Constant(i64, 1))
+
+        def lane_mask(limit, shift):
+            lane = ir.Constant(ir.VectorType(i64, lanes), [shift + j for j in range(lanes)])
+            bound = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
+                                       limit, ir.Constant(i32, 0)),
+                ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
+                ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+            return builder.icmp_signed("<", lane, bound)
+
+        step(full, lambda ptr, d: builder.call(masked_load, [ptr, ir.Constant(i32, 4),
+                                                            lane_mask(reach, d),
+                                                            ir.Constant(vty, None)]),
+             lambda value, ptr: builder.call(masked_store, [value, ptr, ir.Constant(i32, 4),
+                                                            lane_mask(rest, 0)]))
+        builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fold(acc, v):
+    """One step of `_max2`'s fold."""
+    return acc if (acc > v) | np.isnan(acc) else v
+
+
+@njit(cache=True, nogil=True)
+def _max3s2_units(x, y, pt, pl, group, counter, units):
+    """3x3 max pooling of stride 2 of float32 planes x (P, H, W) into y (P, Ho, Wo), planes
+    claimed `group` at a time from `counter` (workers.run_units) until `units`, without
+    splitting the planes by phase: each input row is folded across its three columns of
+    every window (`_fold3s2`), then each output across its three rows. Taps in the padding
+    are skipped: the fold of -inf and v is v whatever v is, so these are the bits of the
+    row-major fold over the padded window (module docstring): that fold's result is the
+    window's first NaN, else the last of its elements that compare equal to its maximum,
+    and so is the fold of the rows' folds. Returns the number of units done."""
+    planes, h, w = x.shape
+    ho, wo = y.shape[1], y.shape[2]
+    lowest = np.float32(-np.inf)
+    # Outputs lo .. hi - 1 of a row have all three columns inside it.
+    lo = min(wo, (pl + 1) // 2)
+    hi = max(lo, min(wo, (w - 3 + pl) // 2 + 1))
+    rows = np.empty(h * wo, np.float32)
+    xf, yf = x.reshape(-1), y.reshape(-1)
+    done = 0
+    while True:
+        u = claim(counter)
+        if u >= units:
+            return done
+        for p in range(u * group, min(planes, (u + 1) * group)):
+            for iy in range(h):
+                base, row = (p * h + iy) * w, iy * wo
+                if hi > lo:
+                    _fold3s2(xf, base + 2 * lo - pl, rows, row + lo, hi - lo)
+                for e in range(wo - (hi - lo)):  # the outputs at the edges
+                    ox = e if e < lo else e + hi - lo
+                    acc = lowest
+                    for kx in range(3):
+                        ix = 2 * ox + kx - pl
+                        if 0 <= ix < w:
+                            acc = _fold(acc, xf[base + ix])
+                    rows[row + ox] = acc
+            for oy in range(ho):
+                out = yf[(p * ho + oy) * wo:(p * ho + oy + 1) * wo]
+                top = 2 * oy - pt
+                if 0 <= top and top + 2 < h:
+                    r0 = rows[top * wo:top * wo + wo]
+                    r1 = rows[(top + 1) * wo:(top + 1) * wo + wo]
+                    r2 = rows[(top + 2) * wo:(top + 2) * wo + wo]
+                    for ox in range(wo):
+                        out[ox] = _fold(_fold(r0[ox], r1[ox]), r2[ox])
+                    continue
+                out[:] = lowest
+                for iy in range(max(0, top), min(h, top + 3)):
+                    r = rows[iy * wo:iy * wo + wo]
+                    for ox in range(wo):
+                        out[ox] = _fold(out[ox], r[ox])
+        done += 1
+
+
 @njit(cache=True, nogil=True)
 def _avg_windows(x, y, counts, kh, kw, sh, sw, pt, pl, p0, p1):
     """One window at a time, its elements (zero padding included) gathered into a run:
@@ -310,7 +470,16 @@ def max_pool2d(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
     ho, wo, planes = _geometry(x, kernel, strides, padding)
     lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
     y = np.empty(x.shape[:2] + (ho, wo), x.dtype)
-    if y.size:
+    if y.size and x.dtype == np.float32 and kernel == (3, 3) and strides == (2, 2):
+        planes_y = y.reshape(-1, ho, wo)
+        group = max(1, _STACK // (planes.shape[1] * planes.shape[2]))
+        units = -(-planes.shape[0] // group)
+        args = (planes, planes_y, padding[0], padding[1], group)
+        if y.size < _MAX3S2_SERIAL_BELOW:
+            _max3s2_units(*args, np.zeros(1, np.int64), units)
+        else:
+            run_units(_max3s2_units, units, *args)
+    elif y.size:
         _pool(planes, y.reshape(-1, ho, wo), kernel, strides, padding, x.dtype.type(lowest),
               None)
     return y
