@@ -12,8 +12,8 @@ stride-2 max pool (the stem and reduction pools of the CNNs in benchmarks/runtim
 the split, whose per-row cost dominated it: each input row is folded across the three
 columns of every window, sixteen outputs per step with the even and odd columns taken apart
 in registers (`_fold3s2`), then each output across its three rows (`_max3s2_units`). At
-SqueezeNet's batch 8 its three pools took 1.49 + 1.07 + 0.98 ms where the split took about
-twice that (docs/benchmarks.md).
+SqueezeNet's batch 8 its three pools took 4.45 ms against 7.15 ms with the split (medians of
+11 interleaved rounds, docs/benchmarks.md).
 
 Max pooling is the fold np.maximum(acc, v) over each window in row-major order (the padding
 value is -inf, or the integer type's minimum, which never wins a window that also holds
