@@ -244,3 +244,42 @@ def test_units_spanning_several_panels_give_the_sequential_sum(monkeypatch, kern
                 assert bits(got) == bits(expect)
     finally:
         numba.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_panels_running_on_into_the_next_images_give_the_sequential_sum(monkeypatch,
+                                                                        kernel) -> None:
+    """With one group, the panels run over the pixels of all images in turn (an image's
+    last panel takes the next images' first pixels): 7x7 images (49 pixels, a panel spanning
+    two images), 4x4 (16: three images in a panel), 1x1 (32 images in a panel) and 9x9;
+    12 channels (a full tile and 4 rows past it), the sums copied to each image through the
+    epilogue, rounded in the tiles and measured (amax), against numpy's sequential sum."""
+    from mplower.numerics.rounding import round_to
+
+    rng = np.random.default_rng(13)
+    threads = numba.get_num_threads()
+    try:
+        for hw, n in ((7, 5), (4, 7), (1, 40), (9, 3)):
+            x = rng.standard_normal((n, 6, hw, hw)).astype(np.float32) * 40
+            x[n - 1, 1, hw - 1, hw - 1] = np.nan
+            w = rng.standard_normal((12, 6, kernel, kernel)).astype(np.float32)
+            bias = rng.standard_normal(12).astype(np.float32)
+            pad = (kernel // 2,) * 4
+            expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 1, bias, relu=True)
+            rounded = round_to(np.ascontiguousarray(expect), "bf16")[0]
+            for serial_below in (gemm.SERIAL_BELOW, 0):
+                monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+                for threads_now in _threads():
+                    numba.set_num_threads(threads_now)
+                    got = conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True)
+                    assert bits(got) == bits(expect), (hw, n)
+                    found = []
+                    got = conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True,
+                                 rounding="bf16", amax=found)
+                    assert bits(got) == bits(rounded) and np.isnan(found[0]), (hw, n)
+                    y = np.full((n, 15, hw, hw), 7.0, np.float32)
+                    conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True, into=(y, 2))
+                    assert bits(y[:, 2:14]) == bits(expect) and (y[:, :2] == 7).all() \
+                        and (y[:, 14:] == 7).all(), (hw, n)
+    finally:
+        numba.set_num_threads(threads)

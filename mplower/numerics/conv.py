@@ -12,10 +12,13 @@ output pixels as wide as the register tile, a block of output channels) packs it
 by every row tile of the unit) and runs the GEMM's tiles on them
 (mplower.numerics.gemm.conv_product): the same k order, the same bits as the product of the
 materialized im2col, without writing and reading back K times the input. Threads claim units
-with an atomic counter (mplower.numerics.workers.run_units). Depthwise convolutions have
-their own direct kernel (mplower.numerics.depthwise); other groups of fewer output channels
-than a register tile take the materialized im2col through `matmul`, which streams such narrow
-products.
+with an atomic counter (mplower.numerics.workers.run_units). With one group the panels run
+over the pixels of all the images in turn, so that an image's last panel is filled with the
+next image's first pixels rather than with lanes that compute nothing (a 7x7 output filled 49
+of 64; ResNet-50's 7x7 1x1 convs took 19% less at batch 8, docs/benchmarks.md). Depthwise
+convolutions have their own direct kernel (mplower.numerics.depthwise); other groups of fewer
+output channels than a register tile take the materialized im2col through `matmul`, which
+streams such narrow products.
 
 Integer operands are summed exactly: values whose products stay within float32's integers
 (8-bit quantized values) are packed as float32, and the tiles split K into chunks so that no

@@ -168,7 +168,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
         if fused:
             final = _fused_epilogue(context, builder, signature, final, rows, vty,
                                     (sv, hv, e_off, relu))
-            # The columns below `width` only: a partial panel (the last of an image) stores
+            # The columns below `width` only: a partial panel (the last of the pixels) stores
             # through a lane mask, so that it too takes this path.
             partial = builder.append_basic_block("gemm_partial")
             stored = builder.append_basic_block("gemm_stored")
@@ -769,20 +769,19 @@ def _tap_offsets(x, shape):
 
 
 @njit(cache=True, nogil=True)
-def _pack_panel(x, panel, at, image, channel0, shape, taps, q0, cols, starts, offsets,
-                lengths):
-    """Output pixels q0 .. q0 + cols - 1 (row-major, zero past Ho*Wo) of the im2col of image
-    `image`, input channels channel0 .. channel0 + Cg - 1, into panel[at:] as (K, cols),
-    row (c, ky, kx) at c * KH * KW + ky * KW + kx, starting at `taps` (`_tap_offsets`) in the
-    image's planes. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho, Wo); x is the padded input with
-    its columns split into sw phases, (N, C * sw, Hp, Wp / sw), plane c * sw + p holding
-    columns p, p + sw, ... of channel c, so that the pixels of a kernel tap along an output row
-    are contiguous whatever the stride. A panel's pixels lie in runs along output rows; each
-    run of a tap is copied as one loop."""
-    sh, sw, ho, wo = shape[3], shape[4], shape[7], shape[8]
+def _pack_panel(x, panel, at, stride, image, channel0, shape, taps, q0, width, starts,
+                offsets, lengths):
+    """Output pixels q0 .. q0 + width - 1 (row-major, within Ho*Wo) of the im2col of image
+    `image`, input channels channel0 .. channel0 + Cg - 1, into panel[at:] as (K, width) rows
+    `stride` apart, row (c, ky, kx) at c * KH * KW + ky * KW + kx, starting at `taps`
+    (`_tap_offsets`) in the image's planes. shape = (Cg, KH, KW, sh, sw, dh, dw, Ho, Wo); x is
+    the padded input with its columns split into sw phases, (N, C * sw, Hp, Wp / sw), plane
+    c * sw + p holding columns p, p + sw, ... of channel c, so that the pixels of a kernel tap
+    along an output row are contiguous whatever the stride. A panel's pixels lie in runs along
+    output rows; each run of a tap is copied as one loop."""
+    sh, wo = shape[3], shape[8]
     wq = x.shape[3]
     flat = x.reshape(-1)
-    width = min(cols, ho * wo - q0)
     runs, j = 0, 0
     while j < width:
         oy, ox = (q0 + j) // wo, (q0 + j) % wo
@@ -790,21 +789,27 @@ def _pack_panel(x, panel, at, image, channel0, shape, taps, q0, cols, starts, of
         lengths[runs] = min(width - j, wo - ox)
         j += lengths[runs]
         runs += 1
-    base = (image * x.shape[1] + channel0 * sw) * x.shape[2] * wq
+    base = (image * x.shape[1] + channel0 * shape[4]) * x.shape[2] * wq
     for row in range(taps.size):
-        src, dst = base + taps[row], at + row * cols
+        src, dst = base + taps[row], at + row * stride
         for r in range(runs):
             # Unsigned indices, as in _epilogue_in_place.
             d, o = np.uint64(dst + starts[r]), np.uint64(src + offsets[r])
             for t in range(np.uint64(lengths[r])):
                 panel[d + t] = flat[o + t]
-        for t in range(width, cols):
-            panel[dst + t] = 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _zero_columns(panel, at, stride, rows, first, cols):
+    """Columns first .. cols - 1 of `rows` panel rows (stride apart) from panel[at] on: +0."""
+    for row in range(rows):
+        for t in range(at + row * stride + first, at + row * stride + cols):
+            panel[t] = 0
 
 
 @njit(cache=True, nogil=True)
 def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
-                post_s, post_h, channel0, rounding, rbits, rpa, parts, counter, units):
+                post_s, post_h, channel0, rounding, rbits, rpa, parts, merged, counter, units):
     """The work units of the conv's result, channels channel0 .. channel0 + O/G - 1 of c
     (N * G, C, Ho*Wo) (all of c unless the result is written into a concatenation, see
     conv_product's `into`), claimed from `counter`: unit u is image-group
@@ -814,16 +819,28 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     over the span's panels in turn: its rows are written `span` panels long, a few long
     streams instead of many short ones. With `parts` (one per unit), parts[u] is the largest
     |result| of unit u as a float32 bit pattern with the sign cleared (rbits: c's bits).
+
+    `merged` (one group, sums stored once): the panels run over the pixels of all images in
+    turn, so that an image's last panel is filled with the next image's first pixels instead
+    of lanes that compute nothing (a 7x7 output fills 49 of 64 lanes alone); a panel that
+    spans images is packed, and its tiles are summed in `tile` and copied to each image.
     Returns the number of units done."""
     m, pixels, kk, c_rows = w.shape[1], c.shape[2], w.shape[2], c.shape[1]
-    panels = (pixels + cols - 1) // cols
+    images = c.shape[0]  # the images, where `merged`
+    total = images * pixels if merged else pixels
+    panels = (total + cols - 1) // cols
     spans = (panels + span - 1) // span
     blocks = (m + rows_per_unit - 1) // rows_per_unit
     panel = np.empty(span * kk * cols, w.dtype)
-    tile, total = np.empty(TILE_ROWS * cols, w.dtype), np.empty(TILE_ROWS * cols, np.float64)
+    tile, total64 = np.empty(TILE_ROWS * cols, w.dtype), np.empty(TILE_ROWS * cols, np.float64)
     starts, offsets, lengths = (np.empty(cols, np.int64), np.empty(cols, np.int64),
                                 np.empty(cols, np.int64))
     sources, ldps = np.empty(span, np.int64), np.empty(span, np.int64)
+    # Per panel of the span: its first image (batch index), pixel and pixel count there, and
+    # whether it runs on into the following images.
+    firsts, q0s, widths = (np.empty(span, np.int64), np.empty(span, np.int64),
+                           np.empty(span, np.int64))
+    spanning = np.zeros(span, np.bool_)
     rp = _param_tuple(rpa)
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
     # them, a strided gather over K planes, cost more than it saved).
@@ -837,15 +854,21 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
         if u >= units:
             return done
         q, block = u // blocks, u % blocks
-        batch, p0 = q // spans, (q % spans) * span
+        if merged:
+            batch, p0 = 0, q * span
+        else:
+            batch, p0 = q // spans, (q % spans) * span
         largest = np.uint32(0)
         g = batch % groups
         count = min(span, panels - p0)
         if q != packed:
             for j in range(count):
-                p = p0 + j
-                if in_place and (p + 1) * cols <= pixels:
-                    sources[j], ldps[j] = (batch * kk) * plane + p * cols, plane
+                start = (p0 + j) * cols
+                firsts[j], q0s[j] = batch + start // pixels, start % pixels
+                widths[j] = min(cols, pixels - q0s[j])
+                spanning[j] = merged and widths[j] < cols and firsts[j] + 1 < images
+                if in_place and widths[j] == cols:
+                    sources[j], ldps[j] = (firsts[j] * kk) * plane + q0s[j], plane
                     # An in-place panel's K rows lie a plane apart, too many streams for the
                     # hardware prefetchers: ask for the rows of the panel _PREFETCH_PANELS
                     # ahead.
@@ -853,41 +876,78 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                         for f in range(0, cols, cols // _VECTORS):
                             prefetch_read(flat, sources[j] + _PREFETCH_PANELS * cols
                                            + k * plane + f)
-                else:
-                    sources[j], ldps[j] = -1 - j * kk * cols, cols
-                    _pack_panel(x, panel, j * kk * cols, batch // groups, g * shape[0], shape,
-                                taps, p * cols, cols, starts, offsets, lengths)
+                    continue
+                sources[j], ldps[j] = -1 - j * kk * cols, cols
+                at, image, q1, filled = j * kk * cols, firsts[j], q0s[j], 0
+                while True:  # the pixels of this image, then of the next ones if merged
+                    width = min(cols - filled, pixels - q1)
+                    _pack_panel(x, panel, at + filled, cols, image // groups, g * shape[0],
+                                shape, taps, q1, width, starts, offsets, lengths)
+                    filled += width
+                    image, q1 = image + 1, 0
+                    if not spanning[j] or filled == cols or image >= images:
+                        break
+                if filled < cols:
+                    _zero_columns(panel, at, cols, kk, filled, cols)
             packed = q
         for i0 in range(block * rows_per_unit, min(m, (block + 1) * rows_per_unit),
                         TILE_ROWS):
+            rows = min(TILE_ROWS, m - i0)
             for j in range(count):
-                p = p0 + j
                 # A packed panel's offset in `panel` is stored as -1 - offset.
                 source, offset = (flat, sources[j]) if sources[j] >= 0 else \
                     (panel, -1 - sources[j])
-                if direct:
-                    at, rows, width = ((batch * c_rows + channel0 + i0) * pixels + p * cols,
-                                       min(TILE_ROWS, m - i0), min(cols, pixels - p * cols))
+                if not direct:
+                    _finish_tile(w, (g * m + i0) * kk, source, offset, ldps[j], c, cf,
+                                 firsts[j], i0, q0s[j], cols, chunk, scale, bias, relu, tile,
+                                 total64)
+                    continue
+                if not spanning[j]:
+                    at = (firsts[j] * c_rows + channel0 + i0) * pixels + q0s[j]
                     _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c, at,
-                                 pixels, post_s, post_h, g * m + i0, relu, rows, width)
-                    if rounding:  # the tile, still in L1, rounded as round_to rounds it
-                        for r in range(rows):
-                            # Unsigned indices, as in _epilogue_in_place.
-                            row = np.uint64(at + r * pixels)
-                            for t in range(np.uint64(width)):
-                                rbits[row + t] = rounded_bits(rbits[row + t], rp)
-                    if parts.size:  # and its amax, as rounding.amax takes it
-                        for r in range(rows):
-                            row = np.uint64(at + r * pixels)
-                            for t in range(np.uint64(width)):
-                                largest = max(largest,
-                                              np.uint32(rbits[row + t] & np.uint32(0x7FFFFFFF)))
-                else:
-                    _finish_tile(w, (g * m + i0) * kk, source, offset, ldps[j], c, cf, batch,
-                                 i0, p * cols, cols, chunk, scale, bias, relu, tile, total)
+                                 pixels, post_s, post_h, g * m + i0, relu, rows, widths[j])
+                    if rounding or parts.size:
+                        largest = _finish_run(rbits, at, rows, widths[j], pixels, rounding, rp,
+                                              parts.size > 0, largest)
+                    continue
+                # Summed in `tile`, then each image's columns copied to it.
+                _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], tile, 0, cols,
+                             post_s, post_h, g * m + i0, relu, rows, cols)
+                image, q1, filled = firsts[j], q0s[j], 0
+                while filled < cols and image < images:
+                    width = min(cols - filled, pixels - q1)
+                    at = (image * c_rows + channel0 + i0) * pixels + q1
+                    for r in range(rows):
+                        for t in range(width):
+                            cf[at + r * pixels + t] = tile[r * cols + filled + t]
+                    if rounding or parts.size:
+                        largest = _finish_run(rbits, at, rows, width, pixels, rounding, rp,
+                                              parts.size > 0, largest)
+                    filled += width
+                    image, q1 = image + 1, 0
         if parts.size:
             parts[u] = largest
         done += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _finish_run(rbits, at, rows, width, ldc, rounding, rp, measure, largest):
+    """The `width` columns of `rows` rows (ldc apart) stored at rbits[at:] (a float32
+    result's bits), still in L1: rounded as round_to rounds them if `rounding`, and, if
+    `measure`, `largest` raised to their largest magnitude as a bit pattern (as rounding.amax
+    takes it, after the rounding). Returns `largest`."""
+    if rounding:
+        for r in range(rows):
+            # Unsigned indices, as in _epilogue_in_place.
+            row = np.uint64(at + r * ldc)
+            for t in range(np.uint64(width)):
+                rbits[row + t] = rounded_bits(rbits[row + t], rp)
+    if measure:
+        for r in range(rows):
+            row = np.uint64(at + r * ldc)
+            for t in range(np.uint64(width)):
+                largest = max(largest, np.uint32(rbits[row + t] & np.uint32(0x7FFFFFFF)))
+    return largest
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -943,11 +1003,16 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
             raise ValueError("conv_product: `into` takes a float result of one group, "
                              "within the channels of a contiguous (N, C, Ho*Wo) array")
     cols = _panel_columns(wmat.dtype)
-    panels = -(-c.shape[2] // cols)
+    # One run of panels over the pixels of all images where an image leaves lanes idle
+    # (`_conv_units`' `merged`: one group, float sums over all of K stored once).
+    merged = groups == 1 and n > 1 and c.shape[2] % cols != 0 and chunk >= kk \
+        and out == wmat.dtype
+    runs = 1 if merged else n * groups
+    panels = -(-c.shape[2] * (n if merged else 1) // cols)
     # Spans of up to _SPAN panels, while that leaves _UNITS units or more.
     span = max(1, min(_SPAN, _SPAN_BYTES // max(1, kk * cols * wmat.itemsize),
-                      n * groups * panels // _UNITS))
-    spans = n * groups * -(-panels // span)
+                      runs * panels // _UNITS))
+    spans = runs * -(-panels // span)
     tiles = (m + TILE_ROWS - 1) // TILE_ROWS
     split = min(tiles, -(-_UNITS // spans))
     rows_per_unit = TILE_ROWS * -(-tiles // split)
@@ -970,7 +1035,7 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
             chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
             c.reshape(-1).view(np.uint32) if rounding is not None or tiled_amax else _NO_BITS,
-            _param_array(rounding or "bf16", False), parts)
+            _param_array(rounding or "bf16", False), parts, merged)
     if n * groups * m * c.shape[2] * max(kk, 1) < SERIAL_BELOW:
         _conv_units(*args, np.zeros(1, np.int64), spans * blocks)
     else:
