@@ -19,7 +19,7 @@ THREADS = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
 def threads(request, monkeypatch):
     """Run with 1 and 2 threads, every size through the block-parallel path."""
     monkeypatch.setattr(pool, "_SERIAL_BELOW", 0)
-    monkeypatch.setattr(pool, "_MAX3S2_SERIAL_BELOW", 0)
+    monkeypatch.setattr(pool, "_POOL3S2_SERIAL_BELOW", 0)
     monkeypatch.setattr(depthwise, "_SERIAL_BELOW", 0)
     before = numba.get_num_threads()
     numba.set_num_threads(request.param)
@@ -115,6 +115,43 @@ def test_3x3_stride_2_max_pool_folds_rows_with_the_bits_of_the_row_major_fold(th
                 expect = running_maximum(data, (3, 3), (2, 2), pad)
                 assert got.dtype == np.float32 and got.tobytes() == expect.tobytes(), (trial,
                                                                                        pad)
+
+
+def test_3x3_stride_2_avg_pool_sums_rows_with_the_bits_of_numpys_window_sums(threads) -> None:
+    """The same kernel summing: each row's three columns from +0.0, then the three rows, over
+    the count of input elements under the window, against numpy's sum over each window's two
+    axes (pads included as zeros) divided by that count; magnitudes over 14 decades (so that
+    another summation order shows), signed zeros (so that a sum of -0.0 where numpy's is +0.0
+    shows), NaNs and infinities, every padding up to 2. A sum of two NaNs has a NaN, but
+    which payload neither IEEE 754 nor numpy (the CPU's addition) nor LLVM (which may swap an
+    addition's operands) pins: NaNs are compared as NaNs, every other output bit for bit."""
+    rng = np.random.default_rng(32)
+    nans = np.array([0x7FC00001, 0xFFC00002], np.uint32).view(np.float32)
+    special = np.concatenate([[0.0, -0.0, np.inf, -np.inf], nans]).astype(np.float32)
+    shapes = [(2, 3, 56, 56), (1, 2, 28, 28), (2, 2, 14, 14), (1, 3, 13, 14), (1, 1, 3, 3),
+              (1, 2, 5, 37), (2, 1, 34, 35), (1, 1, 2, 2), (1, 2, 40, 66), (1, 1, 111, 111)]
+    nans_seen = 0
+    for trial, shape in enumerate(shapes):
+        for pad in [(0, 0, 0, 0), (1, 1, 1, 1), (0, 1, 1, 0), (2, 2, 2, 2), (1, 0, 0, 2)]:
+            if 3 > shape[2] + pad[0] + pad[2] or 3 > shape[3] + pad[1] + pad[3]:
+                continue
+            x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-7, 7, shape)).astype(
+                np.float32)
+            x[rng.random(shape) < 0.3] = -0.0
+            with_special = x.copy()
+            where = rng.random(shape) < 0.05
+            with_special[where] = rng.choice(special, size=int(where.sum()))
+            for data in (x, with_special):
+                with np.errstate(invalid="ignore"):
+                    sums = windows(padded(data, pad), (3, 3), (2, 2)).sum(axis=(-2, -1))
+                ones = padded(np.ones((1, 1) + shape[2:], np.float32), pad)
+                expect = sums / windows(ones, (3, 3), (2, 2)).sum(axis=(-2, -1))
+                got = pool.avg_pool2d(data, (3, 3), (2, 2), pad)
+                nan = np.isnan(expect)
+                assert got.dtype == np.float32 and (np.isnan(got) == nan).all(), (trial, pad)
+                assert got[~nan].tobytes() == expect[~nan].tobytes(), (trial, pad)
+                nans_seen += int(nan.sum())
+    assert nans_seen > 100
 
 
 def test_avg_pool_is_numpys_window_sum_over_the_count_bit_for_bit(threads) -> None:

@@ -11,7 +11,7 @@ and a strided window no longer computes every position and picks. The float32 3x
 stride-2 max pool (the stem and reduction pools of the CNNs in benchmarks/runtime.py) skips
 the split, whose per-row cost dominated it: each input row is folded across the three
 columns of every window, sixteen outputs per step with the even and odd columns taken apart
-in registers (`_fold3s2`), then each output across its three rows (`_max3s2_units`). At
+in registers (`_fold3s2`), then each output across its three rows (`_pool3s2_units`). At
 SqueezeNet's batch 8 its three pools took 4.45 ms against 7.15 ms with the split (medians of
 11 interleaved rounds, docs/benchmarks.md).
 
@@ -46,8 +46,8 @@ from mplower.numerics.workers import claim, run_blocks, run_units
 # plane: a parallel section costs tens of microseconds on an idle machine, a time slice on a
 # busy one.
 _SERIAL_BELOW = 1 << 22
-# The same for the row-folding 3x3 stride-2 max pool, in outputs.
-_MAX3S2_SERIAL_BELOW = 1 << 16
+# The same for the row-folding 3x3 stride-2 pools, in outputs.
+_POOL3S2_SERIAL_BELOW = 1 << 16
 # numpy's pairwise summation: runs shorter than this are summed in order, longer ones in
 # _UNROLL interleaved partial sums, runs longer than _BLOCK split in halves (loops_utils.h).
 _UNROLL, _BLOCK = 8, 128
@@ -256,14 +256,27 @@ def _fold_ir(builder, a, b):
     return builder.select(keep, a, b)
 
 
-@intrinsic
-def _fold3s2(typingctx, x, x_offset, h, h_offset, count):
-    """h[h_offset + i] = the `_max2` fold of x[x_offset + 2i], x[x_offset + 2i + 1] and
-    x[x_offset + 2i + 2], in that order, for i < count (float32): the row step of a 3-wide,
-    stride-2 max window. Sixteen outputs per step, the even and odd columns taken apart in
-    registers (a shuffle of two loaded vectors); the last partial step loads and stores
-    through lane masks, so it reads no element past x[x_offset + 2 * count]."""
-    sig = types.void(x, x_offset, h, h_offset, count)
+def _sum_ir(builder, a, b):
+    return builder.fadd(a, b)
+
+
+def _row3s2(combine, from_zero: bool):
+    """An intrinsic `row(x, x_offset, h, h_offset, count)`: h[h_offset + i] = the three
+    elements x[x_offset + 2i], x[x_offset + 2i + 1], x[x_offset + 2i + 2] combined in that
+    order by `combine` (LLVM IR on vectors; starting from +0.0 if `from_zero`), for i <
+    count (float32): the row step of a 3-wide, stride-2 window. Sixteen outputs per step, the
+    even and odd columns taken apart in registers (a shuffle of two loaded vectors); the last
+    partial step loads and stores through lane masks, so it reads no element past
+    x[x_offset + 2 * count]."""
+
+    @intrinsic
+    def row(typingctx, x, x_offset, h, h_offset, count):
+        sig = types.void(x, x_offset, h, h_offset, count)
+        return sig, _row3s2_codegen(combine, from_zero)
+    return row
+
+
+def _row3s2_codegen(combine, from_zero: bool):
     lanes = 16
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     vty, mty = ir.VectorType(f32, lanes), ir.VectorType(ir.IntType(1), lanes)
@@ -292,17 +305,19 @@ def _fold3s2(typingctx, x, x_offset, h, h_offset, count):
             v = [load(at(x_ptr, builder.add(src, ir.Constant(i64, d))), d)
                  for d in (0, lanes, 2, lanes + 2)]
             first = builder.shuffle_vector(v[0], v[1], evens)
+            if from_zero:
+                first = combine(builder, ir.Constant(vty, None), first)
             second = builder.shuffle_vector(v[0], v[1], odds)
             third = builder.shuffle_vector(v[2], v[3], evens)
-            store(_fold_ir(builder, _fold_ir(builder, first, second), third), at(h_ptr, i))
+            store(combine(builder, combine(builder, first, second), third), at(h_ptr, i))
 
         full = builder.mul(builder.sdiv(count, ir.Constant(i64, lanes)),
                            ir.Constant(i64, lanes))
         entry = builder.block
-        loop = builder.append_basic_block("fold_loop")
-        tail = builder.append_basic_block("fold_tail")
-        last = builder.append_basic_block("fold_last")
-        done = builder.append_basic_block("fold_done")
+        loop = builder.append_basic_block("row_loop")
+        tail = builder.append_basic_block("row_tail")
+        last = builder.append_basic_block("row_last")
+        done = builder.append_basic_block("row_done")
         builder.cbranch(builder.icmp_signed(">", full, ir.Constant(i64, 0)), loop, tail)
         builder.position_at_end(loop)
         i = builder.phi(i64)
@@ -337,7 +352,13 @@ def _fold3s2(typingctx, x, x_offset, h, h_offset, count):
         builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
-    return sig, codegen
+    return codegen
+
+
+# The row steps of 3x3 stride-2 max and average pooling: the `_max2` fold, and the sum of
+# `_avg9`'s rows from +0.0.
+_fold3s2 = _row3s2(_fold_ir, False)
+_sum3s2 = _row3s2(_sum_ir, True)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -347,18 +368,25 @@ def _fold(acc, v):
 
 
 @njit(cache=True, nogil=True)
-def _max3s2_units(x, y, pt, pl, group, counter, units):
-    """3x3 max pooling of stride 2 of float32 planes x (P, H, W) into y (P, Ho, Wo), planes
+def _pool3s2_units(x, y, pt, pl, average, group, counter, units):
+    """3x3 pooling of stride 2 of float32 planes x (P, H, W) into y (P, Ho, Wo), planes
     claimed `group` at a time from `counter` (workers.run_units) until `units`, without
-    splitting the planes by phase: each input row is folded across its three columns of
-    every window (`_fold3s2`), then each output across its three rows. Taps in the padding
-    are skipped: the fold of -inf and v is v whatever v is, so these are the bits of the
-    row-major fold over the padded window (module docstring): that fold's result is the
-    window's first NaN, else the last of its elements that compare equal to its maximum,
-    and so is the fold of the rows' folds. Returns the number of units done."""
+    splitting the planes by phase: each input row is combined across its three columns of
+    every window (`_fold3s2`, `_sum3s2`), then each output across its three rows.
+
+    Taps in the padding are skipped, which gives the bits of the padded window:
+    - max (padding -inf): the fold of -inf and v is v whatever v is; the row-major fold's
+      result is the window's first NaN, else the last of its elements that compare equal to
+      its maximum, and so is the fold of the rows' folds.
+    - `average` (padding +0.0): `_avg9` sums each row from +0.0, then the rows from +0.0, then
+      divides by the count of input elements under the window; a sum from +0.0 is never -0.0
+      (+0.0 + -0.0 is +0.0), and s + 0.0 is s for every other s, NaN and infinities included.
+      (Which payload a sum of two NaNs keeps is not pinned, here or in `_avg9`: LLVM may swap
+      an addition's operands.)
+    Returns the number of units done."""
     planes, h, w = x.shape
     ho, wo = y.shape[1], y.shape[2]
-    lowest = np.float32(-np.inf)
+    start = np.float32(0) if average else np.float32(-np.inf)
     # Outputs lo .. hi - 1 of a row have all three columns inside it.
     lo = min(wo, (pl + 1) // 2)
     hi = max(lo, min(wo, (w - 3 + pl) // 2 + 1))
@@ -372,31 +400,45 @@ def _max3s2_units(x, y, pt, pl, group, counter, units):
         for p in range(u * group, min(planes, (u + 1) * group)):
             for iy in range(h):
                 base, row = (p * h + iy) * w, iy * wo
-                if hi > lo:
+                if hi > lo and average:
+                    _sum3s2(xf, base + 2 * lo - pl, rows, row + lo, hi - lo)
+                elif hi > lo:
                     _fold3s2(xf, base + 2 * lo - pl, rows, row + lo, hi - lo)
                 for e in range(wo - (hi - lo)):  # the outputs at the edges
                     ox = e if e < lo else e + hi - lo
-                    acc = lowest
+                    acc = start
                     for kx in range(3):
                         ix = 2 * ox + kx - pl
                         if 0 <= ix < w:
-                            acc = _fold(acc, xf[base + ix])
+                            acc = acc + xf[base + ix] if average else _fold(acc, xf[base + ix])
                     rows[row + ox] = acc
             for oy in range(ho):
                 out = yf[(p * ho + oy) * wo:(p * ho + oy + 1) * wo]
                 top = 2 * oy - pt
-                if 0 <= top and top + 2 < h:
+                if 0 <= top and top + 2 < h and not average:
                     r0 = rows[top * wo:top * wo + wo]
                     r1 = rows[(top + 1) * wo:(top + 1) * wo + wo]
                     r2 = rows[(top + 2) * wo:(top + 2) * wo + wo]
                     for ox in range(wo):
                         out[ox] = _fold(_fold(r0[ox], r1[ox]), r2[ox])
                     continue
-                out[:] = lowest
-                for iy in range(max(0, top), min(h, top + 3)):
-                    r = rows[iy * wo:iy * wo + wo]
+                if 0 <= top and top + 2 < h:
+                    r0 = rows[top * wo:top * wo + wo]
+                    r1 = rows[(top + 1) * wo:(top + 1) * wo + wo]
+                    r2 = rows[(top + 2) * wo:(top + 2) * wo + wo]
                     for ox in range(wo):
-                        out[ox] = _fold(out[ox], r[ox])
+                        out[ox] = ((start + r0[ox]) + r1[ox]) + r2[ox]
+                else:
+                    out[:] = start
+                    for iy in range(max(0, top), min(h, top + 3)):
+                        r = rows[iy * wo:iy * wo + wo]
+                        for ox in range(wo):
+                            out[ox] = out[ox] + r[ox] if average else _fold(out[ox], r[ox])
+                if average:
+                    count_y = np.float32(min(h, top + 3) - max(0, top))
+                    for ox in range(wo):
+                        count_x = min(w, 2 * ox - pl + 3) - max(0, 2 * ox - pl)
+                        out[ox] = out[ox] / (count_y * np.float32(count_x))
         done += 1
 
 
@@ -463,6 +505,18 @@ def _pool(planes: np.ndarray, y: np.ndarray, kernel: tuple[int, int],
         run_units(_pool_units, units, *args)
 
 
+def _pool3s2(planes: np.ndarray, y: np.ndarray, padding: tuple[int, ...],
+             average: bool) -> None:
+    """y (P, Ho, Wo) = `_pool3s2_units` of float32 planes (P, H, W)."""
+    group = max(1, _STACK // (planes.shape[1] * planes.shape[2]))
+    units = -(-planes.shape[0] // group)
+    args = (planes, y, padding[0], padding[1], average, group)
+    if y.size < _POOL3S2_SERIAL_BELOW:
+        _pool3s2_units(*args, np.zeros(1, np.int64), units)
+    else:
+        run_units(_pool3s2_units, units, *args)
+
+
 def max_pool2d(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
                padding: tuple[int, int, int, int]) -> np.ndarray:
     """Max over each window of NCHW x (float or integer), padded by (top, left, bottom,
@@ -471,14 +525,7 @@ def max_pool2d(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
     lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
     y = np.empty(x.shape[:2] + (ho, wo), x.dtype)
     if y.size and x.dtype == np.float32 and kernel == (3, 3) and strides == (2, 2):
-        planes_y = y.reshape(-1, ho, wo)
-        group = max(1, _STACK // (planes.shape[1] * planes.shape[2]))
-        units = -(-planes.shape[0] // group)
-        args = (planes, planes_y, padding[0], padding[1], group)
-        if y.size < _MAX3S2_SERIAL_BELOW:
-            _max3s2_units(*args, np.zeros(1, np.int64), units)
-        else:
-            run_units(_max3s2_units, units, *args)
+        _pool3s2(planes, y.reshape(-1, ho, wo), padding, False)
     elif y.size:
         _pool(planes, y.reshape(-1, ho, wo), kernel, strides, padding, x.dtype.type(lowest),
               None)
@@ -498,7 +545,9 @@ def avg_pool2d(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
     y = np.empty(x.shape[:2] + (ho, wo), x.dtype)
     if not y.size:
         return y
-    if wo == 1 or kw >= _UNROLL:
+    if x.dtype == np.float32 and kernel == (3, 3) and strides == (2, 2) and wo > 1:
+        _pool3s2(planes, y.reshape(-1, ho, wo), padding, True)
+    elif wo == 1 or kw >= _UNROLL:
         args = (planes, y.reshape(-1, ho, wo), counts, kh, kw, sh, sw, pt, pl)
         if y.size * kh * kw < _SERIAL_BELOW:
             _avg_windows(*args, 0, planes.shape[0])
