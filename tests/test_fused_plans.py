@@ -133,6 +133,32 @@ def test_scale_round_with_an_amax_that_is_not_finite_once_scaled_takes_the_gener
     assert counts.overflow > 0 and (counts.nan > 0) == np.isnan(amax)
 
 
+def test_scale_round_takes_the_finite_kernel_exactly_where_numpys_float32_product_is_finite(
+        ) -> None:
+    """Whether amax * sf overflows is decided in float64 (the product of two float32 values
+    is exact there) against the float32 overflow threshold: at every pair around it, the
+    finite kernel (the operand overwritten) runs exactly where numpy's float32 product is
+    finite."""
+    top = float(np.finfo(np.float32).max)
+    ulp = 2.0 ** 104
+    x = np.array([1.0, -0.5], np.float32)
+    pairs = [(top, 1.0), (top, 1.0 + 2.0 ** -23), (top / 2, 2.0),
+             (top - ulp, 1.0 + 2.0 ** -23), (2.0 ** 127 * 1.5, 4 / 3), (3e38, 1.1342746),
+             (float(np.nextafter(np.float32(top / 3), np.float32(0))), 3.0),
+             # above the largest float32 before rounding, finite after it
+             (2.2518305930020944e+38, 1.511136531829834)]
+    assert 2.2518305930020944e+38 * 1.511136531829834 > top
+    for largest, sf in pairs:
+        largest, sf = float(np.float32(largest)), float(np.float32(sf))
+        with np.errstate(over="ignore"):
+            finite = bool(np.isfinite(np.float32(largest) * np.float32(sf)))
+        operand = x.copy()
+        values, _ = scale_round(operand, "f8E4M3FN", sf, largest, overwrite=True)
+        assert (values is operand) == finite, (largest, sf)
+    assert len({bool(np.isfinite(np.float32(np.float32(a) * np.float32(b))))
+                for a, b in pairs}) == 2
+
+
 _FP8_CONV = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x4x7x7xf32> {
   %w = mp.constant {value = dense<0.25> : tensor<4x8x3x3xf32>} : () -> tensor<4x8x3x3xf32>
   %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0]> : tensor<4xf32>} : () -> tensor<4xf32>

@@ -391,9 +391,10 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
     # max|x * sf| is fl(amax * sf) (rounding is monotonic): every scaled value is finite
     # where that is.
     finite = None if amax is None or not sf32 > 0 else _finite_params(fmt)
-    if finite is not None:
-        with np.errstate(over="ignore", invalid="ignore"):
-            finite = finite if np.isfinite(np.float32(amax) * sf32) else None
+    # The product of two float32 values is exact in float64, and rounds to a finite float32
+    # below 2^128 - 2^103 (half an ulp past the largest): NaN and infinity fail the test too.
+    if finite is not None and not float(np.float32(amax)) * float(sf32) < _F32_ROUNDS_TO_INF:
+        finite = None
     if finite is not None:
         if overwrite:  # one operand: a second that aliases it would fail numba's overlap
             # check and run the scalar loop
@@ -415,6 +416,9 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
 # and subnormal alike, in two FPU additions. E is capped at the first power of two above the
 # format's largest finite (everything that high saturates whatever C it gets), which keeps C
 # finite; the formats whose cap would not (bf16: C up to 2^143) use `_scaled_serial`.
+
+
+_F32_ROUNDS_TO_INF = 2.0 ** 128 - 2.0 ** 103
 
 
 @functools.cache
