@@ -155,8 +155,8 @@ def test_scale_round_takes_the_finite_kernel_exactly_where_numpys_float32_produc
         operand = x.copy()
         values, _ = scale_round(operand, "f8E4M3FN", sf, largest, overwrite=True)
         assert (values is operand) == finite, (largest, sf)
-    assert len({bool(np.isfinite(np.float32(np.float32(a) * np.float32(b))))
-                for a, b in pairs}) == 2
+    with np.errstate(over="ignore"):
+        assert len({bool(np.isfinite(np.float32(a) * np.float32(b))) for a, b in pairs}) == 2
 
 
 _FP8_CONV = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x4x7x7xf32> {
