@@ -367,7 +367,7 @@ def _fold(acc, v):
     return acc if (acc > v) | np.isnan(acc) else v
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _pool3s2_units(x, y, pt, pl, average, group, counter, units):
     """3x3 pooling of stride 2 of float32 planes x (P, H, W) into y (P, Ho, Wo), planes
     claimed `group` at a time from `counter` (workers.run_units) until `units`, without
@@ -505,16 +505,29 @@ def _pool(planes: np.ndarray, y: np.ndarray, kernel: tuple[int, int],
         run_units(_pool_units, units, *args)
 
 
+@njit(cache=True, nogil=True)
+def _max3s2_units(x, y, pt, pl, group, counter, units):
+    """`_pool3s2_units` of max pooling, compiled with `average` a constant."""
+    return _pool3s2_units(x, y, pt, pl, False, group, counter, units)
+
+
+@njit(cache=True, nogil=True)
+def _avg3s2_units(x, y, pt, pl, group, counter, units):
+    """`_pool3s2_units` of average pooling, compiled with `average` a constant."""
+    return _pool3s2_units(x, y, pt, pl, True, group, counter, units)
+
+
 def _pool3s2(planes: np.ndarray, y: np.ndarray, padding: tuple[int, ...],
              average: bool) -> None:
     """y (P, Ho, Wo) = `_pool3s2_units` of float32 planes (P, H, W)."""
     group = max(1, _STACK // (planes.shape[1] * planes.shape[2]))
     units = -(-planes.shape[0] // group)
-    args = (planes, y, padding[0], padding[1], average, group)
+    kernel = _avg3s2_units if average else _max3s2_units
+    args = (planes, y, padding[0], padding[1], group)
     if y.size < _POOL3S2_SERIAL_BELOW:
-        _pool3s2_units(*args, np.zeros(1, np.int64), units)
+        kernel(*args, np.zeros(1, np.int64), units)
     else:
-        run_units(_pool3s2_units, units, *args)
+        run_units(kernel, units, *args)
 
 
 def max_pool2d(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int],
