@@ -55,6 +55,20 @@ def random_pool_cases(rng: np.random.Generator, count: int):
             yield (2, 3, h, w), k, s, pad
 
 
+def running_maximum(x: np.ndarray, k, s, pad, lowest=-np.inf) -> np.ndarray:
+    """np.maximum folded over the kernel's shifted views of x padded with `lowest`, in
+    row-major order."""
+    xp = padded(x, pad, lowest)
+    ho = (xp.shape[2] - k[0]) // s[0] + 1
+    wo = (xp.shape[3] - k[1]) // s[1] + 1
+    expect = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            view = xp[:, :, i:i + s[0] * (ho - 1) + 1:s[0], j:j + s[1] * (wo - 1) + 1:s[1]]
+            expect = view.copy() if expect is None else np.maximum(expect, view)
+    return expect
+
+
 def test_max_pool_is_the_running_np_maximum_over_window_taps_bit_for_bit(threads) -> None:
     """Today's kernel folded np.maximum over the kernel's shifted views in row-major order:
     ties between -0.0 and 0.0 take the later element, the first of two NaN payloads stays."""
@@ -66,30 +80,9 @@ def test_max_pool_is_the_running_np_maximum_over_window_taps_bit_for_bit(threads
         for x in (rng.choice(values, size=shape), rng.choice(values, size=shape).astype(
                 np.float64), rng.integers(-4, 4, shape)):
             lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-            xp = padded(x, pad, lowest)
-            ho = (xp.shape[2] - k[0]) // s[0] + 1
-            wo = (xp.shape[3] - k[1]) // s[1] + 1
-            expect = None
-            for i in range(k[0]):
-                for j in range(k[1]):
-                    view = xp[:, :, i:i + s[0] * (ho - 1) + 1:s[0], j:j + s[1] * (wo - 1) + 1:s[1]]
-                    expect = view.copy() if expect is None else np.maximum(expect, view)
+            expect = running_maximum(x, k, s, pad, lowest)
             got = run_op("mp.max_pool2d", x, kernel=list(k), strides=list(s), padding=list(pad))
             assert got.dtype == expect.dtype and got.tobytes() == expect.tobytes(), (trial, k, s)
-
-
-def running_maximum(x: np.ndarray, k, s, pad) -> np.ndarray:
-    """np.maximum folded over the kernel's shifted views of x padded with -inf, in row-major
-    order."""
-    xp = padded(x, pad, -np.inf)
-    ho = (xp.shape[2] - k[0]) // s[0] + 1
-    wo = (xp.shape[3] - k[1]) // s[1] + 1
-    expect = None
-    for i in range(k[0]):
-        for j in range(k[1]):
-            view = xp[:, :, i:i + s[0] * (ho - 1) + 1:s[0], j:j + s[1] * (wo - 1) + 1:s[1]]
-            expect = view.copy() if expect is None else np.maximum(expect, view)
-    return expect
 
 
 def test_3x3_stride_2_max_pool_folds_rows_with_the_bits_of_the_row_major_fold(threads) -> None:
