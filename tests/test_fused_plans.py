@@ -779,3 +779,51 @@ def test_a_depthwise_conv_read_only_by_a_qdq_pair_requantizes_as_it_stores() -> 
         q = np.clip(np.nan_to_num(np.rint(y / s), nan=0.0) + zp, -128, 127)
     expect = (q - zp).astype(np.int32).astype(np.float32) * s
     assert got.tobytes() == expect.tobytes()
+
+
+_INT8_MATMUL = """func.func @main(%x: tensor<2x5xKxf32>) -> tensor<2x5x6xf32> {
+  %w = mp.constant {value = dense<WEIGHT> : tensor<Kx6xi8>} : () -> tensor<Kx6xi8>
+  %xq = mp.quantize %x {scale = 0.05 : f32, zero_point = 0 : ELEM} : (tensor<2x5xKxf32>) -> tensor<2x5xKxELEM>
+  %acc = mp.matmul %xq, %w : (tensor<2x5xKxELEM>, tensor<Kx6xi8>) -> tensor<2x5x6xi32>
+  %y = mp.dequantize %acc {scale = dense<SCALE> : tensor<6xf32>, zero_point = 0 : i32, axis = 2} : (tensor<2x5x6xi32>) -> tensor<2x5x6xf32>
+  %c = mp.constant {value = dense<CORRECTION> : tensor<1x6xf32>} : () -> tensor<1x6xf32>
+  %yc = mp.add %y, %c : (tensor<2x5x6xf32>, tensor<1x6xf32>) -> tensor<2x5x6xf32>
+  %b = mp.constant {value = dense<BIAS> : tensor<6xf32>} : () -> tensor<6xf32>
+  %r = mp.add %b, %yc : (tensor<6xf32>, tensor<2x5x6xf32>) -> tensor<2x5x6xf32>
+  return %r : tensor<2x5x6xf32>
+}
+"""
+
+
+@pytest.mark.parametrize("elem,k,fused", [("i8", 64, True), ("ui8", 48, True),
+                                          ("i8", 1040, False)])
+def test_an_int8_matmuls_dequantize_and_constant_adds_run_as_its_epilogue(elem, k,
+                                                                          fused) -> None:
+    """A static int8 matmul (BERT's projections), its per-column dequantize and the adds of a
+    (1, N) and an (N,) constant: one step in run_lowered where the float32 GEMM's sums are
+    the exact integers (128 * 128 * K <= 2^24), with the bits of ONNX's formulas written in
+    numpy (int64 sums, float32(q) * s, then each add); beyond that bound the ops stay apart,
+    with the same bits."""
+    rng = np.random.default_rng(21)
+    w = rng.integers(-128, 128, (k, 6)).astype(np.int8)
+    scale = (rng.random(6) * 1e-3).astype(np.float32)
+    correction = rng.standard_normal((1, 6)).astype(np.float32)
+    bias = rng.standard_normal(6).astype(np.float32)
+    text = (_INT8_MATMUL.replace("ELEM", elem).replace("WEIGHT", str(w.tolist()))
+            .replace("SCALE", str(scale.tolist())).replace("CORRECTION",
+                                                          str(correction.tolist()))
+            .replace("BIAS", str(bias.tolist())).replace("xK", f"x{k}").replace("<K", f"<{k}"))
+    program = Program(parse(text, "m.ir"))
+    x = (rng.standard_normal((2, 5, k)) * 4).astype(np.float32)
+    if elem == "ui8":
+        x = np.abs(x)
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    ops = [s.op for s in program._live]
+    assert ops == (["mp.quantize", "mp.matmul"] if fused else
+                   ["mp.quantize", "mp.matmul", "mp.dequantize", "mp.add", "mp.add"])
+    info = np.iinfo(np.int8 if elem == "i8" else np.uint8)
+    q = np.clip(np.rint(x / np.float32(0.05)), info.min, info.max).astype(np.int64)
+    acc = q @ w.astype(np.int64)
+    expect = (acc.astype(np.int32).astype(np.float32) * scale + correction) + bias
+    assert expect.dtype == np.float32 and got.tobytes() == expect.tobytes()
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()

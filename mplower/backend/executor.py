@@ -396,7 +396,8 @@ class Program:
         same value every run: they run once, on the first call, as a deployed plan holds its
         quantized weights; the kernels are deterministic, so the results are the same bits.
         A conv's dequantize, bias add and relu run as the conv stores each output
-        (`_fuse_epilogues`), with the bits the separate ops give."""
+        (`_fuse_epilogues`), an 8-bit matmul's dequantize and constant adds in one pass
+        after it (`_fuse_matmul_epilogues`), with the bits the separate ops give."""
         keep_freed_memory()
         if self._folded is None:
             folded, live = list(self._initial), []
@@ -409,7 +410,8 @@ class Program:
                     live.append(step)
             self._folded = folded
             constants = {i: folded[i] for i in known}
-            fused = _fuse_epilogues(live, constants, self.outputs)
+            fused = _fuse_matmul_epilogues(_fuse_epilogues(live, constants, self.outputs),
+                                           constants, self.outputs)
             fused = _fuse_concats(_fuse_shuffles(fused, self.outputs), self.outputs)
             fused = _fuse_amax(_fuse_fake_quants(fused, self.outputs), self.outputs)
             self._live = _pack_weights(fused, constants)
@@ -565,6 +567,103 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
                                   amax_kernel=partial(_add_relu_kernel, rounded))
         gone.add(relu.node)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+# ---- an integer matmul's dequantize and constant adds (run_lowered) ------------------------
+# A static int8 matmul (BERT's projections) is followed by the dequantize of its exact i32
+# sums (one float32 scale per output column), then the adds of constant vectors along the
+# columns (the correction of a shifted activation's zero point, the bias). The GEMM's float32
+# sums are those integers exactly (products of 8-bit values, |sum| < 2^24: the kernel's
+# bound), so float32(int32(y)) * s is y * s: the chain runs as one pass of float32 multiplies
+# and adds in the ops' order over the GEMM's result, the same bits, instead of a conversion to
+# int32, the dequantize and a pass per add.
+
+def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
+                           outputs: list[int]) -> list[Step]:
+    users: dict[int, list[Step]] = {}
+    for s in steps:
+        for i in s.inputs:
+            users.setdefault(i, []).append(s)
+    kept = set(outputs)
+
+    def only_user(s: Step, op: str) -> Step | None:
+        found = users.get(s.output, [])
+        if len(found) == 1 and found[0].op == op and s.output not in kept \
+                and found[0].inputs.count(s.output) == 1:
+            return found[0]
+        return None
+
+    fused: dict[int, Step] = {}
+    gone: set[int] = set()
+    for mm in steps:
+        if mm.op != "mp.matmul" or mm.out_type.elem != "i32" or len(mm.inputs) != 2 \
+                or not hasattr(mm.run, "weight_dtype") \
+                or any(FORMATS[t.elem].bits != 8 or not FORMATS[t.elem].is_int
+                       for t in mm.in_types) \
+                or _magnitude(mm.in_types[0].elem) * _magnitude(mm.in_types[1].elem) \
+                * mm.in_types[0].shape[-1] > _F32_EXACT \
+                or (dq := only_user(mm, "mp.dequantize")) is None:
+            continue
+        columns = mm.out_type.shape[-1]
+        scale = _column_scale(dq, columns)
+        if scale is None:
+            continue
+        chain, adds, last = [dq], [], dq
+        while (add := only_user(last, "mp.add")) is not None:
+            other = add.inputs[1 - add.inputs.index(last.output)]
+            vector = _column_vector(constants.get(other), add, columns)
+            if vector is None:
+                break
+            chain.append(add)
+            adds.append(vector)
+            last = add
+        fused[mm.node] = replace(mm, name=last.name, output=last.output, out_type=last.out_type,
+                                 run=_dequantized_matmul_kernel(scale, adds))
+        gone.update(s.node for s in chain)
+    return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _column_scale(dq: Step, columns: int) -> np.ndarray | None:
+    """The float32 scale per output column of an f32 dequantize of an i32 matmul result
+    (zero point 0, a scalar or one per column of the last axis, no blocks), or None."""
+    scale = attr_array(dq.attrs["scale"]).astype(np.float32)
+    zp = attr_array(dq.attrs["zero_point"])
+    rank = len(dq.in_types[0].shape)
+    if dq.out_type.elem != "f32" or np.any(zp != 0) or dq.attrs.get("block_size"):
+        return None
+    if scale.size == 1:
+        return np.full(columns, scale.reshape(()), np.float32)
+    if dq.attrs.get("axis") is None or dq.attrs["axis"] % rank != rank - 1 \
+            or scale.size != columns:
+        return None
+    return np.ascontiguousarray(scale.reshape(-1))
+
+
+def _column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:
+    """A float32 constant that an f32 add of two f32 values adds along the last axis (one
+    value per column, or one for all), as a vector of `columns`, or None."""
+    if not isinstance(value, np.ndarray) or value.dtype != np.float32 \
+            or add.out_type.elem != "f32" or any(t.elem != "f32" for t in add.in_types) \
+            or value.ndim > len(add.out_type.shape) \
+            or any(d != 1 for d in value.shape[:-1]) \
+            or value.ndim and value.shape[-1] not in (1, columns):
+        return None
+    if tuple(np.broadcast_shapes(value.shape, add.out_type.shape)) != add.out_type.shape:
+        return None
+    return np.ascontiguousarray(np.broadcast_to(value.reshape(-1), (columns,)))
+
+
+def _dequantized_matmul_kernel(scale: np.ndarray, adds: list[np.ndarray]) -> Kernel:
+    """An 8-bit integer matmul's exact sums in float32, times `scale` and plus each of `adds`
+    (vectors along the last axis), each a float32 operation in place (`_fuse_matmul_epilogues`)."""
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        y = matmul(xs[0].astype(np.float32), _weight(xs[1], np.float32))
+        np.multiply(y, scale, out=y)
+        for vector in adds:
+            np.add(y, vector, out=y)
+        return y, None  # run_lowered keeps no counts
+    run.weight_dtype = np.dtype(np.float32)  # type: ignore[attr-defined]
+    return run
 
 
 def _readers(steps: list[Step]) -> dict[int, int]:
