@@ -476,8 +476,9 @@ _I32_LIMIT = 2 ** 31
 _RELU_BEFORE_ROUNDING = tuple(f for f in ROUNDING_FORMATS if f != "f32" and FORMATS[f].has_inf)
 
 
-def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
-                    outputs: list[int]) -> list[Step]:
+def _only_user_of(steps: list[Step], outputs: list[int]):
+    """only_user(s, op): the one step that reads s's result, if it is an `op` that reads it
+    once and the result is not a function output; else None."""
     uses: dict[int, list[Step]] = {}
     for s in steps:
         for i in s.inputs:
@@ -490,6 +491,12 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
                 and users[0].inputs.count(s.output) == 1:
             return users[0]
         return None
+    return only_user
+
+
+def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
+                    outputs: list[int]) -> list[Step]:
+    only_user = _only_user_of(steps, outputs)
 
     def bias_add(s: Step) -> Step:
         """The add of a per-channel f32 constant to s, if it is s's only use, into the chain
@@ -580,19 +587,7 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
 
 def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
                            outputs: list[int]) -> list[Step]:
-    users: dict[int, list[Step]] = {}
-    for s in steps:
-        for i in s.inputs:
-            users.setdefault(i, []).append(s)
-    kept = set(outputs)
-
-    def only_user(s: Step, op: str) -> Step | None:
-        found = users.get(s.output, [])
-        if len(found) == 1 and found[0].op == op and s.output not in kept \
-                and found[0].inputs.count(s.output) == 1:
-            return found[0]
-        return None
-
+    only_user = _only_user_of(steps, outputs)
     fused: dict[int, Step] = {}
     gone: set[int] = set()
     for mm in steps:
