@@ -600,7 +600,7 @@ def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
                 or (dq := only_user(mm, "mp.dequantize")) is None:
             continue
         columns = mm.out_type.shape[-1]
-        scale = _column_scale(dq, columns)
+        scale = _dequantize_scale(dq, columns, axis=-1)
         if scale is None:
             continue
         chain, adds, last = [dq], [], dq
@@ -616,22 +616,6 @@ def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
                                  run=_dequantized_matmul_kernel(scale, adds))
         gone.update(s.node for s in chain)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
-
-
-def _column_scale(dq: Step, columns: int) -> np.ndarray | None:
-    """The float32 scale per output column of an f32 dequantize of an i32 matmul result
-    (zero point 0, a scalar or one per column of the last axis, no blocks), or None."""
-    scale = attr_array(dq.attrs["scale"]).astype(np.float32)
-    zp = attr_array(dq.attrs["zero_point"])
-    rank = len(dq.in_types[0].shape)
-    if dq.out_type.elem != "f32" or np.any(zp != 0) or dq.attrs.get("block_size"):
-        return None
-    if scale.size == 1:
-        return np.full(columns, scale.reshape(()), np.float32)
-    if dq.attrs.get("axis") is None or dq.attrs["axis"] % rank != rank - 1 \
-            or scale.size != columns:
-        return None
-    return np.ascontiguousarray(scale.reshape(-1))
 
 
 def _column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:
@@ -898,16 +882,18 @@ def _add_relu_kernel(rounded: str | None, box: Any = None) -> Kernel:
     return run
 
 
-def _dequantize_scale(dq: Step, channels: int) -> np.ndarray | None:
-    """The per-channel float32 scale of an f32 dequantize of a conv's i32 result (axis 1 or a
-    scalar, zero point 0, no blocks), or None."""
+def _dequantize_scale(dq: Step, channels: int, axis: int = 1) -> np.ndarray | None:
+    """The per-channel float32 scale of an f32 dequantize of an i32 result whose channels
+    lie along `axis` (a conv's: 1; a matmul's output columns: -1): a scalar or one per
+    channel of that axis, zero point 0, no blocks; else None."""
     scale = attr_array(dq.attrs["scale"]).astype(np.float32)
     zp = attr_array(dq.attrs["zero_point"])
+    rank = len(dq.in_types[0].shape)
     if dq.out_type.elem != "f32" or np.any(zp != 0) or dq.attrs.get("block_size"):
         return None
     if scale.size == 1:
         return np.full(channels, scale.reshape(()), np.float32)
-    if dq.attrs["axis"] % 4 != 1 or scale.size != channels:
+    if dq.attrs["axis"] % rank != axis % rank or scale.size != channels:
         return None
     return scale.reshape(-1)
 

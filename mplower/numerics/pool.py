@@ -8,12 +8,13 @@ stays in the cache (mplower.numerics.windows.split_plane), so that each tap of e
 is one unit-stride run over the stack: a 3x3 window's taps are folded in a register per
 output (one output per SIMD lane), other windows take one pass over the outputs per tap,
 and a strided window no longer computes every position and picks. The float32 3x3
-stride-2 max pool (the stem and reduction pools of the CNNs in benchmarks/runtime.py) skips
-the split, whose per-row cost dominated it: each input row is folded across the three
-columns of every window, sixteen outputs per step with the even and odd columns taken apart
-in registers (`_fold3s2`), then each output across its three rows (`_pool3s2_units`). At
-SqueezeNet's batch 8 its three pools took 4.45 ms against 7.15 ms with the split (medians of
-11 interleaved rounds, docs/benchmarks.md).
+stride-2 pools, max and average (the stem and reduction pools of the CNNs in
+benchmarks/runtime.py), skip the split, whose per-row cost dominated them: each input row is
+combined across the three columns of every window, sixteen outputs per step with the even
+and odd columns taken apart in registers (`_fold3s2`, `_sum3s2`), then each output across its
+three rows (`_pool3s2_units`). SqueezeNet b8's three max pools took 4.41 ms against 7.00 ms
+with the split, ShuffleNet b8's three average pools 1.90 against 2.99 ms (interleaved in one
+process, docs/benchmarks.md).
 
 Max pooling is the fold np.maximum(acc, v) over each window in row-major order (the padding
 value is -inf, or the integer type's minimum, which never wins a window that also holds
@@ -415,6 +416,8 @@ def _pool3s2_units(x, y, pt, pl, average, group, counter, units):
             for oy in range(ho):
                 out = yf[(p * ho + oy) * wo:(p * ho + oy + 1) * wo]
                 top = 2 * oy - pt
+                # Two loops, not one with the kind inside: that one took SqueezeNet b8's max
+                # pools 5.2 against 4.4 ms (two copies of this kernel: 3.6 against 3.4).
                 if 0 <= top and top + 2 < h and not average:
                     r0 = rows[top * wo:top * wo + wo]
                     r1 = rows[(top + 1) * wo:(top + 1) * wo + wo]

@@ -378,11 +378,11 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
     for the formats other than the MX element types (which it leaves to that function).
 
     `amax`, where the caller has it, must be max|x| exactly (as `amax` gives it): when it
-    shows every
-    scaled value finite, the rounding runs on `_scaled_finite_serial`, which has no NaN or
-    infinity to handle and gives the same bits and counts about 2.5 times as fast. There, with
-    `overwrite`, the values are written over x itself (which the caller must not need): the
-    result stays in the cache lines the operand was read from, with no new array to fill."""
+    shows every scaled value finite, the rounding runs on `_scaled_finite_serial`, which has
+    no NaN or infinity to handle and gives the same bits and counts about 2.5 times as fast.
+    There, with `overwrite`, the values are written over x itself (which the caller must not
+    need): the result stays in the cache lines the operand was read from, with no new array
+    to fill."""
     _check_format(fmt, tuple(f for f in ENCODING_FORMATS if f not in MX_ROUNDING_FORMATS),
                   "scale_round")
     x = _f32_input(x, "scale_round")
