@@ -608,6 +608,51 @@ def test_conv_rounding_in_its_tiles_is_round_to_of_the_result(fmt, relu) -> None
         assert np.isnan(got).any()
 
 
+def test_bf16_rounding_in_the_conv_registers_is_ml_dtypes_cast_at_ties_and_edges() -> None:
+    """The implicit GEMM rounds bf16 in its registers (gemm._post_epilogue): outputs that are
+    exactly the inputs (an identity 1x1 conv, 40 pixels: a full panel and a partial one) at
+    ties to even, just off them, the largest finite floats (to inf), subnormals and NaNs with
+    payloads and signs: ml_dtypes' cast bit for bit, a NaN a NaN of the same sign."""
+    from mplower.numerics.conv import conv2d
+
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF, 0xBF808000, 0x7F7FFFFF,
+                     0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00008000, 0x00018000, 0x80007FFF,
+                     0x7F800000, 0xFF800000, 0x7F800001, 0xFFC12345, 0x7FBFFFFF, 0x00000000,
+                     0x3F800000, 0x4049FFFF], np.uint32)
+    values = np.resize(bits, 16 * 40).view(np.float32).reshape(1, 16, 5, 8)
+    values = np.ascontiguousarray(np.roll(values, 3, axis=1))
+    w = np.eye(16, dtype=np.float32).reshape(16, 16, 1, 1)
+    geometry = ((1, 1), (0, 0, 0, 0), (1, 1), 1)
+    plain = conv2d(values, w, *geometry)
+    got = conv2d(values, w, *geometry, rounding="bf16")
+    expect = plain.astype(ml_dtypes.bfloat16).astype(np.float32)
+    nan = np.isnan(expect)
+    assert nan.sum() >= 16 * 40 * 3 // 20
+    assert got[~nan].tobytes() == expect[~nan].tobytes()
+    assert np.isnan(got[nan]).all()
+    assert (np.signbit(got[nan]) == np.signbit(plain[nan])).all()
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_conv_amax_counts_only_the_columns_a_partial_panel_stores(kernel) -> None:
+    """The lanes of a partial panel past the last pixel compute the bias alone; the amax the
+    implicit GEMM takes in its registers leaves them out: here every pixel gives 0.5 while
+    those lanes would give 100 (35 pixels: a panel of 32, one of 3; two input channels, so
+    that it is no depthwise conv)."""
+    from mplower.numerics import conv
+
+    x = np.full((1, 2, 5, 7), -99.5, np.float32)
+    w = np.zeros((8, 2, kernel, kernel), np.float32)
+    w[:, 0, kernel // 2, kernel // 2] = 1.0
+    pad = kernel // 2
+    for rounding in (None, "bf16"):
+        found = []
+        y = conv.conv2d(x, w, (1, 1), (pad,) * 4, (1, 1), 1, bias=np.full(8, 100, np.float32),
+                        rounding=rounding, amax=found)
+        assert (y == 0.5).all()
+        assert found == [0.5]
+
+
 _QDQ = """func.func @main(%x: tensor<2x4x5x6xf32>) -> tensor<2x4x5x6xf32> {
   %q = mp.quantize %x {scale = SCALE, zero_point = ZP, axis = 1} : (tensor<2x4x5x6xf32>) -> tensor<2x4x5x6xELEM>
   %d = mp.dequantize %q {scale = SCALE, zero_point = ZP, axis = 1} : (tensor<2x4x5x6xELEM>) -> tensor<2x4x5x6xf32>

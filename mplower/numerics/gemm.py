@@ -43,6 +43,7 @@ from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     _param_array,
     _param_tuple,
+    plain_bf16,
     rounded_bits,
 )
 from mplower.numerics.workers import claim, run_blocks, run_units
@@ -87,7 +88,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
     def codegen(context, builder, signature, args):
         if fused:
             (av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, sv, hv, e_off, relu,
-             width) = args
+             width, post) = args
             zero = ir.Constant(i64, 1)
         else:
             av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, zero = args
@@ -165,9 +166,12 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
             final[rv] = builder.phi(vty)
             final[rv].add_incoming(init[rv], entry)
             final[rv].add_incoming(new[rv], loop)
+        largest = ir.Constant(ir.IntType(32), 0)
         if fused:
             final = _fused_epilogue(context, builder, signature, final, rows, vty,
                                     (sv, hv, e_off, relu))
+            if isinstance(vty.element, ir.FloatType):
+                final, largest = _post_epilogue(builder, final, lanes, post, width)
             # The columns below `width` only: a partial panel (the last of the pixels) stores
             # through a lane mask, so that it too takes this path.
             partial = builder.append_basic_block("gemm_partial")
@@ -181,11 +185,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
                 f"llvm.masked.store.v{lanes}{'f64' if lanes == 8 else 'f32'}.p0",
                 fnty=ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), ir.IntType(32),
                                                      i1v]))
-            limit = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
-                                       width, ir.Constant(ir.IntType(32), 0)),
-                ir.Constant(ir.VectorType(i64, lanes), ir.Undefined),
-                ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+            limit = _broadcast(builder, width, lanes)
             for (r, v), value in final.items():
                 lane = ir.Constant(ir.VectorType(i64, lanes), [v * lanes + j for j in range(lanes)])
                 builder.call(mask_store, [value, vector_at(t_ptr, at(r, v)),
@@ -198,8 +198,88 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
         if fused:
             builder.branch(stored)
             builder.position_at_end(stored)
+            return largest
         return context.get_dummy_value()
     return codegen
+
+
+def _broadcast(builder, value, lanes):
+    """A vector of `lanes` copies of the scalar `value`."""
+    vty = ir.VectorType(value.type, lanes)
+    return builder.shuffle_vector(
+        builder.insert_element(ir.Constant(vty, ir.Undefined), value,
+                               ir.Constant(ir.IntType(32), 0)),
+        ir.Constant(vty, ir.Undefined),
+        ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
+def _post_epilogue(builder, final, lanes, post, width):
+    """What a float32 tile's outputs get after `_fused_epilogue`, in registers: if bit 0 of
+    `post` is set, bf16's rounding (rounding.rounded_bits' non-saturating bf16 path: nearest
+    even on the bit pattern, a NaN made bf16's quiet NaN with its sign); if bit 1 is set, the
+    largest magnitude as a bit pattern (sign cleared, compared unsigned, as rounding.amax takes
+    it) of the outputs in the first `width` columns, after the rounding, returned as an i32 (0
+    if the bit is clear). Both decided once per tile by a branch, so a tile without them runs
+    the same instructions as before."""
+    i32 = ir.IntType(32)
+    uty = ir.VectorType(i32, lanes)
+    vty = next(iter(final.values())).type
+
+    def splat(v):
+        return ir.Constant(uty, [v] * lanes)
+
+    def flagged(bit):
+        return builder.icmp_signed("!=", builder.and_(post, ir.Constant(post.type, bit)),
+                                   ir.Constant(post.type, 0))
+
+    start = builder.block
+    rounding = builder.append_basic_block("post_round")
+    rounded_done = builder.append_basic_block("post_rounded")
+    builder.cbranch(flagged(1), rounding, rounded_done)
+    builder.position_at_end(rounding)
+    rounded = {}
+    for rv, value in final.items():
+        u = builder.bitcast(value, uty)
+        magnitude = builder.and_(u, splat(0x7FFFFFFF))
+        odd = builder.and_(builder.lshr(u, splat(16)), splat(1))
+        near = builder.and_(builder.add(builder.add(u, splat(0x7FFF)), odd), splat(0xFFFF0000))
+        nan = builder.or_(builder.and_(u, splat(0x80000000)), splat(0x7FC00000))
+        r = builder.select(builder.icmp_unsigned(">", magnitude, splat(0x7F800000)), nan, near)
+        rounded[rv] = builder.bitcast(r, vty)
+    rounding_end = builder.block
+    builder.branch(rounded_done)
+    builder.position_at_end(rounded_done)
+    out = {}
+    for rv, value in final.items():
+        out[rv] = builder.phi(vty)
+        out[rv].add_incoming(value, start)
+        out[rv].add_incoming(rounded[rv], rounding_end)
+
+    start = builder.block
+    measuring = builder.append_basic_block("post_measure")
+    measured = builder.append_basic_block("post_measured")
+    builder.cbranch(flagged(2), measuring, measured)
+    builder.position_at_end(measuring)
+    limit = _broadcast(builder, width, lanes)
+    umax = builder.module.declare_intrinsic(
+        f"llvm.umax.v{lanes}i32", fnty=ir.FunctionType(uty, [uty, uty]))
+    most = splat(0)
+    for (r, v), value in out.items():
+        lane = ir.Constant(ir.VectorType(width.type, lanes),
+                           [v * lanes + j for j in range(lanes)])
+        bits = builder.and_(builder.bitcast(value, uty), splat(0x7FFFFFFF))
+        bits = builder.select(builder.icmp_signed("<", lane, limit), bits, splat(0))
+        most = builder.call(umax, [most, bits])
+    reduce = builder.module.declare_intrinsic(
+        f"llvm.vector.reduce.umax.v{lanes}i32", fnty=ir.FunctionType(i32, [uty]))
+    most = builder.call(reduce, [most])
+    measuring_end = builder.block
+    builder.branch(measured)
+    builder.position_at_end(measured)
+    largest = builder.phi(i32)
+    largest.add_incoming(ir.Constant(i32, 0), start)
+    largest.add_incoming(most, measuring_end)
+    return out, largest
 
 
 def _prefetch(builder, pointer, write: bool) -> None:
@@ -262,15 +342,17 @@ _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 def _stored_kernel(rows: int):
     """An intrinsic `stored(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc,
-    depth, s, h, e_offset, relu, columns)`: `_micro_kernel(rows)` from +0, with
-    `_fused_epilogue` applied to the registers as they are stored into c (its first `columns`
-    columns), so that a tile costs no second pass over its outputs."""
+    depth, s, h, e_offset, relu, columns, post)`: `_micro_kernel(rows)` from +0, with
+    `_fused_epilogue` and, for float32, `_post_epilogue` (bf16 rounding, the amax, as the bits
+    of `post` ask) applied to the registers as they are stored into c (its first `columns`
+    columns), so that a tile costs no second pass over its outputs. Returns the amax bits
+    (`_post_epilogue`'s; 0 unless measured)."""
 
     @intrinsic
     def stored(typingctx, a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
-               s, h, e_offset, relu, columns):
-        sig = types.void(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
-                         s, h, e_offset, relu, columns)
+               s, h, e_offset, relu, columns, post):
+        sig = types.uint32(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc, depth,
+                           s, h, e_offset, relu, columns, post)
         width = 8 if a.dtype == types.float64 else 4
         fty = ir.DoubleType() if width == 8 else ir.FloatType()
         lanes = _VECTOR_BYTES // width
@@ -848,6 +930,12 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
     taps = _tap_offsets(x, shape)
     direct = chunk >= kk and c.itemsize == w.itemsize
+    # bf16's rounding and the amax in the tile's registers as it is stored (`_post_epilogue`,
+    # float32 only), else over the stored tile while it is in L1 (`_finish_run`, `late`): the
+    # same bits. Any other rounding comes before the amax, so both are then late.
+    fast = c.itemsize == 4 and (not rounding or plain_bf16(rp))
+    post = ((1 if rounding else 0) | (2 if parts.size else 0)) if fast else 0
+    late = (rounding or parts.size > 0) and not fast
     packed, done = -1, 0
     while True:
         u = claim(counter)
@@ -904,15 +992,16 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                     continue
                 if not spanning[j]:
                     at = (firsts[j] * c_rows + channel0 + i0) * pixels + q0s[j]
-                    _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], c, at,
-                                 pixels, post_s, post_h, g * m + i0, relu, rows, widths[j])
-                    if rounding or parts.size:
+                    largest = max(largest, _stored_tile(
+                        w, (g * m + i0) * kk, kk, source, offset, ldps[j], c, at, pixels,
+                        post_s, post_h, g * m + i0, relu, rows, widths[j], post))
+                    if late:
                         largest = _finish_run(rbits, at, rows, widths[j], pixels, rounding, rp,
                                               parts.size > 0, largest)
                     continue
                 # Summed in `tile`, then each image's columns copied to it.
                 _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], tile, 0, cols,
-                             post_s, post_h, g * m + i0, relu, rows, cols)
+                             post_s, post_h, g * m + i0, relu, rows, cols, 0)
                 image, q1, filled = firsts[j], q0s[j], 0
                 while filled < cols and image < images:
                     width = min(cols - filled, pixels - q1)
@@ -952,26 +1041,29 @@ def _finish_run(rbits, at, rows, width, ldc, rounding, rp, measure, largest):
 
 @njit(cache=True, nogil=True, inline="always")
 def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e_offset, relu,
-                 rows, width):
+                 rows, width, post):
     """`rows` (1 .. TILE_ROWS) rows and the first `width` columns of a tile summed from +0
-    straight into c through the fused epilogue (`_stored_kernel`): a full tile at once, fewer
-    rows in blocks of 4, 2 and 1."""
+    straight into c through the fused epilogue (`_stored_kernel`, with `post`): a full tile
+    at once, fewer rows in blocks of 4, 2 and 1. Returns the largest amax bits of the blocks
+    (0 unless `post` measures)."""
     if rows == TILE_ROWS:
-        _stored8(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
-                 relu, width)
-        return
-    r = 0
+        return _stored8(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h,
+                        e_offset, relu, width, post)
+    r, largest = 0, np.uint32(0)
     if rows >= 4:
-        _stored4(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h, e_offset,
-                 relu, width)
+        largest = max(largest, _stored4(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc,
+                                        kk, s, h, e_offset, relu, width, post))
         r = 4
     if rows - r >= 2:
-        _stored2(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
-                 s, h, e_offset + r, relu, width)
+        largest = max(largest, _stored2(a, a_offset + r * kk, kk, source, offset, ldp, c,
+                                        c_offset + r * ldc, ldc, kk, s, h, e_offset + r, relu,
+                                        width, post))
         r += 2
     if rows > r:
-        _stored1(a, a_offset + r * kk, kk, source, offset, ldp, c, c_offset + r * ldc, ldc, kk,
-                 s, h, e_offset + r, relu, width)
+        largest = max(largest, _stored1(a, a_offset + r * kk, kk, source, offset, ldp, c,
+                                        c_offset + r * ldc, ldc, kk, s, h, e_offset + r, relu,
+                                        width, post))
+    return largest
 
 
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,

@@ -170,6 +170,13 @@ def _round_one(u, p):
 
 
 @njit(cache=True, inline="always")
+def plain_bf16(p):
+    """Whether rounding parameters p (`_params`) are non-saturating bf16's: 16 dropped bits,
+    no subnormal step, ±inf on overflow, which `rounded_bits` rounds on a short path."""
+    return p[0] == _U32(16) and p[4] == _U32(0) and p[7] == _U32(_F32_INF)
+
+
+@njit(cache=True, inline="always")
 def rounded_bits(u, p):
     """`_round_one`(u, p)'s result bits alone, for the kernels that round their outputs as
     they store them (a conv's tiles, a residual add). Non-saturating bf16 (p[0] = 16 dropped
@@ -179,7 +186,7 @@ def rounded_bits(u, p):
     bits for every float32 (all 2^32 compared with `_round_one`'s when this was written;
     tests/test_rounding.py compares it with ml_dtypes). The format is the same for a whole
     loop, so the compiler hoists the test out of it."""
-    if p[0] == _U32(16) and p[4] == _U32(0) and p[7] == _U32(_F32_INF):
+    if plain_bf16(p):
         a = _U32(u & _U32(0x7FFFFFFF))
         r = _U32(_U32(u + _U32(0x7FFF) + _U32((u >> _U32(16)) & _U32(1))) & _U32(0xFFFF0000))
         # bf16's canonical quiet NaN, with the sign (the sign bit of u survives the add:
