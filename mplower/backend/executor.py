@@ -45,7 +45,7 @@ from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
-from mplower.ir.opdef import OPS, OpError, attr_array, attr_int, attr_type, check_attrs
+from mplower.ir.opdef import OPS, OpDef, OpError, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
@@ -269,7 +269,7 @@ class Program:
         else:
             exact = op in VALUE_PRESERVING and all(
                 t.elem == out_t.elem for t in in_types if FORMATS[t.elem].is_float)
-            run = _generic_kernel(opdef.reference, attrs, d["types"], k, exact)
+            run = _generic_kernel(opdef, attrs, d["types"], k, exact)
         return Step(n, f.value_name((n, k)), op, inputs, out, run, reference, plan.requested,
                     plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts,
                     scale_stats, attrs, in_types)
@@ -1041,12 +1041,16 @@ def _reference(reference: Callable, attrs: dict, op: str, out_types: list[Tensor
     return run
 
 
-def _generic_kernel(reference: Callable, attrs: dict, out_types: list[TensorType], k: int,
+def _generic_kernel(opdef: OpDef, attrs: dict, out_types: list[TensorType], k: int,
                     exact: bool) -> Kernel:
     """The op's numpy reference in f32 (integers as they are) for result `k`, rounded to
-    its type unless it is `exact`: a value-preserving op on operands already in that type."""
+    its type unless it is `exact`: a value-preserving op on operands already in that type.
+    Its attributes are checked here, once (steps run under np.errstate: _run_steps, _execute)."""
     rt = [_wide(t) for t in out_types]
     elem = out_types[k].elem
+    reference = opdef.reference
+    if opdef.reference_checked is not None:
+        reference, attrs = opdef.reference_checked, check_attrs(opdef, attrs)
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         y = reference([_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x

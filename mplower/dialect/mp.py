@@ -181,17 +181,22 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
                               "keeps it)", operand=i)
         return infer(tuple(ins), check_attr_values(op, specs, attrs), tuple(declared))
 
-    def checked_reference(inputs: Sequence[np.ndarray], attrs: Mapping[str, Any],
-                          result_types: Sequence[TensorType] | None = None) -> list[np.ndarray]:
+    def prechecked_reference(inputs: Sequence[np.ndarray], attrs: Mapping[str, Any],
+                             result_types: Sequence[TensorType] | None = None) -> list[np.ndarray]:
         arrays = [np.asarray(x) for x in inputs]
         types = tuple(result_types) if result_types else None
-        # Reference semantics are IEEE arithmetic: inf and NaN are results, not warnings.
-        with np.errstate(all="ignore"):
-            outs = reference(arrays, check_attr_values(op, specs, attrs), types)
+        outs = reference(arrays, attrs, types)
         if types is None:
             return outs
         return [np.asarray(o).astype(value_dtype(t.elem), copy=False)
                 for o, t in zip(outs, types, strict=True)]
+
+    def checked_reference(inputs: Sequence[np.ndarray], attrs: Mapping[str, Any],
+                          result_types: Sequence[TensorType] | None = None) -> list[np.ndarray]:
+        # Reference semantics are IEEE arithmetic: inf and NaN are results, not warnings.
+        with np.errstate(all="ignore"):
+            return prechecked_reference(inputs, check_attr_values(op, specs, attrs),
+                                        result_types)
 
     def checked_flops(ins: Sequence[TensorType], outs: Sequence[TensorType],
                       attrs: Mapping[str, Any]) -> int:
@@ -199,7 +204,8 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
 
     return define(OpDef(
         name=op, min_operands=lo, max_operands=hi, attrs=specs, infer=checked_infer,
-        reference=checked_reference, flops=checked_flops, precisions=precisions,
+        reference=checked_reference, reference_checked=prechecked_reference,
+        flops=checked_flops, precisions=precisions,
         # Every mp op is a function of its operands and attributes.
         traits=traits | {Trait.PURE}, weight_operand=weight_operand, doc=doc,
         operand_names=operands, vjp=vjp, num_results=num_results,

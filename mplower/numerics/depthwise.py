@@ -38,6 +38,8 @@ With a weight that is not finite 0 * w is NaN, so those convs keep the padded la
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit
 
@@ -308,6 +310,31 @@ def is_depthwise(x: np.ndarray, w: np.ndarray, groups: int) -> bool:
             and int_magnitude(x) * int_magnitude(w) * taps <= F32_EXACT)
 
 
+@functools.lru_cache(maxsize=256)
+def _same_tables(group: int, hp: int, wd: int, kh: int, kw: int,
+                 pl: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_same_units`' tap offsets and column masks for a stack of `group` planes of hp rows
+    (padding included) and wd columns: a network calls each geometry once per inference, and
+    building them took 25-60 us, as long as a batch-1 depthwise conv itself. Read only."""
+    # Output q of a stack reads column q % W + kx - pl for tap column kx.
+    column = np.arange(group * hp * wd) % wd
+    masks = np.stack([(column + kx - pl >= 0) & (column + kx - pl < wd)
+                      for kx in range(kw)]).astype(np.uint8)
+    taps = (np.arange(kh * kw) // kw * wd + np.arange(kh * kw) % kw).astype(np.int64)
+    masks.flags.writeable = taps.flags.writeable = False
+    return taps, masks
+
+
+@functools.lru_cache(maxsize=256)
+def _split_tables(out: tuple[int, int], kernel: tuple[int, int], strides: tuple[int, int],
+                  dilations: tuple[int, int], group: int) -> tuple[tuple[int, int], np.ndarray]:
+    """`_units`' phase shape and tap offsets, once per geometry (as `_same_tables`)."""
+    split = split_shape(out, kernel, strides, dilations)
+    taps = tap_offsets(kernel, strides, dilations, split, group)
+    taps.flags.writeable = False
+    return split, taps
+
+
 def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                      padding: tuple[int, int, int, int], dilations: tuple[int, int], *,
                      scale: np.ndarray | None = None, bias: np.ndarray | None = None,
@@ -369,17 +396,12 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     if (sh, sw, dh, dw) == (1, 1, 1, 1) and (ho, wo) == (h, wd) and wd > 0 \
             and np.isfinite(weights).all():
         kernel = _same_units
-        # Output q of a stack reads column q % W + kx - pl for tap column kx.
-        column = np.arange(group * hp * wd) % wd
-        masks = np.stack([(column + kx - pl >= 0) & (column + kx - pl < wd)
-                          for kx in range(kw)]).astype(np.uint8)
-        taps = (np.arange(kh * kw) // kw * wd + np.arange(kh * kw) % kw).astype(np.int64)
+        taps, masks = _same_tables(group, hp, wd, kh, kw, pl)
         args = (operand, weights, factor, shift, y, o // c, channels,
                 taps, masks, pt, pl, hp, relu, *rounds, parts, fq, group)
     else:
         kernel = _units
-        split = split_shape((ho, wo), (kh, kw), strides, dilations)
-        taps = tap_offsets((kh, kw), strides, dilations, split, group)
+        split, taps = _split_tables((ho, wo), (kh, kw), tuple(strides), tuple(dilations), group)
         args = (operand, weights, factor, shift, y, o // c, channels,
                 taps, (int(sh), int(sw)), split, pt, pl, relu, *rounds, parts, fq, group)
     if 0 < y.size * kh * kw < _SERIAL_BELOW:
