@@ -872,3 +872,75 @@ def test_an_int8_matmuls_dequantize_and_constant_adds_run_as_its_epilogue(elem, 
     expect = (acc.astype(np.int32).astype(np.float32) * scale + correction) + bias
     assert expect.dtype == np.float32 and got.tobytes() == expect.tobytes()
     assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+
+
+@pytest.mark.parametrize("elem", ["ui8", "i8"])
+@pytest.mark.parametrize("case", ["gemm-f32", "gemm-int8", "gemm-int8-chunked", "depthwise",
+                                  "narrow"])
+def test_conv_quantize_gives_the_integers_of_numpys_quantize_of_its_result(elem, case) -> None:
+    """conv2d(quantize=...) quantizes each tile of the implicit GEMM as it stores it (float
+    sums, 8-bit operands with their dequantize epilogue, and K split into exact chunks), else
+    after (depthwise, 4 channels): ONNX QuantizeLinear written in numpy (half to even,
+    saturation, NaN to the zero point) on the plain result, and its dtype."""
+    from mplower.numerics.conv import conv2d
+
+    rng = np.random.default_rng(23)
+    s, zp = np.float32(0.25), (3 if elem == "ui8" else -2)
+    info = np.iinfo(np.uint8 if elem == "ui8" else np.int8)
+    geometry, scale = ((1, 1), (1, 1, 1, 1), (1, 1), 1), None
+    if case == "gemm-f32":
+        x = (rng.standard_normal((2, 8, 9, 9)) * 20).astype(np.float32)
+        x[0, 0, 0, :3] = [np.nan, np.inf, -np.inf]
+        w = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    elif case in ("gemm-int8", "gemm-int8-chunked"):
+        c = 8 if case == "gemm-int8" else 600  # K = 5400: chunks of 514 below 2^24
+        x = rng.integers(0, 256, (2, c, 6, 6)).astype(np.uint8)
+        w = rng.integers(-128, 128, (16, c, 3, 3)).astype(np.int8)
+        scale = np.full(16, 0.01 if case == "gemm-int8" else 0.0002, np.float32)
+    elif case == "depthwise":
+        x = (rng.standard_normal((2, 8, 9, 9)) * 20).astype(np.float32)
+        w = rng.standard_normal((8, 1, 3, 3)).astype(np.float32)
+        geometry = ((1, 1), (1, 1, 1, 1), (1, 1), 8)
+    else:
+        x = (rng.standard_normal((2, 8, 9, 9)) * 20).astype(np.float32)
+        w = rng.standard_normal((4, 8, 3, 3)).astype(np.float32)
+    bias = rng.standard_normal(w.shape[0]).astype(np.float32)
+    plain = conv2d(x, w, *geometry, scale=scale, bias=bias)
+    got = conv2d(x, w, *geometry, scale=scale, bias=bias, quantize=(s, zp, elem))
+    with np.errstate(invalid="ignore"):
+        q = np.rint(plain / s) + np.float32(zp)
+        expect = np.where(np.isnan(q), zp, np.clip(q, info.min, info.max)).astype(info.dtype)
+    assert got.dtype == info.dtype and got.shape == plain.shape
+    assert got.tobytes() == expect.tobytes()
+    assert (got == info.min).any() and (got == info.max).any()
+
+
+_CONV_Q_CONV = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x16x7x7xf32> {
+  %w = mp.constant {value = dense<0.75> : tensor<16x8x3x3xf32>} : () -> tensor<16x8x3x3xf32>
+  %w2 = mp.constant {value = dense<-3> : tensor<16x16x1x1xi8>} : () -> tensor<16x16x1x1xi8>
+  %c = mp.conv2d %x, %w {padding = [1, 1, 1, 1]} : (tensor<2x8x7x7xf32>, tensor<16x8x3x3xf32>) -> tensor<2x16x7x7xf32>
+  %q = mp.quantize %c {scale = 0.5 : f32, zero_point = 7 : ui8} : (tensor<2x16x7x7xf32>) -> tensor<2x16x7x7xui8>
+  %d = mp.conv2d %q, %w2 : (tensor<2x16x7x7xui8>, tensor<16x16x1x1xi8>) -> tensor<2x16x7x7xi32>
+  %y = mp.dequantize %d {scale = 0.125 : f32, zero_point = 0 : i32} : (tensor<2x16x7x7xi32>) -> tensor<2x16x7x7xf32>
+  return %y : tensor<2x16x7x7xf32>
+}
+"""
+
+
+def test_a_quantize_read_only_by_the_next_conv_is_done_by_the_conv_that_computes_it() -> None:
+    """A static int8 plan's conv -> quantize -> integer conv: run_lowered has the first conv
+    quantize its tiles (no quantize step left), with the bits of the ops run one at a time
+    and of numpy's integer conv of numpy's quantize."""
+    program = Program(parse(_CONV_Q_CONV, "m.ir"))
+    rng = np.random.default_rng(29)
+    x = (rng.standard_normal((2, 8, 7, 7)) * 3).astype(np.float32)
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    assert [st.op for st in program._live] == ["mp.conv2d", "mp.conv2d"]
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    from mplower.numerics.conv import conv2d
+
+    c = conv2d(x, np.full((16, 8, 3, 3), 0.75, np.float32), (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    q = np.clip(np.rint(c / np.float32(0.5)) + 7, 0, 255).astype(np.int64)
+    d = np.einsum("nchw,oc->nohw", q, np.full((16, 16), -3, np.int64))
+    assert got.tobytes() == (d.astype(np.int32).astype(np.float32)
+                             * np.float32(0.125)).tobytes()

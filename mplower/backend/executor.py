@@ -414,6 +414,7 @@ class Program:
                                            constants, self.outputs)
             fused = _fuse_concats(_fuse_shuffles(fused, self.outputs), self.outputs)
             fused = _fuse_amax(_fuse_fake_quants(fused, self.outputs), self.outputs)
+            fused = _fuse_quantized_outputs(fused, self.outputs)
             self._live = _pack_weights(fused, constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
@@ -823,6 +824,36 @@ def _requantizable(conv: Step) -> bool:
         and all(FORMATS[t.elem].bits == 8 for t in (x_t, w_t))
 
 
+# ---- a conv's float32 result read only by its quantize (run_lowered) -----------------------
+# A static int8 plan quantizes each activation for the next integer conv: the conv stores its
+# float32 result, and the quantize reads it back from memory for a second pass and writes the
+# integers. The implicit GEMM quantizes each tile instead, as it stores it (conv2d's
+# `quantize`: quant._quantize_one on the same float32 values, the same integers), so the
+# result is read back from L1, and the step and its pass are gone.
+
+def _fuse_quantized_outputs(steps: list[Step], outputs: list[int]) -> list[Step]:
+    only_user = _only_user_of(steps, outputs)
+    fused: dict[int, Step] = {}
+    gone: set[int] = set()
+    for conv in steps:
+        if conv.op != "mp.conv2d" or conv.concat is not None or conv.out_type.elem != "f32" \
+                or (epilogue := _rebuildable(conv)) is None or epilogue[3] is not None \
+                or (q := only_user(conv, "mp.quantize")) is None or q.attrs["block_size"]:
+            continue
+        f = FORMATS[q.out_type.elem]
+        scale, zp = (attr_array(q.attrs[a]) for a in ("scale", "zero_point"))
+        if not f.is_int or f.bits != 8 or scale.size != 1 or zp.size != 1 \
+                or not f.min_value <= zp.reshape(()) <= f.max_finite:
+            continue
+        quantize = (scale.astype(np.float32).reshape(()), zp.reshape(()), q.out_type.elem)
+        # epilogue=None: no later fusion rebuilds it without the quantize.
+        fused[conv.node] = replace(conv, name=q.name, output=q.output, out_type=q.out_type,
+                                   epilogue=None, run=_fused_conv_kernel(
+                                       conv, *epilogue, quantize=quantize))
+        gone.add(q.node)
+    return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
 # ---- the amax a scaled_quant reads, taken by the step that computes its operand -----------
 # A per-tensor mp.scaled_quant (an fp8 plan's current scaling) reads its whole operand once for
 # its amax before it rounds. Where the operand comes from a conv or a residual add + relu, that
@@ -912,14 +943,16 @@ def _channel_bias(value: Any, add: Step, channels: int) -> np.ndarray | None:
 def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | None,
                        relu: bool, rounded: str | None,
                        concat: tuple[int, tuple[int, ...], bool, bool] | None = None,
-                       box: Any = None, requantize: tuple | None = None) -> Kernel:
+                       box: Any = None, requantize: tuple | None = None,
+                       quantize: tuple | None = None) -> Kernel:
     """The conv with its fused epilogue, reading its input channels in `conv.channels` order.
     `concat` = (channel0, shape, first, last) writes the result into channels channel0.. of a
     concatenation of `shape` (_fuse_concats): the `first` conv allocates it, the others take
     it as their last operand, and each rounds its own channels as it stores them.
     With a `box` (_fuse_amax, no concat), box.amax is set to the result's amax, which the
     conv kernels take as they store it; with `requantize` (_fuse_fake_quants, a depthwise
-    conv) the result is quantized and dequantized as it is stored."""
+    conv) the result is quantized and dequantized as it is stored; with `quantize`
+    (_fuse_quantized_outputs) it is quantized, and the integers are the result."""
     from mplower.numerics.conv import conv2d
 
     a, channels, operands = conv.attrs, conv.channels, len(conv.inputs)
@@ -936,10 +969,11 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
             # kernel, the same bits; run_lowered keeps no counts), of its own channels where
             # it writes into a concatenation.
             y = conv2d(_f32(x), _f32(w), *geometry, bias=b, relu=relu, channels=channels,
-                       into=into, rounding=rounded, amax=found, requantize=requantize)
+                       into=into, rounding=rounded, amax=found, requantize=requantize,
+                       quantize=quantize)
         else:
             y = conv2d(x, w, *geometry, scale=scale, bias=bias, relu=relu, channels=channels,
-                       into=into, amax=found, requantize=requantize)
+                       into=into, amax=found, requantize=requantize, quantize=quantize)
         if box is not None:
             box.amax = found[0]
         return y, None

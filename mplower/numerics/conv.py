@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from mplower.numerics.depthwise import depthwise_conv2d, is_depthwise
+from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import (
     F32_EXACT,
     TILE_ROWS,
@@ -43,6 +44,7 @@ from mplower.numerics.gemm import (
     integer_matmul,
     matmul,
 )
+from mplower.numerics.quant import quantize as quant_quantize
 from mplower.numerics.rounding import MX_ROUNDING_FORMATS, round_to
 from mplower.numerics.rounding import amax as rounding_amax
 from mplower.numerics.windows import conv_windows
@@ -82,7 +84,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
            relu: bool = False, channels: np.ndarray | None = None,
            into: tuple[np.ndarray, int] | None = None,
            rounding: str | None = None, amax: list | None = None,
-           requantize: tuple | None = None) -> np.ndarray:
+           requantize: tuple | None = None, quantize: tuple | None = None) -> np.ndarray:
     """The convolution of x (N, C, H, W), zero-padded by (top, left, bottom, right), with w
     (O, C / groups, KH, KW): float32 (float64 if an operand is) for float operands, exact
     int64 for integer operands.
@@ -102,7 +104,13 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     is set to [rounding.amax of the result] (NaN if it holds one), taken as the implicit
     GEMM and the depthwise kernel store their outputs (what a following mp.scaled_quant
     needs, without its own pass), else by rounding.amax after. `requantize` (a depthwise
-    conv only) quantizes and dequantizes the result as it is stored (depthwise_conv2d's)."""
+    conv only) quantizes and dequantizes the result as it is stored (depthwise_conv2d's).
+    `quantize` = (scale, zero point, format), a float result, per tensor, to an 8-bit integer
+    format: returns quant.quantize's integers of the result instead (its storage dtype),
+    quantized by the implicit GEMM as it stores each tile, elsewhere after."""
+    if quantize is not None:
+        return _quantized(x, w, strides, padding, dilations, groups, scale, bias, relu,
+                          channels, into, rounding, amax, requantize, quantize)
     found: list | None = None if amax is None else []
     if rounding is not None:
         if x.dtype.kind in "iub" or np.result_type(x, w) == np.float64:
@@ -124,14 +132,37 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     return y
 
 
+def _quantized(x, w, strides, padding, dilations, groups, scale, bias, relu, channels, into,
+               rounding, amax, requantize, quantize) -> np.ndarray:
+    """conv2d with `quantize`."""
+    qscale, zp, fmt = quantize
+    f = FORMATS.get(fmt)
+    if into is not None or rounding is not None or amax is not None or requantize is not None \
+            or f is None or not f.is_int or f.bits != 8 or np.size(qscale) != 1 \
+            or np.size(zp) != 1 or x.dtype.kind in "iub" and scale is None and bias is None \
+            and not relu or np.result_type(x, w) == np.float64:
+        raise ValueError("conv2d: quantize takes a float32 result, per tensor, to an 8-bit "
+                         "integer format, without into, rounding, amax or requantize")
+    qp = np.array([np.float32(np.asarray(qscale).reshape(())), np.asarray(zp).reshape(()),
+                   f.min_value, f.max_finite], np.float32)
+    y, done = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels,
+                      None, None, None, None, (qp, f.storage))
+    if done:
+        return y
+    return quant_quantize(np.ascontiguousarray(y, np.float32), qp[:1],
+                          np.asarray(zp).reshape(1), fmt)[0]
+
+
 def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             padding: tuple[int, int, int, int], dilations: tuple[int, int], groups: int,
             scale: np.ndarray | None, bias: np.ndarray | None, relu: bool,
             channels: np.ndarray | None, into: tuple[np.ndarray, int] | None,
             rounding: str | None, amax: list | None = None,
-            requantize: tuple | None = None) -> tuple[np.ndarray, bool]:
+            requantize: tuple | None = None,
+            quantize: tuple | None = None) -> tuple[np.ndarray, bool]:
     """conv2d, and whether the result is rounded to `rounding` already (in the tiles); `amax`
-    set to [its amax] where the kernel takes it as it stores (else left empty)."""
+    set to [its amax] where the kernel takes it as it stores (else left empty). With
+    `quantize` (conv_product's), the bool says whether the result is the quantized one."""
     if into is not None and x.dtype.kind in "iub" and scale is None and bias is None \
             and not relu:
         raise ValueError("conv2d: an integer result (no epilogue) cannot go `into` float32")
@@ -185,12 +216,15 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             into[0].reshape(n, into[0].shape[1], -1), into[1])
         rounded = rounding if exact and wmat.dtype == np.float32 \
             and rounding not in MX_ROUNDING_FORMATS else None
+        quantized = quantize if out == np.float32 and target is None else None
         y = conv_product(np.ascontiguousarray(x), wmat, (cg, kh, kw, sh, sw, dh, dw, ho, wo),
                          g, out, chunk, scale, bias, relu, target, rounded,
-                         amax if rounding is None or rounded is not None else None)
+                         amax if rounding is None or rounded is not None else None, quantized)
         if target is not None:
             return into[0], rounded is not None
         y = y.reshape(n, o, ho, wo)
+        if quantize is not None:
+            return y, quantized is not None
         if into is not None:
             into[0][:, into[1]:into[1] + o] = y
             return into[0], False

@@ -39,6 +39,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from mplower.numerics.quant import _quantize_one
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     _param_array,
@@ -891,7 +892,8 @@ def _zero_columns(panel, at, stride, rows, first, cols):
 
 @njit(cache=True, nogil=True)
 def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
-                post_s, post_h, channel0, rounding, rbits, rpa, parts, merged, counter, units):
+                post_s, post_h, channel0, rounding, rbits, rpa, parts, merged, qp, qout, counter,
+                units):
     """The work units of the conv's result, channels channel0 .. channel0 + O/G - 1 of c
     (N * G, C, Ho*Wo) (all of c unless the result is written into a concatenation, see
     conv_product's `into`), claimed from `counter`: unit u is image-group
@@ -906,7 +908,9 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     turn, so that an image's last panel is filled with the next image's first pixels instead
     of lanes that compute nothing (a 7x7 output fills 49 of 64 lanes alone); a panel that
     spans images is packed, and its tiles are summed in `tile` and copied to each image.
-    Returns the number of units done."""
+    With `qout` (not empty: c's shape, flattened), each stored tile is also quantized into it
+    while in L1 (`_quantize_run`, qp = scale, zero point, lowest, highest). Returns the
+    number of units done."""
     m, pixels, kk, c_rows = w.shape[1], c.shape[2], w.shape[2], c.shape[1]
     images = c.shape[0]  # the images, where `merged`
     total = images * pixels if merged else pixels
@@ -989,6 +993,9 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                     _finish_tile(w, (g * m + i0) * kk, source, offset, ldps[j], c, cf,
                                  firsts[j], i0, q0s[j], cols, chunk, scale, bias, relu, tile,
                                  total64)
+                    if qout.size:
+                        _quantize_run(cf, qout, (firsts[j] * m + i0) * pixels + q0s[j], rows,
+                                      widths[j], pixels, qp)
                     continue
                 if not spanning[j]:
                     at = (firsts[j] * c_rows + channel0 + i0) * pixels + q0s[j]
@@ -998,6 +1005,8 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                     if late:
                         largest = _finish_run(rbits, at, rows, widths[j], pixels, rounding, rp,
                                               parts.size > 0, largest)
+                    if qout.size:
+                        _quantize_run(cf, qout, at, rows, widths[j], pixels, qp)
                     continue
                 # Summed in `tile`, then each image's columns copied to it.
                 _stored_tile(w, (g * m + i0) * kk, kk, source, offset, ldps[j], tile, 0, cols,
@@ -1012,11 +1021,25 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                     if rounding or parts.size:
                         largest = _finish_run(rbits, at, rows, width, pixels, rounding, rp,
                                               parts.size > 0, largest)
+                    if qout.size:
+                        _quantize_run(cf, qout, at, rows, width, pixels, qp)
                     filled += width
                     image, q1 = image + 1, 0
         if parts.size:
             parts[u] = largest
         done += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_run(cf, qout, at, rows, width, ldc, qp):
+    """The `width` columns of `rows` rows (ldc apart) of cf from `at` on, just stored and
+    still in L1, quantized into qout at the same places: quant._quantize_one with scale
+    qp[0], zero point qp[1] and range qp[2] .. qp[3], the integer quantize's bits."""
+    s, z, lo, hi = qp[0], qp[1], qp[2], qp[3]
+    for r in range(rows):
+        row = np.uint64(at + r * ldc)
+        for t in range(np.uint64(width)):
+            qout[row + t] = _quantize_one(cf[row + t], s, z, lo, hi)[0]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1069,7 +1092,8 @@ def _stored_tile(a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e
 def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups: int,
                  out: np.dtype, chunk: int, scale: np.ndarray | None, bias: np.ndarray | None,
                  relu: bool, into: tuple[np.ndarray, int] | None = None,
-                 rounding: str | None = None, amax: list | None = None) -> np.ndarray:
+                 rounding: str | None = None, amax: list | None = None,
+                 quantize: tuple[np.ndarray, np.dtype] | None = None) -> np.ndarray:
     """The convolution of the padded x with the weights `wmat` (G, O/G, K) as c (N * G, O/G,
     Ho*Wo) in `out`: the product of the weights and the im2col of each image and group
     (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh, sw,
@@ -1083,8 +1107,15 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     result after its epilogue, as round_to would (the same kernel), while its tile is in
     cache; only where each sum is stored once (float32 sums over all of K). `amax` (a list)
     gets rounding.amax of the result, taken from each tile as it is stored (after the
-    rounding), where each sum is stored once; elsewhere it is left empty."""
+    rounding), where each sum is stored once; elsewhere it is left empty. `quantize` =
+    (qp, dtype), a float32 result and no `into`: returns the result quantized to `dtype` (an
+    8-bit integer type) with qp = (scale, zero point, lowest, highest) as float32, each tile
+    as it is stored (`_quantize_run`), instead of the result."""
     n, m, kk = x.shape[0], wmat.shape[1], wmat.shape[2]
+    if quantize is not None and (into is not None or out != np.float32
+                                 or np.dtype(quantize[1]).itemsize != 1):
+        raise ValueError("conv_product: quantize takes a float32 result, not `into`, to an "
+                         "8-bit integer type")
     if into is None:
         c, channel0 = np.empty((n * groups, m, shape[7] * shape[8]), out), 0
     else:
@@ -1128,13 +1159,17 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
             chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
             c.reshape(-1).view(np.uint32) if rounding is not None or tiled_amax else _NO_BITS,
             _param_array(rounding or "bf16", False), parts, merged)
+    # One compiled signature for both 8-bit types: int8 values written to uint8 wrap to
+    # their two's-complement bits.
+    q = None if quantize is None else np.empty(c.shape, np.uint8)
+    args += (_NO_QP, _NO_Q) if q is None else (quantize[0], q.reshape(-1))
     if n * groups * m * c.shape[2] * max(kk, 1) < SERIAL_BELOW:
         _conv_units(*args, np.zeros(1, np.int64), spans * blocks)
     else:
         run_units(_conv_units, spans * blocks, *args)
     if tiled_amax:
         amax[:] = [amax_of_bits(parts.max() if parts.size else np.uint32(0))]
-    return c
+    return c if q is None else q.view(quantize[1])
 
 
 def amax_of_bits(largest: np.uint32) -> float:
@@ -1146,6 +1181,7 @@ _F32_INF_BITS = 0x7F800000
 
 
 _NO_BITS = np.zeros(0, np.uint32)
+_NO_QP, _NO_Q = np.zeros(4, np.float32), np.empty(0, np.uint8)
 
 # Every integer of magnitude up to 2**24 is a float32, so is every sum and product of such
 # integers that stays within it: in that range float32 arithmetic is integer arithmetic.
