@@ -633,6 +633,32 @@ def test_bf16_rounding_in_the_conv_registers_is_ml_dtypes_cast_at_ties_and_edges
     assert (np.signbit(got[nan]) == np.signbit(plain[nan])).all()
 
 
+def test_f16_rounding_in_the_conv_registers_is_numpys_float16_cast_bit_for_bit() -> None:
+    """The implicit GEMM rounds f16 in its registers with the CPU's float16 conversion
+    (gemm._post_epilogue): at ties to even, the overflow boundary (65520 to inf, just below it
+    to 65504), f16 subnormals and their ties, and NaNs whose payload lies only in the bits
+    f16 drops: numpy's float16 cast and back, bit for bit, NaNs included."""
+    from mplower.numerics.conv import conv2d
+
+    bits = np.array([0x3F801000, 0x3F803000, 0x3F801001, 0x477FF000, 0x477FEFFF, 0xC77FF000,
+                     0x33000000, 0x33000001, 0x33800000, 0x33C00000, 0x34200000, 0x387FC000,
+                     0x387FE000, 0x80001234, 0x7F800001, 0xFF800001, 0xFFC12345, 0x7FBFFFFF,
+                     0x7F800000, 0x3F800000], np.uint32)
+    # Channel 0 holds them (40 pixels: a full panel and a partial one), channel 1 zeros; every
+    # output channel is 0 + 1 * x0 + 0 * 0: x0, a signalling NaN made quiet.
+    values = np.zeros((1, 2, 5, 8), np.float32)
+    values[0, 0] = np.resize(bits, 40).view(np.float32).reshape(5, 8)
+    w = np.zeros((16, 2, 1, 1), np.float32)
+    w[:, 0] = 1.0
+    geometry = ((1, 1), (0, 0, 0, 0), (1, 1), 1)
+    plain = conv2d(values, w, *geometry)
+    assert np.isnan(plain).sum() == 16 * 8 and np.isinf(plain).sum() == 16 * 2
+    got = conv2d(values, w, *geometry, rounding="f16")
+    with np.errstate(over="ignore"):
+        expect = plain.astype(np.float16).astype(np.float32)
+    assert got.tobytes() == expect.tobytes()
+
+
 @pytest.mark.parametrize("kernel", [1, 3])
 def test_conv_amax_counts_only_the_columns_a_partial_panel_stores(kernel) -> None:
     """The lanes of a partial panel past the last pixel compute the bias alone; the amax the

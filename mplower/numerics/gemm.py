@@ -45,6 +45,7 @@ from mplower.numerics.rounding import (
     _param_array,
     _param_tuple,
     plain_bf16,
+    plain_f16,
     rounded_bits,
 )
 from mplower.numerics.workers import claim, run_blocks, run_units
@@ -217,7 +218,12 @@ def _broadcast(builder, value, lanes):
 def _post_epilogue(builder, final, lanes, post, width):
     """What a float32 tile's outputs get after `_fused_epilogue`, in registers: if bit 0 of
     `post` is set, bf16's rounding (rounding.rounded_bits' non-saturating bf16 path: nearest
-    even on the bit pattern, a NaN made bf16's quiet NaN with its sign); if bit 1 is set, the
+    even on the bit pattern, a NaN made bf16's quiet NaN with its sign); if bit 2 is set,
+    non-saturating f16's (the CPU's float16 conversion there and back: IEEE nearest-even with
+    subnormals and inf on overflow. A NaN here is quiet, made by the epilogue's arithmetic,
+    and keeps its sign and top ten payload bits as numpy's float16 cast and
+    rounding._round_one keep them; only a signalling NaN, which never gets here, would
+    differ); if bit 1 is set, the
     largest magnitude as a bit pattern (sign cleared, compared unsigned, as rounding.amax takes
     it) of the outputs in the first `width` columns, after the rounding, returned as an i32 (0
     if the bit is clear). Both decided once per tile by a branch, so a tile without them runs
@@ -255,6 +261,22 @@ def _post_epilogue(builder, final, lanes, post, width):
         out[rv] = builder.phi(vty)
         out[rv].add_incoming(value, start)
         out[rv].add_incoming(rounded[rv], rounding_end)
+
+    start = builder.block
+    halving = builder.append_basic_block("post_f16")
+    halved = builder.append_basic_block("post_f16_done")
+    builder.cbranch(flagged(4), halving, halved)
+    builder.position_at_end(halving)
+    hty = ir.VectorType(ir.HalfType(), lanes)
+    as_f16 = {rv: builder.fpext(builder.fptrunc(value, hty), vty) for rv, value in out.items()}
+    halving_end = builder.block
+    builder.branch(halved)
+    builder.position_at_end(halved)
+    for rv in list(out):
+        merged = builder.phi(vty)
+        merged.add_incoming(out[rv], start)
+        merged.add_incoming(as_f16[rv], halving_end)
+        out[rv] = merged
 
     start = builder.block
     measuring = builder.append_basic_block("post_measure")
@@ -934,11 +956,14 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
     taps = _tap_offsets(x, shape)
     direct = chunk >= kk and c.itemsize == w.itemsize
-    # bf16's rounding and the amax in the tile's registers as it is stored (`_post_epilogue`,
-    # float32 only), else over the stored tile while it is in L1 (`_finish_run`, `late`): the
-    # same bits. Any other rounding comes before the amax, so both are then late.
-    fast = c.itemsize == 4 and (not rounding or plain_bf16(rp))
-    post = ((1 if rounding else 0) | (2 if parts.size else 0)) if fast else 0
+    # bf16's or f16's rounding and the amax in the tile's registers as it is stored
+    # (`_post_epilogue`, float32 only), else over the stored tile while it is in L1
+    # (`_finish_run`, `late`): the same bits. Any other rounding comes before the amax, so
+    # both are then late.
+    fast = c.itemsize == 4 and (not rounding or plain_bf16(rp) or plain_f16(rp))
+    post = 0
+    if fast:
+        post = (2 if parts.size else 0) | (0 if not rounding else 1 if plain_bf16(rp) else 4)
     late = (rounding or parts.size > 0) and not fast
     packed, done = -1, 0
     while True:

@@ -177,6 +177,14 @@ def plain_bf16(p):
 
 
 @njit(cache=True, inline="always")
+def plain_f16(p):
+    """Whether rounding parameters p (`_params`) are non-saturating f16's (13 dropped bits,
+    ±inf on overflow, numpy's NaN payload), which the conv tiles round with the CPU's float16
+    conversion."""
+    return p[0] == _U32(13) and p[7] == _U32(_F32_INF) and p[9] == _U32(0x007FE000)
+
+
+@njit(cache=True, inline="always")
 def rounded_bits(u, p):
     """`_round_one`(u, p)'s result bits alone, for the kernels that round their outputs as
     they store them (a conv's tiles, a residual add). Non-saturating bf16 (p[0] = 16 dropped
