@@ -109,6 +109,15 @@ def test_scale_round_of_finite_data_with_its_amax_is_the_saturating_ml_dtypes_ca
     assert (values is operand) == (overwrite and fmt != "bf16")
     if values is not operand:
         assert operand.tobytes() == x.tobytes()
+    # Without counts (run_lowered's): the same values, no counts where the finite kernel ran.
+    operand = x.copy()
+    values, counts = scale_round(operand, fmt, sf, float(np.max(np.abs(x))), overwrite,
+                                 counted=False)
+    assert values.tobytes() == expect.tobytes()
+    assert (counts is None) == (fmt != "bf16")
+    assert (values is operand) == (overwrite and fmt != "bf16")
+    if values is not operand:
+        assert operand.tobytes() == x.tobytes()
 
 
 @pytest.mark.parametrize("amax", [float("nan"), float("inf"), 3e38])
@@ -803,14 +812,18 @@ def test_scaled_quants_of_conv_and_residual_results_take_the_amax_their_producer
     passes, overwrites = [], []
     original, scale_round = rounding.amax, rounding.scale_round
     monkeypatch.setattr(rounding, "amax", lambda v: passes.append(v.shape) or original(v))
+    # (shape, overwrite, counted) of each call: scale_round(x, fmt, sf, amax, overwrite[,
+    # counted]).
     monkeypatch.setattr(rounding, "scale_round", lambda x, *a: overwrites.append(
-        (x.shape, a[-1])) or scale_round(x, *a))
+        (x.shape, a[3], a[4] if len(a) > 4 else True)) or scale_round(x, *a))
     got = program.run_lowered(inputs)[0]
     assert got.tobytes() == expect.tobytes()
     assert passes == [(2, 8, 7, 7)]  # only the input's: no step computes x
     # The depthwise conv's result is read by its scaled_quant alone, which writes over it;
     # the relu's is read by the final add too, and the program's input belongs to the caller.
-    assert overwrites == [((2, 8, 7, 7), False), ((2, 4, 7, 7), False), ((2, 4, 7, 7), True)]
+    # The two that read their producer's amax take no counts (run_lowered keeps none).
+    assert overwrites == [((2, 8, 7, 7), False, True), ((2, 4, 7, 7), False, False),
+                          ((2, 4, 7, 7), True, False)]
     assert inputs[0].tobytes() == program.prepare_inputs([x, s])[0].tobytes()
     ops = [st.op for st in program._live]
     assert ops.count("mp.scaled_quant") == 3 and "mp.relu" not in ops  # add + relu fused

@@ -885,8 +885,10 @@ def _fuse_amax(steps: list[Step], outputs: list[int]) -> list[Step]:
         # The conv or add has just allocated its result: where the scaled_quant is its only
         # reader, the scaled values can take its place.
         alone = readers.get(p.output) == 1 and p.output not in kept
+        # run_lowered keeps no counts: the rounding takes none (scale_round's `counted`).
         fused[sq.node] = replace(sq, run=scaled_quant_kernel(
-            sq.attrs, sq.out_type, amax_of=lambda box=box: box.amax, overwrite=alone)[0])
+            sq.attrs, sq.out_type, amax_of=lambda box=box: box.amax, overwrite=alone,
+            counted=False)[0])
     return [fused.get(s.node, s) for s in steps]
 
 

@@ -37,13 +37,15 @@ class ScaleStats:
 
 def scaled_quant_kernel(attrs: dict, out_t: TensorType,
                         amax_of: Callable[[], float] | None = None,
-                        overwrite: bool = False) -> tuple[
-        Callable[[list[np.ndarray]], tuple[np.ndarray, Counts]], list[ScaleStats]]:
+                        overwrite: bool = False, counted: bool = True) -> tuple[
+        Callable[[list[np.ndarray]], tuple[np.ndarray, Counts | None]], list[ScaleStats]]:
     """The kernel and the one-element list its last step's ScaleStats is written to.
     `amax_of` gives the amax of the operand where the step that computed it took it already
     (run_lowered's amax fusion), instead of a pass over it (per-tensor recipes). With
     `overwrite` the kernel may write its values over its float32 operand, which nothing else
-    reads (rounding.scale_round's `overwrite`)."""
+    reads (rounding.scale_round's `overwrite`). Without `counted` (run_lowered, which keeps
+    no counts or statistics) a per-tensor rounding whose scaled values are all finite takes
+    no counts: the kernel returns None for them and leaves the ScaleStats list as it was."""
     elem, recipe = out_t.elem, attrs["recipe"]
     last: list[ScaleStats] = []
     delayed = None
@@ -52,7 +54,7 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType,
         delayed = mx.DelayedScaling(elem, attrs["history"], attrs["amax_compute"],
                                     attrs["margin"], scale=start, pow2=attrs["pow2"])
 
-    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts]:
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         x = np.ascontiguousarray(xs[0], dtype=np.float32)
         amax = rounding.amax(x) if amax_of is None or recipe == "block" else amax_of()
         scale, per_element, tensor_scale = None, 4 / max(1, x.size), None
@@ -72,7 +74,9 @@ def scaled_quant_kernel(attrs: dict, out_t: TensorType,
                 r = mx.quantize_per_tensor(x, elem, sf)
                 values, counts = r.values, r.counts
             else:  # quantize_per_tensor's values and counts in one pass over memory
-                values, counts = rounding.scale_round(x, elem, sf, amax, overwrite)
+                values, counts = rounding.scale_round(x, elem, sf, amax, overwrite, counted)
+                if counts is None:
+                    return values, None
             scale = float(np.float32(1) / np.float32(sf))
         n = max(1, x.size)
         last[:] = [ScaleStats(recipe, attrs["scale_format"], amax, scale, counts.overflow / n,

@@ -387,7 +387,7 @@ def _scaled_blocks(src, dst, pa, sf, inv, counts, c0, c1):
 
 
 def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
-                overwrite: bool = False) -> tuple[np.ndarray, Counts]:
+                overwrite: bool = False, counted: bool = True) -> tuple[np.ndarray, Counts | None]:
     """float32(round(float32(x * sf), fmt, saturating) * float32(1 / sf)) and the rounding's
     counts, in one pass: the values of mplower.numerics.mx.quantize_per_tensor, bit for bit,
     for the formats other than the MX element types (which it leaves to that function).
@@ -397,7 +397,9 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
     no NaN or infinity to handle and gives the same bits and counts about 2.5 times as fast.
     There, with `overwrite`, the values are written over x itself (which the caller must not
     need): the result stays in the cache lines the operand was read from, with no new array
-    to fill."""
+    to fill. There too, without `counted` (a caller that keeps no counts: run_lowered), the
+    counts are not taken and None comes back in their place: the same values, the kernel
+    about 40% faster (the two count reductions in its loop cost that much)."""
     _check_format(fmt, tuple(f for f in ENCODING_FORMATS if f not in MX_ROUNDING_FORMATS),
                   "scale_round")
     x = _f32_input(x, "scale_round")
@@ -410,6 +412,19 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
     # below 2^128 - 2^103 (half an ulp past the largest): NaN and infinity fail the test too.
     if finite is not None and not float(np.float32(amax)) * float(sf32) < _F32_ROUNDS_TO_INF:
         finite = None
+    if finite is not None and not counted:
+        flat = x.reshape(-1)
+        out = x if overwrite else np.empty_like(x)
+        # One operand where it is written over: see below.
+        args = (flat, finite, sf32, inv) if overwrite else (flat, out.reshape(-1), finite,
+                                                           sf32, inv)
+        kernel = _scaled_over_plain if overwrite else _scaled_plain
+        chunks = (flat.size + _CHUNK - 1) // _CHUNK
+        if flat.size < SERIAL_BELOW:
+            kernel(*args, 0, chunks)
+        else:
+            run_blocks(kernel, chunks, *args)
+        return out, None
     if finite is not None:
         if overwrite:  # one operand: a second that aliases it would fail numba's overlap
             # check and run the scalar loop
@@ -495,6 +510,25 @@ def _scaled_over_blocks(data, pf, sf, inv, counts, c0, c1):
         lo = c * _CHUNK
         counts[c, 0], counts[c, 1], counts[c, 2] = _scaled_over_serial(
             data[lo:lo + _CHUNK], pf, sf, inv)
+
+
+@njit(cache=True, nogil=True)
+def _scaled_over_plain(data, pf, sf, inv, c0, c1):
+    """`_scaled_over_serial`'s values, without its counts, over chunks c0 .. c1 - 1."""
+    emin, cap, shift, max_bits = pf[0], pf[1], pf[2], pf[3]
+    part = data[c0 * _CHUNK:min(data.size, c1 * _CHUNK)]
+    for i in range(part.size):
+        part[i] = _scaled_finite_one(part[i], emin, cap, shift, max_bits, sf, inv)[0]
+
+
+@njit(cache=True, nogil=True)
+def _scaled_plain(src, dst, pf, sf, inv, c0, c1):
+    """`_scaled_finite_serial`'s values, without its counts, over chunks c0 .. c1 - 1."""
+    emin, cap, shift, max_bits = pf[0], pf[1], pf[2], pf[3]
+    lo, hi = c0 * _CHUNK, min(src.size, c1 * _CHUNK)
+    s, d = src[lo:hi], dst[lo:hi]
+    for i in range(s.size):
+        d[i] = _scaled_finite_one(s[i], emin, cap, shift, max_bits, sf, inv)[0]
 
 
 @njit(cache=True, nogil=True)
