@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -300,7 +301,9 @@ def test_weights_holding_nan_or_inf_are_listed_in_the_report(cli, tmp_path) -> N
     w = np.ones((8, 3), np.float64)
     w[0, 0], w[1, 1], w[2, 2] = np.nan, -np.inf, 1e300  # 1e300 is inf as the f32 it declares
     np.savez(tmp_path / "w.npz", w=w)
-    res = cli("run", model, "--format", "json")
+    with warnings.catch_warnings():  # inf and NaN are reported, not warned about
+        warnings.simplefilter("error", RuntimeWarning)
+        res = cli("run", model, "--format", "json")
     assert res.rc == 0, res.err
     assert strict_json(res.out)["summary"]["nonfinite_weights"] == [
         {"name": "%w", "nan": 1, "inf": 2}]

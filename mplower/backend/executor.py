@@ -146,7 +146,8 @@ def _finish(y: np.ndarray, elem: str, saturate: bool = False) -> tuple[np.ndarra
         rounded, counts = round_to(np.ascontiguousarray(_f32(y)), elem, saturate)
         return rounded.reshape(np.shape(y)), counts
     if FORMATS[elem].is_float:
-        return y.astype(value_dtype(elem), copy=False), None
+        with np.errstate(over="ignore"):  # float64 beyond float32's range is inf, as IEEE
+            return y.astype(value_dtype(elem), copy=False), None
     return y.astype(value_dtype(elem), copy=False), NO_COUNTS
 
 
@@ -283,7 +284,8 @@ class Program:
         else:
             raise DiagnosticError.at(loc, "mp.constant needs a 'value' or a 'name'")
         is_float = FORMATS[t.elem].is_float
-        ref = raw.astype(np.float32) if is_float and t.elem != "f64" else raw
+        with np.errstate(over="ignore"):  # beyond float32's range is inf: the report lists it
+            ref = raw.astype(np.float32) if is_float and t.elem != "f64" else raw
         # ascontiguousarray makes a 0-d array 1-d: a scalar constant keeps its shape.
         lowered, counts = _finish(np.ascontiguousarray(raw).reshape(t.shape), t.elem)
         return lowered, counts if counts is not None else _nan_counts(lowered), ref

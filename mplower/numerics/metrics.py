@@ -86,7 +86,8 @@ def sqnr_db(y: np.ndarray | None, ref: np.ndarray | None) -> float | None:
     if y is None or ref is None or np.shape(y) != np.shape(ref):
         return None
     r = np.asarray(ref, np.float64)
-    d = np.asarray(y, np.float64) - r
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN: not finite, -inf below
+        d = np.asarray(y, np.float64) - r
     if not np.all(np.isfinite(d)):
         return -math.inf
     return sqnr_from(float(np.sum(r * r)), float(np.sum(d * d)))
@@ -99,7 +100,8 @@ def channel_sqnr_db(y: np.ndarray | None, ref: np.ndarray | None, axis: int) -> 
     if y is None or ref is None or np.shape(y) != np.shape(ref) or np.ndim(ref) == 0:
         return None
     r = np.moveaxis(np.asarray(ref, np.float64), axis, 0).reshape(np.shape(ref)[axis], -1)
-    d = np.moveaxis(np.asarray(y, np.float64), axis, 0).reshape(r.shape) - r
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN: not finite, -inf below
+        d = np.moveaxis(np.asarray(y, np.float64), axis, 0).reshape(r.shape) - r
     if not np.all(np.isfinite(d)):
         return -math.inf
     signal, noise = np.sum(r * r, axis=1), np.sum(d * d, axis=1)
