@@ -223,11 +223,10 @@ def _post_epilogue(builder, final, lanes, post, width):
     subnormals and inf on overflow. A NaN here is quiet, made by the epilogue's arithmetic,
     and keeps its sign and top ten payload bits as numpy's float16 cast and
     rounding._round_one keep them; only a signalling NaN, which never gets here, would
-    differ); if bit 1 is set, the
-    largest magnitude as a bit pattern (sign cleared, compared unsigned, as rounding.amax takes
-    it) of the outputs in the first `width` columns, after the rounding, returned as an i32 (0
-    if the bit is clear). Both decided once per tile by a branch, so a tile without them runs
-    the same instructions as before."""
+    differ); if bit 1 is set, the largest magnitude as a bit pattern (sign cleared, compared
+    unsigned, as rounding.amax takes it) of the outputs in the first `width` columns, after
+    the rounding, returned as an i32 (0 if the bit is clear). Each is decided once per tile
+    by a branch (`_when`), so a tile without them runs the same instructions as before."""
     i32 = ir.IntType(32)
     uty = ir.VectorType(i32, lanes)
     vty = next(iter(final.values())).type
@@ -239,70 +238,65 @@ def _post_epilogue(builder, final, lanes, post, width):
         return builder.icmp_signed("!=", builder.and_(post, ir.Constant(post.type, bit)),
                                    ir.Constant(post.type, 0))
 
-    start = builder.block
-    rounding = builder.append_basic_block("post_round")
-    rounded_done = builder.append_basic_block("post_rounded")
-    builder.cbranch(flagged(1), rounding, rounded_done)
-    builder.position_at_end(rounding)
-    rounded = {}
-    for rv, value in final.items():
-        u = builder.bitcast(value, uty)
-        magnitude = builder.and_(u, splat(0x7FFFFFFF))
-        odd = builder.and_(builder.lshr(u, splat(16)), splat(1))
-        near = builder.and_(builder.add(builder.add(u, splat(0x7FFF)), odd), splat(0xFFFF0000))
-        nan = builder.or_(builder.and_(u, splat(0x80000000)), splat(0x7FC00000))
-        r = builder.select(builder.icmp_unsigned(">", magnitude, splat(0x7F800000)), nan, near)
-        rounded[rv] = builder.bitcast(r, vty)
-    rounding_end = builder.block
-    builder.branch(rounded_done)
-    builder.position_at_end(rounded_done)
-    out = {}
-    for rv, value in final.items():
-        out[rv] = builder.phi(vty)
-        out[rv].add_incoming(value, start)
-        out[rv].add_incoming(rounded[rv], rounding_end)
+    def bf16(values):
+        rounded = {}
+        for rv, value in values.items():
+            u = builder.bitcast(value, uty)
+            magnitude = builder.and_(u, splat(0x7FFFFFFF))
+            odd = builder.and_(builder.lshr(u, splat(16)), splat(1))
+            near = builder.and_(builder.add(builder.add(u, splat(0x7FFF)), odd),
+                                splat(0xFFFF0000))
+            nan = builder.or_(builder.and_(u, splat(0x80000000)), splat(0x7FC00000))
+            r = builder.select(builder.icmp_unsigned(">", magnitude, splat(0x7F800000)), nan,
+                               near)
+            rounded[rv] = builder.bitcast(r, vty)
+        return rounded
 
-    start = builder.block
-    halving = builder.append_basic_block("post_f16")
-    halved = builder.append_basic_block("post_f16_done")
-    builder.cbranch(flagged(4), halving, halved)
-    builder.position_at_end(halving)
-    hty = ir.VectorType(ir.HalfType(), lanes)
-    as_f16 = {rv: builder.fpext(builder.fptrunc(value, hty), vty) for rv, value in out.items()}
-    halving_end = builder.block
-    builder.branch(halved)
-    builder.position_at_end(halved)
-    for rv in list(out):
-        merged = builder.phi(vty)
-        merged.add_incoming(out[rv], start)
-        merged.add_incoming(as_f16[rv], halving_end)
-        out[rv] = merged
+    def f16(values):
+        hty = ir.VectorType(ir.HalfType(), lanes)
+        return {rv: builder.fpext(builder.fptrunc(value, hty), vty)
+                for rv, value in values.items()}
 
-    start = builder.block
-    measuring = builder.append_basic_block("post_measure")
-    measured = builder.append_basic_block("post_measured")
-    builder.cbranch(flagged(2), measuring, measured)
-    builder.position_at_end(measuring)
-    limit = _broadcast(builder, width, lanes)
-    umax = builder.module.declare_intrinsic(
-        f"llvm.umax.v{lanes}i32", fnty=ir.FunctionType(uty, [uty, uty]))
-    most = splat(0)
-    for (r, v), value in out.items():
-        lane = ir.Constant(ir.VectorType(width.type, lanes),
-                           [v * lanes + j for j in range(lanes)])
-        bits = builder.and_(builder.bitcast(value, uty), splat(0x7FFFFFFF))
-        bits = builder.select(builder.icmp_signed("<", lane, limit), bits, splat(0))
-        most = builder.call(umax, [most, bits])
-    reduce = builder.module.declare_intrinsic(
-        f"llvm.vector.reduce.umax.v{lanes}i32", fnty=ir.FunctionType(i32, [uty]))
-    most = builder.call(reduce, [most])
-    measuring_end = builder.block
-    builder.branch(measured)
-    builder.position_at_end(measured)
-    largest = builder.phi(i32)
-    largest.add_incoming(ir.Constant(i32, 0), start)
-    largest.add_incoming(most, measuring_end)
+    def measure(_):
+        limit = _broadcast(builder, width, lanes)
+        umax = builder.module.declare_intrinsic(
+            f"llvm.umax.v{lanes}i32", fnty=ir.FunctionType(uty, [uty, uty]))
+        most = splat(0)
+        for (r, v), value in out.items():
+            lane = ir.Constant(ir.VectorType(width.type, lanes),
+                               [v * lanes + j for j in range(lanes)])
+            bits = builder.and_(builder.bitcast(value, uty), splat(0x7FFFFFFF))
+            bits = builder.select(builder.icmp_signed("<", lane, limit), bits, splat(0))
+            most = builder.call(umax, [most, bits])
+        reduce = builder.module.declare_intrinsic(
+            f"llvm.vector.reduce.umax.v{lanes}i32", fnty=ir.FunctionType(i32, [uty]))
+        return {"largest": builder.call(reduce, [most])}
+
+    out = _when(builder, flagged(1), final, bf16, "post_bf16")
+    out = _when(builder, flagged(4), out, f16, "post_f16")
+    largest = _when(builder, flagged(2), {"largest": ir.Constant(i32, 0)}, measure,
+                    "post_measure")["largest"]
     return out, largest
+
+
+def _when(builder, flag, values, transform, name):
+    """`values` (IR values by key) where `flag` is false, transform(values) where it is true:
+    one branch, then a phi per value."""
+    start = builder.block
+    then = builder.append_basic_block(name)
+    done = builder.append_basic_block(name + "_done")
+    builder.cbranch(flag, then, done)
+    builder.position_at_end(then)
+    changed = transform(values)
+    then_end = builder.block
+    builder.branch(done)
+    builder.position_at_end(done)
+    merged = {}
+    for key, value in values.items():
+        merged[key] = builder.phi(value.type)
+        merged[key].add_incoming(value, start)
+        merged[key].add_incoming(changed[key], then_end)
+    return merged
 
 
 def _prefetch(builder, pointer, write: bool) -> None:
@@ -366,8 +360,8 @@ _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 def _stored_kernel(rows: int):
     """An intrinsic `stored(a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc,
     depth, s, h, e_offset, relu, columns, post)`: `_micro_kernel(rows)` from +0, with
-    `_fused_epilogue` and, for float32, `_post_epilogue` (bf16 rounding, the amax, as the bits
-    of `post` ask) applied to the registers as they are stored into c (its first `columns`
+    `_fused_epilogue` and, for float32, `_post_epilogue` (bf16 or f16 rounding, the amax, as the
+    bits of `post` ask) applied to the registers as they are stored into c (its first `columns`
     columns), so that a tile costs no second pass over its outputs. Returns the amax bits
     (`_post_epilogue`'s; 0 unless measured)."""
 
