@@ -92,6 +92,71 @@ def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypa
         numba.set_num_threads(threads)
 
 
+def integer_conv(x, w, strides, padding, dilations, groups) -> np.ndarray:
+    """The exact conv of integer operands: numpy's int64 im2col times the weights."""
+    o, cg, kh, kw = w.shape
+    cols = im2col(x.astype(np.int64), (kh, kw), strides, padding, dilations, groups)
+    wmat = w.reshape(groups, o // groups, cg * kh * kw).astype(np.int64)
+    y = np.matmul(wmat[None], cols).reshape(x.shape[0], o, -1)
+    ho = (x.shape[2] + padding[0] + padding[2] - dilations[0] * (kh - 1) - 1) // strides[0] + 1
+    return y.reshape(x.shape[0], o, ho, -1)
+
+
+@pytest.mark.parametrize("activation", [np.uint8, np.int8])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0] + c[1])))
+def test_8bit_conv_packs_and_converts_the_integer_input_exactly(monkeypatch, case,
+                                                                activation) -> None:
+    # The padded input stays 8-bit and the panels convert it as they pack (a 1x1 stride-1
+    # conv's panels too, which float inputs read in place); the weights as they are and as
+    # IntegerWeights (their float32 copy made once). Extreme values in the first channels.
+    xs, (o, kh, kw), strides, padding, dilations, groups = case
+    rng = np.random.default_rng(sum(xs) + o + 1)
+    info = np.iinfo(activation)
+    x = rng.integers(info.min, int(info.max) + 1, xs).astype(activation)
+    w = rng.integers(-128, 128, (o, xs[1] // groups, kh, kw)).astype(np.int8)
+    x[:, 0], w[0] = info.min if activation == np.int8 else info.max, -128
+    scale = (rng.random(o) * 1e-3).astype(np.float32)
+    bias = rng.standard_normal(o).astype(np.float32)
+    q = integer_conv(x, w, strides, padding, dilations, groups)
+    fused = np.maximum(q.astype(np.float32) * scale.reshape(1, -1, 1, 1)
+                       + bias.reshape(1, -1, 1, 1), np.float32(0))
+    prepared = conv.IntegerWeights(w)
+    assert prepared.float32.dtype == np.float32 and np.array_equal(prepared.float32, w)
+    threads = numba.get_num_threads()
+    try:
+        for serial_below in (gemm.SERIAL_BELOW, 0):
+            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+            for n in _threads():
+                numba.set_num_threads(n)
+                for weight in (w, prepared):
+                    got = conv2d(x, weight, strides, padding, dilations, groups)
+                    assert got.dtype == np.int64 and np.array_equal(got, q)
+                    got = conv2d(x, weight, strides, padding, dilations, groups, scale=scale,
+                                 bias=bias, relu=True)
+                    assert got.dtype == np.float32 and bits(got) == bits(fused)
+    finally:
+        numba.set_num_threads(threads)
+    assert (fused == 0).any() and (fused > 0).any()
+
+
+def test_integer_weights_of_wider_types_give_the_exact_conv() -> None:
+    # int64 weights of 8-bit values (an IR literal's): the bound, not the type, makes the
+    # float32 copy; beyond float32's integers there is none, and the int64 path sums them.
+    rng = np.random.default_rng(13)
+    x = rng.integers(0, 256, (2, 8, 7, 7)).astype(np.uint8)
+    for w in (rng.integers(-128, 128, (16, 8, 3, 3)),
+              rng.integers(-2**40, 2**40, (16, 8, 3, 3))):
+        prepared = conv.IntegerWeights(w)
+        assert prepared.bound == np.abs(w).max() or prepared.bound == -w.min()
+        assert (prepared.float32 is None) == (prepared.bound > gemm.F32_EXACT)
+        expect = integer_conv(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+        got = conv2d(x, prepared, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+        assert got.dtype == np.int64 and np.array_equal(got, expect)
+    for bad in (np.zeros((4, 2, 3, 3), np.float32), np.zeros((4, 18), np.int8)):
+        with pytest.raises(ValueError, match="integer"):
+            conv.IntegerWeights(bad)
+
+
 def test_float16_operands_are_convolved_in_float32() -> None:
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, 4, 6, 6)).astype(np.float16)

@@ -975,8 +975,12 @@ def test_a_quantize_read_only_by_the_next_conv_is_done_by_the_conv_that_computes
     x = (rng.standard_normal((2, 8, 7, 7)) * 3).astype(np.float32)
     got = program.run_lowered(program.prepare_inputs([x]))[0]
     assert [st.op for st in program._live] == ["mp.conv2d", "mp.conv2d"]
+    # The integer conv reads its constant weight's float32 copy, made once.
+    from mplower.numerics.conv import IntegerWeights, conv2d
+
+    weight = program._live[1].run.args[1]
+    assert isinstance(weight, IntegerWeights) and weight.bound == 3 and weight.float32 is not None
     assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
-    from mplower.numerics.conv import conv2d
 
     c = conv2d(x, np.full((16, 8, 3, 3), 0.75, np.float32), (1, 1), (1, 1, 1, 1), (1, 1), 1)
     q = np.clip(np.rint(c / np.float32(0.5)) + 7, 0, 255).astype(np.int64)

@@ -49,6 +49,7 @@ from mplower.ir.opdef import OPS, OpDef, OpError, attr_array, attr_int, attr_typ
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
+from mplower.numerics.conv import IntegerWeights
 from mplower.numerics.elementwise import add_relu
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import TILE_ROWS, PackedMatrix, matmul
@@ -444,20 +445,27 @@ class Program:
 # precision and packed into panels (mplower.numerics.gemm.PackedMatrix), made once here: on
 # every call that was a pass over b, and for an integer weight a float copy too.
 
+# An integer conv's constant weight likewise: its magnitude bound and float32 copy, which the
+# implicit GEMM reads (IntegerWeights), are made once.
+
 def _pack_weights(steps: list[Step], constants: dict[int, Any]) -> list[Step]:
     out = []
     for s in steps:
+        w = constants.get(s.inputs[1]) if len(s.inputs) >= 2 else None
         dtype = getattr(s.run, "weight_dtype", None)
-        w = constants.get(s.inputs[1]) if s.op == "mp.matmul" and len(s.inputs) == 2 else None
-        if dtype is not None and isinstance(w, np.ndarray) and w.ndim == 2:
+        if s.op == "mp.matmul" and len(s.inputs) == 2 and dtype is not None \
+                and isinstance(w, np.ndarray) and w.ndim == 2:
             s = replace(s, run=partial(_with_weight, s.run, PackedMatrix(w, dtype)))
+        elif s.op == "mp.conv2d" and getattr(s.run, "integer_weights", False) \
+                and isinstance(w, np.ndarray) and w.ndim == 4 and w.dtype.kind in "iu":
+            s = replace(s, run=partial(_with_weight, s.run, IntegerWeights(w)))
         out.append(s)
     return out
 
 
-def _with_weight(run: Kernel, weight: PackedMatrix,
+def _with_weight(run: Kernel, weight: PackedMatrix | IntegerWeights,
                  xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-    return run([xs[0], weight])
+    return run([xs[0], weight, *xs[2:]])
 
 
 # ---- epilogue fusion (run_lowered) ---------------------------------------------------------
@@ -981,6 +989,8 @@ def _fused_conv_kernel(conv: Step, scale: np.ndarray | None, bias: np.ndarray | 
         if box is not None:
             box.amax = found[0]
         return y, None
+    if scale is not None:  # an integer conv: its constant weight can be an IntegerWeights
+        run.integer_weights = True  # type: ignore[attr-defined]
     return run
 
 

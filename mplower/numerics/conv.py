@@ -23,7 +23,10 @@ streams such narrow products.
 Integer operands are summed exactly: values whose products stay within float32's integers
 (8-bit quantized values) are packed as float32, and the tiles split K into chunks so that no
 partial sum leaves them (as `integer_matmul`); the result is np.matmul's int64 product at
-float32 GEMM speed.
+float32 GEMM speed. The 8-bit input stays 8-bit (padded as such) until the panels convert it
+as they pack it, and a constant weight's float32 copy can be made once (IntegerWeights): an
+int8 conv then costs what the float32 conv costs (ResNet-50's convs at batch 1 had taken
+9-15% longer, docs/benchmarks.md).
 
 The ops that follow a conv in a network (a bias, the dequantize of an integer conv, a relu)
 can run as the GEMM stores each output (`scale`, `bias`, `relu`), with the bits the separate
@@ -78,7 +81,23 @@ def _padded_phases(x: np.ndarray, padding: tuple[int, ...], sw: int,
     return out.reshape(n, c * sw, hp, wq)
 
 
-def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
+class IntegerWeights:
+    """A constant integer weight (O, C / groups, KH, KW) of the convolutions that read it many
+    times (the executor's lowered plans), with what conv2d derives from it made once: the
+    bound on its magnitude and, where that is within float32's integers, its float32 copy,
+    which the implicit GEMM reads (it converted the weight on every call: 4 MB for ResNet-50's
+    2048x512 1x1 conv). conv2d(x, IntegerWeights(w)) is conv2d(x, w), the same bits."""
+
+    def __init__(self, w: np.ndarray) -> None:
+        w = np.asarray(w)
+        if w.ndim != 4 or w.dtype.kind not in "iu":
+            raise ValueError(f"IntegerWeights: an integer (O, C, KH, KW) weight, not "
+                             f"{w.dtype} {w.shape}")
+        self.values, self.bound = w, int_magnitude(w)
+        self.float32 = w.astype(np.float32) if self.bound <= F32_EXACT else None
+
+
+def conv2d(x: np.ndarray, w: np.ndarray | IntegerWeights, strides: tuple[int, int],
            padding: tuple[int, int, int, int], dilations: tuple[int, int],
            groups: int, *, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
            relu: bool = False, channels: np.ndarray | None = None,
@@ -107,10 +126,13 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     conv only) quantizes and dequantizes the result as it is stored (depthwise_conv2d's).
     `quantize` = (scale, zero point, format), a float result, per tensor, to an 8-bit integer
     format: returns quant.quantize's integers of the result instead (its storage dtype),
-    quantized by the implicit GEMM as it stores each tile, elsewhere after."""
+    quantized by the implicit GEMM as it stores each tile, elsewhere after. `w` may be an
+    IntegerWeights, whose float32 copy the implicit GEMM then reads."""
+    prepared = w if isinstance(w, IntegerWeights) else None
+    w = w.values if prepared is not None else w
     if quantize is not None:
         return _quantized(x, w, strides, padding, dilations, groups, scale, bias, relu,
-                          channels, into, rounding, amax, requantize, quantize)
+                          channels, into, rounding, amax, requantize, quantize, prepared)
     found: list | None = None if amax is None else []
     if rounding is not None:
         if x.dtype.kind in "iub" or np.result_type(x, w) == np.float64:
@@ -124,7 +146,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             y[:, c0:c0 + o] = round_to(np.ascontiguousarray(y[:, c0:c0 + o]), rounding)[0]
     else:
         y = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels,
-                    into, None, found, requantize)[0]
+                    into, None, found, requantize, prepared=prepared)[0]
     if amax is not None:
         if into is not None:  # the whole concatenation is the result
             found = []
@@ -133,7 +155,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
 
 
 def _quantized(x, w, strides, padding, dilations, groups, scale, bias, relu, channels, into,
-               rounding, amax, requantize, quantize) -> np.ndarray:
+               rounding, amax, requantize, quantize, prepared) -> np.ndarray:
     """conv2d with `quantize`."""
     qscale, zp, fmt = quantize
     f = FORMATS.get(fmt)
@@ -146,7 +168,7 @@ def _quantized(x, w, strides, padding, dilations, groups, scale, bias, relu, cha
     qp = np.array([np.float32(np.asarray(qscale).reshape(())), np.asarray(zp).reshape(()),
                    f.min_value, f.max_finite], np.float32)
     y, done = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels,
-                      None, None, None, None, (qp, f.storage))
+                      None, None, None, None, (qp, f.storage), prepared)
     if done:
         return y
     return quant_quantize(np.ascontiguousarray(y, np.float32), qp[:1],
@@ -159,10 +181,12 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
             channels: np.ndarray | None, into: tuple[np.ndarray, int] | None,
             rounding: str | None, amax: list | None = None,
             requantize: tuple | None = None,
-            quantize: tuple | None = None) -> tuple[np.ndarray, bool]:
+            quantize: tuple | None = None,
+            prepared: IntegerWeights | None = None) -> tuple[np.ndarray, bool]:
     """conv2d, and whether the result is rounded to `rounding` already (in the tiles); `amax`
     set to [its amax] where the kernel takes it as it stores (else left empty). With
-    `quantize` (conv_product's), the bool says whether the result is the quantized one."""
+    `quantize` (conv_product's), the bool says whether the result is the quantized one. `prepared`:
+    w's IntegerWeights, where the caller has them."""
     if into is not None and x.dtype.kind in "iub" and scale is None and bias is None \
             and not relu:
         raise ValueError("conv2d: an integer result (no epilogue) cannot go `into` float32")
@@ -182,14 +206,16 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         raise ValueError("conv2d: an input channel order and requantize apply to a depthwise "
                          "conv only")
     integer = x.dtype.kind in "iub"
-    bound = int_magnitude(x) * int_magnitude(w) if integer else 0
+    bound = int_magnitude(x) * (prepared.bound if prepared is not None else int_magnitude(w)) \
+        if integer else 0
     if integer and bound <= F32_EXACT:
         work = np.dtype(np.float32)
     elif integer:
         work = np.dtype(np.int64)
     else:  # float16 operands are computed in float32, as `matmul` does
         work = np.dtype(np.float64 if np.result_type(x, w) == np.float64 else np.float32)
-    w = w.astype(work, copy=False)
+    w = prepared.float32 if prepared is not None and work == np.float32 \
+        else w.astype(work, copy=False)
     n, g = x.shape[0], groups
     o, cg, kh, kw = w.shape
     (sh, sw), (dh, dw) = strides, dilations
@@ -200,15 +226,18 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
         epilogue = scale is not None or bias is not None or relu
         out = np.dtype(np.int64) if integer and not epilogue else work
         chunk = F32_EXACT // bound if integer and bound else cg * kh * kw
+        # 8-bit integers stay 8-bit in the padded copy: the panels convert them as they pack
+        # (a quarter of the copy's memory, and no conversion pass).
+        stored = x.dtype if integer else work
         if kh == kw == 1 and (sh, sw) != (1, 1):
             # A strided 1x1 conv is a 1x1 stride-1 conv of the pixels it reads: one copy of
             # them, then panels read in place, instead of a strided gather over K planes per
             # panel.
-            x, sh, sw = _padded(x, padding, work)[:, :, ::sh, ::sw], 1, 1
+            x, sh, sw = _padded(x, padding, stored)[:, :, ::sh, ::sw], 1, 1
         elif sw > 1:
-            x = _padded_phases(x, padding, sw, work)
+            x = _padded_phases(x, padding, sw, stored)
         else:
-            x = _padded(x, padding, work)
+            x = _padded(x, padding, stored)
         # Written in place where each sum is stored once (float32 sums over all of K); an
         # integer product summed in several chunks is copied there.
         exact = out == np.float32 and chunk >= cg * kh * kw

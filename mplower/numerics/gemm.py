@@ -899,6 +899,16 @@ def _pack_panel(x, panel, at, stride, image, channel0, shape, taps, q0, width, s
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _convert_panel(flat, src, plane, panel, at, kk, cols):
+    """The full panel of a 1x1 stride-1 conv whose pixels start at flat[src] (its K rows a
+    plane apart) into panel[at:] as (K, cols), converted to the panel's type."""
+    for k in range(kk):
+        s, d = np.uint64(src + k * plane), np.uint64(at + k * cols)
+        for t in range(np.uint64(cols)):
+            panel[d + t] = flat[s + t]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _zero_columns(panel, at, stride, rows, first, cols):
     """Columns first .. cols - 1 of `rows` panel rows (stride apart) from panel[at] on: +0."""
     for row in range(rows):
@@ -907,9 +917,9 @@ def _zero_columns(panel, at, stride, rows, first, cols):
 
 
 @njit(cache=True, nogil=True)
-def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias, relu,
-                post_s, post_h, channel0, rounding, rbits, rpa, parts, merged, qp, qout, counter,
-                units):
+def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale, bias,
+                relu, post_s, post_h, channel0, rounding, rbits, rpa, parts, merged, qp, qout,
+                counter, units):
     """The work units of the conv's result, channels channel0 .. channel0 + O/G - 1 of c
     (N * G, C, Ho*Wo) (all of c unless the result is written into a concatenation, see
     conv_product's `into`), claimed from `counter`: unit u is image-group
@@ -945,9 +955,13 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
     spanning = np.zeros(span, np.bool_)
     rp = _param_tuple(rpa)
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
-    # them, a strided gather over K planes, cost more than it saved).
-    in_place = shape[1] == shape[2] == shape[3] == shape[4] == 1
-    flat, cf, plane = x.reshape(-1), c.reshape(-1), x.shape[2] * x.shape[3]
+    # them, a strided gather over K planes, cost more than it saved), from `flat` (x
+    # flattened), which is empty where x has another type than w (8-bit integers): those
+    # panels are copied converted, a row of contiguous pixels per k (`_convert_panel`).
+    one_by_one = shape[1] == shape[2] == shape[3] == shape[4] == 1
+    in_place = one_by_one and flat.size > 0
+    cf, plane = c.reshape(-1), x.shape[2] * x.shape[3]
+    xf = x.reshape(-1)
     taps = _tap_offsets(x, shape)
     direct = chunk >= kk and c.itemsize == w.itemsize
     # bf16's or f16's rounding and the amax in the tile's registers as it is stored
@@ -990,6 +1004,10 @@ def _conv_units(x, w, c, shape, groups, cols, span, rows_per_unit, chunk, scale,
                     continue
                 sources[j], ldps[j] = -1 - j * kk * cols, cols
                 at, image, q1, filled = j * kk * cols, firsts[j], q0s[j], 0
+                if one_by_one and widths[j] == cols:
+                    _convert_panel(xf, (firsts[j] * kk) * plane + q0s[j], plane, panel, at,
+                                   kk, cols)
+                    continue
                 while True:  # the pixels of this image, then of the next ones if merged
                     width = min(cols - filled, pixels - q1)
                     _pack_panel(x, panel, at + filled, cols, image // groups, g * shape[0],
@@ -1117,7 +1135,8 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     Ho*Wo) in `out`: the product of the weights and the im2col of each image and group
     (mplower.numerics.conv), without materializing the im2col. shape = (Cg, KH, KW, sh, sw,
     dh, dw, Ho, Wo); x is (N, C * sw, Hp, Wp / sw), its columns split into sw phases as
-    `_pack_panel` reads them (a 1x1 conv has stride 1); chunk, scale, bias and relu as in
+    `_pack_panel` reads them (a 1x1 conv has stride 1), in wmat's type or in an 8-bit integer
+    type, which the panels convert as they are packed; chunk, scale, bias and relu as in
     `_product`.
 
     `into` = (y, c0): write the result into channels c0 .. c0 + O - 1 of y (N, C, Ho*Wo)
@@ -1174,7 +1193,8 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     tiled_amax = amax is not None and out == np.float32 and wmat.dtype == np.float32 \
         and chunk >= kk and into is None
     parts = np.zeros(spans * blocks if tiled_amax else 0, np.uint32)
-    args = (x, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
+    flat = x.reshape(-1) if x.dtype == wmat.dtype else np.empty(0, wmat.dtype)
+    args = (x, flat, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
             chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
             c.reshape(-1).view(np.uint32) if rounding is not None or tiled_amax else _NO_BITS,
             _param_array(rounding or "bf16", False), parts, merged)
