@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -264,8 +265,10 @@ def ort_int8(path: Path, calib: list[np.ndarray], method=None, out: Path | None 
 
 # ---- timing ---------------------------------------------------------------------------------
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each function, the functions taking turns."""
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int,
+                raw: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Median seconds per call of each function, the functions taking turns; `raw` (a dict)
+    gets every round's seconds too."""
     for fn in fns.values():  # warm-up: compilation, caches, first touch
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -277,11 +280,13 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
             fn()
             times[name].append(time.perf_counter() - t0)
             time.sleep(0.05)  # let the helper threads settle
+    if raw is not None:
+        raw.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measure(name: str, batch: int, rounds: int, sheets: tuple[str, ...],
-            calib_count: int) -> dict[str, float]:
+            calib_count: int, raw: dict[str, list[float]] | None = None) -> dict[str, float]:
     path = onnx_model(name, batch)
     model = onnx.load(str(path))
     x = samples(model, 1, seed=1)[0]
@@ -299,7 +304,7 @@ def measure(name: str, batch: int, rounds: int, sheets: tuple[str, ...],
     for label, source in (("ort fp32", path), ("ort int8", ort_int8(path, calib))):
         session = ort_session(source)
         fns[label] = lambda s=session: s.run(None, feed)
-    return interleaved(fns, rounds)
+    return interleaved(fns, rounds, raw)
 
 
 CALIBRATE_CHILD = """
@@ -431,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration", type=int, default=0, metavar="N",
                    help="instead: time static int8 calibration of ResNet-50 on N samples")
     p.add_argument("--write", type=Path, help="markdown file whose runtime.py section to replace")
+    p.add_argument("--raw", type=Path, help="JSON file for every round's seconds per model")
     args = p.parse_args(argv)
     models = tuple(args.models.split(","))
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -445,11 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             write_section(args.write, lines, "calibration")
         return 0
-    rows = []
+    rows, raw = [], {}
     for name in models:
         for batch in batches:
-            t = measure(name, batch, rounds, sheets, args.calib)
+            raw[f"{name} b{batch}"] = {}
+            t = measure(name, batch, rounds, sheets, args.calib, raw[f"{name} b{batch}"])
             rows.append((name, batch, t))
+            if args.raw:
+                args.raw.write_text(json.dumps(raw, indent=1))
             print(f"{name} b{batch}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()),
                   flush=True)
     import numba

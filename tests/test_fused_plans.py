@@ -913,6 +913,91 @@ def test_an_int8_matmuls_dequantize_and_constant_adds_run_as_its_epilogue(elem, 
     assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
 
 
+_FLOAT_MATMUL = """func.func @main(%x: tensor<2x5x16xE0>) -> tensor<2x5x6xE2> {
+  %w = mp.constant {value = dense<WEIGHT> : tensor<16x6xE0>} : () -> tensor<16x6xE0>
+  %y = mp.matmul %x, %w : (tensor<2x5x16xE0>, tensor<16x6xE0>) -> tensor<2x5x6xE0>
+  %b = mp.constant {value = dense<BIAS> : tensor<6xE0>} : () -> tensor<6xE0>
+  %yb = mp.add %b, %y : (tensor<6xE0>, tensor<2x5x6xE0>) -> tensor<2x5x6xE1>
+  %c = mp.constant {value = dense<CORRECTION> : tensor<1x6xE1>} : () -> tensor<1x6xE1>
+  %r = mp.add %yb, %c : (tensor<2x5x6xE1>, tensor<1x6xE1>) -> tensor<2x5x6xE2>
+  return %r : tensor<2x5x6xE2>
+}
+"""
+
+
+@pytest.mark.parametrize("elems", [("bf16", "bf16", "bf16"), ("f16", "f16", "f16"),
+                                   ("f32", "f32", "f32"), ("bf16", "f32", "f32")])
+def test_a_float_matmuls_rounding_and_bias_adds_run_as_one_pass(elems, monkeypatch) -> None:
+    """A float matmul rounded to its format, then the adds of an (N,) and a (1, N) constant,
+    each rounded to its own: one step in run_lowered, whose bits are the GEMM's fixed-order
+    sums in numpy, then each rounding and float32 add through ml_dtypes' and numpy's types,
+    and run's. Serial and split over the worker threads; NaN, infinities and halfway values
+    among the sums."""
+    from conftest import sequential_matmul
+
+    from mplower.numerics import elementwise
+
+    types = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+
+    def rounded(v, elem):
+        with np.errstate(over="ignore"):
+            return v.astype(types[elem]).astype(np.float32)
+
+    rng = np.random.default_rng(23)
+    w = rounded((rng.standard_normal((16, 6)) * 3).astype(np.float32), elems[0])
+    bias = rounded(rng.standard_normal(6).astype(np.float32), elems[0])
+    correction = rounded(rng.standard_normal((1, 6)).astype(np.float32) * 1e3, elems[1])
+    text = (_FLOAT_MATMUL.replace("WEIGHT", str(w.tolist())).replace("BIAS", str(bias.tolist()))
+            .replace("CORRECTION", str(correction.tolist())))
+    for i, elem in enumerate(elems):
+        text = text.replace(f"E{i}", elem)
+    program = Program(parse(text, "m.ir"))
+    x = rounded((rng.standard_normal((2, 5, 16)) * 40).astype(np.float32), elems[0])
+    x[0, 0, 0], x[0, 1, 1], x[1, 0, 2] = np.nan, np.inf, -np.inf
+    y = np.stack([sequential_matmul(x[i], w) for i in range(2)])
+    expect = rounded(rounded(rounded(y, elems[0]) + bias, elems[1]) + correction, elems[2])
+    for serial_below in (elementwise.SERIAL_BELOW, 0):
+        monkeypatch.setattr(elementwise, "SERIAL_BELOW", serial_below)
+        got = program.run_lowered(program.prepare_inputs([x]))[0]
+        assert [s.op for s in program._live] == ["mp.matmul"]
+        assert got.tobytes() == expect.tobytes()
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    assert np.isnan(got).any() and np.isinf(got).any()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16", "f8E4M3FN", "f8E5M2"])
+def test_round_add_columns_is_round_to_then_each_float32_add_and_round_to(fmt,
+                                                                         monkeypatch) -> None:
+    """elementwise.round_add_columns against ml_dtypes' casts and numpy's float32 adds, at
+    values on and off the ties, beyond the range, subnormal and NaN, in blocks of rows on the
+    worker threads as well; "f32" steps round nothing."""
+    from mplower.numerics import elementwise
+    from mplower.numerics.elementwise import round_add_columns
+
+    types = {"f32": np.float32, **ML}
+    rng = np.random.default_rng(24)
+    y = (rng.standard_normal((7, 33, 40)) * 10.0 ** rng.integers(-45, 38, (7, 33, 40))
+         ).astype(np.float32)
+    y.reshape(-1)[:6] = [np.nan, -np.inf, np.inf, -0.0, 1.0 + 2.0 ** -8, 1.0 + 2.0 ** -11]
+    vectors = [(rng.standard_normal(40) * 100).astype(np.float32) for _ in range(2)]
+
+    def rounded(v, f):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return v.astype(types[f]).astype(np.float32)
+
+    expect = rounded(rounded(y, fmt) + vectors[0], "f32")
+    expect = rounded(expect + vectors[1], fmt)
+    for serial_below in (elementwise.SERIAL_BELOW, 0):
+        monkeypatch.setattr(elementwise, "SERIAL_BELOW", serial_below)
+        got = y.copy()
+        round_add_columns(got, fmt, [(vectors[0], "f32"), (vectors[1], fmt)])
+        assert got.tobytes() == expect.tobytes()
+    with pytest.raises(ValueError, match="round_add_columns"):
+        round_add_columns(y.copy(), "f4E2M1FN", [])
+    with pytest.raises(ValueError, match="round_add_columns"):
+        round_add_columns(y.copy(), fmt, [(vectors[0][:39], fmt)])
+
+
 @pytest.mark.parametrize("elem", ["ui8", "i8"])
 @pytest.mark.parametrize("case", ["gemm-f32", "gemm-int8", "gemm-int8-chunked", "depthwise",
                                   "narrow"])

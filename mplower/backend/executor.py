@@ -50,12 +50,13 @@ from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.conv import IntegerWeights
-from mplower.numerics.elementwise import add_relu
+from mplower.numerics.elementwise import add_relu, round_add_columns
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import TILE_ROWS, PackedMatrix, matmul
 from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, fake_quantizer, quantize, quantizer
 from mplower.numerics.rounding import (
+    MX_ROUNDING_FORMATS,
     ROUNDING_FORMATS,
     Counts,
     decode,
@@ -626,7 +627,55 @@ def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
         fused[mm.node] = replace(mm, name=last.name, output=last.output, out_type=last.out_type,
                                  run=_dequantized_matmul_kernel(scale, adds))
         gone.update(s.node for s in chain)
+    for mm in steps:
+        # A float matmul rounded to its format, and the bias adds that follow it.
+        elem = mm.out_type.elem
+        if mm.op != "mp.matmul" or len(mm.inputs) != 2 or mm.node in fused \
+                or getattr(mm.run, "weight_dtype", None) != np.float32 \
+                or not all(_plain_float(t.elem) for t in (*mm.in_types, mm.out_type)):
+            continue
+        columns, chain, adds, last = mm.out_type.shape[-1], [], [], mm
+        while (add := only_user(last, "mp.add")) is not None:
+            other = add.inputs[1 - add.inputs.index(last.output)]
+            vector = _rounded_column_vector(constants.get(other), add, columns)
+            if vector is None:
+                break
+            chain.append(add)
+            adds.append((vector, add.out_type.elem))
+            last = add
+        if not adds and elem == "f32":
+            continue
+        fused[mm.node] = replace(mm, name=last.name, output=last.output, out_type=last.out_type,
+                                 run=_rounded_matmul_kernel(elem, adds))
+        gone.update(s.node for s in chain)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _plain_float(elem: str) -> bool:
+    """A float format whose values run as float32 and round with round_to's kernel."""
+    return elem in ROUNDING_FORMATS and elem not in MX_ROUNDING_FORMATS
+
+
+def _rounded_column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:
+    """`_column_vector` for an add in any `_plain_float` format: its constant (float32
+    values) as a vector along the last axis, or None."""
+    if not all(_plain_float(t.elem) for t in (*add.in_types, add.out_type)):
+        return None
+    return _column_vector(value, replace(add, out_type=add.out_type.with_elem("f32"),
+                                         in_types=[t.with_elem("f32") for t in add.in_types]),
+                          columns)
+
+
+def _rounded_matmul_kernel(elem: str, adds: list[tuple[np.ndarray, str]]) -> Kernel:
+    """A float matmul's result rounded to `elem`, then each add of a vector along its last axis
+    rounded to its format (`_fuse_matmul_epilogues`): the bits of the matmul's kernel and of
+    the adds' (float32 adds, then round_to), in one pass over the result, in place."""
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        y = matmul(_f32(xs[0]), _weight(xs[1], np.float32))
+        round_add_columns(y, elem, adds)
+        return y, None  # run_lowered keeps no counts
+    run.weight_dtype = np.dtype(np.float32)  # type: ignore[attr-defined]
+    return run
 
 
 def _column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:

@@ -90,6 +90,59 @@ def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None,
 
 
 @njit(cache=True, nogil=True)
+def _column_rows(bits, columns, vectors, params, rounds, r0, r1):
+    """Rows r0 .. r1 - 1 of the (rows, columns) float32 bit patterns `bits`, in place: rounded
+    by params[0] if rounds[0], then for each s, plus vectors[s] (a float32 add along the row)
+    and rounded by params[s + 1] if rounds[s + 1]. A row at a time, one step after another,
+    while it is in L1."""
+    for r in range(r0, r1):
+        row = bits[r * columns:(r + 1) * columns]
+        if rounds[0]:
+            p = _param_tuple(params[0])
+            for j in range(columns):
+                row[j] = rounded_bits(row[j], p)
+        for s in range(vectors.shape[0]):
+            vector = vectors[s]
+            if rounds[s + 1]:
+                p = _param_tuple(params[s + 1])
+                for j in range(columns):
+                    v = np.float32(np.uint32(row[j]).view(np.float32) + vector[j])
+                    row[j] = rounded_bits(v.view(np.uint32), p)
+            else:
+                for j in range(columns):
+                    v = np.float32(np.uint32(row[j]).view(np.float32) + vector[j])
+                    row[j] = v.view(np.uint32)
+
+
+def round_add_columns(y: np.ndarray, first: str, adds: list[tuple[np.ndarray, str]]) -> None:
+    """In place over float32 y (..., N) (C-contiguous): y rounded to `first`, then for each
+    (vector, fmt) of `adds` y + vector (N float32 values, added along the last axis as numpy
+    broadcasts them) rounded to fmt; "f32" rounds nothing, the other formats are round_to's
+    (not the MX ones), with its bits. So a matmul's result rounded to its format, then the
+    adds of bias vectors that follow it, each rounded to its format, take one pass over memory
+    instead of two per op, and no new arrays."""
+    formats = [first] + [f for _, f in adds]
+    if y.dtype != np.float32 or not y.flags.c_contiguous or y.ndim < 1 \
+            or any(f in MX_ROUNDING_FORMATS for f in formats) \
+            or any(v.shape != (y.shape[-1],) or v.dtype != np.float32 for v, _ in adds):
+        raise ValueError("round_add_columns: a C-contiguous float32 array, float32 vectors "
+                         "along its last axis, round_to formats other than the MX ones")
+    columns = y.shape[-1]
+    if not y.size:
+        return
+    bits = y.reshape(-1).view(np.uint32)
+    vectors = np.ascontiguousarray(np.array([v for v, _ in adds], np.float32).reshape(
+        len(adds), columns))
+    params = np.stack([_param_array("bf16" if f == "f32" else f, False) for f in formats])
+    rounds = np.array([f != "f32" for f in formats])
+    rows = bits.size // columns
+    if bits.size < SERIAL_BELOW:
+        _column_rows(bits, columns, vectors, params, rounds, 0, rows)
+    else:
+        run_blocks(_column_rows, rows, bits, columns, vectors, params, rounds)
+
+
+@njit(cache=True, nogil=True)
 def _plain_serial(a, b, y, add, relu):
     """y = a + b (`add`) or a, then relu'd (`relu`): the selects of add_relu."""
     zero = y.dtype.type(0)
