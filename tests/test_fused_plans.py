@@ -998,6 +998,82 @@ def test_round_add_columns_is_round_to_then_each_float32_add_and_round_to(fmt,
         round_add_columns(y.copy(), fmt, [(vectors[0][:39], fmt)])
 
 
+_BINARY_CHAIN = """func.func @main(%x: tensor<2x40x48xbf16>, %z: tensor<2x40x48xbf16>) -> (tensor<2x40x48xbf16>, tensor<2x40x48xf16>) {
+  %s = mp.constant {value = dense<0.7> : tensor<bf16>} : () -> tensor<bf16>
+  %m = mp.mul %x, %s : (tensor<2x40x48xbf16>, tensor<bf16>) -> tensor<2x40x48xbf16>
+  %c = mp.cast %m : (tensor<2x40x48xbf16>) -> tensor<2x40x48xf32>
+  %v = mp.constant {value = dense<VECTOR> : tensor<48xf32>} : () -> tensor<48xf32>
+  %d = mp.sub %v, %c : (tensor<48xf32>, tensor<2x40x48xf32>) -> tensor<2x40x48xf32>
+  %h = mp.cast %d : (tensor<2x40x48xf32>) -> tensor<2x40x48xf16>
+  %p = mp.add %x, %z : (tensor<2x40x48xbf16>, tensor<2x40x48xbf16>) -> tensor<2x40x48xbf16>
+  return %p, %h : tensor<2x40x48xbf16>, tensor<2x40x48xf16>
+}
+"""
+
+
+def test_bf16_and_fp16_elementwise_ops_round_in_the_same_pass(monkeypatch) -> None:
+    """A bf16 mul by a scalar constant and its cast to f32 (which rounds nothing), an f32 sub
+    from a column vector and its cast to f16, a bf16 add of two tensors: run_lowered runs each op
+    with the casts after it as one pass (elementwise.binary_rounded), with the bits of numpy's
+    float32 ops and ml_dtypes' casts, and of run; serial and on the worker threads."""
+    from mplower.numerics import elementwise
+
+    rng = np.random.default_rng(25)
+    vector = (rng.standard_normal(48) * 1e4).astype(np.float32)
+    program = Program(parse(_BINARY_CHAIN.replace("VECTOR", str(vector.tolist())), "m.ir"))
+    bf = ml_dtypes.bfloat16
+    x, z = ((rng.standard_normal((2, 40, 48)) * 1e3).astype(bf).astype(np.float32)
+            for _ in range(2))
+    x[0, 0, :3] = [np.nan, np.inf, -np.inf]
+    z[0, 1, 0] = 3e38
+    m = (x * np.float32(np.float32(0.7).astype(bf))).astype(bf).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        h = (vector - m).astype(np.float16)
+        p = (x + z).astype(bf).astype(np.float32)
+    for serial_below in (elementwise.SERIAL_BELOW, 0):
+        monkeypatch.setattr(elementwise, "SERIAL_BELOW", serial_below)
+        got_p, got_h = program.run_lowered(program.prepare_inputs([x, z]))
+        assert [s.op for s in program._live] == ["mp.mul", "mp.sub", "mp.add"]
+        assert got_p.tobytes() == p.tobytes()
+        assert got_h.astype(np.float16).tobytes() == h.tobytes()
+    ran = program.run([x, z], reference=False).outputs
+    assert got_p.tobytes() == ran[0].tobytes() and got_h.tobytes() == ran[1].tobytes()
+    assert np.isinf(got_h).any() and np.isinf(got_p).any() and np.isnan(got_p).any()
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul"])
+def test_binary_rounded_is_numpys_op_then_round_to_per_format(op, monkeypatch) -> None:
+    """elementwise.binary_rounded against numpy's float32 op and ml_dtypes' casts: operands of
+    one shape, a vector along the last axis on either side, a single value; one format and
+    two; NaN, infinities, subnormal results; serial and on the worker threads."""
+    from mplower.numerics import elementwise
+    from mplower.numerics.elementwise import binary_rounded
+
+    fn = {"add": np.add, "sub": np.subtract, "mul": np.multiply}[op]
+    rng = np.random.default_rng(26)
+    a = (rng.standard_normal((3, 50, 36)) * 10.0 ** rng.integers(-40, 38, (3, 50, 36))
+         ).astype(np.float32)
+    a.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    b = (rng.standard_normal((3, 50, 36)) * 10.0 ** rng.integers(-20, 20, (3, 50, 36))
+         ).astype(np.float32)
+    vector = rng.standard_normal((1, 36)).astype(np.float32)
+    scalar = np.array(1.5, np.float32)
+    for serial_below in (elementwise.SERIAL_BELOW, 0):
+        monkeypatch.setattr(elementwise, "SERIAL_BELOW", serial_below)
+        for x, y in ((a, b), (a, vector), (vector, a), (scalar, a), (a, scalar)):
+            for formats in (("bf16",), ("f32", "f16"), ("bf16", "f8E4M3FN")):
+                with np.errstate(all="ignore"):
+                    expect = fn(x, y)
+                    for f in formats:
+                        expect = expect.astype(ML.get(f, np.float32)).astype(np.float32)
+                got = binary_rounded(op, x, y, formats)
+                assert got.shape == a.shape and got.tobytes() == expect.tobytes()
+    with pytest.raises(ValueError, match="binary_rounded"):
+        binary_rounded(op, a, b[:, :, :35], ("bf16",))
+    with pytest.raises(ValueError, match="binary_rounded"):
+        binary_rounded("div", a, b, ("bf16",))
+
+
 @pytest.mark.parametrize("elem", ["ui8", "i8"])
 @pytest.mark.parametrize("case", ["gemm-f32", "gemm-int8", "gemm-int8-chunked", "depthwise",
                                   "narrow"])

@@ -50,7 +50,7 @@ from mplower.ir.types import DenseAttr, TensorType, value_dtype
 from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.conv import IntegerWeights
-from mplower.numerics.elementwise import add_relu, round_add_columns
+from mplower.numerics.elementwise import add_relu, binary_rounded, round_add_columns
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import TILE_ROWS, PackedMatrix, matmul
 from mplower.numerics.metrics import drift
@@ -419,6 +419,7 @@ class Program:
             fused = _fuse_concats(_fuse_shuffles(fused, self.outputs), self.outputs)
             fused = _fuse_amax(_fuse_fake_quants(fused, self.outputs), self.outputs)
             fused = _fuse_quantized_outputs(fused, self.outputs)
+            fused = _fuse_rounded_binaries(fused, constants, self.outputs)
             self._live = _pack_weights(fused, constants)
         values = list(self._folded)
         values[:len(prepared)] = prepared
@@ -702,6 +703,62 @@ def _dequantized_matmul_kernel(scale: np.ndarray, adds: list[np.ndarray]) -> Ker
             np.add(y, vector, out=y)
         return y, None  # run_lowered keeps no counts
     run.weight_dtype = np.dtype(np.float32)  # type: ignore[attr-defined]
+    return run
+
+
+# ---- a bf16/fp16 plan's elementwise add, sub or mul and its rounding (run_lowered) ---------
+# Their kernels run numpy's float32 op, then round_to over its result: two passes over memory
+# and two new arrays. elementwise.binary_rounded does both in one pass, with their bits, and
+# also the rounding of a cast that is the result's only reader (BERT's GELU casts its f32
+# products to bf16).
+
+_BINARY_OPS = {"mp.add": "add", "mp.sub": "sub", "mp.mul": "mul"}
+
+
+def _fuse_rounded_binaries(steps: list[Step], constants: dict[int, Any],
+                           outputs: list[int]) -> list[Step]:
+    only_user = _only_user_of(steps, outputs)
+    fused: dict[int, Step] = {}
+    gone: set[int] = set()
+    for s in steps:
+        if s.op not in _BINARY_OPS or not getattr(s.run, "generic", False) \
+                or len(s.inputs) != 2 or s.node in gone \
+                or not all(_plain_float(t.elem) for t in (*s.in_types, s.out_type)):
+            continue
+        shape = s.out_type.shape
+        operands: list[np.ndarray | None] = []  # None: the step's input as it comes
+        for i, t in zip(s.inputs, s.in_types, strict=True):
+            if t.shape == shape:
+                operands.append(None)
+                continue
+            value = constants.get(i)
+            if not isinstance(value, np.ndarray) or value.dtype != np.float32 \
+                    or not shape or (value.size != 1 and value.shape[-1:] != shape[-1:]) \
+                    or value.size not in (1, shape[-1]) \
+                    or np.broadcast_shapes(value.shape, shape) != shape:
+                break
+            operands.append(np.ascontiguousarray(value.reshape(-1)))
+        if len(operands) != 2 or all(v is not None for v in operands):
+            continue
+        chain, cast = [s], only_user(s, "mp.cast")
+        if cast is not None and _plain_float(cast.out_type.elem) \
+                and not (cast.attrs["saturate"] and cast.out_type.elem.startswith("f8")):
+            chain.append(cast)
+        formats, last = tuple(c.out_type.elem for c in chain), chain[-1]
+        if all(f == "f32" for f in formats):
+            continue
+        gone.update(c.node for c in chain[1:])
+        fused[s.node] = replace(s, name=last.name, output=last.output, out_type=last.out_type,
+                                run=_rounded_binary_kernel(_BINARY_OPS[s.op], operands,
+                                                           formats))
+    return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _rounded_binary_kernel(op: str, operands: list[np.ndarray | None],
+                           formats: tuple[str, ...]) -> Kernel:
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        a, b = (_f32(x) if v is None else v for x, v in zip(xs, operands, strict=True))
+        return binary_rounded(op, a, b, formats), None  # run_lowered keeps no counts
     return run
 
 

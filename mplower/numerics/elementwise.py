@@ -20,7 +20,13 @@ import numpy as np
 from numba import njit
 
 from mplower.numerics.gemm import amax_of_bits
-from mplower.numerics.rounding import MX_ROUNDING_FORMATS, _param_array, _param_tuple, rounded_bits
+from mplower.numerics.rounding import (
+    MX_ROUNDING_FORMATS,
+    ROUNDING_FORMATS,
+    _param_array,
+    _param_tuple,
+    rounded_bits,
+)
 from mplower.numerics.workers import run_blocks
 
 # Below this many elements one thread does the whole loop (about 0.1 ms of streaming; see
@@ -140,6 +146,78 @@ def round_add_columns(y: np.ndarray, first: str, adds: list[tuple[np.ndarray, st
         _column_rows(bits, columns, vectors, params, rounds, 0, rows)
     else:
         run_blocks(_column_rows, rows, bits, columns, vectors, params, rounds)
+
+
+_BINARY = {"add": 0, "sub": 1, "mul": 2}
+
+
+@njit(cache=True, nogil=True)
+def _binary_rows(a, a_full, b, b_full, out, bits, columns, code, params, rounds, r0, r1):
+    """Rows r0 .. r1 - 1 of out (a (rows, columns) float32 result): a[i] + b[i], a[i] - b[i]
+    or a[i] * b[i] (code 0, 1, 2), where an operand that is not `full` is a vector along the
+    row (b[j]), as a float32 operation; then the row, still in L1, rounded in place by
+    params[0] if rounds[0] and by params[1] if rounds[1] (bits: out's float32 bits, a view
+    taken by the caller)."""
+    for r in range(r0, r1):
+        lo, hi = r * columns, (r + 1) * columns
+        o = out[lo:hi]
+        x = a[lo:hi] if a_full else a
+        y = b[lo:hi] if b_full else b
+        if code == 0:
+            for j in range(columns):
+                o[j] = x[j] + y[j]
+        elif code == 1:
+            for j in range(columns):
+                o[j] = x[j] - y[j]
+        else:
+            for j in range(columns):
+                o[j] = x[j] * y[j]
+        ob = bits[lo:hi]
+        for s in range(2):
+            if rounds[s]:
+                p = _param_tuple(params[s])
+                for j in range(columns):
+                    ob[j] = rounded_bits(ob[j], p)
+
+
+def binary_rounded(op: str, a: np.ndarray, b: np.ndarray, formats: tuple[str, ...]
+                   ) -> np.ndarray:
+    """np.add, np.subtract or np.multiply (`op`: "add", "sub", "mul") of float32 a and b,
+    rounded to each of `formats` (at most two; round_to's, not the MX ones; "f32" rounds
+    nothing) in turn, in one pass: the bits of the numpy op, then of round_to per format. One
+    operand has the result's shape; the other that shape too, or is a vector along the last
+    axis (N values), or a single value."""
+    full = a if a.ndim >= b.ndim and a.size >= b.size else b
+    shape, columns = full.shape, full.shape[-1] if full.ndim else 1
+
+    def operand(v: np.ndarray) -> tuple[np.ndarray, bool]:
+        if v.shape == shape:
+            return np.ascontiguousarray(v).reshape(-1), True
+        if v.size == 1 or v.ndim and v.shape[-1] == columns and v.size == columns \
+                and np.broadcast_shapes(v.shape, shape) == shape:
+            return np.ascontiguousarray(np.broadcast_to(v.reshape(-1), (columns,))), False
+        raise ValueError(f"binary_rounded: {v.shape} is neither {shape} nor a vector along "
+                         f"its last axis")
+
+    if op not in _BINARY or a.dtype != np.float32 or b.dtype != np.float32 \
+            or len(formats) > 2 \
+            or any(f not in ROUNDING_FORMATS or f in MX_ROUNDING_FORMATS for f in formats):
+        raise ValueError("binary_rounded: add, sub or mul of float32 arrays (one C-contiguous),"
+                         " rounded to at most two round_to formats other than the MX ones")
+    (fa, a_full), (fb, b_full) = operand(a), operand(b)
+    y = np.empty(shape, np.float32)
+    flat = y.reshape(-1)
+    steps = list(formats) + ["f32"] * (2 - len(formats))
+    params = np.stack([_param_array("bf16" if f == "f32" else f, False) for f in steps])
+    rounds = np.array([f != "f32" for f in steps])
+    rows = flat.size // columns if columns else 0
+    args = (fa, a_full, fb, b_full, flat, flat.view(np.uint32), columns, _BINARY[op], params,
+            rounds)
+    if flat.size < SERIAL_BELOW:
+        _binary_rows(*args, 0, rows)
+    else:
+        run_blocks(_binary_rows, rows, *args)
+    return y
 
 
 @njit(cache=True, nogil=True)
