@@ -139,6 +139,37 @@ def test_8bit_conv_packs_and_converts_the_integer_input_exactly(monkeypatch, cas
     assert (fused == 0).any() and (fused > 0).any()
 
 
+def test_integer_weights_chunk_is_the_longest_run_whose_sums_stay_exact() -> None:
+    # Brute force over every run of every filter: the chunk fits, one more does not.
+    rng = np.random.default_rng(14)
+    for scale in (4, 40, 128):
+        w = np.clip(rng.standard_normal((6, 40, 3, 3)) * scale, -128, 127).astype(np.int8)
+        prepared = conv.IntegerWeights(w)
+        flat = np.abs(w.reshape(6, -1).astype(np.int64))
+        for x_bound in (255, 128, 1 << 14):
+            def fits(c: int, x_bound: int = x_bound) -> bool:
+                return all(flat[r, k:k + c].sum() * x_bound <= gemm.F32_EXACT
+                           for r in range(6) for k in range(flat.shape[1] - c + 1))
+            c = prepared.chunk(x_bound)
+            assert min(360, gemm.F32_EXACT // (x_bound * prepared.bound)) <= c <= 360
+            assert fits(c)
+            assert c == 360 or not fits(c + 1)
+
+
+def test_a_chunk_at_the_limit_of_float32s_integers_is_exact() -> None:
+    # Every product 255 * 101 is odd: a run one longer than the chunk would reach an odd sum
+    # above 2^24, which float32 rounds. 4000 products: 6 chunks of 651, the sums in float64.
+    x = np.full((1, 1000, 2, 2), 255, np.uint8)
+    w = np.full((8, 1000, 2, 2), 101, np.int8)
+    w[1:] = -101
+    prepared = conv.IntegerWeights(w)
+    assert prepared.chunk(255) == gemm.F32_EXACT // (255 * 101) == 651
+    got = conv2d(x, prepared, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    expect = integer_conv(x, w, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    assert got.dtype == np.int64 and np.array_equal(got, expect)
+    assert got[0, 0, 1, 1] == 4000 * 255 * 101 and got[0, 1, 1, 1] == -4000 * 255 * 101
+
+
 def test_integer_weights_of_wider_types_give_the_exact_conv() -> None:
     # int64 weights of 8-bit values (an IR literal's): the bound, not the type, makes the
     # float32 copy; beyond float32's integers there is none, and the int64 path sums them.

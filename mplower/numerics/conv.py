@@ -23,10 +23,13 @@ streams such narrow products.
 Integer operands are summed exactly: values whose products stay within float32's integers
 (8-bit quantized values) are packed as float32, and the tiles split K into chunks so that no
 partial sum leaves them (as `integer_matmul`); the result is np.matmul's int64 product at
-float32 GEMM speed. The 8-bit input stays 8-bit (padded as such) until the panels convert it
-as they pack it, and a constant weight's float32 copy can be made once (IntegerWeights): an
-int8 conv then costs what the float32 conv costs (ResNet-50's convs at batch 1 had taken
-9-15% longer, docs/benchmarks.md).
+float32 GEMM speed. A constant weight's chunks are as long as its own values allow
+(IntegerWeights.chunk: the bound is the sum of |w| over a run times the largest input, not the
+run's length times the largest product), which leaves most 8-bit convs one chunk, K. The
+8-bit input stays 8-bit (padded as such) until the panels convert it as they pack it, and a
+constant weight's float32 copy is made once (IntegerWeights): an int8 conv then costs what the
+float32 conv costs (ResNet-50's convs at batch 1 had taken 9-15% longer, Inception v1's at
+batch 8 13%; docs/benchmarks.md).
 
 The ops that follow a conv in a network (a bias, the dequantize of an integer conv, a relu)
 can run as the GEMM stores each output (`scale`, `bias`, `relu`), with the bits the separate
@@ -84,9 +87,10 @@ def _padded_phases(x: np.ndarray, padding: tuple[int, ...], sw: int,
 class IntegerWeights:
     """A constant integer weight (O, C / groups, KH, KW) of the convolutions that read it many
     times (the executor's lowered plans), with what conv2d derives from it made once: the
-    bound on its magnitude and, where that is within float32's integers, its float32 copy,
-    which the implicit GEMM reads (it converted the weight on every call: 4 MB for ResNet-50's
-    2048x512 1x1 conv). conv2d(x, IntegerWeights(w)) is conv2d(x, w), the same bits."""
+    bound on its magnitude, its float32 copy where that bound is within float32's integers
+    (the implicit GEMM reads it; it converted the weight on every call: 4 MB for ResNet-50's
+    2048x512 1x1 conv), and the K chunks its sums need (`chunk`). conv2d(x, IntegerWeights(w))
+    is conv2d(x, w), the same bits."""
 
     def __init__(self, w: np.ndarray) -> None:
         w = np.asarray(w)
@@ -95,6 +99,35 @@ class IntegerWeights:
                              f"{w.dtype} {w.shape}")
         self.values, self.bound = w, int_magnitude(w)
         self.float32 = w.astype(np.float32) if self.bound <= F32_EXACT else None
+        self._chunks: dict[int, int] = {}
+
+    def chunk(self, x_bound: int) -> int:
+        """The longest run of K (a filter's (c, ky, kx), in that order) that a float32 sum
+        of products with inputs of magnitude at most x_bound keeps exact, for every filter and
+        wherever the run starts: x_bound times the largest sum of |w| over any run of that
+        length is at most 2^24, so every partial sum is an integer float32 holds. At least
+        F32_EXACT // (x_bound * bound), the chunk the types alone allow (514 for uint8 times
+        int8), and K where a whole filter fits (most 1x1 convs of 8-bit networks)."""
+        if x_bound not in self._chunks:
+            k = self.values[0].size if self.values.shape[0] else 0
+            floor = F32_EXACT // max(1, x_bound * self.bound)
+            if k <= floor or not x_bound:
+                self._chunks[x_bound] = max(k, 1)
+            else:
+                runs = np.zeros((self.values.shape[0], k + 1), np.int64)
+                np.cumsum(np.abs(self.values.reshape(-1, k).astype(np.int64)), axis=1,
+                          out=runs[:, 1:])
+
+                def fits(c: int) -> bool:
+                    return int((runs[:, c:] - runs[:, :-c]).max()) * x_bound <= F32_EXACT
+                lo, hi = floor, k  # fits(lo); find the largest c that fits
+                if fits(hi):
+                    lo = hi
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+                self._chunks[x_bound] = lo
+        return self._chunks[x_bound]
 
 
 def conv2d(x: np.ndarray, w: np.ndarray | IntegerWeights, strides: tuple[int, int],
@@ -225,7 +258,8 @@ def _conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
     if work.kind == "f" and o // g >= TILE_ROWS and n and ho * wo and cg * kh * kw:
         epilogue = scale is not None or bias is not None or relu
         out = np.dtype(np.int64) if integer and not epilogue else work
-        chunk = F32_EXACT // bound if integer and bound else cg * kh * kw
+        chunk = cg * kh * kw if not integer or not bound else \
+            prepared.chunk(int_magnitude(x)) if prepared is not None else F32_EXACT // bound
         # 8-bit integers stay 8-bit in the padded copy: the panels convert them as they pack
         # (a quarter of the copy's memory, and no conversion pass).
         stored = x.dtype if integer else work
