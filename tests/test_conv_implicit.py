@@ -147,7 +147,7 @@ def test_integer_weights_chunk_is_the_longest_run_whose_sums_stay_exact() -> Non
         prepared = conv.IntegerWeights(w)
         flat = np.abs(w.reshape(6, -1).astype(np.int64))
         for x_bound in (255, 128, 1 << 14):
-            def fits(c: int, x_bound: int = x_bound) -> bool:
+            def fits(c: int, x_bound: int = x_bound, flat: np.ndarray = flat) -> bool:
                 return all(flat[r, k:k + c].sum() * x_bound <= gemm.F32_EXACT
                            for r in range(6) for k in range(flat.shape[1] - c + 1))
             c = prepared.chunk(x_bound)
