@@ -998,6 +998,63 @@ def test_round_add_columns_is_round_to_then_each_float32_add_and_round_to(fmt,
         round_add_columns(y.copy(), fmt, [(vectors[0][:39], fmt)])
 
 
+_ADD_RELU_Q = """func.func @main(%a: tensor<2x8x9x9xf32>, %b: tensor<2x8x9x9xf32>) -> (tensor<2x8x9x9xELEM>, tensor<2x8x9x9xf32>) {
+  %s = mp.add %a, %b : (tensor<2x8x9x9xf32>, tensor<2x8x9x9xf32>) -> tensor<2x8x9x9xf32>
+  %r = mp.relu %s : (tensor<2x8x9x9xf32>) -> tensor<2x8x9x9xf32>
+  %q = mp.quantize %r {scale = 0.05 : f32, zero_point = ZP : ELEM} : (tensor<2x8x9x9xf32>) -> tensor<2x8x9x9xELEM>
+  %t = mp.add %r, %a : (tensor<2x8x9x9xf32>, tensor<2x8x9x9xf32>) -> tensor<2x8x9x9xf32>
+  return %q, %t : tensor<2x8x9x9xELEM>, tensor<2x8x9x9xf32>
+}
+"""
+
+
+def _onnx_quantize(y: np.ndarray, scale: float, zp: int, dtype: type) -> np.ndarray:
+    """ONNX QuantizeLinear in numpy: float32 division, half to even, plus the zero point,
+    saturated; NaN to the zero point."""
+    info = np.iinfo(dtype)
+    with np.errstate(invalid="ignore"):
+        q = np.rint(y / np.float32(scale)) + np.float32(zp)
+        return np.where(np.isnan(q), zp, np.clip(q, info.min, info.max)).astype(dtype)
+
+
+@pytest.mark.parametrize("elem,zp", [("ui8", 3), ("i8", -5)])
+def test_a_residual_add_relu_read_quantized_and_as_it_is_quantizes_in_its_own_pass(
+        elem, zp, monkeypatch) -> None:
+    """An add + relu whose result a quantize and another add both read (ResNet's residual
+    before the next block): run_lowered's add_relu pass quantizes it too and the quantize step
+    takes those integers, with numpy's ONNX QuantizeLinear's bits and run's; serial and in
+    blocks on the worker threads."""
+    from mplower.numerics import elementwise
+
+    program = Program(parse(_ADD_RELU_Q.replace("ELEM", elem).replace("ZP", str(zp)), "m.ir"))
+    rng = np.random.default_rng(27)
+    a, b = ((rng.standard_normal((2, 8, 9, 9)) * 8).astype(np.float32) for _ in range(2))
+    a[0, 0, 0, :3] = [np.nan, np.inf, -np.inf]
+    dtype = np.uint8 if elem == "ui8" else np.int8
+    r = np.maximum(a + b, np.float32(0))
+    expect_q, expect_t = _onnx_quantize(r, 0.05, zp, dtype), r + a
+    for serial_below in (elementwise.SERIAL_BELOW, 0):
+        monkeypatch.setattr(elementwise, "SERIAL_BELOW", serial_below)
+        q, t = program.run_lowered(program.prepare_inputs([a, b]))
+        assert [s.op for s in program._live] == ["mp.add", "mp.quantize", "mp.add"]
+        assert q.dtype == dtype and q.tobytes() == expect_q.tobytes()
+        assert t.tobytes() == expect_t.tobytes()
+    ran = program.run([a, b], reference=False).outputs
+    assert q.tobytes() == ran[0].tobytes() and t.tobytes() == ran[1].tobytes()
+    info = np.iinfo(dtype)
+    assert (q == info.max).any() and (q == zp).any()
+
+
+def test_add_relu_quantize_refuses_what_it_cannot_quantize() -> None:
+    from mplower.numerics.elementwise import add_relu
+
+    a = np.ones((4, 4), np.float32)
+    for quantize in ((0.1, 0, "f8E4M3FN", []), (np.ones(2, np.float32), 0, "ui8", []),
+                     (0.1, 0, "i16", [])):
+        with pytest.raises(ValueError, match="quantize"):
+            add_relu(a, a, quantize=quantize)
+
+
 _BINARY_CHAIN = """func.func @main(%x: tensor<2x40x48xbf16>, %z: tensor<2x40x48xbf16>) -> (tensor<2x40x48xbf16>, tensor<2x40x48xf16>) {
   %s = mp.constant {value = dense<0.7> : tensor<bf16>} : () -> tensor<bf16>
   %m = mp.mul %x, %s : (tensor<2x40x48xbf16>, tensor<bf16>) -> tensor<2x40x48xbf16>

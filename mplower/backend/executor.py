@@ -951,23 +951,45 @@ def _fuse_quantized_outputs(steps: list[Step], outputs: list[int]) -> list[Step]
     only_user = _only_user_of(steps, outputs)
     fused: dict[int, Step] = {}
     gone: set[int] = set()
+    producer = {s.output: s for s in steps}
+    for q in steps:
+        # A residual add + relu whose result the next block's conv reads quantized and the
+        # next residual add reads as it is: the add_relu pass quantizes it as well, and the
+        # quantize step takes its integers from the box (two passes fewer over the result).
+        p = producer.get(q.inputs[0]) if q.op == "mp.quantize" and q.inputs else None
+        if p is None or p.op != "mp.add" or p.amax_kernel is None or p.node in fused \
+                or p.out_type.elem != "f32" or q.attrs["block_size"] \
+                or (quantize := _per_tensor_8bit(q)) is None:
+            continue
+        box = threading.local()
+        fused[p.node] = replace(p, run=_add_relu_kernel(None, box, quantize))
+        fused[q.node] = replace(q, run=lambda xs, box=box: (box.q, None))
+    steps = [fused.get(s.node, s) for s in steps]
     for conv in steps:
         if conv.op != "mp.conv2d" or conv.concat is not None or conv.out_type.elem != "f32" \
                 or (epilogue := _rebuildable(conv)) is None or epilogue[3] is not None \
                 or (q := only_user(conv, "mp.quantize")) is None or q.attrs["block_size"]:
             continue
-        f = FORMATS[q.out_type.elem]
-        scale, zp = (attr_array(q.attrs[a]) for a in ("scale", "zero_point"))
-        if not f.is_int or f.bits != 8 or scale.size != 1 or zp.size != 1 \
-                or not f.min_value <= zp.reshape(()) <= f.max_finite:
+        quantize = _per_tensor_8bit(q)
+        if quantize is None:
             continue
-        quantize = (scale.astype(np.float32).reshape(()), zp.reshape(()), q.out_type.elem)
         # epilogue=None: no later fusion rebuilds it without the quantize.
         fused[conv.node] = replace(conv, name=q.name, output=q.output, out_type=q.out_type,
                                    epilogue=None, run=_fused_conv_kernel(
                                        conv, *epilogue, quantize=quantize))
         gone.add(q.node)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _per_tensor_8bit(q: Step) -> tuple | None:
+    """(scale, zero point, format) of a per-tensor quantize to an 8-bit integer format, else
+    None."""
+    f = FORMATS[q.out_type.elem]
+    scale, zp = (attr_array(q.attrs[a]) for a in ("scale", "zero_point"))
+    if not f.is_int or f.bits != 8 or scale.size != 1 or zp.size != 1 \
+            or not f.min_value <= zp.reshape(()) <= f.max_finite:
+        return None
+    return scale.astype(np.float32).reshape(()), zp.reshape(()), q.out_type.elem
 
 
 # ---- the amax a scaled_quant reads, taken by the step that computes its operand -----------
@@ -997,7 +1019,7 @@ def _fuse_amax(steps: list[Step], outputs: list[int]) -> list[Step]:
             run = _fused_conv_kernel(p, *epilogue, box=box)
         else:
             continue
-        fused[p.node] = replace(p, run=run)
+        fused[p.node] = replace(p, run=run, amax_kernel=None)  # taken: box.amax is set
         # The conv or add has just allocated its result: where the scaled_quant is its only
         # reader, the scaled values can take its place.
         alone = readers.get(p.output) == 1 and p.output not in kept
@@ -1018,15 +1040,22 @@ def _writes_into(conv: Step) -> bool:
         and (epilogue[0] is None or conv.executed["accum"] == "i32")
 
 
-def _add_relu_kernel(rounded: str | None, box: Any = None) -> Kernel:
+def _add_relu_kernel(rounded: str | None, box: Any = None,
+                     quantize: tuple | None = None) -> Kernel:
     """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
     result takes its relu before the rounding (see _RELU_BEFORE_ROUNDING: the same bits).
-    With a `box` (_fuse_amax), box.amax is set to the result's amax, from the same pass."""
+    With a `box` (_fuse_amax), box.amax is set to the result's amax, from the same pass; with
+    `quantize` (scale, zero point, format; _fuse_quantized_outputs) box.q to the result's
+    integers."""
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        found = None if box is None else []
-        y = add_relu(_f32(xs[0]), _f32(xs[1]), rounded, amax=found)
-        if box is not None:
+        found = None if box is None or quantize is not None else []
+        q: list = []
+        y = add_relu(_f32(xs[0]), _f32(xs[1]), rounded, amax=found,
+                     quantize=None if quantize is None else (*quantize, q))
+        if found is not None:
             box.amax = found[0]
+        if quantize is not None:
+            box.q = q[0]
         return y, None  # run_lowered keeps no counts
     return run
 

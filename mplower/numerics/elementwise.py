@@ -19,7 +19,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import amax_of_bits
+from mplower.numerics.quant import _quantize_one
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     ROUNDING_FORMATS,
@@ -36,9 +38,11 @@ _CHUNK = 1 << 16  # elements per parallel chunk (a few per thread at SERIAL_BELO
 
 
 @njit(cache=True, nogil=True)
-def _add_relu_serial(a, b, y, bits, rounding, rpa, largest):
+def _add_relu_serial(a, b, y, bits, rounding, rpa, largest, qp, qout):
     """The loop over one block; returns max(largest, the block's largest |y| bit pattern)
-    where `largest` is given as an unsigned int (bits: y's float32 bit patterns)."""
+    where `largest` is given as an unsigned int (bits: y's float32 bit patterns). With
+    `qout` (not empty), y quantized into it too (quant._quantize_one with qp = scale, zero
+    point, lowest, highest)."""
     zero, rp = y.dtype.type(0), _param_tuple(rpa)
     for i in range(y.size):
         v = a[i] + b[i]
@@ -52,26 +56,34 @@ def _add_relu_serial(a, b, y, bits, rounding, rpa, largest):
     if largest >= 0:
         for i in range(bits.size):
             largest = max(largest, np.int64(bits[i] & np.uint32(0x7FFFFFFF)))
+    # The quantize too in a loop of its own over the block, in cache.
+    if qout.size:
+        s, z, lo, hi = qp[0], qp[1], qp[2], qp[3]
+        for i in range(qout.size):
+            qout[i] = _quantize_one(y[i], s, z, lo, hi)[0]
     return largest
 
 
 @njit(cache=True, nogil=True)
-def _add_relu_chunks(a, b, y, bits, rounding, rpa, parts, c0, c1):
+def _add_relu_chunks(a, b, y, bits, rounding, rpa, qp, qout, parts, c0, c1):
     """Chunks c0 .. c1 - 1 of _CHUNK elements; parts[c] gets chunk c's largest |y| bits."""
     for c in range(c0, c1):
         lo, hi = c * _CHUNK, min(y.size, (c + 1) * _CHUNK)
         m = _add_relu_serial(a[lo:hi], b[lo:hi], y[lo:hi], bits[lo:hi] if bits.size else bits,
-                             rounding, rpa, 0 if parts.size else -1)
+                             rounding, rpa, 0 if parts.size else -1, qp,
+                             qout[lo:hi] if qout.size else qout)
         if parts.size:
             parts[c] = m
 
 
 def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None,
-             amax: list | None = None) -> np.ndarray:
+             amax: list | None = None, quantize: tuple | None = None) -> np.ndarray:
     """np.maximum(a + b, 0) for float arrays of the same shape and dtype, in one pass; then
     rounded to `rounding` (a round_to format other than the MX ones; float32 operands) as
     round_to rounds. `amax` (a list) is set to [rounding.amax of a float32 result], taken
-    in the same pass."""
+    in the same pass. `quantize` = (scale, zero point, format, found), a float32 result, per
+    tensor, to an 8-bit integer format: `found` (a list) is set to [quant.quantize's integers
+    of the result] (its storage dtype), from the same pass."""
     if a.shape != b.shape or a.dtype != b.dtype or a.dtype.kind != "f":
         raise ValueError(f"add_relu: operands must be float arrays of one shape and dtype, "
                          f"got {a.dtype}{a.shape} and {b.dtype}{b.shape}")
@@ -83,16 +95,32 @@ def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None,
     counted = amax is not None and a.dtype == np.float32
     bits = y.view(np.uint32) if rounding is not None or counted else np.zeros(0, np.uint32)
     args = (fa, fb, y, bits, rounding is not None, _param_array(rounding or "bf16", False))
+    qp, qout = _NO_QP, _NO_Q
+    if quantize is not None:
+        scale, zp, fmt, found = quantize
+        f = FORMATS.get(fmt)
+        if f is None or not f.is_int or f.bits != 8 or np.size(scale) != 1 \
+                or np.size(zp) != 1 or a.dtype != np.float32:
+            raise ValueError("add_relu: quantize takes a float32 result, per tensor, to an "
+                             "8-bit integer format")
+        qp = np.array([np.float32(np.asarray(scale).reshape(())), np.asarray(zp).reshape(()),
+                       f.min_value, f.max_finite], np.float32)
+        qout = np.empty(fa.size, np.uint8)  # int8 values written here wrap to their bits
     if y.size < SERIAL_BELOW:
-        largest = _add_relu_serial(*args, 0 if counted else -1)
+        largest = _add_relu_serial(*args, 0 if counted else -1, qp, qout)
     else:
         chunks = -(-y.size // _CHUNK)
         parts = np.zeros(chunks if counted else 0, np.int64)
-        run_blocks(_add_relu_chunks, chunks, *args, parts)
+        run_blocks(_add_relu_chunks, chunks, *args, qp, qout, parts)
         largest = int(parts.max()) if counted else -1
     if counted:
         amax[:] = [amax_of_bits(np.uint32(largest))]
+    if quantize is not None:
+        found[:] = [qout.view(f.storage).reshape(a.shape)]
     return y.reshape(a.shape)
+
+
+_NO_QP, _NO_Q = np.zeros(4, np.float32), np.empty(0, np.uint8)
 
 
 @njit(cache=True, nogil=True)
