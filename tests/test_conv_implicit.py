@@ -92,6 +92,22 @@ def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypa
         numba.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[1][1:] == (1, 1)],
+                         ids=lambda c: "x".join(map(str, c[0] + c[1])))
+def test_wide_1x1_convs_pack_their_panels_with_the_same_bits(monkeypatch, case) -> None:
+    # Convs of gemm._PACK_1X1_ROWS output channels or more copy their 1x1 panels instead of
+    # reading them in place: the threshold lowered to 1 here, so that every 1x1 case does.
+    xs, (o, kh, kw), strides, padding, dilations, groups = case
+    rng = np.random.default_rng(sum(xs) + o + 2)
+    x = rng.standard_normal(xs).astype(np.float32)
+    w = rng.standard_normal((o, xs[1] // groups, kh, kw)).astype(np.float32)
+    expect = sequential_conv(x, w, strides, padding, dilations, groups)
+    monkeypatch.setattr(gemm, "_PACK_1X1_ROWS", 1)
+    for serial_below in (gemm.SERIAL_BELOW, 0):
+        monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+        assert bits(conv2d(x, w, strides, padding, dilations, groups)) == bits(expect)
+
+
 def integer_conv(x, w, strides, padding, dilations, groups) -> np.ndarray:
     """The exact conv of integer operands: numpy's int64 im2col times the weights."""
     o, cg, kh, kw = w.shape

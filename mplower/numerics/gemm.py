@@ -848,6 +848,11 @@ _PREFETCH_PANELS = 4
 # ResNet-50's 3x3 256-channel panels, 295 KB each, is one panel, as before). 1, 2, 4 and 8
 # measured in docs/benchmarks.md.
 _SPAN, _SPAN_BYTES = 8, 1 << 18
+# A 1x1 conv of this many output channels or more packs its panels too: each packed panel then
+# serves that many rows from contiguous memory (in place, a panel's K rows lie a plane apart).
+# SqueezeNet's final 1000x512 conv at batch 8 took 5.95 against 6.71 ms, ResNet-50's 512->1024
+# 23.7 against 25.9; 16 to 256 channels were as fast or faster in place (docs/benchmarks.md).
+_PACK_1X1_ROWS = 512
 
 
 @njit(cache=True, nogil=True)
@@ -956,8 +961,9 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
     rp = _param_tuple(rpa)
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
     # them, a strided gather over K planes, cost more than it saved), from `flat` (x
-    # flattened), which is empty where x has another type than w (8-bit integers): those
-    # panels are copied converted, a row of contiguous pixels per k (`_convert_panel`).
+    # flattened), which is empty where x has another type than w (8-bit integers) or the conv
+    # has _PACK_1X1_ROWS output channels or more: those panels are copied (converted), a row
+    # of contiguous pixels per k (`_convert_panel`).
     one_by_one = shape[1] == shape[2] == shape[3] == shape[4] == 1
     in_place = one_by_one and flat.size > 0
     cf, plane = c.reshape(-1), x.shape[2] * x.shape[3]
@@ -1193,7 +1199,8 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     tiled_amax = amax is not None and out == np.float32 and wmat.dtype == np.float32 \
         and chunk >= kk and into is None
     parts = np.zeros(spans * blocks if tiled_amax else 0, np.uint32)
-    flat = x.reshape(-1) if x.dtype == wmat.dtype else np.empty(0, wmat.dtype)
+    flat = x.reshape(-1) if x.dtype == wmat.dtype and m < _PACK_1X1_ROWS \
+        else np.empty(0, wmat.dtype)
     args = (x, flat, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
             chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
             c.reshape(-1).view(np.uint32) if rounding is not None or tiled_amax else _NO_BITS,
