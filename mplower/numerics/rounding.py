@@ -386,6 +386,9 @@ def _scaled_blocks(src, dst, pa, sf, inv, counts, c0, c1):
             src[lo:lo + _CHUNK], dst[lo:lo + _CHUNK], pa, sf, inv)
 
 
+_SCALE_ROUND_FORMATS = tuple(f for f in ENCODING_FORMATS if f not in MX_ROUNDING_FORMATS)
+
+
 def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
                 overwrite: bool = False, counted: bool = True) -> tuple[np.ndarray, Counts | None]:
     """float32(round(float32(x * sf), fmt, saturating) * float32(1 / sf)) and the rounding's
@@ -400,8 +403,7 @@ def scale_round(x: np.ndarray, fmt: str, sf: float, amax: float | None = None,
     to fill. There too, without `counted` (a caller that keeps no counts: run_lowered), the
     counts are not taken and None comes back in their place: the same values, the kernel
     about 40% faster (the two count reductions in its loop cost that much)."""
-    _check_format(fmt, tuple(f for f in ENCODING_FORMATS if f not in MX_ROUNDING_FORMATS),
-                  "scale_round")
+    _check_format(fmt, _SCALE_ROUND_FORMATS, "scale_round")
     x = _f32_input(x, "scale_round")
     sf32 = np.float32(sf)
     inv = np.float32(1) / sf32
