@@ -67,6 +67,20 @@ def _threads():
     return range(1, min(2, numba.config.NUMBA_NUM_THREADS) + 1)
 
 
+def _schedules(monkeypatch):
+    """Each schedule in turn (the products as sized and forced onto the workers, on one and
+    two threads), the thread count restored after."""
+    threads = numba.get_num_threads()
+    try:
+        for serial_below in (gemm.SERIAL_BELOW, 0):
+            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
+            for n in _threads():
+                numba.set_num_threads(n)
+                yield
+    finally:
+        numba.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0] + c[1])))
 def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypatch, case,
@@ -78,18 +92,11 @@ def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypa
     bias = rng.standard_normal(o).astype(dtype)
     plain = sequential_conv(x, w, strides, padding, dilations, groups)
     fused = sequential_conv(x, w, strides, padding, dilations, groups, bias, relu=True)
-    threads = numba.get_num_threads()
-    try:
-        for serial_below in (gemm.SERIAL_BELOW, 0):  # as sized, and forced onto the workers
-            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
-            for n in _threads():
-                numba.set_num_threads(n)
-                got = conv2d(x, w, strides, padding, dilations, groups)
-                assert got.dtype == dtype and bits(got) == bits(plain)
-                got = conv2d(x, w, strides, padding, dilations, groups, bias=bias, relu=True)
-                assert bits(got) == bits(fused)
-    finally:
-        numba.set_num_threads(threads)
+    for _ in _schedules(monkeypatch):
+        got = conv2d(x, w, strides, padding, dilations, groups)
+        assert got.dtype == dtype and bits(got) == bits(plain)
+        got = conv2d(x, w, strides, padding, dilations, groups, bias=bias, relu=True)
+        assert bits(got) == bits(fused)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1][1:] == (1, 1)],
@@ -138,20 +145,13 @@ def test_8bit_conv_packs_and_converts_the_integer_input_exactly(monkeypatch, cas
                        + bias.reshape(1, -1, 1, 1), np.float32(0))
     prepared = conv.IntegerWeights(w)
     assert prepared.float32.dtype == np.float32 and np.array_equal(prepared.float32, w)
-    threads = numba.get_num_threads()
-    try:
-        for serial_below in (gemm.SERIAL_BELOW, 0):
-            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
-            for n in _threads():
-                numba.set_num_threads(n)
-                for weight in (w, prepared):
-                    got = conv2d(x, weight, strides, padding, dilations, groups)
-                    assert got.dtype == np.int64 and np.array_equal(got, q)
-                    got = conv2d(x, weight, strides, padding, dilations, groups, scale=scale,
-                                 bias=bias, relu=True)
-                    assert got.dtype == np.float32 and bits(got) == bits(fused)
-    finally:
-        numba.set_num_threads(threads)
+    for _ in _schedules(monkeypatch):
+        for weight in (w, prepared):
+            got = conv2d(x, weight, strides, padding, dilations, groups)
+            assert got.dtype == np.int64 and np.array_equal(got, q)
+            got = conv2d(x, weight, strides, padding, dilations, groups, scale=scale,
+                         bias=bias, relu=True)
+            assert got.dtype == np.float32 and bits(got) == bits(fused)
     assert (fused == 0).any() and (fused > 0).any()
 
 
@@ -297,23 +297,16 @@ def test_every_count_of_rows_past_the_last_full_tile_gives_the_sequential_sum(mo
     x = rng.standard_normal((2, 6, 9, 9)).astype(np.float32)
     x[1, 2, 4, 4] = np.nan
     pad = (kernel // 2,) * 4
-    threads = numba.get_num_threads()
-    try:
-        for serial_below in (gemm.SERIAL_BELOW, 0):
-            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
-            for n in _threads():
-                numba.set_num_threads(n)
-                for rows in range(9, 16):
-                    w = rng.standard_normal((2 * rows, 3, kernel, kernel)).astype(np.float32)
-                    bias = rng.standard_normal(2 * rows).astype(np.float32)
-                    expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 2, bias, relu=True)
-                    got = conv2d(x, w, (1, 1), pad, (1, 1), 2, bias=bias, relu=True)
-                    assert bits(got) == bits(expect), rows
-                    assert np.isnan(got).any() and (got == 0).any()
-                    plain = sequential_conv(x, w, (1, 1), pad, (1, 1), 2)
-                    assert bits(conv2d(x, w, (1, 1), pad, (1, 1), 2)) == bits(plain), rows
-    finally:
-        numba.set_num_threads(threads)
+    for _ in _schedules(monkeypatch):
+        for rows in range(9, 16):
+            w = rng.standard_normal((2 * rows, 3, kernel, kernel)).astype(np.float32)
+            bias = rng.standard_normal(2 * rows).astype(np.float32)
+            expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 2, bias, relu=True)
+            got = conv2d(x, w, (1, 1), pad, (1, 1), 2, bias=bias, relu=True)
+            assert bits(got) == bits(expect), rows
+            assert np.isnan(got).any() and (got == 0).any()
+            plain = sequential_conv(x, w, (1, 1), pad, (1, 1), 2)
+            assert bits(conv2d(x, w, (1, 1), pad, (1, 1), 2)) == bits(plain), rows
 
 
 def test_int8_conv_dequantize_epilogue_in_the_register_store_is_numpys_float32_arithmetic(
@@ -346,16 +339,9 @@ def test_units_spanning_several_panels_give_the_sequential_sum(monkeypatch, kern
     pad = (kernel // 2,) * 4
     expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 1, bias, relu=True)
     assert 212 // gemm._UNITS == 6 < gemm._SPAN
-    threads = numba.get_num_threads()
-    try:
-        for serial_below in (gemm.SERIAL_BELOW, 0):
-            monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
-            for n in _threads():
-                numba.set_num_threads(n)
-                got = conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True)
-                assert bits(got) == bits(expect)
-    finally:
-        numba.set_num_threads(threads)
+    for _ in _schedules(monkeypatch):
+        got = conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True)
+        assert bits(got) == bits(expect)
 
 
 @pytest.mark.parametrize("kernel", [1, 3])

@@ -616,15 +616,8 @@ def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
         scale = _dequantize_scale(dq, columns, axis=-1)
         if scale is None:
             continue
-        chain, adds, last = [dq], [], dq
-        while (add := only_user(last, "mp.add")) is not None:
-            other = add.inputs[1 - add.inputs.index(last.output)]
-            vector = _column_vector(constants.get(other), add, columns)
-            if vector is None:
-                break
-            chain.append(add)
-            adds.append(vector)
-            last = add
+        chain, adds, last = _column_adds(only_user, dq, constants, columns, _column_vector)
+        chain.insert(0, dq)
         fused[mm.node] = replace(mm, name=last.name, output=last.output, out_type=last.out_type,
                                  run=_dequantized_matmul_kernel(scale, adds))
         gone.update(s.node for s in chain)
@@ -635,21 +628,31 @@ def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
                 or getattr(mm.run, "weight_dtype", None) != np.float32 \
                 or not all(_plain_float(t.elem) for t in (*mm.in_types, mm.out_type)):
             continue
-        columns, chain, adds, last = mm.out_type.shape[-1], [], [], mm
-        while (add := only_user(last, "mp.add")) is not None:
-            other = add.inputs[1 - add.inputs.index(last.output)]
-            vector = _rounded_column_vector(constants.get(other), add, columns)
-            if vector is None:
-                break
-            chain.append(add)
-            adds.append((vector, add.out_type.elem))
-            last = add
+        chain, adds, last = _column_adds(only_user, mm, constants, mm.out_type.shape[-1],
+                                         _rounded_column_vector)
         if not adds and elem == "f32":
             continue
         fused[mm.node] = replace(mm, name=last.name, output=last.output, out_type=last.out_type,
                                  run=_rounded_matmul_kernel(elem, adds))
         gone.update(s.node for s in chain)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
+
+
+def _column_adds(only_user: Callable, first: Step, constants: dict[int, Any], columns: int,
+                 vector_of: Callable) -> tuple[list[Step], list, Step]:
+    """The adds of constant vectors along the last axis after `first`, each the only reader
+    of the step before: (their steps, vector_of(constant, add, columns) of each, the last
+    step of the chain)."""
+    chain, adds, last = [], [], first
+    while (add := only_user(last, "mp.add")) is not None:
+        other = add.inputs[1 - add.inputs.index(last.output)]
+        vector = vector_of(constants.get(other), add, columns)
+        if vector is None:
+            break
+        chain.append(add)
+        adds.append(vector)
+        last = add
+    return chain, adds, last
 
 
 def _plain_float(elem: str) -> bool:
@@ -659,12 +662,13 @@ def _plain_float(elem: str) -> bool:
 
 def _rounded_column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:
     """`_column_vector` for an add in any `_plain_float` format: its constant (float32
-    values) as a vector along the last axis, or None."""
+    values) as a vector along the last axis and the add's format, or None."""
     if not all(_plain_float(t.elem) for t in (*add.in_types, add.out_type)):
         return None
-    return _column_vector(value, replace(add, out_type=add.out_type.with_elem("f32"),
-                                         in_types=[t.with_elem("f32") for t in add.in_types]),
-                          columns)
+    vector = _column_vector(value, replace(add, out_type=add.out_type.with_elem("f32"),
+                                           in_types=[t.with_elem("f32") for t in add.in_types]),
+                            columns)
+    return None if vector is None else (vector, add.out_type.elem)
 
 
 def _rounded_matmul_kernel(elem: str, adds: list[tuple[np.ndarray, str]]) -> Kernel:
