@@ -660,14 +660,13 @@ def _plain_float(elem: str) -> bool:
     return elem in ROUNDING_FORMATS and elem not in MX_ROUNDING_FORMATS
 
 
-def _rounded_column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:
-    """`_column_vector` for an add in any `_plain_float` format: its constant (float32
-    values) as a vector along the last axis and the add's format, or None."""
+def _rounded_column_vector(value: Any, add: Step,
+                           columns: int) -> tuple[np.ndarray, str] | None:
+    """`_column_vector` for an add in any `_plain_float` format: its constant as a vector
+    along the last axis and the add's format, or None."""
     if not all(_plain_float(t.elem) for t in (*add.in_types, add.out_type)):
         return None
-    vector = _column_vector(value, replace(add, out_type=add.out_type.with_elem("f32"),
-                                           in_types=[t.with_elem("f32") for t in add.in_types]),
-                            columns)
+    vector = _along_last_axis(value, add.out_type.shape, columns)
     return None if vector is None else (vector, add.out_type.elem)
 
 
@@ -686,13 +685,19 @@ def _rounded_matmul_kernel(elem: str, adds: list[tuple[np.ndarray, str]]) -> Ker
 def _column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:
     """A float32 constant that an f32 add of two f32 values adds along the last axis (one
     value per column, or one for all), as a vector of `columns`, or None."""
+    if add.out_type.elem != "f32" or any(t.elem != "f32" for t in add.in_types):
+        return None
+    return _along_last_axis(value, add.out_type.shape, columns)
+
+
+def _along_last_axis(value: Any, shape: tuple[int, ...], columns: int) -> np.ndarray | None:
+    """A float32 constant that numpy broadcasts to `shape` along its last axis only (one value
+    per column, or one for all), as a vector of `columns`, or None."""
     if not isinstance(value, np.ndarray) or value.dtype != np.float32 \
-            or add.out_type.elem != "f32" or any(t.elem != "f32" for t in add.in_types) \
-            or value.ndim > len(add.out_type.shape) \
-            or any(d != 1 for d in value.shape[:-1]) \
+            or value.ndim > len(shape) or any(d != 1 for d in value.shape[:-1]) \
             or value.ndim and value.shape[-1] not in (1, columns):
         return None
-    if tuple(np.broadcast_shapes(value.shape, add.out_type.shape)) != add.out_type.shape:
+    if tuple(np.broadcast_shapes(value.shape, shape)) != shape:
         return None
     return np.ascontiguousarray(np.broadcast_to(value.reshape(-1), (columns,)))
 
@@ -732,16 +737,11 @@ def _fuse_rounded_binaries(steps: list[Step], constants: dict[int, Any],
         shape = s.out_type.shape
         operands: list[np.ndarray | None] = []  # None: the step's input as it comes
         for i, t in zip(s.inputs, s.in_types, strict=True):
-            if t.shape == shape:
-                operands.append(None)
-                continue
-            value = constants.get(i)
-            if not isinstance(value, np.ndarray) or value.dtype != np.float32 \
-                    or not shape or (value.size != 1 and value.shape[-1:] != shape[-1:]) \
-                    or value.size not in (1, shape[-1]) \
-                    or np.broadcast_shapes(value.shape, shape) != shape:
+            vector = None if t.shape == shape or not shape \
+                else _along_last_axis(constants.get(i), shape, shape[-1])
+            if t.shape != shape and vector is None:
                 break
-            operands.append(np.ascontiguousarray(value.reshape(-1)))
+            operands.append(vector)
         if len(operands) != 2 or all(v is not None for v in operands):
             continue
         chain, cast = [s], only_user(s, "mp.cast")

@@ -41,7 +41,6 @@ from __future__ import annotations
 import numpy as np
 
 from mplower.numerics.depthwise import depthwise_conv2d, is_depthwise
-from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import (
     F32_EXACT,
     TILE_ROWS,
@@ -51,6 +50,7 @@ from mplower.numerics.gemm import (
     matmul,
 )
 from mplower.numerics.quant import quantize as quant_quantize
+from mplower.numerics.quant import store_table
 from mplower.numerics.rounding import MX_ROUNDING_FORMATS, round_to
 from mplower.numerics.rounding import amax as rounding_amax
 from mplower.numerics.windows import conv_windows
@@ -191,17 +191,15 @@ def _quantized(x, w, strides, padding, dilations, groups, scale, bias, relu, cha
                rounding, amax, requantize, quantize, prepared) -> np.ndarray:
     """conv2d with `quantize`."""
     qscale, zp, fmt = quantize
-    f = FORMATS.get(fmt)
+    table = store_table(qscale, zp, fmt)
     if into is not None or rounding is not None or amax is not None or requantize is not None \
-            or f is None or not f.is_int or f.bits != 8 or np.size(qscale) != 1 \
-            or np.size(zp) != 1 or x.dtype.kind in "iub" and scale is None and bias is None \
+            or table is None or x.dtype.kind in "iub" and scale is None and bias is None \
             and not relu or np.result_type(x, w) == np.float64:
         raise ValueError("conv2d: quantize takes a float32 result, per tensor, to an 8-bit "
                          "integer format, without into, rounding, amax or requantize")
-    qp = np.array([np.float32(np.asarray(qscale).reshape(())), np.asarray(zp).reshape(()),
-                   f.min_value, f.max_finite], np.float32)
+    qp = table[0]
     y, done = _conv2d(x, w, strides, padding, dilations, groups, scale, bias, relu, channels,
-                      None, None, None, None, (qp, f.storage), prepared)
+                      None, None, None, None, table, prepared)
     if done:
         return y
     return quant_quantize(np.ascontiguousarray(y, np.float32), qp[:1],

@@ -19,9 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import amax_of_bits
-from mplower.numerics.quant import _quantize_one
+from mplower.numerics.quant import _quantize_one, store_table
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
     ROUNDING_FORMATS,
@@ -98,13 +97,11 @@ def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None,
     qp, qout = _NO_QP, _NO_Q
     if quantize is not None:
         scale, zp, fmt, found = quantize
-        f = FORMATS.get(fmt)
-        if f is None or not f.is_int or f.bits != 8 or np.size(scale) != 1 \
-                or np.size(zp) != 1 or a.dtype != np.float32:
+        table = store_table(scale, zp, fmt)
+        if table is None or a.dtype != np.float32:
             raise ValueError("add_relu: quantize takes a float32 result, per tensor, to an "
                              "8-bit integer format")
-        qp = np.array([np.float32(np.asarray(scale).reshape(())), np.asarray(zp).reshape(()),
-                       f.min_value, f.max_finite], np.float32)
+        qp, storage = table
         qout = np.empty(fa.size, np.uint8)  # int8 values written here wrap to their bits
     if y.size < SERIAL_BELOW:
         largest = _add_relu_serial(*args, 0 if counted else -1, qp, qout)
@@ -116,11 +113,18 @@ def add_relu(a: np.ndarray, b: np.ndarray, rounding: str | None = None,
     if counted:
         amax[:] = [amax_of_bits(np.uint32(largest))]
     if quantize is not None:
-        found[:] = [qout.view(f.storage).reshape(a.shape)]
+        found[:] = [qout.view(storage).reshape(a.shape)]
     return y.reshape(a.shape)
 
 
 _NO_QP, _NO_Q = np.zeros(4, np.float32), np.empty(0, np.uint8)
+
+
+def _rounding_steps(formats: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each format's round_to parameters (one row each) and whether it rounds at all ("f32"
+    does not: its row is a placeholder)."""
+    return (np.stack([_param_array("bf16" if f == "f32" else f, False) for f in formats]),
+            np.array([f != "f32" for f in formats]))
 
 
 @njit(cache=True, nogil=True)
@@ -167,8 +171,7 @@ def round_add_columns(y: np.ndarray, first: str, adds: list[tuple[np.ndarray, st
     bits = y.reshape(-1).view(np.uint32)
     vectors = np.ascontiguousarray(np.array([v for v, _ in adds], np.float32).reshape(
         len(adds), columns))
-    params = np.stack([_param_array("bf16" if f == "f32" else f, False) for f in formats])
-    rounds = np.array([f != "f32" for f in formats])
+    params, rounds = _rounding_steps(formats)
     rows = bits.size // columns
     if bits.size < SERIAL_BELOW:
         _column_rows(bits, columns, vectors, params, rounds, 0, rows)
@@ -235,9 +238,7 @@ def binary_rounded(op: str, a: np.ndarray, b: np.ndarray, formats: tuple[str, ..
     (fa, a_full), (fb, b_full) = operand(a), operand(b)
     y = np.empty(shape, np.float32)
     flat = y.reshape(-1)
-    steps = list(formats) + ["f32"] * (2 - len(formats))
-    params = np.stack([_param_array("bf16" if f == "f32" else f, False) for f in steps])
-    rounds = np.array([f != "f32" for f in steps])
+    params, rounds = _rounding_steps(list(formats) + ["f32"] * (2 - len(formats)))
     rows = flat.size // columns if columns else 0
     args = (fa, a_full, fb, b_full, flat, flat.view(np.uint32), columns, _BINARY[op], params,
             rounds)

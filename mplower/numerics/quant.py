@@ -54,6 +54,19 @@ def _quantize_one(x, s, z, lo, hi):
     return np.int32(z if is_nan else q), clamped, r == 0 and x != 0, is_nan
 
 
+def store_table(scale, zero_point, fmt: str) -> tuple[np.ndarray, np.dtype] | None:
+    """For a per-tensor quantize to an 8-bit integer format, done by a kernel as it stores
+    each value (`_quantize_one` on float32): (scale, zero point, lowest, highest) as float32,
+    and the format's storage dtype; None for anything else."""
+    f = FORMATS.get(fmt)
+    if f is None or not f.is_int or f.bits != 8 or np.size(scale) != 1 \
+            or np.size(zero_point) != 1:
+        return None
+    return np.array([np.float32(np.asarray(scale).reshape(())),
+                     np.asarray(zero_point).reshape(()), f.min_value, f.max_finite],
+                    np.float32), f.storage
+
+
 @njit(cache=True, error_model="numpy")
 def _fake_one(x, s, z, lo, hi):
     """`_quantize_one`, returning (q - z) * s in float32 (as _dequantize_span computes it from
