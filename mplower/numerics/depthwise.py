@@ -53,7 +53,7 @@ from mplower.numerics.rounding import (
     rounded_bits,
 )
 from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
-from mplower.numerics.workers import claim, run_units
+from mplower.numerics.workers import borrowed, claim, run_units
 
 # Below this many multiply-adds (a few tenths of a ms on one core) one thread computes every
 # plane: handing units to a worker costs tens of microseconds, a time slice on a busy machine.
@@ -194,6 +194,10 @@ def _same_units(x, w, scale, bias, y, multiplier, channels, taps, masks, pt, pl,
     the parameters `rpa`) after the epilogue, while they are in cache; with `parts` (one per
     unit), parts[u] is the largest |output| of unit u as a float32 bit pattern with the sign
     cleared."""
+    # Views without reference counts (workers.borrowed), the caller holding the arrays.
+    x, w, scale, bias, y = borrowed(x), borrowed(w), borrowed(scale), borrowed(bias), borrowed(y)
+    channels, taps, masks, rpa = borrowed(channels), borrowed(taps), borrowed(masks), borrowed(rpa)
+    parts, fq = borrowed(parts), borrowed(fq)
     n, c, h, wd = x.shape
     o_count, plane = y.shape[1], h * wd
     xf, yf = x.reshape(-1), y.reshape(-1)
@@ -253,6 +257,10 @@ def _units(x, w, scale, bias, y, multiplier, channels, taps, strides, split, pt,
     the planes of a unit split together (windows.split_plane, split_stack; `split` = (Hq,
     Wq)), and weights w[o] (KH * KW) at `taps` (windows.tap_offsets). Returns the number of
     units done."""
+    # Views without reference counts (workers.borrowed), the caller holding the arrays.
+    x, w, scale, bias, y = borrowed(x), borrowed(w), borrowed(scale), borrowed(bias), borrowed(y)
+    channels, taps, rpa, parts = borrowed(channels), borrowed(taps), borrowed(rpa), borrowed(parts)
+    fq = borrowed(fq)
     n = x.shape[0]
     ho, wo = y.shape[2], y.shape[3]
     (sh, sw), (hq, wq) = strides, split

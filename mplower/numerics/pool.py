@@ -41,7 +41,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from mplower.numerics.windows import keep, split_plane, split_shape, split_stack, tap_offsets
-from mplower.numerics.workers import claim, run_blocks, run_units
+from mplower.numerics.workers import borrowed, claim, run_blocks, run_units
 
 # Below this many window elements (a few tenths of a ms on one core) one thread pools every
 # plane: a parallel section costs tens of microseconds on an idle machine, a time slice on a
@@ -226,6 +226,8 @@ def _pool_units(x, y, taps, strides, split, pt, pl, fill, kw, counts, group, cou
     over counts (the flattened split layout's). The planes of a unit are split together
     (windows.split_plane, split_stack; `split` = (Hq, Wq)), the taps at `taps`
     (windows.tap_offsets). Returns the number of units done."""
+    # Views without reference counts (workers.borrowed), the caller holding the arrays.
+    x, y, taps, counts = borrowed(x), borrowed(y), borrowed(taps), borrowed(counts)
     p_count, ho, wo = y.shape
     (sh, sw), (hq, wq) = strides, split
     rows = np.full((sh, group * hq, wq * sw), fill, x.dtype)  # the padding stays
@@ -385,6 +387,8 @@ def _pool3s2_units(x, y, pt, pl, average, group, counter, units):
       (Which payload a sum of two NaNs keeps is not pinned, here or in `_avg9`: LLVM may swap
       an addition's operands.)
     Returns the number of units done."""
+    # Views without reference counts (workers.borrowed), the caller holding the arrays.
+    x, y = borrowed(x), borrowed(y)
     planes, h, w = x.shape
     ho, wo = y.shape[1], y.shape[2]
     start = np.float32(0) if average else np.float32(-np.inf)

@@ -167,6 +167,29 @@ def claim(typingctx, counter):
     return sig, codegen
 
 
+@intrinsic
+def borrowed(typingctx, array):
+    """`array` without its reference count: the same data, shape and strides, with no
+    memory-info pointer, as an array made from a raw pointer (numba.carray) has. numba counts
+    references to arrays as it binds them, on every call of an inlined function that takes
+    one: an atomic increment and decrement, on a count every thread of a parallel kernel
+    updates when they share the array. Per tile or per plane those took a tenth to a half of
+    some kernels' time (perf, docs/benchmarks.md); on a borrowed array they are a test of a
+    null pointer. The caller must keep `array` itself alive while the borrowed one is used:
+    an argument of the kernel, or a local it goes on using after the last use of the view."""
+    sig = array(array)
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        out = context.make_array(signature.return_type)(context, builder)
+        for field in ("nitems", "itemsize", "data", "shape", "strides"):
+            setattr(out, field, getattr(view, field))
+        out.meminfo = ir.Constant(out.meminfo.type, None)
+        out.parent = ir.Constant(out.parent.type, None)
+        return out._getvalue()
+    return sig, codegen
+
+
 def run_units(kernel: Callable[..., int], units: int, *args) -> None:
     """kernel(*args, counter, units) on up to numba.get_num_threads() threads at once, each
     call claiming units with `claim(counter)` until it gets one >= units and returning how
