@@ -11,8 +11,8 @@ importer and lowered with the built-in sheets: bf16, fp16 and fp8 (`assign-preci
 fp32, and in int8 after `quantize_static` (QDQ, per channel, MinMax) on the same samples.
 
 Timed: `Program.run_lowered` on prepared inputs (what `mplower bench` times) and
-`InferenceSession.run`, every configuration of a model once per round, in turns, after one
-warm-up call each; the table gives medians over the rounds. Generated models are cached under
+`InferenceSession.run`, every configuration of a model once per round, in turns, after two
+warm-up turns of every configuration; the table gives medians over the rounds. Generated models are cached under
 benchmarks/out/runtime/ (ignored by git). Run from the repository root:
 
     python benchmarks/runtime.py [--models resnet50,bert] [--batches 1,8] [--rounds 5]
@@ -265,12 +265,19 @@ def ort_int8(path: Path, calib: list[np.ndarray], method=None, out: Path | None 
 
 # ---- timing ---------------------------------------------------------------------------------
 
+WARM_TURNS = 2
+
+
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int,
                 raw: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median seconds per call of each function, the functions taking turns; `raw` (a dict)
     gets every round's seconds too."""
-    for fn in fns.values():  # warm-up: compilation, caches, first touch
-        fn()
+    # Warm-up: compilation, caches, first touch. Two turns each: the configurations share one
+    # heap, and until each has run after the others its first call still touches new pages
+    # (ResNet-50 b8 fp32's first timed call took 0.9-1.0 s against 0.25-0.3 after one turn).
+    for _ in range(WARM_TURNS):
+        for fn in fns.values():
+            fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
@@ -470,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{onnxruntime.__version__} (2 intra-op threads)  "),
              (f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load "
               f"average at the end {os.getloadavg()[0]:.2f}  "),
-             f"Medians of {rounds} interleaved round(s) after one warm-up call each.", ""]
+             f"Medians of {rounds} interleaved round(s) after {WARM_TURNS} warm-up calls each.", ""]
     lines += table(rows, sheets)
     print("\n".join(lines))
     if args.write:
