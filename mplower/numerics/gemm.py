@@ -90,7 +90,7 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
     def codegen(context, builder, signature, args):
         if fused:  # operands by address (`address`), the first argument their dtype
             (_, av, a_off, lda_v, pv, p_off, ldp, tv, t_off, ldt, kk, sv, hv, e_off, relu,
-             width, post) = args
+             width, post, qv, qpv) = args
             zero = ir.Constant(i64, 1)
             a_ptr, p_ptr, t_ptr = (builder.gep(builder.inttoptr(at, vty.element.as_pointer()),
                                                [offset])
@@ -172,12 +172,21 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
         largest = ir.Constant(ir.IntType(32), 0)
         if fused:
             final = _fused_epilogue(builder, final, rows, vty, (sv, hv, e_off, relu))
+            stored = builder.append_basic_block("gemm_stored")
             if isinstance(vty.element, ir.FloatType):
                 final, largest = _post_epilogue(builder, final, lanes, post, width)
+                # Bit 3 of `post`: the tile quantized to 8-bit integers, stored at q instead.
+                quantized = builder.append_basic_block("gemm_quantized")
+                floats = builder.append_basic_block("gemm_floats")
+                builder.cbranch(builder.icmp_signed("!=", builder.and_(post, const(8)),
+                                                    const(0)), quantized, floats)
+                builder.position_at_end(quantized)
+                _store_quantized(builder, final, lanes, width, qv, qpv, t_off, at)
+                builder.branch(stored)
+                builder.position_at_end(floats)
             # The columns below `width` only: a partial panel (the last of the pixels) stores
             # through a lane mask, so that it too takes this path.
             partial = builder.append_basic_block("gemm_partial")
-            stored = builder.append_basic_block("gemm_stored")
             whole = builder.append_basic_block("gemm_whole")
             builder.cbranch(builder.icmp_signed("<", width, const(_VECTORS * lanes)), partial,
                             whole)
@@ -279,6 +288,40 @@ def _post_epilogue(builder, final, lanes, post, width):
     return out, largest
 
 
+def _store_quantized(builder, final, lanes, width, q_addr, qp_addr, offset, at):
+    """A float32 tile's outputs (after the epilogue) quantized as quant._quantize_one does,
+    each lane in float32: rint(y / scale) (nearest even) + zero point, clamped to [lowest,
+    highest], a NaN made the zero point, then converted to an integer whose low 8 bits are
+    stored in the first `width` columns of the uint8 array at q_addr, from element `offset`
+    on at the tile's element offsets (`at`); qp_addr holds (scale, zero point, lowest,
+    highest) as float32. The integer quantize's bits, without the float32 result."""
+    f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
+    vty = ir.VectorType(f32, lanes)
+    qp = builder.inttoptr(qp_addr, f32.as_pointer())
+    scale, zero, lowest, highest = (
+        _broadcast(builder, builder.load(builder.gep(qp, [ir.Constant(ir.IntType(64), i)])),
+                   lanes) for i in range(4))
+    base = builder.gep(builder.inttoptr(q_addr, i8.as_pointer()), [offset])
+    module = builder.module
+    rint = module.declare_intrinsic(f"llvm.rint.v{lanes}f32", fnty=ir.FunctionType(vty, [vty]))
+    bty, mty = ir.VectorType(i8, lanes), ir.VectorType(ir.IntType(1), lanes)
+    store = module.declare_intrinsic(
+        f"llvm.masked.store.v{lanes}i8.p0",
+        fnty=ir.FunctionType(ir.VoidType(), [bty, bty.as_pointer(), i32, mty]))
+    limit = _broadcast(builder, width, lanes)
+    for (r, v), y in final.items():
+        q = builder.fadd(builder.call(rint, [builder.fdiv(y, scale)]), zero)
+        nan = builder.fcmp_unordered("uno", q, q)
+        q = builder.select(builder.fcmp_ordered(">", q, highest), highest, q)
+        q = builder.select(builder.fcmp_ordered("<", q, lowest), lowest, q)
+        q = builder.select(nan, zero, q)
+        values = builder.trunc(builder.fptosi(q, ir.VectorType(i32, lanes)), bty)
+        lane = ir.Constant(ir.VectorType(width.type, lanes), [v * lanes + j for j in range(lanes)])
+        pointer = builder.bitcast(builder.gep(base, [at(r, v)]), bty.as_pointer())
+        builder.call(store, [values, pointer, ir.Constant(i32, 1),
+                             builder.icmp_signed("<", lane, limit)])
+
+
 def _when(builder, flag, values, transform, name):
     """`values` (IR values by key) where `flag` is false, transform(values) where it is true:
     one branch, then a phi per value."""
@@ -373,18 +416,20 @@ _micro_row = _micro_kernel(1)  # the rows past the last full tile, one at a time
 
 def _stored_kernel(rows: int):
     """An intrinsic `stored(dtype, a, a_offset, lda, panel, panel_offset, ldp, c, c_offset,
-    ldc, depth, s, h, e_offset, relu, columns, post)`, where a, panel, c, s and h are the
-    addresses (`address`) of arrays of `dtype`: `_micro_kernel(rows)` from +0, with
+    ldc, depth, s, h, e_offset, relu, columns, post, q, qp)`, where a, panel, c, s and h are
+    the addresses (`address`) of arrays of `dtype`: `_micro_kernel(rows)` from +0, with
     `_fused_epilogue` and, for float32, `_post_epilogue` (bf16 or f16 rounding, the amax, as the
     bits of `post` ask) applied to the registers as they are stored into c (its first `columns`
-    columns), so that a tile costs no second pass over its outputs. Returns the amax bits
-    (`_post_epilogue`'s; 0 unless measured)."""
+    columns), so that a tile costs no second pass over its outputs; where bit 3 of `post` is
+    set, a float32 tile is quantized instead and stored at the same elements of the uint8
+    array at address q (`_store_quantized`, qp the address of its parameters), c untouched.
+    Returns the amax bits (`_post_epilogue`'s; 0 unless measured)."""
 
     @intrinsic
     def stored(typingctx, dtype, a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc,
-               depth, s, h, e_offset, relu, columns, post):
+               depth, s, h, e_offset, relu, columns, post, q, qp):
         sig = types.uint32(dtype, a, a_offset, lda, panel, panel_offset, ldp, c, c_offset, ldc,
-                           depth, s, h, e_offset, relu, columns, post)
+                           depth, s, h, e_offset, relu, columns, post, q, qp)
         width = 8 if dtype.dtype == types.float64 else 4
         fty = ir.DoubleType() if width == 8 else ir.FloatType()
         lanes = _VECTOR_BYTES // width
@@ -960,9 +1005,10 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
     turn, so that an image's last panel is filled with the next image's first pixels instead
     of lanes that compute nothing (a 7x7 output fills 49 of 64 lanes alone); a panel that
     spans images is packed, and its tiles are summed in `tile` and copied to each image.
-    With `qout` (not empty: c's shape, flattened), each stored tile is also quantized into it
-    while in L1 (`_quantize_run`, qp = scale, zero point, lowest, highest). Returns the
-    number of units done."""
+    With `qout` (not empty: c's shape, flattened), each tile is quantized into it instead (qp
+    = scale, zero point, lowest, highest): in its registers as it is stored
+    (`_store_quantized`, c left untouched), or, where it is summed in chunks or spans images,
+    from c or `tile` while in L1 (`_quantize_run`). Returns the number of units done."""
     # Views without reference counts (workers.borrowed), the caller holding the arrays: the
     # inlined per-tile functions would otherwise count references to them on every call.
     x, flat, w, c, scale, bias = (borrowed(x), borrowed(flat), borrowed(w), borrowed(c),
@@ -1009,7 +1055,7 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
     # The per-tile kernels take addresses (`address`); these arrays live until the return.
     w_at, c_at, tile_at, s_at, h_at = (address(w), address(c), address(tile), address(post_s),
                                        address(post_h))
-    flat_at, panel_at = address(flat), address(panel)
+    flat_at, panel_at, q_at, qp_at = address(flat), address(panel), address(qout), address(qp)
     packed, done = -1, 0
     while True:
         u = claim(counter)
@@ -1074,19 +1120,21 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
                 source, offset = (flat_at, sources[j]) if sources[j] >= 0 else \
                     (panel_at, -1 - sources[j])
                 if not spanning[j]:
+                    # With `qout`, the tile is quantized in its registers and stored there
+                    # (`post` bit 3), c left untouched.
                     at = (firsts[j] * c_rows + channel0 + i0) * pixels + q0s[j]
                     largest = max(largest, _stored_tile(
                         w.dtype, w_at, (g * m + i0) * kk, kk, source, offset, ldps[j], c_at,
-                        at, pixels, s_at, h_at, g * m + i0, relu, rows, widths[j], post))
+                        at, pixels, s_at, h_at, g * m + i0, relu, rows, widths[j],
+                        post | 8 if qout.size else post, q_at, qp_at))
                     if late:
                         largest = _finish_run(rbits, at, rows, widths[j], pixels, rounding, rp,
                                               parts.size > 0, largest)
-                    if qout.size:
-                        _quantize_run(cf, qout, at, rows, widths[j], pixels, qp)
                     continue
                 # Summed in `tile`, then each image's columns copied to it.
                 _stored_tile(w.dtype, w_at, (g * m + i0) * kk, kk, source, offset, ldps[j],
-                             tile_at, 0, cols, s_at, h_at, g * m + i0, relu, rows, cols, 0)
+                             tile_at, 0, cols, s_at, h_at, g * m + i0, relu, rows, cols, 0, q_at,
+                             qp_at)
                 image, q1, filled = firsts[j], q0s[j], 0
                 while filled < cols and image < images:
                     width = min(cols - filled, pixels - q1)
@@ -1140,29 +1188,30 @@ def _finish_run(rbits, at, rows, width, ldc, rounding, rp, measure, largest):
 
 @njit(cache=True, nogil=True, inline="always")
 def _stored_tile(dtype, a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, s, h, e_offset,
-                 relu, rows, width, post):
+                 relu, rows, width, post, q, qp):
     """`rows` (1 .. TILE_ROWS) rows and the first `width` columns of a tile summed from +0
-    straight into c through the fused epilogue (`_stored_kernel`, with `post`): a full tile
-    at once, fewer rows in blocks of 4, 2 and 1. a, source, c, s and h are addresses
-    (`address`) of arrays of `dtype`. Returns the largest amax bits of the blocks (0 unless
-    `post` measures)."""
+    straight into c through the fused epilogue (`_stored_kernel`, with `post`, q and qp): a
+    full tile at once, fewer rows in blocks of 4, 2 and 1. a, source, c, s and h are
+    addresses (`address`) of arrays of `dtype`. Returns the largest amax bits of the blocks
+    (0 unless `post` measures)."""
     if rows == TILE_ROWS:
-        return _stored8(dtype, a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s, h,
-                        e_offset, relu, width, post)
+        return _stored8(dtype, a, a_offset, kk, source, offset, ldp, c, c_offset, ldc, kk, s,
+                        h, e_offset, relu, width, post, q, qp)
     r, largest = 0, np.uint32(0)
     if rows >= 4:
-        largest = max(largest, _stored4(dtype, a, a_offset, kk, source, offset, ldp, c, c_offset, ldc,
-                                        kk, s, h, e_offset, relu, width, post))
+        largest = max(largest, _stored4(dtype, a, a_offset, kk, source, offset, ldp, c,
+                                        c_offset, ldc, kk, s, h, e_offset, relu, width, post,
+                                        q, qp))
         r = 4
     if rows - r >= 2:
         largest = max(largest, _stored2(dtype, a, a_offset + r * kk, kk, source, offset, ldp, c,
                                         c_offset + r * ldc, ldc, kk, s, h, e_offset + r, relu,
-                                        width, post))
+                                        width, post, q, qp))
         r += 2
     if rows > r:
         largest = max(largest, _stored1(dtype, a, a_offset + r * kk, kk, source, offset, ldp, c,
                                         c_offset + r * ldc, ldc, kk, s, h, e_offset + r, relu,
-                                        width, post))
+                                        width, post, q, qp))
     return largest
 
 
