@@ -12,8 +12,9 @@ fp32, and in int8 after `quantize_static` (QDQ, per channel, MinMax) on the same
 
 Timed: `Program.run_lowered` on prepared inputs (what `mplower bench` times) and
 `InferenceSession.run`, every configuration of a model once per round, in turns, after two
-warm-up turns of every configuration; the table gives medians over the rounds. Generated models are cached under
-benchmarks/out/runtime/ (ignored by git). Run from the repository root:
+warm-up turns of every configuration; the table gives medians over the rounds. Generated
+models are cached under benchmarks/out/runtime/ (ignored by git). Run from the repository
+root:
 
     python benchmarks/runtime.py [--models resnet50,bert] [--batches 1,8] [--rounds 5]
                                  [--quick] [--write docs/benchmarks.md]
@@ -477,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{onnxruntime.__version__} (2 intra-op threads)  "),
              (f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load "
               f"average at the end {os.getloadavg()[0]:.2f}  "),
-             f"Medians of {rounds} interleaved round(s) after {WARM_TURNS} warm-up calls each.", ""]
+             (f"Medians of {rounds} interleaved round(s) after {WARM_TURNS} warm-up calls "
+              "each."), ""]
     lines += table(rows, sheets)
     print("\n".join(lines))
     if args.write:

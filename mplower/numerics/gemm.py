@@ -1008,7 +1008,7 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
     With `qout` (not empty: c's shape, flattened), each tile is quantized into it instead (qp
     = scale, zero point, lowest, highest): in its registers as it is stored
     (`_store_quantized`, c left untouched), or, where it is summed in chunks or spans images,
-    from c or `tile` while in L1 (`_quantize_run`). Returns the number of units done."""
+    from c while in L1 (`_quantize_run`). Returns the number of units done."""
     # Views without reference counts (workers.borrowed), the caller holding the arrays: the
     # inlined per-tile functions would otherwise count references to them on every call.
     x, flat, w, c, scale, bias = (borrowed(x), borrowed(flat), borrowed(w), borrowed(c),
@@ -1052,6 +1052,8 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
     if fast:
         post = (2 if parts.size else 0) | (0 if not rounding else 1 if plain_bf16(rp) else 4)
     late = (rounding or parts.size > 0) and not fast
+    # A tile stored once into c with `qout` is quantized in its registers instead (bit 3).
+    stored_post = post | 8 if qout.size else post
     # The per-tile kernels take addresses (`address`); these arrays live until the return.
     w_at, c_at, tile_at, s_at, h_at = (address(w), address(c), address(tile), address(post_s),
                                        address(post_h))
@@ -1120,13 +1122,11 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
                 source, offset = (flat_at, sources[j]) if sources[j] >= 0 else \
                     (panel_at, -1 - sources[j])
                 if not spanning[j]:
-                    # With `qout`, the tile is quantized in its registers and stored there
-                    # (`post` bit 3), c left untouched.
                     at = (firsts[j] * c_rows + channel0 + i0) * pixels + q0s[j]
                     largest = max(largest, _stored_tile(
                         w.dtype, w_at, (g * m + i0) * kk, kk, source, offset, ldps[j], c_at,
-                        at, pixels, s_at, h_at, g * m + i0, relu, rows, widths[j],
-                        post | 8 if qout.size else post, q_at, qp_at))
+                        at, pixels, s_at, h_at, g * m + i0, relu, rows, widths[j], stored_post,
+                        q_at, qp_at))
                     if late:
                         largest = _finish_run(rbits, at, rows, widths[j], pixels, rounding, rp,
                                               parts.size > 0, largest)
