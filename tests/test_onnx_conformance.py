@@ -53,8 +53,9 @@ CLAIMED_TYPES = frozenset(ELEM_OF_ONNX)
 MIN_PASS_RATE = 0.95
 # Why each known failure fails, for docs/conformance.md (the run supplies the symptom).
 EXPLANATIONS = {
-    "INT4": "mp.cast saturates out-of-range integers (-9 -> -8); ONNX's test data wraps them "
-            "modulo 16 (-9 -> 7)",
+    "INT4": "ONNX's Cast leaves a float outside an integer type's range undefined; mp.cast "
+            "saturates (-9 -> -8), and the test data holds whatever the numpy and ml_dtypes "
+            "that generated it made of such values",
     "quantizelinear_int16": "mp.quantize/mp.dequantize take 8-bit, 4-bit and i32 codes; i16 "
                             "is an index type of the IR",
     "quantizelinear_uint16": "mp.quantize/mp.dequantize take 8-bit, 4-bit and i32 codes; ui16 "
@@ -179,8 +180,12 @@ def run_node_test(folder: Path, rtol: float, atol: float) -> Outcome:
     except DiagnosticError as e:
         return Outcome(folder.name, group, "fail", e.diagnostics[0].message)
     except AssertionError as e:
+        # The count of mismatched elements, not their values: where a result is undefined
+        # (a float cast out of an integer's range) the expected values depend on the libraries
+        # that generated the data, and the doc must not change with them.
         lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-        return Outcome(folder.name, group, "fail", f"output mismatch: {'; '.join(lines[1:5])}")
+        count = next((ln for ln in lines if ln.startswith("Mismatched elements")), lines[-1])
+        return Outcome(folder.name, group, "fail", f"output mismatch: {count}")
     return Outcome(folder.name, group, "pass")
 
 
