@@ -115,6 +115,35 @@ def test_wide_1x1_convs_pack_their_panels_with_the_same_bits(monkeypatch, case) 
         assert bits(conv2d(x, w, strides, padding, dilations, groups)) == bits(expect)
 
 
+# 1x1 convs with spans of several full panels (64 and more panels per run): one image of
+# 4096 pixels, two of 2025 (the panels run on across images: some spans lie in one image, some
+# do not), two groups of three images.
+SPAN_CASES = [((1, 8, 64, 64), 16, 1), ((2, 6, 45, 45), 24, 1), ((3, 12, 40, 40), 16, 2)]
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: "x".join(map(str, c[0])))
+def test_deep_1x1_convs_pack_whole_spans_with_the_same_bits(monkeypatch, case) -> None:
+    # A deep 1x1 conv whose input is beyond the caches (gemm._PACK_1X1_DEEP, _PACK_1X1_BYTES;
+    # both lowered here) copies each span's panels a plane at a time (`_convert_span`), as an
+    # 8-bit input always does: the same sums as read in place.
+    xs, o, groups = case
+    rng = np.random.default_rng(sum(xs) + o)
+    x = rng.standard_normal(xs).astype(np.float32)
+    w = rng.standard_normal((o, xs[1] // groups, 1, 1)).astype(np.float32)
+    bias = rng.standard_normal(o).astype(np.float32)
+    expect = sequential_conv(x, w, (1, 1), (0, 0, 0, 0), (1, 1), groups, bias, relu=True)
+    xq = rng.integers(0, 256, xs).astype(np.uint8)
+    wq = rng.integers(-128, 128, w.shape).astype(np.int8)
+    exact = integer_conv(xq, wq, (1, 1), (0, 0, 0, 0), (1, 1), groups)
+    for deep, size in ((1 << 30, 1 << 62), (1, 0)):  # in place, then packed
+        monkeypatch.setattr(gemm, "_PACK_1X1_DEEP", deep)
+        monkeypatch.setattr(gemm, "_PACK_1X1_BYTES", size)
+        for _ in _schedules(monkeypatch):
+            got = conv2d(x, w, (1, 1), (0, 0, 0, 0), (1, 1), groups, bias=bias, relu=True)
+            assert bits(got) == bits(expect)
+            assert np.array_equal(conv2d(xq, wq, (1, 1), (0, 0, 0, 0), (1, 1), groups), exact)
+
+
 def integer_conv(x, w, strides, padding, dilations, groups) -> np.ndarray:
     """The exact conv of integer operands: numpy's int64 im2col times the weights."""
     o, cg, kh, kw = w.shape

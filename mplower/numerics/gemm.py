@@ -919,6 +919,14 @@ _SPAN, _SPAN_BYTES = 8, 1 << 18
 # SqueezeNet's final 1000x512 conv at batch 8 took 5.95 against 6.71 ms, ResNet-50's 512->1024
 # 23.7 against 25.9; 16 to 256 channels were as fast or faster in place (docs/benchmarks.md).
 _PACK_1X1_ROWS = 512
+# So does one of _PACK_1X1_DEEP input channels or more whose input (_PACK_1X1_BYTES or more)
+# is beyond this VM's caches: a panel's K rows then lie on K pages, more than the first-level
+# TLB holds, each row read from memory, while `_convert_span` reads each plane's run for a
+# span of panels once. Batch 8, two threads, medians of 25 interleaved calls: SqueezeNet's
+# 128->16 at 55x55 2.77 against 4.33 ms, ResNet-50's 256->64 at 56x56 11.7 against 13.0,
+# 512->128 at 28x28 8.8 against 10.4; smaller inputs were level or slower (512->256 at 14x14,
+# 3.2 MB: 6.5 against 5.5; 128->16 at batch 1: 0.37 against 0.31).
+_PACK_1X1_DEEP, _PACK_1X1_BYTES = 128, 8 << 20
 
 
 @njit(cache=True, nogil=True)
@@ -980,6 +988,21 @@ def _convert_panel(flat, src, plane, panel, at, kk, cols):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _convert_span(flat, src, plane, panel, kk, cols, count):
+    """`count` consecutive full panels of a 1x1 stride-1 conv whose pixels start at flat[src]
+    (its K rows a plane apart) into panel[j * K * cols:] as (K, cols) each, converted to the
+    panel's type: each plane's run of count * cols pixels read once, in order, instead of a
+    panel's cols pixels from each of K planes in turn (`_convert_panel`: K strided streams,
+    a page each, per panel)."""
+    for k in range(kk):
+        s = np.uint64(src + k * plane)
+        for j in range(count):
+            d, o = np.uint64(j * kk * cols + k * cols), np.uint64(j * cols)
+            for t in range(np.uint64(cols)):
+                panel[d + t] = flat[s + o + t]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _zero_columns(panel, at, stride, rows, first, cols):
     """Columns first .. cols - 1 of `rows` panel rows (stride apart) from panel[at] on: +0."""
     for row in range(rows):
@@ -1034,9 +1057,11 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
     rp = _param_tuple(rpa)
     # A 1x1 stride-1 conv's im2col is its input: full panels are read there in place (packing
     # them, a strided gather over K planes, cost more than it saved), from `flat` (x
-    # flattened), which is empty where x has another type than w (8-bit integers) or the conv
-    # has _PACK_1X1_ROWS output channels or more: those panels are copied (converted), a row
-    # of contiguous pixels per k (`_convert_panel`).
+    # flattened), which is empty where x has another type than w (8-bit integers), the conv
+    # has _PACK_1X1_ROWS output channels or more, or a deep input beyond the caches
+    # (_PACK_1X1_DEEP): those panels are copied (converted), a span of full panels of one
+    # image a plane at a time (`_convert_span`), any other a row of contiguous pixels per k
+    # (`_convert_panel`).
     one_by_one = shape[1] == shape[2] == shape[3] == shape[4] == 1
     in_place = one_by_one and flat.size > 0
     cf, plane = c.reshape(-1), x.shape[2] * x.shape[3]
@@ -1077,6 +1102,16 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
                 firsts[j], q0s[j] = batch + start // pixels, start % pixels
                 widths[j] = min(cols, pixels - q0s[j])
                 spanning[j] = merged and widths[j] < cols and firsts[j] + 1 < images
+            # Full panels of one image, copied (converted): its pixels are contiguous in each
+            # of the K planes, copied a plane at a time for the whole span (`_convert_span`).
+            spanned = one_by_one and not in_place and firsts[count - 1] == firsts[0] \
+                and widths[count - 1] == cols
+            if spanned:
+                _convert_span(xf, (firsts[0] * kk) * plane + q0s[0], plane, panel, kk, cols,
+                              count)
+                for j in range(count):
+                    sources[j], ldps[j] = -1 - j * kk * cols, cols
+            for j in range(0 if spanned else count):
                 if in_place and widths[j] == cols:
                     sources[j], ldps[j] = (firsts[j] * kk) * plane + q0s[j], plane
                     # An in-place panel's K rows lie a plane apart, too many streams for the
@@ -1282,8 +1317,9 @@ def conv_product(x: np.ndarray, wmat: np.ndarray, shape: tuple[int, ...], groups
     tiled_amax = amax is not None and out == np.float32 and wmat.dtype == np.float32 \
         and chunk >= kk and into is None
     parts = np.zeros(spans * blocks if tiled_amax else 0, np.uint32)
-    flat = x.reshape(-1) if x.dtype == wmat.dtype and m < _PACK_1X1_ROWS \
-        else np.empty(0, wmat.dtype)
+    in_place = x.dtype == wmat.dtype and m < _PACK_1X1_ROWS \
+        and not (kk >= _PACK_1X1_DEEP and x.nbytes >= _PACK_1X1_BYTES)
+    flat = x.reshape(-1) if in_place else np.empty(0, wmat.dtype)
     args = (x, flat, wmat, c, tuple(int(v) for v in shape), groups, cols, span, rows_per_unit,
             chunk, scale, bias, relu, post_s, post_h, channel0, rounding is not None,
             c.reshape(-1).view(np.uint32) if rounding is not None or tiled_amax else _NO_BITS,
