@@ -379,9 +379,8 @@ def depthwise_conv2d(x: np.ndarray, w: np.ndarray, strides: tuple[int, int],
                 or np.shape(scales) != (w.shape[0],) or np.shape(zps) != (w.shape[0],):
             raise ValueError("depthwise_conv2d: requantize takes one scale and zero point per "
                              "output channel of a float32 result, in an integer format")
-        fq = np.stack([np.asarray(scales, np.float32), np.asarray(zps, np.float32),
-                       np.full(w.shape[0], f.min_value, np.float32),
-                       np.full(w.shape[0], f.max_finite, np.float32)])
+        fq = np.empty((4, w.shape[0]), np.float32)  # rows filled in place: no np.stack
+        fq[0], fq[1], fq[2], fq[3] = scales, zps, f.min_value, f.max_finite
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, padding

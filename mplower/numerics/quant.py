@@ -22,6 +22,7 @@ for quotients beyond ±2^31 it wraps where the ONNX spec (and this module) satur
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -62,9 +63,18 @@ def store_table(scale, zero_point, fmt: str) -> tuple[np.ndarray, np.dtype] | No
     if f is None or not f.is_int or f.bits != 8 or np.size(scale) != 1 \
             or np.size(zero_point) != 1:
         return None
-    return np.array([np.float32(np.asarray(scale).reshape(())),
-                     np.asarray(zero_point).reshape(()), f.min_value, f.max_finite],
-                    np.float32), f.storage
+    # Made once per (scale, zero point, format), by bit pattern (-0.0 is not 0.0): a static
+    # int8 plan's kernels ask for it on every call. The array is shared: read it only.
+    key = np.array([np.asarray(scale).reshape(()), np.asarray(zero_point).reshape(())],
+                   np.float32).view(np.uint32)
+    return _store_table(int(key[0]), int(key[1]), fmt)
+
+
+@functools.lru_cache(maxsize=4096)
+def _store_table(scale_bits: int, zero_point_bits: int, fmt: str) -> tuple[np.ndarray, np.dtype]:
+    f = FORMATS[fmt]
+    table = np.array([scale_bits, zero_point_bits], np.uint32).view(np.float32)
+    return np.array([table[0], table[1], f.min_value, f.max_finite], np.float32), f.storage
 
 
 @njit(cache=True, error_model="numpy")
