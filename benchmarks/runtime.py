@@ -12,7 +12,9 @@ fp32, and in int8 after `quantize_static` (QDQ, per channel, MinMax) on the same
 
 Timed: `Program.run_lowered` on prepared inputs (what `mplower bench` times) and
 `InferenceSession.run`, every configuration of a model once per round, in turns, after two
-warm-up turns of every configuration; the table gives medians over the rounds. Generated
+warm-up turns of every configuration; a configuration's round is the mean time of as many
+back-to-back calls as fill MIN_ROUND seconds (one for the slow ones); the table gives medians
+over the rounds, of the times, and of the ratios within each round (`paired`). Generated
 models are cached under benchmarks/out/runtime/ (ignored by git). Run from the repository
 root:
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -267,26 +270,36 @@ def ort_int8(path: Path, calib: list[np.ndarray], method=None, out: Path | None 
 # ---- timing ---------------------------------------------------------------------------------
 
 WARM_TURNS = 2
+# A round of a configuration is as many back-to-back calls as fill this many seconds (one at
+# least), timed together: a batch-1 call of a few milliseconds varied by +-30% from call to
+# call on this shared VM, so a median of single calls moved the lowered/fp32 ratios by +-0.1
+# between runs; the mean of a round's calls is what a server running them in turn gets.
+MIN_ROUND = 0.1
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int,
                 raw: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median seconds per call of each function, the functions taking turns; `raw` (a dict)
-    gets every round's seconds too."""
+    gets every round's seconds per call too."""
     # Warm-up: compilation, caches, first touch. Two turns each: the configurations share one
     # heap, and until each has run after the others its first call still touches new pages
     # (ResNet-50 b8 fp32's first timed call took 0.9-1.0 s against 0.25-0.3 after one turn).
+    last: dict[str, float] = {}
     for _ in range(WARM_TURNS):
-        for fn in fns.values():
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
             fn()
+            last[name] = time.perf_counter() - t0
+    calls = {k: max(1, math.ceil(MIN_ROUND / max(t, 1e-6))) for k, t in last.items()}
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # each round rotated
-            fn = fns[name]
+            fn, n = fns[name], calls[name]
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - t0) / n)
             time.sleep(0.05)  # let the helper threads settle
     if raw is not None:
         raw.update(times)
@@ -404,15 +417,24 @@ def _arg_key(onnx_name: str) -> str:
     return _ssa_name(onnx_name).lstrip("%")
 
 
-def table(rows: list[tuple[str, int, dict[str, float]]], sheets: tuple[str, ...]) -> list[str]:
+def paired(rounds: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over the rounds of a's time over b's in the same round. The configurations
+    of a round run within about a second of each other, while this VM's speed drifted by up
+    to 2x over a model's rounds (ShuffleNet b8 fp32 45-92 ms in one run): a ratio of the two
+    medians could compare a fast round of one with a slow round of the other."""
+    return statistics.median(x / y for x, y in zip(rounds[a], rounds[b], strict=True))
+
+
+def table(rows: list[tuple[str, int, dict[str, float], dict[str, list[float]]]],
+          sheets: tuple[str, ...]) -> list[str]:
     head = (["model", "batch", "mplower fp32 ms", "ORT fp32 ms", "mplower fp32 / ORT fp32"]
             + [f"{s} / mplower fp32" for s in sheets] + ["ORT int8 / ORT fp32"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, batch, t in rows:
+    for name, batch, t, r in rows:
         cells = [TITLES[name], str(batch), f"{t['fp32'] * 1e3:.1f}", f"{t['ort fp32'] * 1e3:.1f}",
-                 f"{t['fp32'] / t['ort fp32']:.2f}"]
-        cells += [f"{t[s] / t['fp32']:.2f}" for s in sheets]
-        cells.append(f"{t['ort int8'] / t['ort fp32']:.2f}")
+                 f"{paired(r, 'fp32', 'ort fp32'):.2f}"]
+        cells += [f"{paired(r, s, 'fp32'):.2f}" for s in sheets]
+        cells.append(f"{paired(r, 'ort int8', 'ort fp32'):.2f}")
         out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -464,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             raw[f"{name} b{batch}"] = {}
             t = measure(name, batch, rounds, sheets, args.calib, raw[f"{name} b{batch}"])
-            rows.append((name, batch, t))
+            rows.append((name, batch, t, raw[f"{name} b{batch}"]))
             if args.raw:
                 args.raw.write_text(json.dumps(raw, indent=1))
             print(f"{name} b{batch}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()),
@@ -479,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
              (f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load "
               f"average at the end {os.getloadavg()[0]:.2f}  "),
              (f"Medians of {rounds} interleaved round(s) after {WARM_TURNS} warm-up calls "
-              "each."), ""]
+              f"each; a round of a configuration is the mean of as many back-to-back calls as "
+              f"fill {MIN_ROUND} s. Times are medians over the rounds; a ratio is the median "
+              f"over the rounds of the ratio within each round."), ""]
     lines += table(rows, sheets)
     print("\n".join(lines))
     if args.write:
