@@ -115,9 +115,9 @@ def test_wide_1x1_convs_pack_their_panels_with_the_same_bits(monkeypatch, case) 
         assert bits(conv2d(x, w, strides, padding, dilations, groups)) == bits(expect)
 
 
-# 1x1 convs with spans of several full panels (64 and more panels per run): one image of
-# 4096 pixels, two of 2025 (the panels run on across images: some spans lie in one image, some
-# do not), two groups of three images.
+# 1x1 convs with spans of several full panels (64 panels or more in all, so that a span takes
+# several): one image of 4096 pixels, two of 2025 (the panels run on across images: some
+# spans lie in one image, some do not), two groups of three images.
 SPAN_CASES = [((1, 8, 64, 64), 16, 1), ((2, 6, 45, 45), 24, 1), ((3, 12, 40, 40), 16, 2)]
 
 

@@ -978,26 +978,16 @@ def _pack_panel(x, panel, at, stride, image, channel0, shape, taps, q0, width, s
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _convert_panel(flat, src, plane, panel, at, kk, cols):
-    """The full panel of a 1x1 stride-1 conv whose pixels start at flat[src] (its K rows a
-    plane apart) into panel[at:] as (K, cols), converted to the panel's type."""
-    for k in range(kk):
-        s, d = np.uint64(src + k * plane), np.uint64(at + k * cols)
-        for t in range(np.uint64(cols)):
-            panel[d + t] = flat[s + t]
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _convert_span(flat, src, plane, panel, kk, cols, count):
+def _convert_span(flat, src, plane, panel, at, kk, cols, count):
     """`count` consecutive full panels of a 1x1 stride-1 conv whose pixels start at flat[src]
-    (its K rows a plane apart) into panel[j * K * cols:] as (K, cols) each, converted to the
-    panel's type: each plane's run of count * cols pixels read once, in order, instead of a
-    panel's cols pixels from each of K planes in turn (`_convert_panel`: K strided streams,
-    a page each, per panel)."""
+    (its K rows a plane apart) into panel[at + j * K * cols:] as (K, cols) each, converted to
+    the panel's type: each plane's run of count * cols pixels read once, in order, instead of
+    a panel's cols pixels from each of K planes in turn (K strided streams, a page each, per
+    panel). A single panel is a span of one."""
     for k in range(kk):
         s = np.uint64(src + k * plane)
         for j in range(count):
-            d, o = np.uint64(j * kk * cols + k * cols), np.uint64(j * cols)
+            d, o = np.uint64(at + j * kk * cols + k * cols), np.uint64(j * cols)
             for t in range(np.uint64(cols)):
                 panel[d + t] = flat[s + o + t]
 
@@ -1060,8 +1050,7 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
     # flattened), which is empty where x has another type than w (8-bit integers), the conv
     # has _PACK_1X1_ROWS output channels or more, or a deep input beyond the caches
     # (_PACK_1X1_DEEP): those panels are copied (converted), a span of full panels of one
-    # image a plane at a time (`_convert_span`), any other a row of contiguous pixels per k
-    # (`_convert_panel`).
+    # image a plane at a time, any other full one on its own (`_convert_span`).
     one_by_one = shape[1] == shape[2] == shape[3] == shape[4] == 1
     in_place = one_by_one and flat.size > 0
     cf, plane = c.reshape(-1), x.shape[2] * x.shape[3]
@@ -1107,8 +1096,8 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
             spanned = one_by_one and not in_place and firsts[count - 1] == firsts[0] \
                 and widths[count - 1] == cols
             if spanned:
-                _convert_span(xf, (firsts[0] * kk) * plane + q0s[0], plane, panel, kk, cols,
-                              count)
+                _convert_span(xf, (firsts[0] * kk) * plane + q0s[0], plane, panel, 0, kk,
+                              cols, count)
                 for j in range(count):
                     sources[j], ldps[j] = -1 - j * kk * cols, cols
             for j in range(0 if spanned else count):
@@ -1125,8 +1114,8 @@ def _conv_units(x, flat, w, c, shape, groups, cols, span, rows_per_unit, chunk, 
                 sources[j], ldps[j] = -1 - j * kk * cols, cols
                 at, image, q1, filled = j * kk * cols, firsts[j], q0s[j], 0
                 if one_by_one and widths[j] == cols:
-                    _convert_panel(xf, (firsts[j] * kk) * plane + q0s[j], plane, panel, at,
-                                   kk, cols)
+                    _convert_span(xf, (firsts[j] * kk) * plane + q0s[j], plane, panel, at,
+                                  kk, cols, 1)
                     continue
                 while True:  # the pixels of this image, then of the next ones if merged
                     width = min(cols - filled, pixels - q1)
