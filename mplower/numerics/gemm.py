@@ -137,6 +137,12 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
                 _prefetch(builder, vector_at(t_ptr, builder.add(at(r, v),
                                                                 const(_VECTORS * lanes))),
                           write=True)
+        # Vector v > 0 reads its row's broadcast from a copy of a's address that LLVM cannot
+        # see through (an empty asm), so that each load has one use and folds into the fmul
+        # as an embedded broadcast instead of a broadcast instruction per row.
+        a_int = builder.ptrtoint(a_ptr, i64)
+        a_alt = builder.inttoptr(builder.asm(ir.FunctionType(i64, [i64]), "", "=r,0",
+                                             [a_int], False), a_ptr.type)
         entry = builder.block
         loop = builder.append_basic_block("gemm_k")
         done = builder.append_basic_block("gemm_done")
@@ -150,11 +156,12 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
         zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
         new = {}
         for r in range(rows):
-            x = builder.load(builder.gep(a_ptr, [builder.add(builder.mul(const(r), lda_v), k)]))
-            x = builder.insert_element(ir.Constant(vty, ir.Undefined), x,
-                                       ir.Constant(ir.IntType(32), 0))
-            x = builder.shuffle_vector(x, ir.Constant(vty, ir.Undefined), zeros)
+            at_k = builder.add(builder.mul(const(r), lda_v), k)
             for v in range(_VECTORS):
+                x = builder.load(builder.gep(a_alt if v else a_ptr, [at_k]))
+                x = builder.insert_element(ir.Constant(vty, ir.Undefined), x,
+                                           ir.Constant(ir.IntType(32), 0))
+                x = builder.shuffle_vector(x, ir.Constant(vty, ir.Undefined), zeros)
                 new[r, v] = builder.fadd(acc[r, v], builder.fmul(x, b[v]))
         k_next = builder.add(k, const(1))
         k.add_incoming(const(0), entry)
