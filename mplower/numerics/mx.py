@@ -27,6 +27,7 @@ values flushed to zero, `nan` as there. Blocks run along the trailing axes given
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -156,6 +157,16 @@ def quantize_blocked(x: np.ndarray, elem: str, block: tuple[int, ...],
     raise ValueError(f"unknown scale format '{scale_format}'; use f32, e8m0 or nvfp4")
 
 
+_F32_ZERO, _F32_INF = np.float32(0), np.float32(np.inf)
+
+
+@functools.cache
+def _factor_constants(elem: str, margin: int) -> tuple[np.float32, np.float32]:
+    """encode_factor's float32 operands: the format's largest finite and 2^margin (an fp8
+    plan's every scaled_quant computes its factor; numpy scalars are made once)."""
+    return np.float32(FORMATS[elem].max_finite), np.float32(2.0 ** margin)
+
+
 def encode_factor(amax: float, elem: str, margin: int = 0, previous: float = 1.0,
                   pow2: bool = False) -> float:
     """Transformer Engine's scale: fmt_max / amax / 2^margin (float32), or `previous` where
@@ -163,9 +174,10 @@ def encode_factor(amax: float, elem: str, margin: int = 0, previous: float = 1.0
     power of two: a value that is a normal number before and after scaling then keeps the
     significand the plain cast gives it (only its exponent moves), and decoding is exact."""
     a = np.float32(amax)
-    if not (np.isfinite(a) and a > 0):
+    if not (_F32_ZERO < a < _F32_INF):  # 0, negative, infinite or NaN
         return float(np.float32(previous))
-    sf = np.float32(np.float32(np.float32(FORMATS[elem].max_finite) / a) / np.float32(2.0 ** margin))
+    top, shrink = _factor_constants(elem, margin)
+    sf = (top / a) / shrink  # float32 operands: each quotient rounded to float32
     if pow2 and np.isfinite(sf) and sf > 0:
         sf = np.float32(np.ldexp(np.float32(1), np.frexp(sf)[1] - 1))  # 2^floor(log2 sf)
     return float(sf)
