@@ -411,6 +411,16 @@ def test_automatic_group_stacks_as_many_batches_as_keep_the_largest_value_within
     assert auto_group(parse(MODEL.format(b=(1 << 21) + 1)).function()) == 1  # over: still 1
 
 
+def test_automatic_group_takes_one_size_for_every_group_where_a_divisor_allows():
+    from mplower.passes.calibrate import auto_group
+
+    # Up to ten batches of 3 MiB fit; 256 batches go in 32 eights (not 25 tens and a six),
+    # 250 in tens, 257 (prime) in tens and a seven; fewer than a group in one group.
+    f = parse(MODEL.format(b=3 << 16)).function()
+    assert auto_group(f) == 10
+    assert [auto_group(f, n) for n in (256, 250, 257, 7, 10, 12, 0)] == [8, 10, 10, 10, 10, 6, 10]
+
+
 def test_reference_runner_hands_over_each_value_as_computed_and_keeps_none():
     import weakref
 
