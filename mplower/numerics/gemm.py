@@ -67,7 +67,12 @@ def _embedded_broadcast() -> bool:
     broadcast instruction per row and k took FP-pipe time: 8 vbroadcastss, 16 vmulps and 16
     vaddps ran in 19.2-19.9 TSC cycles, with the broadcasts embedded 13.9-14.9, as 16 FMAs
     (13.3). Elsewhere (AVX2 has no embedded broadcast) each row is loaded once, as before. The
-    arithmetic, and so every bit, is the same either way."""
+    arithmetic, and so every bit, is the same either way. Where NUMBA_CPU_NAME has numba
+    compile for another CPU than this one, NUMBA_CPU_FEATURES decides."""
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return "+avx512f" in (config.CPU_FEATURES or "")
     try:
         from llvmlite import binding
 
