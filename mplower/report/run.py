@@ -5,22 +5,27 @@ NaN totals, the outputs' drift against the fp32 reference (rel_l2, max_abs, SQNR
 and a verdict; `ops`, one entry per executed op. Guardrails come from the module's policy
 sheet (`mp.policy`, recorded by assign-precision) or from the command line. Drift leaves out
 positions where result and reference hold the same inf/NaN (an attention mask) and counts every
-other non-finite position as a `nonfinite_mismatch` (mplower.numerics.metrics.drift); non-finite figures (an op
-that overflowed to inf) are written as null, so the JSON is strict.
+other non-finite position as a `nonfinite_mismatch` (mplower.numerics.metrics.drift), which fails
+the verdict whatever the guardrails (`NONFINITE`); non-finite figures (an op that overflowed to
+inf) are written as null, so the JSON is strict. A reference that is itself inf or NaN where
+every input is finite is no reference: `check_reference` makes it an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mplower.backend.executor import OpResult, RunResult
+from mplower.backend.executor import OpResult, RunResult, Step
 from mplower.backend.scaled import ScaleStats
 from mplower.dialect.plan import DENSE, Requested
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.lowering.policy import keep_f32_overrides
 from mplower.numerics.metrics import allclose_ratio, finite_or_none
 from mplower.numerics.metrics import drift as result_drift
@@ -104,6 +109,10 @@ _SUMMARY_FIELD = {"max_rel_l2": "output_rel_l2"}
 # `rtol` and `atol` are one elementwise check (numpy.allclose), reported as `max_allclose_ratio`:
 # the worst |y - ref| / (atol + rtol |ref|) (summary `allclose_ratio`), which passes at 1.
 ALLCLOSE = "max_allclose_ratio"
+# Output values that are inf or NaN where the reference's are not (or the other way round):
+# never a pass, whatever the guardrails, so this check is added wherever there is one, with
+# limit 0, and named like a guardrail so that a reader of the JSON sees why the verdict failed.
+NONFINITE = "max_nonfinite_mismatch"
 
 
 def tolerance(limits: dict[str, float]) -> tuple[float, float] | None:
@@ -114,6 +123,8 @@ def tolerance(limits: dict[str, float]) -> tuple[float, float] | None:
 
 
 def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
+    """Each guardrail of `limits` with its value in `summary` and whether it holds, and the
+    `NONFINITE` check, failed, when the summary counts non-finite mismatches."""
     out = {}
     for key, limit in limits.items():
         if key in ("rtol", "atol"):
@@ -129,7 +140,44 @@ def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> di
         out[key] = {"limit": limit, "value": finite_or_none(v) if isinstance(v, float) else v, "ok": ok}
         if key == ALLCLOSE:
             out[key].update(rtol=rtol, atol=atol)
+    if mismatch := summary.get("nonfinite_mismatch"):
+        out[NONFINITE] = {"limit": 0, "value": mismatch, "ok": False}
     return out
+
+
+def _nonfinite(a: Any) -> int:
+    """How many values of a float array are inf or NaN (0 for None and non-float arrays)."""
+    if a is None or (a := np.asarray(a)).dtype.kind != "f":
+        return 0
+    return int(a.size - np.count_nonzero(np.isfinite(a)))
+
+
+def check_reference(steps: Sequence[Step], refs: Sequence[Any], outputs: Sequence[Any],
+                    file: str | None = None) -> None:
+    """A located error when the fp32 reference's `outputs` hold inf or NaN although every
+    argument and constant is finite: the reference overflowed, and drift against it means
+    nothing (where both hold NaN it would count as agreement). It names the first op whose
+    reference result is non-finite from finite operands. `refs` holds every slot's reference
+    value (Program.run's RunResult.refs, or Program.run_reference); `file` replaces the file
+    of the location (a module parsed from a copy). Non-finite inputs or weights (an attention
+    mask's -inf) may lawfully reach the outputs: then nothing is checked."""
+    bad_outputs = sum(_nonfinite(r) for r in outputs)
+    if not bad_outputs:
+        return
+    produced = {s.output for s in steps}
+    arguments = {i for s in steps for i in s.inputs} - produced
+    if any(_nonfinite(refs[i]) for i in arguments) or any(
+            _nonfinite(refs[s.output]) for s in steps if s.op == "mp.constant"):
+        return
+    for s in steps:
+        if (bad := _nonfinite(refs[s.output])) and not any(_nonfinite(refs[i])
+                                                            for i in s.inputs):
+            loc = s.loc if file is None else dataclasses.replace(s.loc, file=file)
+            raise DiagnosticError.at(loc, (
+                f"the fp32 reference is not finite: {s.name} ({s.op}) makes {bad} inf or NaN "
+                f"value{'s' * (bad != 1)} from finite operands, and the outputs hold "
+                f"{bad_outputs}; no plan can be judged against that reference (scale the "
+                f"inputs or weights into f32's range)"))
 
 
 def verdict(guardrails: dict[str, Any]) -> str:
@@ -167,6 +215,8 @@ def build_report(result: RunResult, guardrails: dict[str, float],
                  policy: str | None = None, function: str | None = None) -> dict[str, Any]:
     """The report of one run (docs/report.md); `guardrails` maps keys of
     mplower.lowering.policy.GUARDRAILS to limits."""
+    if result.reference is not None:
+        check_reference([r.step for r in result.ops], result.refs, result.reference)
     ops = [op_entry(r) for r in result.ops]
     # A row per result; an op with several results (mp.split) still counts once.
     counted = {r.step.node: r.step for r in result.ops if r.step.op != "mp.constant"}

@@ -6,8 +6,10 @@ against). It is written as a policy sheet (`sheet_text`: `[[override]]` tables b
 name) and lowered by the pipeline `pipeline_passes` names, the same pipeline that turns the
 written `policy.toml` into `lowered.ir`, so an evaluated plan and the released one cannot
 differ. `evaluate` runs the lowered module on the evaluation batches (the fp32 reference is
-run once per workspace), measures drift, top-1 agreement and overflow on all samples and on
-every slice, checks the guardrails and prices the plan with `mplower.lowering.cost.plan_cost`.
+run once per workspace, and an error where it is not finite from finite inputs), measures drift,
+top-1 agreement and overflow on all samples and on every slice, checks the guardrails (output
+values non-finite where the reference's are not fail every plan, mplower.report.run.NONFINITE)
+and prices the plan with `mplower.lowering.cost.plan_cost`.
 
 A `Workspace` is the files of one tuning problem (module, weights, calibration data, target
 sheet) written into a private folder: the same code runs in this process and on a dask
@@ -41,7 +43,13 @@ from mplower.lowering.tomlsheet import toml_string
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.metrics import allclose_ratio, drift, finite_or_none
 from mplower.pass_manager import PassContext, PassManager, load_passes, parse_pipeline
-from mplower.report.run import evaluate_guardrails, tolerance, top1_agreement, verdict
+from mplower.report.run import (
+    check_reference,
+    evaluate_guardrails,
+    tolerance,
+    top1_agreement,
+    verdict,
+)
 
 F32 = "f32"
 
@@ -202,7 +210,11 @@ class Workspace:
         self.references = []
         for batch in problem.batches:
             refs = base.run_reference(batch)
-            self.references.append([refs[i] for i in base.outputs])
+            outputs = [refs[i] for i in base.outputs]
+            # The fp32 baseline that every plan is judged against: an overflowed one is the
+            # user's error (at the op, in their file: the module is a copy of it), not a pass.
+            check_reference(base.steps, refs, outputs, problem.module_name)
+            self.references.append(outputs)
 
     def parse(self) -> Module:
         module = parse(self.problem.module_text, str(self.module_path))
@@ -339,12 +351,12 @@ def _output_figures(ys: list[np.ndarray], refs: list[np.ndarray],
         max((allclose_ratio(y, r, *tol) for y, r in zip(ys, refs)), default=None))}
     if not ys:
         return {"output_rel_l2": None, "output_max_abs": None, "sqnr_db": None,
-                "top1_agreement": None, **close}
+                "nonfinite_mismatch": None, "top1_agreement": None, **close}
     d = drift(np.concatenate([y.astype(np.float64).ravel() for y in ys]),
               np.concatenate([r.astype(np.float64).ravel() for r in refs]))
     return {"output_rel_l2": finite_or_none(d.rel_l2), "output_max_abs": finite_or_none(d.max_abs),
-            "sqnr_db": finite_or_none(d.sqnr_db), "top1_agreement": top1_agreement(ys[0], refs[0]),
-            **close}
+            "sqnr_db": finite_or_none(d.sqnr_db), "nonfinite_mismatch": d.nonfinite_mismatch,
+            "top1_agreement": top1_agreement(ys[0], refs[0]), **close}
 
 
 def lowered_ops(f: Function) -> int:
