@@ -21,7 +21,7 @@ from mplower.dialect.mp import ACCUMULATING
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
 from mplower.ir.opdef import OpError
-from mplower.lowering.scaling import SCALING, Scaling
+from mplower.lowering.scaling import MAX_MARGIN, SCALING, Scaling
 from mplower.lowering.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
@@ -260,7 +260,10 @@ def _scaling(sheet: Sheet, data: dict[str, Any]) -> Scaling | None:
         return None
     sheet.check_keys(table, ("scaling",), _SCALING_KEYS)
     d = Scaling()
-    ints = {k: int(sheet.number(table, ("scaling", k), Bounds(0, 2 ** 20), getattr(d, k)))
+    # Each at its own line and column when out of range (the margin's range is what works).
+    bounds = {"margin": Bounds(0, MAX_MARGIN)}
+    ints = {k: int(sheet.number(table, ("scaling", k), bounds.get(k, Bounds(0, 2 ** 20)),
+                                getattr(d, k)))
             for k in ("block_size", "weight_block_size", "history", "margin", "accum_bits",
                       "promote_every")}
     scaling = Scaling(**{k: sheet.string(table, ("scaling", k), getattr(d, k))

@@ -28,6 +28,13 @@ SCALING = "mp.scaling"
 # its significant bits, and every how many elements of K it is promoted to f32.
 ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
 ACTIVATION_RECIPES = ("static", "current", "delayed", "block")
+# The largest `margin` (scale = fmt_max / amax / 2^margin). Past it a margin means nothing: 2^31
+# already exceeds the span of every scaled format from its largest value to its smallest
+# subnormal (f8E5M2's 2^31.8), so every value flushes to zero; and the larger the margin, the
+# smaller the amax at which the f32 scale underflows and decoding gives NaN (2^128 is inf in
+# f32: at 128 every output was NaN). Within 0..31 the scale stays finite and non-zero for any
+# amax below fmt_max * 2^96 (1e29 for f4E2M1FN), far beyond data a narrow float can carry.
+MAX_MARGIN = 31
 WEIGHT_RECIPES = ("current", "channel", "block")
 
 
@@ -40,7 +47,7 @@ class Scaling:
     scale_format: str = "f32"
     history: int = 1024
     amax_compute: str = "max"
-    margin: int = 0
+    margin: int = 0  # 0..MAX_MARGIN
     pow2: bool = False  # per-tensor scales rounded down to a power of two
     accum_bits: int = 0  # > 0: Hopper-style limited accumulator of this many bits (~14)
     promote_every: int = 128  # ... promoted to f32 every this many elements of K
@@ -82,6 +89,8 @@ class Scaling:
             return f"amax_compute must be max or most_recent, got '{self.amax_compute}'"
         if self.history < 1:
             return f"history must be at least 1, got {self.history}"
+        if not 0 <= self.margin <= MAX_MARGIN:
+            return f"margin must be in 0..{MAX_MARGIN}, got {self.margin}"
         if not 0 <= self.accum_bits <= 24 or self.promote_every < 1:
             return (f"accum_bits must be in 0..24 (0: exact f32) and promote_every >= 1, got "
                     f"{self.accum_bits} and {self.promote_every}")
