@@ -11,6 +11,10 @@ never from mplower's own code.
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +212,161 @@ def test_largest_margin_gives_finite_outputs(cli, tmp_path) -> None:
     assert np.isfinite(y).all() and not y.any()
     s = json.loads(res.out)["summary"]
     assert s["nan"] == 0 and s["underflow"] >= x.size
+
+
+# ---- train stops at what is not finite, and saves nothing ---------------------------------
+
+
+LINEAR_IR = """module @m attributes {mp.weights = "w.npz"} {
+  func.func @main(%x: tensor<4x3xf32>) -> tensor<4x2xf32> {
+    %w = mp.constant {name = "w"} : () -> tensor<3x2xf32>
+    %h = mp.matmul %x, %w : (tensor<4x3xf32>, tensor<3x2xf32>) -> tensor<4x2xf32>
+    return %h : tensor<4x2xf32>
+  }
+}
+"""
+
+
+@pytest.fixture
+def linear(tmp_path: Path) -> tuple[Path, Path, dict[str, np.ndarray]]:
+    """A linear model (batch 4), its weights and 16 samples of mse data in tmp_path."""
+    rng = np.random.default_rng(0)
+    arrays = {"w": rng.standard_normal((3, 2)).astype(np.float32),
+              "x": rng.standard_normal((16, 3)).astype(np.float32),
+              "y": rng.standard_normal((16, 2)).astype(np.float32)}
+    (tmp_path / "m.ir").write_text(LINEAR_IR)
+    np.savez(tmp_path / "w.npz", w=arrays["w"])
+    np.savez(tmp_path / "d.npz", x=arrays["x"], y=arrays["y"])
+    return tmp_path / "m.ir", tmp_path / "d.npz", arrays
+
+
+def _train(cli, model: Path, data: Path, *flags: object):
+    out = model.parent / "trained.ir"
+    res = cli("train", model, "--data", data, "--loss", "mse", "--steps", 8, "-o", out,
+              "--report", model.parent / "train.json", *flags)
+    return res, out
+
+
+def _nothing_written(folder: Path) -> None:
+    assert not {"trained.ir", "trained.npz", "train.json"} & {p.name for p in folder.iterdir()}
+
+
+def test_train_refuses_nan_in_the_data_before_any_step(cli, linear) -> None:
+    model, _, arrays = linear
+    x = arrays["x"].copy()
+    x[5, 1] = np.nan
+    np.savez(model.parent / "nan.npz", x=x, y=arrays["y"])
+    res, _ = _train(cli, model, model.parent / "nan.npz")
+    _clean_error(res, f"{model.parent / 'nan.npz'}: error: 'x' holds 1 inf or NaN value "
+                      f"(in sample 5); training needs finite data")
+    _nothing_written(model.parent)
+
+
+def test_train_stops_at_the_step_whose_loss_overflows(cli, linear) -> None:
+    model, data, a = linear
+    # Step 0's SGD update with lr 1e30 (numpy, float64): the weights become ~1e30, so the next
+    # batch's squared error is ~1e60, beyond f32 (its loss is inf), whichever samples it holds.
+    x, y, w = (a[k].astype(np.float64) for k in ("x", "y", "w"))
+    first = np.random.default_rng(0).permutation(16)[:4]  # the seeded batch order of step 0
+    grad = 2 * x[first].T @ (x[first] @ w - y[first]) / y[first].size
+    w1 = w - 1e30 * grad
+    assert np.isfinite(np.float32(w1)).all()  # the update itself stays finite in f32
+    with np.errstate(over="ignore"):
+        assert all(np.isinf(np.float32(np.mean((x[i:i + 4] @ w1 - y[i:i + 4]) ** 2)))
+                   for i in range(0, 16, 4))
+    res, _ = _train(cli, model, data, "--optimizer", "sgd{lr=1e30}")
+    _clean_error(res, "error: step 1 (of 8, counted from 0): the loss is inf: the forward "
+                      "pass overflowed", "stopped there, nothing is written")
+    _nothing_written(model.parent)
+
+
+def test_train_without_dynamic_scaling_stops_at_inf_gradients(cli, linear) -> None:
+    model, data, _ = linear
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float16(1e30))  # the scaled seed, cast to f16 for the backward
+    res, _ = _train(cli, model, data, "--policy", "fp16", "--loss-scale", "static=1e30")
+    _clean_error(res, "error: step 0 (of 8, counted from 0): the gradients hold inf or NaN "
+                      "(w: 6 values) and there is no dynamic loss scaling to skip the step")
+    _nothing_written(model.parent)
+
+
+def test_train_with_dynamic_scaling_skips_inf_gradients_and_backs_off(cli, linear) -> None:
+    model, data, _ = linear
+    res, out = _train(cli, model, data, "--policy", "fp16", "--loss-scale", "dynamic",
+                      "--loss-scale-init", "1e30")
+    assert res.rc == 0, res.err
+    rows = json.loads((model.parent / "train.json").read_text())["steps"]
+    # GradScaler: every step is skipped while 1e30 * 0.5^k stays beyond f16 (65504).
+    expected = [float(np.float32(1e30) * np.float32(0.5) ** k) for k in range(8)]
+    assert [r["loss_scale"] for r in rows] == expected
+    assert all(r["skipped"] and not r["grads_finite"] for r in rows)
+    trained = np.load(out.with_suffix(".npz"))["w"]
+    assert np.array_equal(trained, np.load(model.parent / "w.npz")["w"])  # no step applied
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--loss-scale-init", "inf"), "dynamic loss scaling needs a finite f32 init > 0"),
+    (("--loss-scale-init", "1e39"), "dynamic loss scaling needs a finite f32 init > 0"),
+    (("--loss-scale-init", "nan", "--loss-scale", "none"),
+     "dynamic loss scaling needs a finite f32 init > 0"),
+    (("--loss-scale-growth", "inf"), "a finite growth > 1"),
+    (("--optimizer", "sgd{lr=nan}"), "optimizer 'sgd': lr must be a finite f32 number, got nan"),
+    (("--optimizer", "adam{lr=inf}"), "optimizer 'adam': lr must be a finite f32 number"),
+    (("--optimizer", "sgd{momentum=nan}"), "optimizer 'sgd': momentum must be a finite"),
+])
+def test_train_non_finite_options_are_usage_errors(cli, linear, flags, message) -> None:
+    model, data, _ = linear
+    res, _ = _train(cli, model, data, *flags)
+    assert res.rc == 2, res.err
+    last = res.err.splitlines()[-1]
+    assert last.startswith("mplower: error: ") and message in last, last
+    _nothing_written(model.parent)
+
+
+# ---- tune --scheduler fails within seconds, naming the address ----------------------------
+
+
+@pytest.fixture
+def not_dask() -> Iterator[str]:
+    """The address of a TCP service on 127.0.0.1 that answers in HTTP, not dask."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 4)
+                time.sleep(0.5)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    done.set()
+    thread.join()
+    server.close()
+
+
+def _unused_port() -> str:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("where", ["unused", "not_dask"])
+def test_tune_scheduler_that_is_not_there_fails_fast_naming_it(cli, tmp_path, request,
+                                                               where) -> None:
+    address = _unused_port() if where == "unused" else request.getfixturevalue("not_dask")
+    (tmp_path / "m.ir").write_text(DOUBLE_IR)
+    np.savez(tmp_path / "in.npz", x=np.ones((4, 8), np.float32))
+    start = time.monotonic()
+    res = cli("tune", tmp_path / "m.ir", "--target", "h100", "--data", tmp_path / "in.npz",
+              "--scheduler", address, "-o", tmp_path / "out")
+    assert time.monotonic() - start < 10
+    _clean_error(res, f"{address}: error: cannot connect to the dask scheduler: ")
+    assert len(res.err.strip().splitlines()) == 1
+    assert "MemoryError" not in res.err and "too large" not in res.err
+    assert not (tmp_path / "out").exists()

@@ -9,7 +9,7 @@ numpy op in float32, so an update is the same bits on any machine and thread cou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import numpy as np
@@ -83,6 +83,13 @@ def parse_optimizer(text: str) -> Optimizer:
         raise ValueError(str(e).replace(f"pass '{cls.name}'", f"optimizer '{cls.name}'")) \
             from None
     opt = cls(**options)
+    for name in ("lr", *(f.name for f in fields(opt) if f.name != "lr")):
+        value = getattr(opt, name)
+        with np.errstate(over="ignore"):  # the update runs in f32: 1e39 is inf there
+            finite = bool(np.isfinite(F32(value)))
+        if not finite:  # nan, inf: every weight would be NaN after a step
+            raise ValueError(f"optimizer '{cls.name}': {name} must be a finite f32 number, "
+                             f"got {value}")
     if opt.lr <= 0:
         raise ValueError(f"optimizer '{cls.name}': lr must be > 0, got {opt.lr}")
     return opt

@@ -6,7 +6,7 @@ unscaled gradients hold inf or NaN is skipped and the scale multiplied by `backo
 count of finite steps reset; after `interval` (2000) consecutive finite steps the scale is
 multiplied by `growth` (2.0) and the count restarts. The scale is an f32, as GradScaler's.
 `static=S` keeps S for good and `none` is S = 1; neither skips a step, as PyTorch without a
-GradScaler does not.
+GradScaler does not: there, inf or NaN gradients stop the run (mplower.train.trainer).
 """
 
 from __future__ import annotations
@@ -45,13 +45,22 @@ class LossScaler:
         return False
 
 
+def _finite_f32(x: float) -> bool:
+    """Whether `x` is a finite float32 (1e39 is not: the scale is an f32)."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(x)))
+
+
 def parse_loss_scale(spec: str, init: float = 2.0 ** 16, growth: float = 2.0,
                      backoff: float = 0.5, interval: int = 2000) -> LossScaler:
-    """`dynamic`, `static=S` or `none`; ValueError with the accepted forms otherwise."""
+    """`dynamic`, `static=S` or `none`; ValueError with the accepted forms otherwise. The
+    dynamic options are checked whatever `spec` is: a bad value given is never ignored."""
+    if not (init > 0 and _finite_f32(init) and growth > 1 and _finite_f32(growth)
+            and 0 < backoff < 1 and interval >= 1):
+        raise ValueError(f"dynamic loss scaling needs a finite f32 init > 0, a finite "
+                         f"growth > 1, 0 < backoff < 1 and interval >= 1; got init {init}, "
+                         f"growth {growth}, backoff {backoff}, interval {interval}")
     if spec == DYNAMIC:
-        if not (init > 0 and growth > 1 and 0 < backoff < 1 and interval >= 1):
-            raise ValueError("dynamic loss scaling needs init > 0, growth > 1, "
-                             "0 < backoff < 1 and interval >= 1")
         return LossScaler(np.float32(init), True, growth, backoff, interval)
     if spec == NONE:
         return LossScaler(np.float32(1.0))

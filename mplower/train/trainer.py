@@ -104,6 +104,19 @@ def _phases(f: Function) -> dict[int, tuple[str, str]]:
     return out
 
 
+class StepFailed(ValueError):
+    """A training step that cannot go on: what went wrong; `fit` adds which step."""
+
+
+def _nonfinite(a: np.ndarray) -> int:
+    return int(a.size - np.count_nonzero(np.isfinite(a)))
+
+
+def _listed(bad: dict[str, int]) -> str:
+    """`w: 3 values, b: 1 value`."""
+    return ", ".join(f"{k}: {n} value{'s' * (n != 1)}" for k, n in bad.items())
+
+
 def _counts(c: Counts) -> dict[str, int]:
     return {"overflow": c.overflow, "underflow": c.underflow, "nan": c.nan}
 
@@ -180,16 +193,37 @@ class Trainer:
         return y.astype(F32)
 
     def step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        """One step on one batch (arguments by name, targets as `targets` made them)."""
+        """One step on one batch (arguments by name, targets as `targets` made them).
+
+        A step whose gradients hold inf or NaN is skipped under dynamic loss scaling (the
+        scale backs off, as GradScaler); without it, or when the loss itself is not finite
+        (the forward pass overflowed: no scale changes that), or when the update makes a
+        weight inf or NaN, it raises StepFailed and leaves the weights as they were."""
         scale = self.scaler.scale
         feeds = {**batch, **self.params, SCALE_ARG: np.asarray(scale, F32)}
         result = self.program.run([feeds[n] for n in self.program.arg_names], reference=False)
+        loss = float(result.outputs[0])
+        if not np.isfinite(loss):
+            largest = max(float(np.max(np.abs(w), initial=0.0)) for w in self.params.values())
+            raise StepFailed(f"the loss is {loss}: the forward pass overflowed or met a NaN "
+                             f"(the largest |weight| is {largest:.3g}), which no loss scale "
+                             f"changes")
         inv = F32(1) / F32(scale)  # GradScaler unscales by multiplying with 1/scale in f32
         grads = {k: np.asarray(g, F32) * inv for k, g in zip(self.params, result.outputs[1:])}
         found_inf = not all(np.isfinite(g).all() for g in grads.values())
+        if found_inf and not self.scaler.dynamic:
+            bad = {k: _nonfinite(g) for k, g in grads.items() if _nonfinite(g)}
+            raise StepFailed(f"the gradients hold inf or NaN ({_listed(bad)}) and there is no "
+                             f"dynamic loss scaling to skip the step (--loss-scale dynamic)")
         skipped = self.scaler.update(found_inf)
         if not skipped:
-            self.optimizer.step(self.params, grads)
+            updated = dict(self.params)
+            self.optimizer.step(updated, grads)
+            bad = {k: _nonfinite(w) for k, w in updated.items() if _nonfinite(w)}
+            if bad:
+                raise StepFailed(f"the optimizer's update makes weights inf or NaN "
+                                 f"({_listed(bad)}); a smaller lr keeps them finite")
+            self.params.update(updated)
         totals = {FORWARD: Counts(), BACKWARD: Counts()}
         per_op: dict[str, dict[str, Counts]] = {}
         for (key, phase), res in zip(self._owner, result.ops):
@@ -259,14 +293,28 @@ def batches(n: int, size: int, steps: int, seed: int) -> list[np.ndarray]:
 def fit(trainer: Trainer, data: dict[str, np.ndarray], steps: int, seed: int,
         progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """`steps` training steps on `data` (arrays by argument name and the labels' name); one
-    report row per step."""
+    report row per step. Data holding inf or NaN is a ValueError before the first step; a
+    step that fails (Trainer.step) is a StepFailed naming it."""
     names = [n for n in trainer.program.arg_names if n in data]
+    for n in names:  # before any step: a NaN sample would stop the run when drawn
+        a = np.asarray(data[n])
+        if a.dtype.kind == "f" and (bad := _nonfinite(a)):
+            rows_bad = np.unique(np.nonzero(~np.isfinite(a))[0]) if a.ndim else []
+            raise ValueError(f"'{n}' holds {bad} inf or NaN value{'s' * (bad != 1)} (in "
+                             f"sample{'s' * (len(rows_bad) != 1)} "
+                             f"{', '.join(map(str, rows_bad[:5]))}"
+                             f"{', ...' if len(rows_bad) > 5 else ''}); training needs "
+                             f"finite data")
     targets = trainer.targets(data[trainer.labels])
     rows = []
     for i, idx in enumerate(batches(len(targets), trainer.batch, steps, seed)):
         feeds = {n: data[n][idx] for n in names if n != trainer.labels}
         feeds[trainer.labels] = targets[idx]
-        row = {"step": i, **trainer.step(feeds)}
+        try:
+            row = {"step": i, **trainer.step(feeds)}
+        except StepFailed as e:
+            raise StepFailed(f"step {i} (of {steps}, counted from 0): {e}; stopped there, "
+                             f"nothing is written") from None
         rows.append(row)
         if progress is not None:
             progress(i, row)

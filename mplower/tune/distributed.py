@@ -20,6 +20,60 @@ from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.tune.cache import EvaluationCache, plan_key
 from mplower.tune.evaluation import Candidate, Problem, evaluate
 
+# How long `--scheduler` may take to answer, connection and handshake each: a scheduler answers
+# in milliseconds, and dask's own default (30 s, retried) kept a closed port waiting 36 s.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _unreachable(address: str, e: BaseException) -> DiagnosticError:
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return DiagnosticError.at(Location(address, 0, 0),
+                              f"cannot connect to the dask scheduler: {reason}")
+
+
+def _check_scheduler(address: str) -> None:
+    """A located error unless a dask scheduler answers at `address` within the timeout.
+
+    dask.distributed.Client waits without a bound for a service that accepts the connection
+    and says nothing, and reads whatever another service sends as a message length (a
+    MemoryError for an HTTP server's reply); so the scheduler is asked who it is first, over
+    dask's own comm, under one deadline."""
+    import asyncio
+    import socket
+
+    from distributed.comm import connect
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, where = parse_address(address)
+        if scheme == "tcp":  # a closed port is refused at once; dask retries until its timeout
+            socket.create_connection(parse_host_port(where), CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError, TypeError) as e:
+        raise _unreachable(address, e) from None
+
+    async def identity() -> object:
+        comm = await connect(address, timeout=CONNECT_TIMEOUT_S)
+        try:
+            await comm.write({"op": "identity"})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        reply = asyncio.run(asyncio.wait_for(identity(), CONNECT_TIMEOUT_S))
+    except TimeoutError:
+        raise DiagnosticError.at(Location(address, 0, 0), (
+            f"cannot connect to the dask scheduler: no answer within "
+            f"{CONNECT_TIMEOUT_S:g} s")) from None
+    except Exception as e:  # noqa: BLE001  (refused, a bad address, another protocol)
+        if isinstance(e, MemoryError):  # another service's bytes read as a message length
+            e = ValueError("the service there does not speak dask's protocol")
+        raise _unreachable(address, e) from None
+    if not (isinstance(reply, dict) and reply.get("type") == "Scheduler"):
+        raise DiagnosticError.at(Location(address, 0, 0), (
+            "cannot connect to the dask scheduler: the service there is not a "
+            "dask scheduler"))
+
 
 class Evaluator:
     """Evaluates plans with a budget of fresh evaluations, through the content cache."""
@@ -36,11 +90,11 @@ class Evaluator:
             from dask.distributed import Client, LocalCluster
 
             if scheduler is not None:
+                _check_scheduler(scheduler)
                 try:
-                    self._client = Client(scheduler)
-                except (OSError, ValueError, TypeError) as e:  # unreachable, or no address
-                    raise DiagnosticError.at(Location(scheduler, 0, 0), (
-                        f"cannot connect to the dask scheduler: {e}")) from None
+                    self._client = Client(scheduler, timeout=CONNECT_TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001  (gone since the check: one line, no traceback)
+                    raise _unreachable(scheduler, e) from None
                 self.description = f"dask scheduler {scheduler}"
             else:
                 # The cores are shared out: each worker's GEMM threads (numba's count) get
