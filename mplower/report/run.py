@@ -181,7 +181,8 @@ def check_reference(steps: Sequence[Step], refs: Sequence[Any], outputs: Sequenc
 
 
 def verdict(guardrails: dict[str, Any]) -> str:
-    """`pass` or `fail`; `unchecked` without guardrails, which is no claim of quality."""
+    """`pass` or `fail`; `unchecked` without guardrails, which is no claim of quality (a
+    non-finite mismatch is a failed `NONFINITE` entry, so never unchecked)."""
     if not guardrails:
         return "unchecked"
     return "pass" if all(g["ok"] for g in guardrails.values()) else "fail"
