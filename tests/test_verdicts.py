@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# x + x overflows f32 for |x| above half its largest value (3.4e38); the softmax turns the infs into NaNs.
+# x + x overflows f32 for |x| above half its largest value (3.4e38); the softmax turns the
+# infs into NaNs.
 DOUBLE_IR = """func.func @main(%x: tensor<4x8xf32>) -> tensor<4x8xf32> {
   %y = mp.add %x, %x : (tensor<4x8xf32>, tensor<4x8xf32>) -> tensor<4x8xf32>
   %z = mp.softmax %y {axis = 1} : (tensor<4x8xf32>) -> tensor<4x8xf32>

@@ -93,7 +93,7 @@ class Evaluator:
                 _check_scheduler(scheduler)
                 try:
                     self._client = Client(scheduler, timeout=CONNECT_TIMEOUT_S)
-                except Exception as e:  # noqa: BLE001  (gone since the check: one line, no traceback)
+                except Exception as e:  # noqa: BLE001  (gone since the check: one line)
                     raise _unreachable(scheduler, e) from None
                 self.description = f"dask scheduler {scheduler}"
             else:
