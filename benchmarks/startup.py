@@ -52,7 +52,7 @@ def time_once(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Wall and CPU (user + system) seconds of one run of cmd in a fresh process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    done = subprocess.run(cmd, check=False, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -68,13 +68,14 @@ def heavy_imports() -> list[str]:
     code = ("import sys\nfrom mplower.cli.main import main\n"
             f"rc = main(['opt', {EXAMPLE!r}, '--pass=assign-precision', '-o', {os.devnull!r}])\n"
             f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules) if rc == 0 else 'failed')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO,
+                          capture_output=True, text=True)
     return done.stdout.split()
 
 
 def cpu_model() -> str:
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        out = subprocess.run(["lscpu"], check=False, capture_output=True, text=True).stdout
         for line in out.splitlines():
             if line.startswith("Model name:"):
                 return line.split(":", 1)[1].strip()
@@ -129,18 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     tmp.cleanup()
 
     nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     lines = [
         "# mplower start-up",
         "",
         f"- command: `{shlex.join(['python3', 'benchmarks/startup.py'] + sys.argv[1:])}`",
-        f"- machine: {cpu_model()}, {nproc} cores available, {platform.platform()}, "
-        f"Python {platform.python_version()}",
-        f"- mplower {version('mplower')}, xdsl {version('xdsl')}; date {date}; load average "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}",
-        f"- a fresh process per run: wall time (median and fastest) and CPU time (user + "
-        f"system, median) of {args.repeat} runs after {args.warmup} warm-up rounds, "
-        "interleaved",
+        (f"- machine: {cpu_model()}, {nproc} cores available, {platform.platform()}, "
+         f"Python {platform.python_version()}"),
+        (f"- mplower {version('mplower')}, xdsl {version('xdsl')}; date {date}; load average "
+         f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}"),
+        (f"- a fresh process per run: wall time (median and fastest) and CPU time (user + "
+         f"system, median) of {args.repeat} runs after {args.warmup} warm-up rounds, "
+         "interleaved"),
         "",
         "| command | wall median (s) | wall fastest (s) | CPU median (s) |",
         "|---|---:|---:|---:|",
