@@ -21,8 +21,8 @@ HEAVY = ("numba", "scipy", "onnx", "dask", "matplotlib", "jax")
 
 
 def imported_after(argv: list[str]) -> dict:
-    """Exit code, stdout length and the HEAVY libraries loaded after `mplower ARGV`, run in a
-    fresh interpreter from the repository root."""
+    """Exit code, stdout, the HEAVY libraries and the pass modules loaded after `mplower ARGV`,
+    run in a fresh interpreter from the repository root."""
     code = (
         "import contextlib, io, json, sys\n"
         "from mplower.cli.main import main\n"
@@ -30,7 +30,9 @@ def imported_after(argv: list[str]) -> dict:
         "with contextlib.redirect_stdout(out):\n"
         f"    rc = main({argv!r})\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
-        "print(json.dumps({'rc': rc, 'stdout': out.getvalue(), 'heavy': heavy}))\n"
+        "passes = sorted(m for m in sys.modules if m.startswith('mplower.passes.'))\n"
+        "print(json.dumps({'rc': rc, 'stdout': out.getvalue(), 'heavy': heavy,\n"
+        "                  'passes': passes}))\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
@@ -44,6 +46,11 @@ def test_opt_assign_precision_imports_no_numba_onnx_dask_matplotlib() -> None:
     result = imported_after(["opt", "ir_examples/mlp.ir", "--pass=assign-precision",
                              "-o", os.devnull])
     assert (result["rc"], result["heavy"]) == (0, [])
+
+
+def test_opt_imports_the_pass_modules_of_its_pipeline_not_the_whole_library() -> None:
+    result = imported_after(["opt", "ir_examples/mlp.ir", "--pass=cse", "-o", os.devnull])
+    assert (result["rc"], result["passes"]) == (0, ["mplower.passes.cse"])
 
 
 def test_opt_assign_precision_prints_the_plan_without_heavy_imports() -> None:
