@@ -68,3 +68,10 @@ def test_passes_lists_every_builtin_pass_without_heavy_imports() -> None:
     listed = {line.split()[0] for line in result["stdout"].splitlines()
               if line and not line[0].isspace()}
     assert modules <= listed
+
+
+def test_report_of_a_module_without_sparse_ops_imports_no_numba() -> None:
+    # Only the sparse reality check runs kernels, and mlp.ir has no sparse op to measure.
+    result = imported_after(["report", "ir_examples/mlp.ir"])
+    assert (result["rc"], result["heavy"]) == (0, [])
+    assert "mp.matmul" in result["stdout"]
