@@ -8,7 +8,7 @@
      fma reg        16 vfmadd231ps in registers (the FP ports' limit)
    Build and run on an AVX-512 host:
      gcc -O2 -mavx512f benchmarks/broadcast_ports.c -o /tmp/broadcast_ports && /tmp/broadcast_ports
-   Figures: docs/benchmarks.md, round twelve. */
+   Figures: round twelve of docs/benchmarks.md (git show 856f10d:docs/benchmarks.md). */
 #include <stdint.h>
 #include <stdio.h>
 #include <x86intrin.h>

@@ -30,6 +30,8 @@ from mplower.numerics import special
 _NANS = 2 * (2**23 - 1)
 
 
+# Not cache=True: numba's cache is keyed on this file only, so a cached `reference` would go
+# on checking the _erf_approx inlined when it was cached after special.py changed.
 @njit(parallel=True, nogil=True)
 def reference(x, y, error):
     """y = float32(math.erf(x)); error = |approximation - math.erf(x)| / |math.erf(x)|, 0 where

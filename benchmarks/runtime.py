@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.version_converter
+from docblock import replace_block
 from onnx import TensorProto, helper, numpy_helper
 
 from mplower.backend.executor import Program, reference_runner
@@ -437,18 +438,6 @@ def table(rows: list[tuple[str, int, dict[str, float], dict[str, list[float]]]],
         cells.append(f"{paired(r, 'ort int8', 'ort fp32'):.2f}")
         out.append("| " + " | ".join(cells) + " |")
     return out
-
-
-def replace_block(path: Path, lines: list[str], begin: str, end: str) -> None:
-    """Put `lines` between the markers `begin` and `end` of the markdown file (appended, with
-    its markers, where the file has none yet); the other benchmark scripts write theirs too."""
-    text = path.read_text()
-    block = "\n".join([begin, *lines, end])
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def write_section(path: Path, lines: list[str], part: str = "table") -> None:

@@ -45,6 +45,7 @@ from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant
 import runtime
+from docblock import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "scaled"
@@ -158,28 +159,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plans", default=",".join(PLANS))
     ap.add_argument("--calib", type=int, default=8)
     ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--write", help="append the section to this markdown file")
+    ap.add_argument("--write", type=Path,
+                    help="markdown file whose scaled.py section to replace")
     ARGS = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     lines = header()
-    for name in ARGS.models.split(","):
+    models, plans = ARGS.models.split(","), ARGS.plans.split(",")
+    results: dict[str, dict[str, dict]] = {plan: {} for plan in plans}
+    for name in models:
         ir, calib, samples = model_ir(name)
-        lines += [f"### {TITLES[name]}", "",
-                  "| plan | logits SQNR dB | top-1 agreement | saturated | flushed to 0 |",
-                  "|---|---:|---:|---:|---:|"]
-        for plan in ARGS.plans.split(","):
+        for plan in plans:
             t0 = time.perf_counter()
-            r = evaluate(ir, PLANS[plan], calib, samples)
-            lines.append(f"| {plan} | {r['sqnr']:.1f} | {r['top1']:.3f} | {r['overflow']} | "
-                         f"{r['underflow']} |")
-            print(f"{name} {plan}: {lines[-1]} ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
-        lines.append("")
+            r = results[plan][name] = evaluate(ir, PLANS[plan], calib, samples)
+            print(f"{name} {plan}: SQNR {r['sqnr']:.1f} dB, top-1 {r['top1']:.3f}, "
+                  f"saturated {r['overflow']}, flushed {r['underflow']} "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    # One row per plan, one column per network: the recipes compare across a row.
+    head = ["| plan | " + " | ".join(TITLES[name] for name in models) + " |",
+            "|---|" + "---:|" * len(models)]
+    lines += ["Logits SQNR dB / top-1 agreement with the fp32 reference:", "", *head]
+    lines += [f"| {plan} | " + " | ".join(f"{r['sqnr']:.1f} / {r['top1']:.3f}"
+                                         for r in results[plan].values()) + " |"
+              for plan in plans]
+    lines += ["", "Values saturated / flushed to 0 in the whole run:", "", *head]
+    lines += [f"| {plan} | " + " | ".join(f"{r['overflow']} / {r['underflow']}"
+                                         for r in results[plan].values()) + " |"
+              for plan in plans]
     text = "\n".join(lines) + "\n"
     print(text)
     if ARGS.write:
-        with open(ARGS.write, "a") as f:
-            f.write("\n" + text)
+        replace_block(ARGS.write, lines, "<!-- scaled.py begin -->", "<!-- scaled.py end -->")
     return 0
 
 

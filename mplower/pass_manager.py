@@ -13,6 +13,7 @@ the files the run used, from the folder the module is written to (`place_module_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 import sys
@@ -118,7 +119,44 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
     return cls
 
 
-_loaded = False
+_loaded = False  # every built-in pass imported and every plugin registered
+_plugins: list | None = None  # the entry points of the group mplower.passes, once looked up
+
+
+def _plugin_entry_points() -> list:
+    global _plugins
+    if _plugins is None:
+        from importlib.metadata import entry_points
+
+        _plugins = list(entry_points(group="mplower.passes"))
+    return _plugins
+
+
+@functools.cache
+def _builtin_modules() -> frozenset[str]:
+    """The modules of the package mplower.passes, one pass each, named after the pass."""
+    import mplower.passes as builtin
+
+    return frozenset(info.name for info in pkgutil.iter_modules(builtin.__path__))
+
+
+def find_pass(name: str) -> type[Pass] | None:
+    """The pass registered as `name`, or None.
+
+    Where no plugin is installed, a built-in pass is found by importing its own module alone
+    (`assign-precision` is mplower.passes.assign_precision): importing every pass module is a
+    large share of a short `mplower opt`'s start-up. With plugins installed, and for a name
+    that is no built-in module's (a plugin's, a misspelt one: the suggestions need every
+    name), every pass is loaded as `load_passes` does, so that a plugin that takes a built-in
+    name is still an error.
+    """
+    if not _loaded and not _plugin_entry_points():
+        module = name.replace("-", "_")
+        if module in _builtin_modules():
+            importlib.import_module(f"mplower.passes.{module}")
+            if name in PASSES:
+                return PASSES[name]
+    return load_passes().get(name)
 
 
 def load_passes() -> dict[str, type[Pass]]:
@@ -132,13 +170,9 @@ def load_passes() -> dict[str, type[Pass]]:
     global _loaded
     if _loaded:
         return PASSES
-    import mplower.passes as builtin
-
-    for info in pkgutil.iter_modules(builtin.__path__):
-        importlib.import_module(f"mplower.passes.{info.name}")
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group="mplower.passes"):
+    for module in sorted(_builtin_modules()):
+        importlib.import_module(f"mplower.passes.{module}")
+    for ep in _plugin_entry_points():
         plugin = f"plugin '{ep.name}' ({ep.value})"
         try:
             obj = ep.load()
@@ -198,14 +232,13 @@ def parse_pipeline(text: str) -> list[Pass]:
 
 
 def parse_pass(text: str) -> Pass:
-    load_passes()
     text = text.strip()
     name, opts = text, ""
     if "{" in text:
         if not text.endswith("}"):
             raise PipelineError(f"malformed pass '{text}': options go in braces at the end")
         name, opts = text[:text.index("{")].strip(), text[text.index("{") + 1:-1]
-    cls = PASSES.get(name)
+    cls = find_pass(name)
     if cls is None:
         raise PipelineError(f"unknown pass '{name}'{did_you_mean(name, PASSES)}")
     return cls(**parse_options(cls, opts))

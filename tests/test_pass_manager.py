@@ -243,6 +243,7 @@ def _install_entry_points(monkeypatch, *eps):
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     monkeypatch.setattr(pm, "PASSES", dict(pm.PASSES))
     monkeypatch.setattr(pm, "_loaded", False)
+    monkeypatch.setattr(pm, "_plugins", None)
     return groups
 
 

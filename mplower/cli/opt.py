@@ -92,6 +92,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
         PassContext,
         PassManager,
         PipelineError,
+        find_pass,
         format_statistics,
         format_timing,
         load_passes,
@@ -102,12 +103,12 @@ def cmd_opt(args: argparse.Namespace) -> int:
         passes = [p for piece in (args.pipeline or []) for p in parse_pipeline(piece)]
     except PipelineError as e:
         raise UsageError(str(e)) from None
-    known = load_passes()
     for flag, names in (("--print-ir-before", args.print_ir_before),
                         ("--print-ir-after", args.print_ir_after)):
         for name in names:  # a misspelt name would silently print nothing
-            if name not in known:
-                raise UsageError(f"{flag}: unknown pass '{name}'{did_you_mean(name, known)}")
+            if find_pass(name) is None:
+                raise UsageError(f"{flag}: unknown pass '{name}'"
+                                 f"{did_you_mean(name, load_passes())}")
     if args.error_limit < 0:
         raise UsageError("--error-limit must be a count of errors, or 0 for no limit")
     renderer = DiagnosticRenderer(args.error_limit)

@@ -42,7 +42,6 @@ from mplower.ir.types import (
     value_dtype,
 )
 from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, FORMATS, QUANT_FLOATS, QUANT_STORAGE
-from mplower.numerics.windows import conv_windows, pad_hw
 
 # ---------------------------------------------------------------------------------------------
 # Type rules shared by several ops
@@ -1479,6 +1478,10 @@ def _scatter_windows(values: np.ndarray, x_shape: tuple, a: dict,
 
 
 def _max_pool_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    # numerics.windows also holds numba kernels: imported where a gradient needs it, so that
+    # loading the dialect (every command does) does not import numba.
+    from mplower.numerics.windows import conv_windows, pad_hw
+
     dy, x = _fl(xs[0]), _fl(xs[1])
     win = conv_windows(pad_hw(x, a["padding"], -np.inf), a["kernel"], a["strides"])
     flat = win.reshape(win.shape[:4] + (-1,))
@@ -1488,6 +1491,8 @@ def _max_pool_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.nda
 
 
 def _avg_pool_grad_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    from mplower.numerics.windows import conv_windows, pad_hw
+
     dy, x = _fl(xs[0]), _fl(xs[1])
     ones = pad_hw(np.ones((1, 1) + x.shape[2:], dy.dtype), a["padding"])
     inside = conv_windows(ones, a["kernel"], a["strides"])

@@ -131,7 +131,7 @@ def _from_bits(typingctx, value):
     return types.float64(types.uint64), codegen
 
 
-@njit(inline="always")
+@njit(cache=True, inline="always")
 def _exp_negative(a):
     # a in [-_CLAMP^2, 0]: 2^k is a normal double, whose bits are (k + 1023) << 52. The bits of
     # `shifted` are those of 1.5 * 2^52 plus k, and the shift keeps only their low 12 bits.
@@ -144,7 +144,7 @@ def _exp_negative(a):
     return p * _from_bits((_bits(shifted) + np.uint64(1023)) << np.uint64(52))
 
 
-@njit(inline="always")
+@njit(cache=True, inline="always")
 def _erf_approx(x):
     # Every lane computes both branches and selects, so that the loop has no branch to stop
     # LLVM from vectorizing it. A NaN stays NaN through either branch.

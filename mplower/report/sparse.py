@@ -17,8 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from mplower.backend.measure import median_time
-from mplower.backend.sparse import compress, multiply
 from mplower.dialect.mp import WEIGHTED
 from mplower.dialect.plan import Plan
 from mplower.io.npz import WeightStore
@@ -78,6 +76,11 @@ def reality_check(kernel: str, w: np.ndarray, rows: int, compute: str, target: T
     sparse_s = contraction_time(target, compute, kernel, flops, moved_bytes, k, cols, nnz)
     measured = (None, None, None)
     if measure and w.ndim == 2:
+        # The kernels are numba's: imported here, so that a report without a sparse op to
+        # measure (the policy sheet of most modules) does not import numba.
+        from mplower.backend.measure import median_time
+        from mplower.backend.sparse import compress, multiply
+
         w32 = np.ascontiguousarray(w, np.float32)
         x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
         conversion = median_time(lambda: compress(kernel, w32), reps=3)
