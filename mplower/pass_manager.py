@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
+from mplower.dialect.plan import POLICY, TARGET, WEIGHTS
 from mplower.ir.diagnostics import did_you_mean
 
 if TYPE_CHECKING:  # the CLI imports this module before it knows whether it will parse IR
@@ -416,7 +417,7 @@ def pass_options(cls: type[Pass]) -> list[tuple[str, str, Any, str]]:
 
 # Module attributes that name a file relative to the module's IR file (mplower.io.atomic), and the
 # suffix of the copy written beside `-o` when the file is outside the output's folder.
-FILE_ATTRS = {"mp.weights": ".npz", "mp.policy": ".policy.toml", "mp.target": ".target.toml"}
+FILE_ATTRS = {WEIGHTS: ".npz", POLICY: ".policy.toml", TARGET: ".target.toml"}
 
 
 def place_module_files(module: Module, ctx: PassContext, named: dict[str, Any]) -> None:
@@ -439,12 +440,12 @@ def place_module_files(module: Module, ctx: PassContext, named: dict[str, Any]) 
     folder = out.parent if out is not None else module_folder(module)
     for attr, suffix in FILE_ATTRS.items():
         value = module.attrs.get(attr)
-        if not isinstance(value, str) or (attr != "mp.weights" and not names_a_file(value)):
+        if not isinstance(value, str) or (attr != WEIGHTS and not names_a_file(value)):
             continue  # absent, or a built-in sheet's name
         changed = value != named[attr]  # a pass recorded it from a name on the command line
         if out is None and not changed:
             continue  # printed, the module stays in its input's folder: nothing moves
-        if attr == "mp.weights" and ctx.weights_path is not None:
+        if attr == WEIGHTS and ctx.weights_path is not None:
             path = Path(ctx.weights_path).resolve()
         elif changed:
             path = module_folder(module) / value

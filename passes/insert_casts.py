@@ -19,10 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.passes.scale_recipes import apply_scaling
-
 from mplower.dialect.mp import TYPE_CARRYING
-from mplower.dialect.plan import ACCUM, PRECISION
+from mplower.dialect.plan import ACCUM, KEEP_IO_TYPES, PRECISION
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
 from mplower.ir.opdef import OpError, attr_type
@@ -30,6 +28,7 @@ from mplower.ir.types import TypeAttr
 from mplower.lowering.policy import module_scaling, result_format
 from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.pass_manager import Pass, PassContext, PassManager, register_pass
+from mplower.passes.scale_recipes import apply_scaling
 
 
 class _Casts:
@@ -192,7 +191,7 @@ class InsertCasts(Pass):
     }
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        keep = module.attrs.get("mp.keep_io_types", True) is not False
+        keep = module.attrs.get(KEEP_IO_TYPES, True) is not False
         scaling = module_scaling(module)
         for f in module.functions.values():
             insert_casts(f, ctx, keep)

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.mp import CONTRACTIONS
-from mplower.dialect.plan import DENSE, Plan, Requested
+from mplower.dialect.plan import DENSE, TARGET, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
 from mplower.ir.opdef import OPS
@@ -92,5 +92,5 @@ class Legalize(Pass):
         if errors:
             raise DiagnosticError(*errors)
         if checked:  # a module without a plan stays exactly as it was
-            module.attrs["mp.target"] = target.source.removeprefix("builtin:")
+            module.attrs[TARGET] = target.source.removeprefix("builtin:")
 

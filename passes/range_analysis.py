@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mplower.dialect.mp import CONTRACTIONS
+from mplower.dialect.plan import BOUND, OVERFLOW, UNDERFLOW
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
 from mplower.ir.opdef import OPS, OpError, check_attrs
@@ -54,7 +55,6 @@ from mplower.lowering.calibration import (
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
-OVERFLOW, UNDERFLOW, BOUND = "mp.overflow", "mp.underflow", "mp.bound"
 FLAG_KEYS = (OVERFLOW, UNDERFLOW, BOUND)
 INF = math.inf
 

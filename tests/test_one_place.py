@@ -183,3 +183,23 @@ def test_verifying_with_no_dialect_registered_names_the_missing_dialect(tmp_path
         "[]",
         "verified",
     ]
+
+
+def _attribute_name_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string literal that is exactly an `mp.` name but no op's."""
+    name = re.compile(r"mp\.[a-z_0-9]+")
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and name.fullmatch(node.value) and node.value not in OPS]
+
+
+def test_annotation_names_are_declared_only_in_the_plan() -> None:
+    """`mp.policy`, `mp.target`, `mp.keep_io_types`, ... are constants of dialect/plan.py;
+    every other module imports them, so a reader cannot misspell what a writer wrote."""
+    home = ROOT / "mplower" / "dialect" / "plan.py"
+    found = [f"{_rel(p)}:{line} {text}" for p in SOURCES if p != home
+             for line, text in _attribute_name_literals(p)]
+    assert found == []
+    declared = {text for _, text in _attribute_name_literals(home)}
+    assert {"mp.policy", "mp.target", "mp.keep_io_types", "mp.precision", "mp.weights",
+            "mp.scaling"} <= declared

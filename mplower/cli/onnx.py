@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from mplower.cli.common import EXIT_OK, UsageError, input_name, read_module, write_atomic
+from mplower.dialect.plan import WEIGHTS
 
 
 def add_import(sub, name: str) -> argparse.ArgumentParser:
@@ -74,7 +75,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     out = Path(args.output)
     npz = out.with_suffix(".npz")
     if imported.weights:
-        module.attrs["mp.weights"] = npz.name
+        module.attrs[WEIGHTS] = npz.name
     source = f"// Imported from {Path(args.model).name} by `mplower import`.\n"
     text = source + print_module(module)
     try:

@@ -24,6 +24,7 @@ from mplower.cli.common import (
     seed,
     write_atomic_all,
 )
+from mplower.dialect.plan import OUTPUT_NAMES, POLICY
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 
 if TYPE_CHECKING:  # numpy loads when a command runs: `import mplower.cli.main` stays cheap
@@ -145,7 +146,7 @@ def _policy_guardrails(module) -> dict[str, float]:
     """The guardrails of the sheet assign-precision recorded on the module (`mp.policy`)."""
     from mplower.lowering.policy import load_policy
 
-    policy = module.attrs.get("mp.policy")
+    policy = module.attrs.get(POLICY)
     if not isinstance(policy, str):
         return {}
     try:
@@ -174,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag} needs guardrails: the policy sheet's or "
                              f"--guardrail KEY=VALUE")
     result = program.run(arrays)
-    report = build_report(result, limits, module.attrs.get("mp.policy"),
+    report = build_report(result, limits, module.attrs.get(POLICY),
                           program.function.name)
     if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
         report["quantization"] = json_safe(operand_sqnr(program, arrays))
@@ -210,7 +211,7 @@ def output_keys(f: Function, names: str) -> list[str]:
     n = len(f.result_types)
     if names == "index":
         return [f"output_{i}" for i in range(n)]
-    recorded = f.attrs.get("mp.output_names")
+    recorded = f.attrs.get(OUTPUT_NAMES)
     if recorded is None:
         raise DiagnosticError.at(f.loc, f"--output-names onnx: @{f.name} has no mp.output_names "
                                         "(only `mplower import` records them); use "

@@ -31,6 +31,29 @@ SPARSE_REASON = "mp.sparse_reason"  # lower-sparse's reason code for a dense cho
 PLAN_ATTRS = (PRECISION, ACCUM, KERNEL, REQUESTED, FALLBACK, REASON, SPARSE_REASON)
 DENSE = "dense"  # the kernel of an op without `mp.kernel`
 
+# The other annotations passes and commands write, on the module, its functions or its ops.
+# Declared here and nowhere else (tests/test_one_place.py), so that a reader and a writer
+# cannot spell one differently.
+POLICY = "mp.policy"  # module: the sheet assign-precision applied (built-in name or path)
+TARGET = "mp.target"  # module: the target legalize / lower-sparse applied
+KEEP_IO_TYPES = "mp.keep_io_types"  # module: false when the sheet lets the signature narrow
+SCALING = "mp.scaling"  # module: the sheet's [scaling] (mplower.lowering.scaling.Scaling)
+WEIGHTS = "mp.weights"  # module: the .npz of named constants, relative to the IR file
+OUTPUT_NAMES = "mp.output_names"  # function: the imported model's output names
+# A GEMM whose accumulator keeps fewer bits than f32 (mplower.numerics.accum): its significant
+# bits, and every how many elements of K it is promoted to f32.
+ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
+WEIGHT_QUANT = "mp.weight_quant"  # op: how quantize stored its weight operand
+QUANT_MARK = "mp.quant"  # op: what quantize wrote it for (ZERO_POINT, ...)
+TRAINABLE = "mp.trainable"  # constant: mplower train learns it like a weight
+GRAD_OF = "mp.grad_of"  # backward op: the name of the forward op it differentiates
+# Range analysis: the static bound of a value, and the formats it over- or underflows.
+OVERFLOW, UNDERFLOW, BOUND = "mp.overflow", "mp.underflow", "mp.bound"
+# What a calibration writes (and a new calibration replaces).
+RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX = (
+    "mp.range", "mp.calib", "mp.observed", "mp.tiny", "mp.channel_absmax")
+RESULT_ATTRS = "mp.result_attrs"  # function: per-result attributes (calibration of results)
+
 
 @dataclass(frozen=True)
 class Requested:
@@ -207,5 +230,8 @@ def _type(v: Any) -> str:
     return attr_type(v)
 
 
-__all__ = ["ACCUM", "DENSE", "FALLBACK", "KERNEL", "PLAN_ATTRS", "PRECISION", "REASON",
-           "REQUESTED", "SPARSE_REASON", "Plan", "Requested"]
+__all__ = ["ACCUM", "ACCUM_BITS", "BOUND", "CALIB", "CHANNEL_ABSMAX", "DENSE", "FALLBACK",
+           "GRAD_OF", "KEEP_IO_TYPES", "KERNEL", "OBSERVED", "OUTPUT_NAMES", "OVERFLOW",
+           "PLAN_ATTRS", "POLICY", "PRECISION", "PROMOTE_EVERY", "QUANT_MARK", "RANGE", "REASON",
+           "REQUESTED", "RESULT_ATTRS", "SCALING", "SPARSE_REASON", "TARGET", "TINY",
+           "TRAINABLE", "UNDERFLOW", "WEIGHTS", "WEIGHT_QUANT", "Plan", "Requested"]

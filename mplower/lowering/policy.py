@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from mplower.dialect.mp import ACCUMULATING
+from mplower.dialect.plan import SCALING
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
 from mplower.ir.opdef import OpError
-from mplower.lowering.scaling import SCALING, Scaling
+from mplower.lowering.scaling import Scaling
 from mplower.lowering.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
