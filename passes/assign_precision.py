@@ -22,7 +22,7 @@ import numpy as np
 from mplower.passes.range_analysis import hazard
 
 from mplower.dialect.mp import ACCUMULATING, COMPUTE_HEAVY, TYPE_CARRYING
-from mplower.dialect.plan import KEEP_IO_TYPES, POLICY, SCALING, Plan
+from mplower.dialect.plan import KEEP_IO_TYPES, POLICY, SCALING, Plan, result_format
 from mplower.io.atomic import module_folder, path_from
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS
@@ -31,7 +31,6 @@ from mplower.lowering.policy import (
     Decision,
     Policy,
     load_policy,
-    result_format,
 )
 from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass

@@ -41,7 +41,14 @@ from mplower.backend.memory import keep_freed_memory
 from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
 from mplower.backend.sparse import sparse_runner
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
-from mplower.dialect.plan import ACCUM_BITS, DENSE, PROMOTE_EVERY, Plan, Requested
+from mplower.dialect.plan import (
+    ACCUM_BITS,
+    DENSE,
+    PROMOTE_EVERY,
+    Plan,
+    Requested,
+    check_materialized,
+)
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
@@ -63,7 +70,6 @@ from mplower.numerics.rounding import (
     round_to,
 )
 from mplower.numerics.windows import conv_windows, pad_hw
-from mplower.passes.insert_casts import check_materialized
 
 NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()

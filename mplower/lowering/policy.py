@@ -52,25 +52,6 @@ KEEP_FIRST_LAST = "keep-first-last"
 NOT_LISTED = "not-listed"
 
 
-# Formats that tensor cores take as matmul/conv inputs but do not write results in: a GEMM fed
-# tf32 or fp8 writes its accumulator's format (as cuBLAS and Transformer Engine do).
-INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
-                                "f4E2M1FN"})
-
-
-def result_format(op: str, compute: str, accum: str | None) -> str:
-    """The element type an op's float results have once it computes in `compute`.
-
-    Integer compute (w8a8) is materialized by quantize/dequantize pairs whose result is f32;
-    tf32 and fp8 matmuls write their accumulator; every other op writes its compute format.
-    """
-    if FORMATS[compute].is_int:
-        return "f32"
-    if compute in INPUT_ONLY_FORMATS:
-        return accum if accum is not None and FORMATS[accum].is_float else "f32"
-    return compute
-
-
 def follow_reason(fmt: str) -> str:
     return f"follow: inputs {fmt}"
 

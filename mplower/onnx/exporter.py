@@ -26,7 +26,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, DATA_MOVEMENT
-from mplower.dialect.plan import ACCUM
+from mplower.dialect.plan import ACCUM, check_materialized
 from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
@@ -39,7 +39,6 @@ from mplower.numerics.formats import (
     QUANT_INTS,
     QUANT_STORAGE,
 )
-from mplower.passes.insert_casts import check_materialized
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
 IR_VERSION = 10  # the IR version of opset 21; onnxruntime 1.18+ reads it
