@@ -203,3 +203,26 @@ def test_annotation_names_are_declared_only_in_the_plan() -> None:
     declared = {text for _, text in _attribute_name_literals(home)}
     assert {"mp.policy", "mp.target", "mp.keep_io_types", "mp.precision", "mp.weights",
             "mp.scaling"} <= declared
+
+
+def test_legalize_records_the_f16_accumulator_fallback_the_backend_needs(tmp_path: Path) -> None:
+    """An f16 accumulator on f32 operands, which a target sheet may offer, is more than the
+    backend emulates exactly: legalize falls back and records it, once, in the plan."""
+    from mplower.dialect.plan import Plan, Requested
+    from mplower.ir.parser import parse
+    from mplower.pass_manager import PassManager, parse_pipeline
+
+    target = tmp_path / "t.toml"
+    target.write_text('[target]\nbandwidth = 1e9\n\n[formats.f32]\ndense = 1e9\n'
+                      'accum = ["f32", "f16"]\n\n[default]\ndense = ["f32"]\n')
+    module = parse(
+        "func.func @f(%a: tensor<2x3xf32>, %b: tensor<3x2xf32>) -> tensor<2x2xf32> {\n"
+        "  %y = mp.matmul %a, %b {mp.precision = f32, mp.accum = f16}"
+        " : (tensor<2x3xf32>, tensor<3x2xf32>) -> tensor<2x2xf32>\n"
+        "  return %y : tensor<2x2xf32>\n}\n", str(tmp_path / "m.ir"))
+    PassManager(parse_pipeline(f"legalize{{target={target}}}")).run(module)
+    f = module.function(None)
+    (mm,) = [n for n in f.ops() if f.op(n) == "mp.matmul"]
+    plan = Plan.at(f, mm)
+    assert (plan.precision, plan.accum, plan.fallback) == ("f32", "f32", ("no-f16-accum",))
+    assert plan.requested == Requested("f32", "f16")
