@@ -226,3 +226,40 @@ def test_legalize_records_the_f16_accumulator_fallback_the_backend_needs(tmp_pat
     plan = Plan.at(f, mm)
     assert (plan.precision, plan.accum, plan.fallback) == ("f32", "f32", ("no-f16-accum",))
     assert plan.requested == Requested("f32", "f16")
+
+
+_ANNOTATED = (
+    "func.func @main(%x: tensor<2x3xf32>) -> tensor<2x3xf32> {\n"
+    "  %y = mp.relu %x {mp.precision = bf16} : (tensor<2x3xf32>) -> tensor<2x3xf32>\n"
+    "  return %y : tensor<2x3xf32>\n}\n")
+
+
+def test_run_names_the_insert_casts_step_it_runs_in_its_output(cli, tmp_path: Path) -> None:
+    """STYLE rule 8: `run` of a plan that is only annotations runs insert-casts, and says so on
+    stderr and in the report; a materialized module runs as written, with neither."""
+    import json
+
+    path = tmp_path / "m.ir"
+    path.write_text(_ANNOTATED)
+    res = cli("run", path, "--report", tmp_path / "r.json", "--format", "json")
+    assert res.rc == 0, res.err
+    assert res.err == (f"{path}: note: run materialized the plan with insert-casts (the module "
+                       "has mp.precision annotations but no casts; `mplower opt "
+                       "--pass=insert-casts` prints the module that ran)\n")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["pipeline"] == ["insert-casts"]
+    assert [o["op"] for o in report["ops"]] == ["mp.cast", "mp.relu", "mp.cast"]
+
+    lowered = tmp_path / "lowered.ir"
+    assert cli("opt", path, "--pass=insert-casts", "-o", lowered).rc == 0
+    again = cli("run", lowered, "--report", tmp_path / "r2.json", "--format", "json")
+    assert again.rc == 0 and again.err == ""
+    assert "pipeline" not in json.loads((tmp_path / "r2.json").read_text())
+
+
+def test_export_names_the_insert_casts_step_it_runs(cli, tmp_path: Path) -> None:
+    path = tmp_path / "m.ir"
+    path.write_text(_ANNOTATED)
+    res = cli("export", path, "--format", "onnx", "-o", tmp_path / "m.onnx")
+    assert res.rc == 0, res.err
+    assert res.err.startswith(f"{path}: note: export materialized the plan with insert-casts")

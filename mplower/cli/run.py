@@ -20,6 +20,7 @@ from mplower.cli.common import (
     EXIT_GUARDRAIL,
     EXIT_OK,
     UsageError,
+    materialize_and_say,
     read_module,
     seed,
     write_atomic_all,
@@ -103,16 +104,17 @@ def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.n
     return rng.integers(lo, hi, shape, dtype=value_dtype(elem), endpoint=True)
 
 
-def _load(args: argparse.Namespace):
-    """(module, program, input arrays) for the run and bench commands."""
+def _load(args: argparse.Namespace, command: str):
+    """(module, program, input arrays, the steps run on the module) for the run and bench
+    commands."""
     import numpy as np
 
     from mplower.backend.executor import Program
     from mplower.io.weights import load_inputs
-    from mplower.passes.insert_casts import materialize
 
     module = read_module(args)
-    materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
+    # The pipeline's first step: a plan still only annotations gets casts, and the user is told.
+    steps = ["insert-casts"] if materialize_and_say(module, args, command) else []
     program = Program(module, args.func, args.weights)
     if args.inputs:
         arrays = load_inputs(args.inputs, program.arg_names, program.arg_types,
@@ -120,7 +122,7 @@ def _load(args: argparse.Namespace):
     else:
         rng = np.random.default_rng(args.seed)
         arrays = [_random(rng, t.elem, t.shape) for t in program.arg_types]
-    return module, program, arrays
+    return module, program, arrays, steps
 
 
 def _guardrail_flags(flags: list[str]) -> dict[str, float]:
@@ -167,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mplower.report.run import build_report, render
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
-    module, program, arrays = _load(args)
+    module, program, arrays, steps = _load(args, "run")
     keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
     for flag in ("check", "bisect"):  # neither means anything without a limit to meet
@@ -177,6 +179,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get(POLICY),
                           program.function.name)
+    if steps:  # what ran is not only what the file says: the report names the step
+        report["pipeline"] = steps
     if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
         report["quantization"] = json_safe(operand_sqnr(program, arrays))
     if args.bisect:
@@ -240,7 +244,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.iterations < 1 or args.warmup < 0:
         raise UsageError("--iterations must be at least 1 and --warmup at least 0")
-    module, program, arrays = _load(args)
+    module, program, arrays, _ = _load(args, "bench")
     target = module_target(module, args.target, known_ops=OPS)
     prepared = program.prepare_inputs(arrays)
     for _ in range(args.warmup):
