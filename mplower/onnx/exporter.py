@@ -26,12 +26,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, DATA_MOVEMENT
+from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS
 from mplower.dialect.plan import ACCUM, check_materialized
 from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
-from mplower.ir.opdef import OPS, attr_array, attr_type, check_attrs
+from mplower.ir.opdef import OPS, Trait, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType
 from mplower.numerics.formats import (
     FORMATS,
@@ -269,10 +269,12 @@ class _Exporter:
         if op in CONTRACTIONS and FORMATS[in_types[0].elem].is_int:
             self.names[(n, 0)] = self._integer_contraction(n, op, attrs, ins, in_types, hint)
             return
-        if op in DATA_MOVEMENT and out_t.elem not in _NO_NATIVE_MOVES:
+        # Asked of the op, not of a set taken when the dialect loaded: an op defined later moves.
+        moves = Trait.DATA_MOVEMENT in opdef.traits
+        if moves and out_t.elem not in _NO_NATIVE_MOVES:
             self.names[(n, 0)] = self._emit(op, attrs, ins, in_types, out_t, hint)
             return
-        if op in DATA_MOVEMENT and out_t.elem == "i4":
+        if moves and out_t.elem == "i4":
             wide = [self.node("Cast", [x], f"{x}_i8", to=TensorProto.INT8) for x in ins]
             y = self._emit(op, attrs, wide, in_types, out_t, f"{hint}_i8")
             self.names[(n, 0)] = self.node("Cast", [y], hint, to=TensorProto.INT4)
