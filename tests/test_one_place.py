@@ -263,3 +263,16 @@ def test_export_names_the_insert_casts_step_it_runs(cli, tmp_path: Path) -> None
     res = cli("export", path, "--format", "onnx", "-o", tmp_path / "m.onnx")
     assert res.rc == 0, res.err
     assert res.err.startswith(f"{path}: note: export materialized the plan with insert-casts")
+
+
+def test_the_exporter_dispatches_through_its_table() -> None:
+    """No op-name branch in the exporter's `_emit`: each op is a row of EMITTERS."""
+    from mplower.onnx import exporter
+
+    tree = ast.parse((ROOT / "mplower" / "onnx" / "exporter.py").read_text())
+    (emit,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_emit"]
+    names = [n.value for n in ast.walk(emit) if isinstance(n, ast.Constant) and n.value in OPS]
+    assert names == []
+    assert {"mp.trilu", "mp.matmul", "mp.add", "mp.softmax", "mp.log_softmax"} <= set(
+        exporter.EMITTERS)
+    assert exporter.EMITTERS["mp.softmax"] is exporter.EMITTERS["mp.log_softmax"]
