@@ -105,8 +105,7 @@ def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.n
 
 
 def _load(args: argparse.Namespace, command: str):
-    """(module, program, input arrays, the steps run on the module) for the run and bench
-    commands."""
+    """(module, program, input arrays) for the run and bench commands."""
     import numpy as np
 
     from mplower.backend.executor import Program
@@ -114,7 +113,7 @@ def _load(args: argparse.Namespace, command: str):
 
     module = read_module(args)
     # The pipeline's first step: a plan still only annotations gets casts, and the user is told.
-    steps = ["insert-casts"] if materialize_and_say(module, args, command) else []
+    materialize_and_say(module, args, command)
     program = Program(module, args.func, args.weights)
     if args.inputs:
         arrays = load_inputs(args.inputs, program.arg_names, program.arg_types,
@@ -122,7 +121,7 @@ def _load(args: argparse.Namespace, command: str):
     else:
         rng = np.random.default_rng(args.seed)
         arrays = [_random(rng, t.elem, t.shape) for t in program.arg_types]
-    return module, program, arrays, steps
+    return module, program, arrays
 
 
 def _guardrail_flags(flags: list[str]) -> dict[str, float]:
@@ -169,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mplower.report.run import build_report, render
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
-    module, program, arrays, steps = _load(args, "run")
+    module, program, arrays = _load(args, "run")
     keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
     for flag in ("check", "bisect"):  # neither means anything without a limit to meet
@@ -179,8 +178,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get(POLICY),
                           program.function.name)
-    if steps:  # what ran is not only what the file says: the report names the step
-        report["pipeline"] = steps
     if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
         report["quantization"] = json_safe(operand_sqnr(program, arrays))
     if args.bisect:
@@ -244,7 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.iterations < 1 or args.warmup < 0:
         raise UsageError("--iterations must be at least 1 and --warmup at least 0")
-    module, program, arrays, _ = _load(args, "bench")
+    module, program, arrays = _load(args, "bench")
     target = module_target(module, args.target, known_ops=OPS)
     prepared = program.prepare_inputs(arrays)
     for _ in range(args.warmup):
