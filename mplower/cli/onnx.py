@@ -18,7 +18,6 @@ from mplower.cli.common import (
     read_module,
     write_atomic,
 )
-from mplower.dialect.plan import WEIGHTS
 
 
 def add_import(sub, name: str) -> argparse.ArgumentParser:
@@ -57,6 +56,7 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
 
 def cmd_import(args: argparse.Namespace) -> int:
 
+    from mplower.dialect.plan import WEIGHTS
     from mplower.io.atomic import atomic_output
     from mplower.io.npz import save_npz
     from mplower.ir.diagnostics import DiagnosticError, Location

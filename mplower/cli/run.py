@@ -25,7 +25,6 @@ from mplower.cli.common import (
     seed,
     write_atomic_all,
 )
-from mplower.dialect.plan import OUTPUT_NAMES, POLICY
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 
 if TYPE_CHECKING:  # numpy loads when a command runs: `import mplower.cli.main` stays cheap
@@ -145,6 +144,7 @@ def _guardrail_flags(flags: list[str]) -> dict[str, float]:
 
 def _policy_guardrails(module) -> dict[str, float]:
     """The guardrails of the sheet assign-precision recorded on the module (`mp.policy`)."""
+    from mplower.dialect.plan import POLICY
     from mplower.lowering.policy import load_policy
 
     policy = module.attrs.get(POLICY)
@@ -164,6 +164,7 @@ def _policy_guardrails(module) -> dict[str, float]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from mplower.dialect.plan import POLICY
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
 
@@ -209,6 +210,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def output_keys(f: Function, names: str) -> list[str]:
     """The --save-outputs keys: `output_N`, or the function's `mp.output_names` (from ONNX)."""
+    from mplower.dialect.plan import OUTPUT_NAMES
+
     n = len(f.result_types)
     if names == "index":
         return [f"output_{i}" for i in range(n)]

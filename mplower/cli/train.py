@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from mplower.cli.common import EXIT_OK, UsageError, read_module, seed, write_atomic_all
-from mplower.dialect.plan import WEIGHTS
 from mplower.ir.diagnostics import DiagnosticError, Location
 
 
@@ -90,6 +89,7 @@ def _data(path: str, names: list[str], what: str):
 def cmd_train(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from mplower.dialect.plan import WEIGHTS
     from mplower.io.atomic import path_from
     from mplower.io.npz import beside, read_npz, save_npz, weights_file
     from mplower.ir.printer import print_module
