@@ -379,7 +379,7 @@ class PassManager:
         inst = self.instrumentation
         out = inst.stream or sys.stderr
         ctx = ctx or PassContext()
-        named = {a: module.attrs.get(a) for a in FILE_ATTRS}  # as the (untrusted) input has them
+        named = {a: module.attrs.get(a) for a in file_attrs()}  # as the (untrusted) input has them
         for p in self.passes:
             if inst.print_before_all or p.name in inst.print_before:
                 out.write(f"// -----// IR Dump Before {describe_pass(p)} //----- //\n")
@@ -447,9 +447,14 @@ def pass_options(cls: type[Pass]) -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-# Module attributes that name a file relative to the module's IR file (mplower.io.atomic), and the
-# suffix of the copy written beside `-o` when the file is outside the output's folder.
-FILE_ATTRS = {"mp.weights": ".npz", "mp.policy": ".policy.toml", "mp.target": ".target.toml"}
+def file_attrs() -> dict[str, str]:
+    """Module attributes that name a file relative to the module's IR file (mplower.io.atomic),
+    and the suffix of the copy written beside `-o` when the file is outside the output's folder.
+    (A function: the CLI imports this module before it knows whether it will load the dialect.)
+    """
+    from mplower.dialect.plan import POLICY, TARGET, WEIGHTS
+
+    return {WEIGHTS: ".npz", POLICY: ".policy.toml", TARGET: ".target.toml"}
 
 
 def place_module_files(module: Module, ctx: PassContext, named: dict[str, Any]) -> None:
@@ -464,20 +469,21 @@ def place_module_files(module: Module, ctx: PassContext, named: dict[str, Any]) 
     that leaves its folder or names no file is left as written and never read: an IR file
     must not make mplower copy a file from outside the model's folder.
     """
+    from mplower.dialect.plan import WEIGHTS
     from mplower.io.atomic import module_folder, module_relative, path_from
     from mplower.ir.diagnostics import DiagnosticError
     from mplower.lowering.tomlsheet import names_a_file
 
     out = Path(ctx.output_path).resolve() if ctx.output_path is not None else None
     folder = out.parent if out is not None else module_folder(module)
-    for attr, suffix in FILE_ATTRS.items():
+    for attr, suffix in file_attrs().items():
         value = module.attrs.get(attr)
-        if not isinstance(value, str) or (attr != "mp.weights" and not names_a_file(value)):
+        if not isinstance(value, str) or (attr != WEIGHTS and not names_a_file(value)):
             continue  # absent, or a built-in sheet's name
         changed = value != named[attr]  # a pass recorded it from a name on the command line
         if out is None and not changed:
             continue  # printed, the module stays in its input's folder: nothing moves
-        if attr == "mp.weights" and ctx.weights_path is not None:
+        if attr == WEIGHTS and ctx.weights_path is not None:
             path = Path(ctx.weights_path).resolve()
         elif changed:
             path = module_folder(module) / value

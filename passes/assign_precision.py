@@ -22,7 +22,7 @@ import numpy as np
 from mplower.passes.range_analysis import hazard
 
 from mplower.dialect.mp import ACCUMULATING, COMPUTE_HEAVY, TYPE_CARRYING
-from mplower.dialect.plan import Plan
+from mplower.dialect.plan import KEEP_IO_TYPES, POLICY, SCALING, Plan, result_format
 from mplower.io.atomic import module_folder, path_from
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS
@@ -31,9 +31,7 @@ from mplower.lowering.policy import (
     Decision,
     Policy,
     load_policy,
-    result_format,
 )
-from mplower.lowering.scaling import SCALING
 from mplower.numerics.formats import FLOATS, FORMATS, NARROW_FLOATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
@@ -179,11 +177,11 @@ class AssignPrecision(Pass):
                                             for d in plans[name].values()))
         # A built-in by its name; a sheet by its path from the module's folder (mplower run
         # reads it from there; `opt -o` carries it to the output's folder).
-        module.attrs["mp.policy"] = (
+        module.attrs[POLICY] = (
             policy.source.removeprefix("builtin:") if policy.source.startswith("builtin:")
             else path_from(module_folder(module), Path(policy.source)))
         if not policy.keep_io_types:
-            module.attrs["mp.keep_io_types"] = False
+            module.attrs[KEEP_IO_TYPES] = False
         # insert-casts and legalize read the sheet's [scaling] from here (lowering.scaling).
         if policy.scaling is not None:
             module.attrs[SCALING] = policy.scaling.attr()

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from mplower.passes.dce import eliminate_dead_ops
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.dialect.plan import GRAD_OF, OUTPUT_NAMES
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
 from mplower.ir.opdef import OPS, OpError, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.numerics.formats import FLOATS
 from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
+from mplower.passes.dce import eliminate_dead_ops
 
-GRAD_OF = "mp.grad_of"  # on a backward op: the name of the forward op it differentiates
 LOSSES = ("", "cross_entropy", "mse")
 
 
@@ -130,7 +130,7 @@ class Grad(Pass):
             f.set_operand(ret, pos, v)
         f.result_types = [f.type_of(v) for v in outs]
         # The imported model's output names named its output, not the loss and gradients.
-        f.attrs.pop("mp.output_names", None)
+        f.attrs.pop(OUTPUT_NAMES, None)
         eliminate_dead_ops(f)
 
     def _loss(self, f: Function, g: _Builder, out: Value) -> Value:

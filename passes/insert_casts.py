@@ -1,7 +1,7 @@
 """`insert-casts`: materialize the precision plan as `mp.cast` ops and narrower result types.
 
 Every op annotated with a float `mp.precision` gets its float operands in that format and its
-float results in the format it writes (mplower.lowering.policy.result_format: the compute format, or
+float results in the format it writes (mplower.dialect.plan.result_format: the compute format, or
 the accumulator for tf32/fp8 matmuls). Wherever a value crosses into a different format one
 `mp.cast` is inserted right after its producer and shared by every consumer that needs that
 format (TVM's cast cache), so there is exactly one cast per (value, format). When the module's
@@ -19,17 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.passes.scale_recipes import apply_scaling
-
-from mplower.dialect.mp import TYPE_CARRYING
-from mplower.dialect.plan import ACCUM, PRECISION
-from mplower.ir.diagnostics import DiagnosticError
+from mplower.dialect.plan import KEEP_IO_TYPES, float_formats, unmaterialized
 from mplower.ir.graph import RETURN, Function, Module, Value
-from mplower.ir.opdef import OpError, attr_type
-from mplower.ir.types import TypeAttr
-from mplower.lowering.policy import module_scaling, result_format
+from mplower.lowering.policy import module_scaling
 from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.pass_manager import Pass, PassContext, PassManager, register_pass
+from mplower.passes.scale_recipes import apply_scaling
 
 
 class _Casts:
@@ -64,49 +59,8 @@ class _Casts:
 
 def _wanted(d: dict) -> str | None:
     """The float format an op (its node data) wants its float operands in, or None to keep them."""
-    p = d["attrs"].get(PRECISION)
-    if p is None or d["op"] in TYPE_CARRYING:
-        return None
-    elem = p.type if isinstance(p, TypeAttr) else attr_type(p)
-    return elem if elem in FLOATS else None
-
-
-def _writes(d: dict, want: str) -> str:
-    """The format an op (its node data) computing in `want` writes its float results in."""
-    accum = d["attrs"].get(ACCUM)
-    return result_format(d["op"], want, accum.type if isinstance(accum, TypeAttr) else
-                         attr_type(accum) if accum is not None else None)
-
-
-def unmaterialized(f: Function) -> int | None:
-    """The first op whose float plan is still only an annotation: insert-casts would give it
-    operands or results of another format. None when the plan (if any) is materialized."""
-    nodes = f.nodes
-    for n in f.ops():
-        d = nodes[n]
-        try:
-            want = _wanted(d)
-            if want is None:
-                continue
-            out = _writes(d, want)
-        except OpError:  # a malformed annotation: the executor reports it where it stands
-            continue
-        if any(t.elem in FLOATS and t.elem != want for t in f.operand_types(n)) \
-                or any(t.elem in FLOATS and t.elem != out for t in d["types"]):
-            return n
-    return None
-
-
-def check_materialized(f: Function) -> None:
-    """What the executor and the ONNX exporter require: a located error at the first op whose
-    float plan insert-casts has not materialized (they run a module as it is)."""
-    n = unmaterialized(f)
-    if n is not None:
-        d = f.data(n)
-        raise DiagnosticError.at(d["loc"], (
-            f"'{d['op']}' has a precision plan that is only an annotation "
-            f"({PRECISION} = {_wanted(d)}): run insert-casts first "
-            f"(mplower opt --pass=insert-casts)"))
+    formats = float_formats(d["op"], d["attrs"])
+    return None if formats is None else formats[0]
 
 
 def materialize(module: Module, ctx: PassContext | None = None) -> bool:
@@ -131,7 +85,8 @@ def insert_casts(f: Function, ctx: PassContext, keep_io_types: bool) -> None:
         op = d["op"]
         if op == RETURN:
             continue
-        want = _wanted(d)
+        formats = float_formats(op, d["attrs"])
+        want = None if formats is None else formats[0]
         for pos, u, r in f.operand_edges(n):
             elem = nodes[u]["types"][r].elem
             if elem not in FLOATS:
@@ -139,8 +94,8 @@ def insert_casts(f: Function, ctx: PassContext, keep_io_types: bool) -> None:
             target = want if want is not None else original.get((u, r), elem)
             if elem != target:
                 f.set_operand(n, pos, casts.get((u, r), target))
-        if want is not None:
-            out = _writes(d, want)
+        if formats is not None:
+            out = formats[1]
             for i, t in enumerate(d["types"]):
                 if t.elem in FLOATS and t.elem != out:
                     original[(n, i)] = t.elem
@@ -192,7 +147,7 @@ class InsertCasts(Pass):
     }
 
     def run(self, module: Module, ctx: PassContext) -> None:
-        keep = module.attrs.get("mp.keep_io_types", True) is not False
+        keep = module.attrs.get(KEEP_IO_TYPES, True) is not False
         scaling = module_scaling(module)
         for f in module.functions.values():
             insert_casts(f, ctx, keep)

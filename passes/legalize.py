@@ -3,7 +3,9 @@
 Each annotated op's (compute, accumulator, kernel) goes through the target's fallback chains
 (mplower.lowering.target.Target.legalize: fp8 -> bf16 -> f32, i8 -> bf16 -> f32, f16 accumulation ->
 f32, sparse -> dense; a GEMM whose sheet gives it MX or NVFP4 block scales the target cannot
-apply -> bf16 with `no-mx-kernel`, fp4 without fp4 kernels -> bf16 with `no-fp4-kernel`). A fallback rewrites `mp.precision`/`mp.accum`/`mp.kernel`, keeps what
+apply -> bf16 with `no-mx-kernel`, fp4 without fp4 kernels -> bf16 with `no-fp4-kernel`; an
+f16 accumulator on operands wider than the backend emulates it for (f32) -> f32 with
+`no-f16-accum`). A fallback rewrites `mp.precision`/`mp.accum`/`mp.kernel`, keeps what
 was asked in `mp.requested` (a dictionary attribute, mplower.dialect.plan.Requested) and appends
 the reason code to `mp.reason`; `strict=true` makes it an error instead, as TensorRT's "obey"
 precision constraints do.
@@ -16,12 +18,13 @@ from typing import ClassVar
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.mp import CONTRACTIONS
-from mplower.dialect.plan import DENSE, Plan, Requested
+from mplower.dialect.plan import DENSE, TARGET, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Module
 from mplower.ir.opdef import OPS
 from mplower.lowering.policy import module_scaling
-from mplower.lowering.target import load_target
+from mplower.lowering.target import NO_F16_ACCUM, Legal, load_target
+from mplower.numerics.rounding import f16_accum_emulated
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 
@@ -70,6 +73,12 @@ class Legalize(Pass):
                 except ValueError as e:
                     errors.append(Diagnostic(f.data(n)["loc"], f"'{op}': {e}"))
                     continue
+                if legal.accum == "f16" and op in CONTRACTIONS \
+                        and not f16_accum_emulated(legal.compute):
+                    # The backend's f16 accumulator is exact only for narrow operands: decided
+                    # here, once, and recorded, so the executor runs the plan as written.
+                    legal = Legal(legal.compute, "f32", legal.kernel,
+                                  (*legal.reasons, NO_F16_ACCUM))
                 if not legal.fallback:
                     continue
                 asked = Requested(compute, accum, kernel)
@@ -92,5 +101,5 @@ class Legalize(Pass):
         if errors:
             raise DiagnosticError(*errors)
         if checked:  # a module without a plan stays exactly as it was
-            module.attrs["mp.target"] = target.source.removeprefix("builtin:")
+            module.attrs[TARGET] = target.source.removeprefix("builtin:")
 

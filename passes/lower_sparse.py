@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from mplower.dialect.mp import WEIGHTED
-from mplower.dialect.plan import Plan
+from mplower.dialect.plan import TARGET, Plan
 from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
 from mplower.ir.opdef import OPS, check_attrs
@@ -209,7 +209,7 @@ class LowerSparse(Pass):
                                                                   encoded, ctx))
         ctx.stat("ops-considered", considered)
         if considered:
-            module.attrs["mp.target"] = target.source.removeprefix("builtin:")
+            module.attrs[TARGET] = target.source.removeprefix("builtin:")
 
     def _choose(self, f: Function, n: int, w: np.ndarray, target: Target,
                 limits: Thresholds) -> Choice:

@@ -18,6 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from mplower.dialect.plan import TRAINABLE
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.graph import Function, Module, Value
+from mplower.ir.types import DenseAttr, TypeAttr, tensor
+from mplower.lowering.calibration import ConstantValues, range_of
+from mplower.pass_manager import Pass, PassContext, option, register_pass
 from mplower.passes.quantize import (
     QParams,
     activation_qparams,
@@ -28,14 +34,7 @@ from mplower.passes.quantize import (
     weight_qparams,
 )
 
-from mplower.ir.diagnostics import DiagnosticError
-from mplower.ir.graph import Function, Module, Value
-from mplower.ir.types import DenseAttr, TypeAttr, tensor
-from mplower.lowering.calibration import ConstantValues, range_of
-from mplower.pass_manager import Pass, PassContext, option, register_pass
-
 SCALES = ("frozen", "lsq")
-TRAINABLE = "mp.trainable"  # on a constant that mplower train learns like a weight
 
 
 @register_pass

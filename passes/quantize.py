@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mplower.dialect.mp import QUANTIZABLE
-from mplower.dialect.plan import PRECISION, Plan, Requested
+from mplower.dialect.plan import PRECISION, QUANT_MARK, WEIGHT_QUANT, Plan, Requested
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Function, Module, Value
 from mplower.ir.opdef import OPS, attr_type, check_attrs
@@ -65,8 +65,6 @@ from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 QDQ_ZERO_POINT = "qdq-zero-point"  # the fallback code of a w8a8 op written in QDQ form
-WEIGHT_QUANT = "mp.weight_quant"
-QUANT_MARK = "mp.quant"
 ZERO_POINT = "zero-point"  # QUANT_MARK of the ops that undo an activation shift
 SCHEMES = {"w8a8": "i8", "w8a16": "i8", "w4a16": "i4"}  # scheme -> weight format
 

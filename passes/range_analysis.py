@@ -39,9 +39,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mplower.dialect.mp import CONTRACTIONS
+from mplower.dialect.plan import BOUND, OVERFLOW, UNDERFLOW
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function, Module, Value
-from mplower.ir.opdef import OPS, OpError, check_attrs
+from mplower.ir.opdef import OPS, OpError, Trait, check_attrs
 from mplower.ir.types import TensorType
 from mplower.lowering.calibration import (
     TINY,
@@ -54,7 +55,6 @@ from mplower.lowering.calibration import (
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
-OVERFLOW, UNDERFLOW, BOUND = "mp.overflow", "mp.underflow", "mp.bound"
 FLAG_KEYS = (OVERFLOW, UNDERFLOW, BOUND)
 INF = math.inf
 
@@ -125,11 +125,10 @@ _UNARY: dict[str, Callable[[Interval], Interval]] = {
     "mp.sigmoid": _monotone(lambda v: 1 / (1 + math.exp(-v)) if v > -709 else 0.0),
     "mp.tanh": _monotone(math.tanh),
 }
-# Ops whose result holds operand values only (or a subset of them).
-_PASS_THROUGH = frozenset({"mp.reshape", "mp.transpose", "mp.flatten", "mp.slice",
-                           "mp.reduce_max", "mp.cast", "mp.dequantize", "mp.fake_quant",
-                           "mp.sparse_encode", "mp.max_pool2d", "mp.gather",
-                           "mp.gather_elements", "mp.gather_nd", "mp.expand", "mp.split"})
+# Ops whose result holds values of their first operand only (or a subset of them), besides
+# those that move elements (Trait.DATA_MOVEMENT, asked of the op: a new one needs no entry).
+_PASS_THROUGH = frozenset({"mp.reduce_max", "mp.cast", "mp.dequantize", "mp.fake_quant",
+                           "mp.max_pool2d"})
 _AVERAGING = frozenset({"mp.reduce_mean", "mp.avg_pool2d", "mp.global_avg_pool"})
 
 
@@ -162,14 +161,15 @@ def propagate(op: str, ins: list[Interval], attrs: dict, in_types: list[TensorTy
     """The interval of an op's result from its operands' (see the module docstring)."""
     if op in _UNARY:
         return _UNARY[op](ins[0])
-    if op in _PASS_THROUGH:
-        return ins[0]
     if op == "mp.concat":
         return _union(ins)
     if op == "mp.where":  # either branch, whatever the mask
         return _union(ins[1:])
     if op == "mp.trilu":  # the operand's values and the zeros it writes
         return Interval(min(ins[0].lo, 0.0), max(ins[0].hi, 0.0), ins[0].tiny)
+    opdef = OPS.get(op)
+    if op in _PASS_THROUGH or (opdef is not None and Trait.DATA_MOVEMENT in opdef.traits):
+        return ins[0]
     if op == "mp.cumsum":  # a partial sum of 1 to n elements
         n = in_types[0].shape[attrs["axis"]]
         return _from(min(ins[0].lo, n * ins[0].lo), max(ins[0].hi, n * ins[0].hi))

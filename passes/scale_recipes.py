@@ -18,11 +18,12 @@ from typing import ClassVar
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.mp import CONTRACTIONS
+from mplower.dialect.plan import ACCUM_BITS, PROMOTE_EVERY
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError
 from mplower.ir.graph import Function, Module
 from mplower.ir.types import tensor
 from mplower.lowering.calibration import constant_nodes, range_of
-from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY, Scaling, blocks_for
+from mplower.lowering.scaling import Scaling, blocks_for
 from mplower.numerics.formats import MX_ELEMENT_FORMATS
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 

@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from mplower.dialect.mp import WEIGHTED
+from mplower.dialect.plan import WEIGHTS
 from mplower.io.npz import WeightStore, beside, write_npz
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import Function, Module
@@ -127,7 +128,7 @@ class Sparsify(Pass):
             arrays.update(named)
             out = beside(ctx.output_path)
             write_npz(out, arrays, module.loc)
-            module.attrs["mp.weights"] = out.name
+            module.attrs[WEIGHTS] = out.name
             ctx.weights_path = str(out.resolve())  # later passes of this run read the new file
         for w, pruned in rewrites:
             t = w.f.types(w.node)[0]

@@ -183,3 +183,95 @@ def test_verifying_with_no_dialect_registered_names_the_missing_dialect(tmp_path
         "[]",
         "verified",
     ]
+
+
+def _attribute_name_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string literal that is exactly an `mp.` name but no op's."""
+    name = re.compile(r"mp\.[a-z_0-9]+")
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and name.fullmatch(node.value) and node.value not in OPS]
+
+
+def test_annotation_names_are_declared_only_in_the_plan() -> None:
+    """`mp.policy`, `mp.target`, `mp.keep_io_types`, ... are constants of dialect/plan.py;
+    every other module imports them, so a reader cannot misspell what a writer wrote."""
+    home = ROOT / "mplower" / "dialect" / "plan.py"
+    found = [f"{_rel(p)}:{line} {text}" for p in SOURCES if p != home
+             for line, text in _attribute_name_literals(p)]
+    assert found == []
+    declared = {text for _, text in _attribute_name_literals(home)}
+    assert {"mp.policy", "mp.target", "mp.keep_io_types", "mp.precision", "mp.weights",
+            "mp.scaling"} <= declared
+
+
+def test_legalize_records_the_f16_accumulator_fallback_the_backend_needs(tmp_path: Path) -> None:
+    """An f16 accumulator on f32 operands, which a target sheet may offer, is more than the
+    backend emulates exactly: legalize falls back and records it, once, in the plan."""
+    from mplower.dialect.plan import Plan, Requested
+    from mplower.ir.parser import parse
+    from mplower.pass_manager import PassManager, parse_pipeline
+
+    target = tmp_path / "t.toml"
+    target.write_text('[target]\nbandwidth = 1e9\n\n[formats.f32]\ndense = 1e9\n'
+                      'accum = ["f32", "f16"]\n\n[default]\ndense = ["f32"]\n')
+    module = parse(
+        "func.func @f(%a: tensor<2x3xf32>, %b: tensor<3x2xf32>) -> tensor<2x2xf32> {\n"
+        "  %y = mp.matmul %a, %b {mp.precision = f32, mp.accum = f16}"
+        " : (tensor<2x3xf32>, tensor<3x2xf32>) -> tensor<2x2xf32>\n"
+        "  return %y : tensor<2x2xf32>\n}\n", str(tmp_path / "m.ir"))
+    PassManager(parse_pipeline(f"legalize{{target={target}}}")).run(module)
+    f = module.function(None)
+    (mm,) = [n for n in f.ops() if f.op(n) == "mp.matmul"]
+    plan = Plan.at(f, mm)
+    assert (plan.precision, plan.accum, plan.fallback) == ("f32", "f32", ("no-f16-accum",))
+    assert plan.requested == Requested("f32", "f16")
+
+
+_ANNOTATED = (
+    "func.func @main(%x: tensor<2x3xf32>) -> tensor<2x3xf32> {\n"
+    "  %y = mp.relu %x {mp.precision = bf16} : (tensor<2x3xf32>) -> tensor<2x3xf32>\n"
+    "  return %y : tensor<2x3xf32>\n}\n")
+
+
+def test_run_names_the_insert_casts_step_it_runs_in_its_output(cli, tmp_path: Path) -> None:
+    """STYLE rule 8: `run` of a plan that is only annotations runs insert-casts and says so on
+    stderr; a materialized module runs as written, silently, with the same report."""
+    import json
+
+    path = tmp_path / "m.ir"
+    path.write_text(_ANNOTATED)
+    res = cli("run", path, "--report", tmp_path / "r.json", "--format", "json")
+    assert res.rc == 0, res.err
+    assert res.err == (f"{path}: note: run materialized the plan with insert-casts (the module "
+                       "has mp.precision annotations but no casts; `mplower opt "
+                       "--pass=insert-casts` prints the module that ran)\n")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [o["op"] for o in report["ops"]] == ["mp.cast", "mp.relu", "mp.cast"]
+
+    lowered = tmp_path / "lowered.ir"
+    assert cli("opt", path, "--pass=insert-casts", "-o", lowered).rc == 0
+    again = cli("run", lowered, "--report", tmp_path / "r2.json", "--format", "json")
+    assert again.rc == 0 and again.err == ""
+    assert json.loads((tmp_path / "r2.json").read_text()) == report
+
+
+def test_export_names_the_insert_casts_step_it_runs(cli, tmp_path: Path) -> None:
+    path = tmp_path / "m.ir"
+    path.write_text(_ANNOTATED)
+    res = cli("export", path, "--format", "onnx", "-o", tmp_path / "m.onnx")
+    assert res.rc == 0, res.err
+    assert res.err.startswith(f"{path}: note: export materialized the plan with insert-casts")
+
+
+def test_the_exporter_dispatches_through_its_table() -> None:
+    """No op-name branch in the exporter's `_emit`: each op is a row of EMITTERS."""
+    from mplower.onnx import exporter
+
+    tree = ast.parse((ROOT / "mplower" / "onnx" / "exporter.py").read_text())
+    (emit,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_emit"]
+    names = [n.value for n in ast.walk(emit) if isinstance(n, ast.Constant) and n.value in OPS]
+    assert names == []
+    assert {"mp.trilu", "mp.matmul", "mp.add", "mp.softmax", "mp.log_softmax"} <= set(
+        exporter.EMITTERS)
+    assert exporter.EMITTERS["mp.softmax"] is exporter.EMITTERS["mp.log_softmax"]

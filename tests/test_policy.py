@@ -451,3 +451,93 @@ def test_override_must_be_an_array_of_tables(tmp_path):
     err = load_error(path)
     assert err.diagnostics[0].message == "'override' must be an array of tables: [[override]]"
     assert err.diagnostics[0].loc.line == line_of(path, "[override]")
+
+
+# -- op groups ---------------------------------------------------------------------------------
+
+# What the built-in lists were before they named groups (the bf16 family, the fp8 family and
+# int8): the groups must decide every op of the design set as the names did.
+_WIDE_FOLLOW = {"mp.add", "mp.sub", "mp.mul", "mp.div", "mp.maximum", "mp.minimum", "mp.neg",
+                "mp.relu", "mp.sigmoid", "mp.tanh", "mp.sqrt", "mp.gelu", "mp.reduce_max",
+                "mp.argmax", "mp.reshape", "mp.transpose", "mp.concat", "mp.slice", "mp.flatten",
+                "mp.max_pool2d", "mp.avg_pool2d", "mp.gather", "mp.gather_elements",
+                "mp.gather_nd", "mp.where", "mp.expand", "mp.split", "mp.trilu"}
+_WIDE_DENY = {"mp.exp", "mp.log", "mp.rsqrt", "mp.softmax", "mp.layer_norm", "mp.rms_norm",
+              "mp.reduce_sum", "mp.reduce_mean", "mp.global_avg_pool", "mp.pow", "mp.cumsum"}
+_FP8_FOLLOW = {"mp.reshape", "mp.transpose", "mp.flatten", "mp.slice", "mp.concat", "mp.relu",
+               "mp.max_pool2d", "mp.reduce_max", "mp.argmax", "mp.maximum", "mp.minimum",
+               "mp.neg", "mp.gather", "mp.gather_elements", "mp.gather_nd", "mp.where",
+               "mp.expand", "mp.split", "mp.trilu"}
+_INT8_FOLLOW = _FP8_FOLLOW - {"mp.concat", "mp.maximum", "mp.minimum", "mp.neg"}
+_TYPED = {"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant",
+          "mp.sparse_encode"}  # never lowered: assign-precision does not ask the sheet
+
+
+@pytest.mark.parametrize("name, follow", [
+    *[(n, _WIDE_FOLLOW) for n in ("bf16", "fp16", "fp32", "w8a16", "bf16-fp8", "bf16-int8")],
+    *[(n, _FP8_FOLLOW) for n in ("fp8", "fp8-block", "mxfp8", "mxfp4", "nvfp4")],
+    ("int8", _INT8_FOLLOW)])
+def test_builtin_groups_decide_the_design_ops_as_the_named_lists_did(name, follow):
+    p = load_policy(name)
+    decided = {op: p.listed(op) for op in set(DESIGN_OPS) - _TYPED}
+    assert {op for op, w in decided.items() if w == "allow"} == {"mp.matmul", "mp.conv2d"}
+    assert {op for op, w in decided.items() if w == "follow"} == follow
+    expected_deny = (_WIDE_DENY if follow is _WIDE_FOLLOW
+                     else set(DESIGN_OPS) - _TYPED - follow - {"mp.matmul", "mp.conv2d"})
+    assert {op for op, w in decided.items() if w == "deny"} == expected_deny
+
+
+def test_every_builtin_sheet_names_groups_not_the_contractions():
+    for name in builtin_policies():
+        text = (Path(__file__).parent.parent / "mplower" / "policies" / f"{name}.toml").read_text()
+        assert 'allow = ["@contraction"]' in text, name
+        assert '"mp.trilu"' not in text and '"mp.gather"' not in text, name
+
+
+def test_an_op_name_overrides_its_group(tmp_path):
+    path = write_sheet(tmp_path, """
+        [policy]
+        compute = "bf16"
+        follow = ["@data-movement"]
+        deny = ["mp.concat"]
+        """)
+    p = load_policy(str(path))
+    assert p.decide("mp.concat", "%c", True, False) == Decision("f32", None, DENY_LIST)
+    assert p.decide("mp.transpose", "%t", True, False) == Decision("bf16", None,
+                                                                   "follow: inputs bf16")
+    assert p.decide("mp.add", "%a", True, False) == Decision("f32", None, NOT_LISTED)
+    assert (p.follow, p.deny) == ((), ("mp.concat",))
+
+
+def test_the_cautious_list_wins_an_op_in_two_groups(tmp_path):
+    # matmul accumulates and is a contraction: a sheet that denies @accumulates keeps it f32.
+    path = write_sheet(tmp_path, """
+        [policy]
+        compute = "bf16"
+        allow = ["@contraction"]
+        deny = ["@accumulates"]
+        """)
+    p = load_policy(str(path))
+    assert p.decide("mp.matmul", "%m", False, False) == Decision("f32", "f32", DENY_LIST)
+    assert p.decide("mp.reduce_sum", "%r", False, False) == Decision("f32", "f32", DENY_LIST)
+
+
+def test_unknown_group_is_located_with_the_closest_name(tmp_path):
+    path = write_sheet(tmp_path, BASE.replace('"mp.add"', '"@data-movment"'))
+    err = load_error(path)
+    assert err.diagnostics[0].message == ("unknown op group '@data-movment'; "
+                                          "did you mean '@data-movement'?")
+    assert err.diagnostics[0].loc.line == line_of(path, "@data-movment")
+
+
+def test_group_in_two_lists_is_an_error(tmp_path):
+    path = write_sheet(tmp_path, """
+        [policy]
+        compute = "bf16"
+        follow = ["@data-movement"]
+        deny = ["mp.exp",
+                "@data-movement"]
+        """)
+    err = load_error(path)
+    assert err.diagnostics[0].message == "group '@data-movement' is in both follow and deny"
+    assert err.diagnostics[0].loc.line == 5  # the second occurrence

@@ -41,13 +41,19 @@ from mplower.backend.memory import keep_freed_memory
 from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
 from mplower.backend.sparse import sparse_runner
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
-from mplower.dialect.plan import DENSE, Plan, Requested
+from mplower.dialect.plan import (
+    ACCUM_BITS,
+    DENSE,
+    PROMOTE_EVERY,
+    Plan,
+    Requested,
+    check_materialized,
+)
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
 from mplower.ir.opdef import OPS, OpDef, OpError, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
-from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.conv import IntegerWeights
 from mplower.numerics.elementwise import add_relu, binary_rounded, round_add_columns
@@ -64,7 +70,6 @@ from mplower.numerics.rounding import (
     round_to,
 )
 from mplower.numerics.windows import conv_windows, pad_hw
-from mplower.passes.insert_casts import check_materialized
 
 NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()

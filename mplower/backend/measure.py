@@ -47,10 +47,10 @@ import numpy as np
 
 from mplower.backend.executor import Program
 from mplower.dialect.mp import CONTRACTIONS, VALUE_PRESERVING
+from mplower.dialect.plan import result_format
 from mplower.ir.opdef import OPS, check_attrs
 from mplower.ir.parser import parse
 from mplower.ir.types import TensorType
-from mplower.lowering.policy import result_format
 from mplower.lowering.target import (
     CONV_DEPTHWISE,
     CONV_GROUPED,

@@ -82,6 +82,24 @@ def read_module(args: argparse.Namespace) -> Module:
     return parse_module(text, name)
 
 
+# What `run`, `bench` and `export` say when they run insert-casts on a plan that is only
+# annotations (STYLE rule 8: a command that transforms the module names the step).
+MATERIALIZED = ("materialized the plan with insert-casts (the module has mp.precision "
+                "annotations but no casts; `mplower opt --pass=insert-casts` prints the module "
+                "that ran)")
+
+
+def materialize_and_say(module: Module, args: argparse.Namespace, command: str) -> bool:
+    """Run insert-casts on `module` when its plan is only annotations, and say so on stderr
+    (`FILE: note: COMMAND ...`); True if it ran."""
+    from mplower.passes.insert_casts import materialize
+
+    ran = materialize(module)
+    if ran:
+        sys.stderr.write(f"{input_name(args.input)}: note: {command} {MATERIALIZED}\n")
+    return ran
+
+
 def seed(text: str) -> int:
     """argparse type of `--seed`: numpy's generators take no negative seed."""
     try:

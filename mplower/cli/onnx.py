@@ -10,7 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from mplower.cli.common import EXIT_OK, UsageError, input_name, read_module, write_atomic
+from mplower.cli.common import (
+    EXIT_OK,
+    UsageError,
+    input_name,
+    materialize_and_say,
+    read_module,
+    write_atomic,
+)
 
 
 def add_import(sub, name: str) -> argparse.ArgumentParser:
@@ -49,6 +56,7 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
 
 def cmd_import(args: argparse.Namespace) -> int:
 
+    from mplower.dialect.plan import WEIGHTS
     from mplower.io.atomic import atomic_output
     from mplower.io.npz import save_npz
     from mplower.ir.diagnostics import DiagnosticError, Location
@@ -74,7 +82,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     out = Path(args.output)
     npz = out.with_suffix(".npz")
     if imported.weights:
-        module.attrs["mp.weights"] = npz.name
+        module.attrs[WEIGHTS] = npz.name
     source = f"// Imported from {Path(args.model).name} by `mplower import`.\n"
     text = source + print_module(module)
     try:
@@ -94,8 +102,6 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from mplower.ir.diagnostics import DiagnosticError, Location
     from mplower.onnx.exporter import check_and_serialize, export_module
-    from mplower.passes.insert_casts import materialize
-
     module = read_module(args)
     try:
         module.function(args.func)
@@ -103,7 +109,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         have = ", ".join(sorted(module.functions)) or "none"
         raise DiagnosticError.at(module.loc, f"no function '{args.func}' to export (the module "
                                              f"has: {have})") from None
-    materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
+    materialize_and_say(module, args, "export")  # a plan still only annotations gets casts
     exported = export_module(module, args.func, args.weights, args.narrow_io)
     name = input_name(args.input)
     data = check_and_serialize(exported.model, Location(name, 0, 0))

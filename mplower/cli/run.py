@@ -20,6 +20,7 @@ from mplower.cli.common import (
     EXIT_GUARDRAIL,
     EXIT_OK,
     UsageError,
+    materialize_and_say,
     read_module,
     seed,
     write_atomic_all,
@@ -102,16 +103,16 @@ def _random(rng: np.random.Generator, elem: str, shape: tuple[int, ...]) -> np.n
     return rng.integers(lo, hi, shape, dtype=value_dtype(elem), endpoint=True)
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, command: str):
     """(module, program, input arrays) for the run and bench commands."""
     import numpy as np
 
     from mplower.backend.executor import Program
     from mplower.io.weights import load_inputs
-    from mplower.passes.insert_casts import materialize
 
     module = read_module(args)
-    materialize(module)  # the pipeline's first step: a plan still only annotations gets casts
+    # The pipeline's first step: a plan still only annotations gets casts, and the user is told.
+    materialize_and_say(module, args, command)
     program = Program(module, args.func, args.weights)
     if args.inputs:
         arrays = load_inputs(args.inputs, program.arg_names, program.arg_types,
@@ -143,9 +144,10 @@ def _guardrail_flags(flags: list[str]) -> dict[str, float]:
 
 def _policy_guardrails(module) -> dict[str, float]:
     """The guardrails of the sheet assign-precision recorded on the module (`mp.policy`)."""
+    from mplower.dialect.plan import POLICY
     from mplower.lowering.policy import load_policy
 
-    policy = module.attrs.get("mp.policy")
+    policy = module.attrs.get(POLICY)
     if not isinstance(policy, str):
         return {}
     try:
@@ -162,11 +164,12 @@ def _policy_guardrails(module) -> dict[str, float]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from mplower.dialect.plan import POLICY
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
-    module, program, arrays = _load(args)
+    module, program, arrays = _load(args, "run")
     keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
     for flag in ("check", "bisect"):  # neither means anything without a limit to meet
@@ -174,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag} needs guardrails: the policy sheet's or "
                              f"--guardrail KEY=VALUE")
     result = program.run(arrays)
-    report = build_report(result, limits, module.attrs.get("mp.policy"),
+    report = build_report(result, limits, module.attrs.get(POLICY),
                           program.function.name)
     if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
         report["quantization"] = json_safe(operand_sqnr(program, arrays))
@@ -207,10 +210,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def output_keys(f: Function, names: str) -> list[str]:
     """The --save-outputs keys: `output_N`, or the function's `mp.output_names` (from ONNX)."""
+    from mplower.dialect.plan import OUTPUT_NAMES
+
     n = len(f.result_types)
     if names == "index":
         return [f"output_{i}" for i in range(n)]
-    recorded = f.attrs.get("mp.output_names")
+    recorded = f.attrs.get(OUTPUT_NAMES)
     if recorded is None:
         raise DiagnosticError.at(f.loc, f"--output-names onnx: @{f.name} has no mp.output_names "
                                         "(only `mplower import` records them); use "
@@ -239,7 +244,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.iterations < 1 or args.warmup < 0:
         raise UsageError("--iterations must be at least 1 and --warmup at least 0")
-    module, program, arrays = _load(args)
+    module, program, arrays = _load(args, "bench")
     target = module_target(module, args.target, known_ops=OPS)
     prepared = program.prepare_inputs(arrays)
     for _ in range(args.warmup):

@@ -89,6 +89,7 @@ def _data(path: str, names: list[str], what: str):
 def cmd_train(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from mplower.dialect.plan import WEIGHTS
     from mplower.io.atomic import path_from
     from mplower.io.npz import beside, read_npz, save_npz, weights_file
     from mplower.ir.printer import print_module
@@ -149,7 +150,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     arrays = read_npz(source, module.loc) if source is not None else {}
     arrays.update({k: v for k, v in trainer.params.items() if k not in inline})
     out_npz = beside(args.output)
-    module.attrs["mp.weights"] = path_from(Path(args.output).resolve().parent, out_npz.resolve())
+    module.attrs[WEIGHTS] = path_from(Path(args.output).resolve().parent, out_npz.resolve())
     text = print_module(module)
     files = [(out_npz, lambda fh: save_npz(fh, {k: np.asarray(v) for k, v in arrays.items()}),
               "wb"), (args.output, lambda fh: fh.write(text), "w")]

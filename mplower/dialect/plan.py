@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from mplower.dialect.mp import TYPE_CARRYING
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function
 from mplower.ir.opdef import OpError, attr_type
 from mplower.ir.types import TypeAttr, attr_to_str
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FLOATS, FORMATS
 
 PRECISION = "mp.precision"  # the compute format
 ACCUM = "mp.accum"  # the accumulator of a matmul, conv or reduction
@@ -30,6 +32,29 @@ SPARSE_REASON = "mp.sparse_reason"  # lower-sparse's reason code for a dense cho
 # In the order a plan writes them, which is the order they print in when an op gets them all.
 PLAN_ATTRS = (PRECISION, ACCUM, KERNEL, REQUESTED, FALLBACK, REASON, SPARSE_REASON)
 DENSE = "dense"  # the kernel of an op without `mp.kernel`
+
+# The other annotations passes and commands write, on the module, its functions or its ops.
+# Declared here and nowhere else (tests/test_one_place.py), so that a reader and a writer
+# cannot spell one differently.
+POLICY = "mp.policy"  # module: the sheet assign-precision applied (built-in name or path)
+TARGET = "mp.target"  # module: the target legalize / lower-sparse applied
+KEEP_IO_TYPES = "mp.keep_io_types"  # module: false when the sheet lets the signature narrow
+SCALING = "mp.scaling"  # module: the sheet's [scaling] (mplower.lowering.scaling.Scaling)
+WEIGHTS = "mp.weights"  # module: the .npz of named constants, relative to the IR file
+OUTPUT_NAMES = "mp.output_names"  # function: the imported model's output names
+# A GEMM whose accumulator keeps fewer bits than f32 (mplower.numerics.accum): its significant
+# bits, and every how many elements of K it is promoted to f32.
+ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
+WEIGHT_QUANT = "mp.weight_quant"  # op: how quantize stored its weight operand
+QUANT_MARK = "mp.quant"  # op: what quantize wrote it for (ZERO_POINT, ...)
+TRAINABLE = "mp.trainable"  # constant: mplower train learns it like a weight
+GRAD_OF = "mp.grad_of"  # backward op: the name of the forward op it differentiates
+# Range analysis: the static bound of a value, and the formats it over- or underflows.
+OVERFLOW, UNDERFLOW, BOUND = "mp.overflow", "mp.underflow", "mp.bound"
+# What a calibration writes (and a new calibration replaces).
+RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX = (
+    "mp.range", "mp.calib", "mp.observed", "mp.tiny", "mp.channel_absmax")
+RESULT_ATTRS = "mp.result_attrs"  # function: per-result attributes (calibration of results)
 
 
 @dataclass(frozen=True)
@@ -191,6 +216,69 @@ class Plan(NamedTuple):
                 self.sparse_reason)
 
 
+# Formats that tensor cores take as matmul/conv inputs but do not write results in: a GEMM fed
+# tf32 or fp8 writes its accumulator's format (as cuBLAS and Transformer Engine do).
+INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
+                                "f4E2M1FN"})
+
+
+def result_format(op: str, compute: str, accum: str | None) -> str:
+    """The element type an op's float results have once it computes in `compute`.
+
+    Integer compute (w8a8) is materialized by quantize/dequantize pairs whose result is f32;
+    tf32 and fp8 matmuls write their accumulator; every other op writes its compute format.
+    """
+    if FORMATS[compute].is_int:
+        return "f32"
+    if compute in INPUT_ONLY_FORMATS:
+        return accum if accum is not None and FORMATS[accum].is_float else "f32"
+    return compute
+
+
+def float_formats(op: str, attrs: dict[str, Any]) -> tuple[str, str] | None:
+    """(operand format, result format) of an op whose plan computes in a float format: what
+    insert-casts gives its float operands and results. None for an op without a float plan, or
+    one whose result type is what it is for (a cast, a constant). OpError for a malformed plan.
+    """
+    if op in TYPE_CARRYING:
+        return None
+    asked = Plan.asked(attrs)
+    if asked is None or asked[0] not in FLOATS:
+        return None
+    return asked[0], result_format(op, asked[0], asked[1])
+
+
+def unmaterialized(f: Function) -> int | None:
+    """The first op whose float plan is still only an annotation: insert-casts would give it
+    operands or results of another format. None when the plan (if any) is materialized."""
+    nodes = f.nodes
+    for n in f.ops():
+        d = nodes[n]
+        try:
+            formats = float_formats(d["op"], d["attrs"])
+        except OpError:  # a malformed annotation: the executor reports it where it stands
+            continue
+        if formats is None:
+            continue
+        want, out = formats
+        if any(t.elem in FLOATS and t.elem != want for t in f.operand_types(n)) \
+                or any(t.elem in FLOATS and t.elem != out for t in d["types"]):
+            return n
+    return None
+
+
+def check_materialized(f: Function) -> None:
+    """What the executor and the ONNX exporter require: a located error at the first op whose
+    float plan insert-casts has not materialized (they run a module as it is)."""
+    n = unmaterialized(f)
+    if n is not None:
+        d = f.data(n)
+        raise DiagnosticError.at(d["loc"], (
+            f"'{d['op']}' has a precision plan that is only an annotation "
+            f"({PRECISION} = {Plan.of(d['attrs']).precision}): run insert-casts first "
+            f"(mplower opt --pass=insert-casts)"))
+
+
 _EMPTY = Plan()
 _NAMES = frozenset(PLAN_ATTRS)
 _ABSENT = object()
@@ -207,5 +295,42 @@ def _type(v: Any) -> str:
     return attr_type(v)
 
 
-__all__ = ["ACCUM", "DENSE", "FALLBACK", "KERNEL", "PLAN_ATTRS", "PRECISION", "REASON",
-           "REQUESTED", "SPARSE_REASON", "Plan", "Requested"]
+__all__ = [
+    "ACCUM",
+    "ACCUM_BITS",
+    "BOUND",
+    "CALIB",
+    "CHANNEL_ABSMAX",
+    "DENSE",
+    "FALLBACK",
+    "GRAD_OF",
+    "INPUT_ONLY_FORMATS",
+    "KEEP_IO_TYPES",
+    "KERNEL",
+    "OBSERVED",
+    "OUTPUT_NAMES",
+    "OVERFLOW",
+    "PLAN_ATTRS",
+    "POLICY",
+    "PRECISION",
+    "PROMOTE_EVERY",
+    "QUANT_MARK",
+    "RANGE",
+    "REASON",
+    "REQUESTED",
+    "RESULT_ATTRS",
+    "SCALING",
+    "SPARSE_REASON",
+    "TARGET",
+    "TINY",
+    "TRAINABLE",
+    "UNDERFLOW",
+    "WEIGHTS",
+    "WEIGHT_QUANT",
+    "Plan",
+    "Requested",
+    "check_materialized",
+    "float_formats",
+    "result_format",
+    "unmaterialized",
+]

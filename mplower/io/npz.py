@@ -24,6 +24,7 @@ from typing import IO, Self
 
 import numpy as np
 
+from mplower.dialect.plan import WEIGHTS
 from mplower.io.atomic import atomic_output, module_relative
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Module
@@ -37,12 +38,12 @@ def weights_file(module: Module, override: str | None) -> Path | None:
     """The weights file to use: `override`, else `mp.weights` inside the IR file's folder."""
     if override is not None:
         return Path(override)
-    rel = module.attrs.get("mp.weights")
+    rel = module.attrs.get(WEIGHTS)
     if rel is None:
         return None
     if not isinstance(rel, str):
         raise _error(module.loc, "module attribute mp.weights must be a string path")
-    return module_relative(module, "mp.weights", rel, "pass --weights to use it deliberately")
+    return module_relative(module, WEIGHTS, rel, "pass --weights to use it deliberately")
 
 
 # What zipfile and numpy raise for a damaged, encrypted or oddly compressed member.

@@ -38,6 +38,7 @@ from typing import Any, TextIO
 import numpy as np
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.dialect.plan import CALIB, CHANNEL_ABSMAX, OBSERVED, RANGE, RESULT_ATTRS, TINY
 from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
 from mplower.ir.opdef import OPS, check_attrs
@@ -45,11 +46,8 @@ from mplower.ir.types import DenseAttr, tensor
 
 METHODS = ("minmax", "percentile", "entropy", "mse")
 # Attributes a calibration writes (and a new calibration replaces).
-RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX = (
-    "mp.range", "mp.calib", "mp.observed", "mp.tiny", "mp.channel_absmax")
 CALIB_KEYS = (RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX)
 ARG_ATTRS = "arg_attrs"
-RESULT_ATTRS = "mp.result_attrs"
 
 # Binary exponents (np.frexp) of non-zero float32 magnitudes lie in [-148, 129].
 _EXP_LO, _EXP_HI = -160, 140

@@ -3,7 +3,10 @@
 A policy (a TOML sheet, docs/policy.md) names a compute format and an accumulator, three op
 lists in the manner of TVM's ToMixedPrecision and PyTorch autocast (`allow`: always lowered;
 `follow`: lowered when their inputs are; `deny`: kept in f32), per-op overrides by op kind or
-result-name glob, keep-first-and-last, keep-io-types and quality guardrails. `Policy.decide`
+result-name glob, keep-first-and-last, keep-io-types and quality guardrails. A list names ops
+(`"mp.relu"`) or groups of ops (`"@data-movement"`): a group is every op that declares the
+trait of that name (mplower.ir.opdef.Trait), resolved when an op is decided, so an op added to
+the dialect with the trait is in every sheet's list without a sheet edit. `Policy.decide`
 is the one function `assign-precision` and the report call to turn that sheet into a
 (compute, accumulator, reason) for an op; it knows nothing of targets, which `legalize`
 applies afterwards (mplower.lowering.target).
@@ -18,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from mplower.dialect.mp import ACCUMULATING
+from mplower.dialect.plan import SCALING
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Module
-from mplower.ir.opdef import OpError
-from mplower.lowering.scaling import MAX_MARGIN, SCALING, Scaling
+from mplower.ir.opdef import OPS, OpError, Trait
+from mplower.lowering.scaling import MAX_MARGIN, Scaling
 from mplower.lowering.target import ACCUM_FORMATS, COMPUTE_FORMATS, base_accum
 from mplower.lowering.tomlsheet import Bounds, KeyPath, Sheet, locate
 from mplower.lowering.tomlsheet import builtin_names as _builtin_names
@@ -50,24 +54,9 @@ DENY_LIST = "deny-list"
 KEEP_FIRST_LAST = "keep-first-last"
 NOT_LISTED = "not-listed"
 
-
-# Formats that tensor cores take as matmul/conv inputs but do not write results in: a GEMM fed
-# tf32 or fp8 writes its accumulator's format (as cuBLAS and Transformer Engine do).
-INPUT_ONLY_FORMATS = frozenset({"tf32", "f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN",
-                                "f4E2M1FN"})
-
-
-def result_format(op: str, compute: str, accum: str | None) -> str:
-    """The element type an op's float results have once it computes in `compute`.
-
-    Integer compute (w8a8) is materialized by quantize/dequantize pairs whose result is f32;
-    tf32 and fp8 matmuls write their accumulator; every other op writes its compute format.
-    """
-    if FORMATS[compute].is_int:
-        return "f32"
-    if compute in INPUT_ONLY_FORMATS:
-        return accum if accum is not None and FORMATS[accum].is_float else "f32"
-    return compute
+# `@NAME` in a sheet's list: the ops with the trait NAME (`@data-movement`, `@contraction`).
+GROUP_PREFIX = "@"
+GROUPS = {GROUP_PREFIX + t.value: t for t in Trait}
 
 
 def follow_reason(fmt: str) -> str:
@@ -114,7 +103,7 @@ class Policy:
     compute: str  # format of allow-listed ops, and of follow ops whose inputs are lowered
     accum: str  # accumulator of lowered ACCUMULATING ops
     weights: str | None  # weight-only quantization format of constant operands, if any
-    allow: tuple[str, ...]
+    allow: tuple[str, ...]  # op names as the sheet writes them; groups are in `*_groups`
     follow: tuple[str, ...]
     deny: tuple[str, ...]
     keep_io_types: bool  # function arguments and results keep their types
@@ -124,6 +113,33 @@ class Policy:
     source: str = ""  # the sheet's absolute path, or "builtin:NAME"
     description: str = ""
     scaling: Scaling | None = None  # [scaling]: how insert-casts scales the GEMM operands
+    # The `@group` entries of each list, as traits (GROUPS).
+    allow_groups: frozenset[Trait] = frozenset()
+    follow_groups: frozenset[Trait] = frozenset()
+    deny_groups: frozenset[Trait] = frozenset()
+
+    def listed(self, op: str) -> str | None:
+        """The list that decides `op`: "allow", "follow", "deny" or None.
+
+        An op named in a list is decided by that list (a name overrides a group: int8 follows
+        `@data-movement` but denies `mp.concat`). Otherwise its traits pick the list, deny
+        before allow before follow, so that the cautious list wins an op in two groups.
+        """
+        if op in self.deny:
+            return "deny"
+        if op in self.allow:
+            return "allow"
+        if op in self.follow:
+            return "follow"
+        opdef = OPS.get(op)
+        if opdef is None:
+            return None
+        traits = opdef.traits
+        for which, groups in (("deny", self.deny_groups), ("allow", self.allow_groups),
+                              ("follow", self.follow_groups)):
+            if not groups.isdisjoint(traits):
+                return which
+        return None
 
     def decide(self, op: str, result_name: str, inputs_lowered: bool,
                is_first_or_last: bool) -> Decision:
@@ -132,15 +148,17 @@ class Policy:
         `inputs_lowered`: the op's float inputs arrive narrower than f32 (matters for follow
         ops only). `is_first_or_last`: the op is the first or last COMPUTE_HEAVY op of its
         function. Precedence, most specific first: overrides with a `name` glob, then
-        keep-first-last, then overrides by op kind alone, then the deny/allow/follow lists;
+        keep-first-last, then overrides by op kind alone, then the deny/allow/follow lists
+        (`listed`);
         ops in no list stay f32 ("not-listed"), as TVM treats unregistered ops as NEVER.
         Among matching overrides a later one wins, field by field.
         """
-        if op in self.deny:
+        which = self.listed(op)
+        if which == "deny":
             compute, reason = "f32", DENY_LIST
-        elif op in self.allow:
+        elif which == "allow":
             compute, reason = self.compute, ALLOW_LIST
-        elif op in self.follow:
+        elif which == "follow":
             compute = self.compute if inputs_lowered else "f32"
             reason = follow_reason(compute)
         else:
@@ -224,9 +242,18 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         sheet.format(weights, ("policy", "weights"), WEIGHT_FORMATS, "weight")
 
     lists: dict[str, tuple[str, ...]] = {}
+    groups: dict[str, frozenset[Trait]] = {}
     for which in ("allow", "follow", "deny"):
         kp = ("policy", which)
-        lists[which] = sheet.strings(head, kp)
+        written = sheet.strings(head, kp)
+        lists[which] = tuple(e for e in written if not e.startswith(GROUP_PREFIX))
+        groups[which] = frozenset(GROUPS[sheet.choice(e, kp, GROUPS, "op group")]
+                                  for e in written if e.startswith(GROUP_PREFIX))
+        for group in (e for e in written if e.startswith(GROUP_PREFIX)):
+            if other := next((w for w, gs in groups.items()
+                              if w != which and GROUPS[group] in gs), None):
+                raise sheet.error(kp, f"group '{group}' is in both {other} and {which}",
+                                  value=group)
         for op in lists[which]:
             _check_op(sheet, kp, op, known_ops)
             if other := next((w for w, ops in lists.items() if w != which and op in ops), None):
@@ -251,6 +278,9 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
         source=source,
         description=sheet.string(head, ("policy", "description"), ""),
         scaling=_scaling(sheet, data),
+        allow_groups=groups["allow"],
+        follow_groups=groups["follow"],
+        deny_groups=groups["deny"],
     )
 
 

@@ -19,14 +19,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mplower.dialect.mp import SCALE_FORMATS
+
+# SCALING carries a sheet's [scaling] from assign-precision to insert-casts and legalize (a
+# dictionary of the Scaling fields), so that they need not read the sheet again.
+from mplower.dialect.plan import SCALING
 from mplower.ir.opdef import OpError, attr_bool, attr_int, attr_str
 
-# The module attribute that carries a sheet's [scaling] from assign-precision to insert-casts
-# and legalize (a dictionary of the Scaling fields), so that they need not read the sheet again.
-SCALING = "mp.scaling"
-# Annotations of a GEMM whose accumulator keeps fewer bits than f32 (mplower.numerics.accum):
-# its significant bits, and every how many elements of K it is promoted to f32.
-ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
 ACTIVATION_RECIPES = ("static", "current", "delayed", "block")
 # The largest `margin` (scale = fmt_max / amax / 2^margin). Past it a margin means nothing: 2^31
 # already exceeds the span of every scaled format from its largest value to its smallest

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mplower.dialect.mp import WEIGHT_OPERAND
+from mplower.dialect.plan import result_format
 from mplower.ir.types import TensorType
-from mplower.lowering.policy import result_format
 from mplower.lowering.target import CSR, DENSE, SPARSE_1_2, SPARSE_2_4, Target
 from mplower.numerics.formats import FORMATS
 
@@ -161,7 +161,7 @@ def contraction_time(target: Target, compute: str, kernel: str, flops: int, move
 def other_bytes(op: str, ins: list[TensorType], outs: list[TensorType], compute: str,
                 accum: str | None) -> int:
     """What a contraction reads and writes besides its weight, with its float operands in the
-    compute format and its results in the format the plan writes (policy.result_format)."""
+    compute format and its results in the format the plan writes (mplower.dialect.plan.result_format)."""
     out_elem = result_format(op, compute, accum)
 
     def nbytes(t: TensorType, elem: str) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mplower.dialect.mp import SCALE_FORMATS
-from mplower.dialect.plan import DENSE
+from mplower.dialect.plan import DENSE, TARGET
 from mplower.ir.diagnostics import DiagnosticError, did_you_mean
 from mplower.ir.graph import Module
 from mplower.ir.types import TensorType
@@ -345,7 +345,7 @@ def module_target(module: Module, named: str | None,
     `mp.target` (recorded by legalize / lower-sparse), else generic."""
     if named is not None:
         return load_target(named, known_ops=known_ops)
-    recorded = module.attrs.get("mp.target")
+    recorded = module.attrs.get(TARGET)
     if recorded is None:
         return load_target("generic", known_ops=known_ops)
     if not isinstance(recorded, str):

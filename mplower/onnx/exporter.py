@@ -19,18 +19,19 @@ exported dense.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, DATA_MOVEMENT
-from mplower.dialect.plan import ACCUM
+from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS
+from mplower.dialect.plan import ACCUM, check_materialized
 from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
-from mplower.ir.opdef import OPS, attr_array, attr_type, check_attrs
+from mplower.ir.opdef import OPS, Trait, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType
 from mplower.numerics.formats import (
     FORMATS,
@@ -39,7 +40,6 @@ from mplower.numerics.formats import (
     QUANT_INTS,
     QUANT_STORAGE,
 )
-from mplower.passes.insert_casts import check_materialized
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
 IR_VERSION = 10  # the IR version of opset 21; onnxruntime 1.18+ reads it
@@ -269,10 +269,12 @@ class _Exporter:
         if op in CONTRACTIONS and FORMATS[in_types[0].elem].is_int:
             self.names[(n, 0)] = self._integer_contraction(n, op, attrs, ins, in_types, hint)
             return
-        if op in DATA_MOVEMENT and out_t.elem not in _NO_NATIVE_MOVES:
+        # Asked of the op, not of a set taken when the dialect loaded: an op defined later moves.
+        moves = Trait.DATA_MOVEMENT in opdef.traits
+        if moves and out_t.elem not in _NO_NATIVE_MOVES:
             self.names[(n, 0)] = self._emit(op, attrs, ins, in_types, out_t, hint)
             return
-        if op in DATA_MOVEMENT and out_t.elem == "i4":
+        if moves and out_t.elem == "i4":
             wide = [self.node("Cast", [x], f"{x}_i8", to=TensorProto.INT8) for x in ins]
             y = self._emit(op, attrs, wide, in_types, out_t, f"{hint}_i8")
             self.names[(n, 0)] = self.node("Cast", [y], hint, to=TensorProto.INT4)
@@ -305,82 +307,10 @@ class _Exporter:
     # ---- one op --------------------------------------------------------------------------
     def _emit(self, op: str, a: dict, ins: list[str], in_types: list[TensorType],
               out_t: TensorType, hint: str) -> str:
-        if op in _SIMPLE:
-            return self.node(_SIMPLE[op], ins, hint)
-        if op == "mp.rsqrt":
-            return self.node("Reciprocal", [self.node("Sqrt", ins, f"{hint}_sqrt")], hint)
-        if op == "mp.gelu":
-            return self.node("Gelu", ins, hint, approximate=a["approximate"])
-        if op in ("mp.softmax", "mp.log_softmax"):
-            return self.node("Softmax" if op == "mp.softmax" else "LogSoftmax", ins, hint,
-                             axis=a["axis"])
-        if op == "mp.layer_norm":
-            return self.node("LayerNormalization", ins, hint, axis=a["axis"],
-                             epsilon=a["epsilon"])
-        if op == "mp.rms_norm":
-            return self._rms_norm(a, ins, in_types[0], hint)
-        if op in ("mp.reduce_sum", "mp.reduce_mean", "mp.reduce_max"):
-            onnx_op = {"mp.reduce_sum": "ReduceSum", "mp.reduce_mean": "ReduceMean",
-                       "mp.reduce_max": "ReduceMax"}[op]
-            axes = [self.ints(a["axes"], f"{hint}_axes")] if a["axes"] else []
-            return self.node(onnx_op, ins + axes, hint, keepdims=int(a["keepdims"]))
-        if op == "mp.argmax":
-            idx = self.node("ArgMax", ins, f"{hint}_i64", axis=a["axis"],
-                            keepdims=int(a["keepdims"]))
-            return self.node("Cast", [idx], hint, to=TensorProto.INT32)
-        if op == "mp.reshape":
-            return self.node("Reshape", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
-        if op == "mp.transpose":
-            perm = a.get("perm", tuple(reversed(range(in_types[0].rank))))
-            return self.node("Transpose", ins, hint, perm=list(perm))
-        if op == "mp.concat":
-            return self.node("Concat", ins, hint, axis=a["axis"])
-        if op == "mp.slice":
-            rank = in_types[0].rank
-            steps = a.get("steps", (1,) * rank)
-            return self.node("Slice", [ins[0], self.ints(a["starts"], f"{hint}_starts"),
-                                       self.ints(a["ends"], f"{hint}_ends"),
-                                       self.ints(range(rank), f"{hint}_axes"),
-                                       self.ints(steps, f"{hint}_steps")], hint)
-        if op == "mp.flatten":
-            return self.node("Flatten", ins, hint, axis=a["axis"])
-        if op == "mp.sparse_encode":
-            return self.node("Identity", ins, hint)
-        if op in ("mp.max_pool2d", "mp.avg_pool2d"):
-            extra = {} if op == "mp.max_pool2d" else {"count_include_pad": 0}
-            return self.node("MaxPool" if op == "mp.max_pool2d" else "AveragePool", ins, hint,
-                             kernel_shape=list(a["kernel"]), strides=list(a["strides"]),
-                             pads=list(a["padding"]), **extra)
-        if op == "mp.matmul":
-            return self.node("MatMul", ins, hint)
-        if op == "mp.conv2d":
-            return self.node("Conv", ins, hint, strides=list(a["strides"]),
-                             pads=list(a["padding"]), dilations=list(a["dilations"]),
-                             group=a["groups"])
-        if op == "mp.lrn":
-            return self.node("LRN", ins, hint, size=a["size"], alpha=a["alpha"],
-                             beta=a["beta"], bias=a["bias"])
-        if op in ("mp.gather", "mp.gather_elements"):
-            return self.node("Gather" if op == "mp.gather" else "GatherElements", ins, hint,
-                             axis=a["axis"])
-        if op == "mp.gather_nd":
-            return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
-        if op == "mp.scatter_elements_add":
-            return self.node("ScatterElements", ins, hint, axis=a["axis"], reduction="add")
-        if op == "mp.scatter_nd_add" and a["batch_dims"] == 0:  # ScatterND has no batch dims
-            return self.node("ScatterND", ins, hint, reduction="add")
-        if op == "mp.isinf":
-            return self.node("IsInf", ins, hint, detect_negative=int(a["detect_negative"]),
-                             detect_positive=int(a["detect_positive"]))
-        if op == "mp.expand":
-            return self.node("Expand", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
-        if op == "mp.trilu":
-            return self.node("Trilu", [ins[0], self.ints(a["k"], f"{hint}_k")], hint,
-                             upper=int(a["upper"]))
-        if op == "mp.cumsum":
-            return self.node("CumSum", [ins[0], self.ints(a["axis"], f"{hint}_axis")], hint,
-                             exclusive=int(a["exclusive"]), reverse=int(a["reverse"]))
-        raise DiagnosticError.at(self.loc, f"'{op}' has no ONNX export")
+        emit = EMITTERS.get(op)
+        if emit is None:
+            raise DiagnosticError.at(self.loc, f"'{op}' has no ONNX export")
+        return emit(self, op, a, ins, in_types, out_t, hint)
 
     def _rms_norm(self, a: dict, ins: list[str], x_t: TensorType, hint: str) -> str:
         x, gamma = ins
@@ -572,6 +502,206 @@ class _Exporter:
         else:
             raw = self.weights.get(a["name"], t.shape, self.f.data(n)["loc"])
         return _in_onnx_type(raw, t.elem)
+
+
+# ---------------------------------------------------------------------------------------------
+# Emitters: one per mp op, keyed by op name as the importer's handlers are keyed by ONNX op
+# type. Each gets the exporter (as `self`: they are its methods in all but place), the op name,
+# its checked attributes, the ONNX names and types of its operands (FLOAT copies where the op
+# computes on a narrow float) and its result type, and returns the name of its ONNX result.
+# An op without one is an error naming it; a new op registers here, not in a branch of _emit.
+
+Emitter = Callable[["_Exporter", str, dict, list[str], list[TensorType], TensorType, str], str]
+EMITTERS: dict[str, Emitter] = {}
+
+
+def emitter(*ops: str) -> Callable[[Emitter], Emitter]:
+    def register(fn: Emitter) -> Emitter:
+        for op in ops:
+            EMITTERS[op] = fn
+        return fn
+    return register
+
+
+@emitter(*_SIMPLE)
+def _simple(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node(_SIMPLE[op], ins, hint)
+
+
+@emitter("mp.rsqrt")
+def _rsqrt(self: _Exporter, op: str, a: dict, ins: list[str],
+           in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Reciprocal", [self.node("Sqrt", ins, f"{hint}_sqrt")], hint)
+
+
+@emitter("mp.gelu")
+def _gelu(self: _Exporter, op: str, a: dict, ins: list[str],
+          in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Gelu", ins, hint, approximate=a["approximate"])
+
+
+@emitter("mp.softmax", "mp.log_softmax")
+def _softmax(self: _Exporter, op: str, a: dict, ins: list[str],
+             in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Softmax" if op == "mp.softmax" else "LogSoftmax", ins, hint,
+                     axis=a["axis"])
+
+
+@emitter("mp.layer_norm")
+def _layer_norm(self: _Exporter, op: str, a: dict, ins: list[str],
+                in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("LayerNormalization", ins, hint, axis=a["axis"],
+                     epsilon=a["epsilon"])
+
+
+@emitter("mp.rms_norm")
+def _rms_norm(self: _Exporter, op: str, a: dict, ins: list[str],
+              in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self._rms_norm(a, ins, in_types[0], hint)
+
+
+@emitter("mp.reduce_sum", "mp.reduce_mean", "mp.reduce_max")
+def _reduce_sum(self: _Exporter, op: str, a: dict, ins: list[str],
+                in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    onnx_op = {"mp.reduce_sum": "ReduceSum", "mp.reduce_mean": "ReduceMean",
+               "mp.reduce_max": "ReduceMax"}[op]
+    axes = [self.ints(a["axes"], f"{hint}_axes")] if a["axes"] else []
+    return self.node(onnx_op, ins + axes, hint, keepdims=int(a["keepdims"]))
+
+
+@emitter("mp.argmax")
+def _argmax(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    idx = self.node("ArgMax", ins, f"{hint}_i64", axis=a["axis"],
+                    keepdims=int(a["keepdims"]))
+    return self.node("Cast", [idx], hint, to=TensorProto.INT32)
+
+
+@emitter("mp.reshape")
+def _reshape(self: _Exporter, op: str, a: dict, ins: list[str],
+             in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Reshape", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
+
+
+@emitter("mp.transpose")
+def _transpose(self: _Exporter, op: str, a: dict, ins: list[str],
+               in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    perm = a.get("perm", tuple(reversed(range(in_types[0].rank))))
+    return self.node("Transpose", ins, hint, perm=list(perm))
+
+
+@emitter("mp.concat")
+def _concat(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Concat", ins, hint, axis=a["axis"])
+
+
+@emitter("mp.slice")
+def _slice(self: _Exporter, op: str, a: dict, ins: list[str],
+           in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    rank = in_types[0].rank
+    steps = a.get("steps", (1,) * rank)
+    return self.node("Slice", [ins[0], self.ints(a["starts"], f"{hint}_starts"),
+                               self.ints(a["ends"], f"{hint}_ends"),
+                               self.ints(range(rank), f"{hint}_axes"),
+                               self.ints(steps, f"{hint}_steps")], hint)
+
+
+@emitter("mp.flatten")
+def _flatten(self: _Exporter, op: str, a: dict, ins: list[str],
+             in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Flatten", ins, hint, axis=a["axis"])
+
+
+@emitter("mp.sparse_encode")
+def _sparse_encode(self: _Exporter, op: str, a: dict, ins: list[str],
+                   in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Identity", ins, hint)
+
+
+@emitter("mp.max_pool2d", "mp.avg_pool2d")
+def _max_pool2d(self: _Exporter, op: str, a: dict, ins: list[str],
+                in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    extra = {} if op == "mp.max_pool2d" else {"count_include_pad": 0}
+    return self.node("MaxPool" if op == "mp.max_pool2d" else "AveragePool", ins, hint,
+                     kernel_shape=list(a["kernel"]), strides=list(a["strides"]),
+                     pads=list(a["padding"]), **extra)
+
+
+@emitter("mp.matmul")
+def _matmul(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("MatMul", ins, hint)
+
+
+@emitter("mp.conv2d")
+def _conv2d(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Conv", ins, hint, strides=list(a["strides"]),
+                     pads=list(a["padding"]), dilations=list(a["dilations"]),
+                     group=a["groups"])
+
+
+@emitter("mp.lrn")
+def _lrn(self: _Exporter, op: str, a: dict, ins: list[str],
+         in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("LRN", ins, hint, size=a["size"], alpha=a["alpha"],
+                     beta=a["beta"], bias=a["bias"])
+
+
+@emitter("mp.gather", "mp.gather_elements")
+def _gather(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Gather" if op == "mp.gather" else "GatherElements", ins, hint,
+                     axis=a["axis"])
+
+
+@emitter("mp.gather_nd")
+def _gather_nd(self: _Exporter, op: str, a: dict, ins: list[str],
+               in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
+
+
+@emitter("mp.scatter_elements_add")
+def _scatter_elements_add(self: _Exporter, op: str, a: dict, ins: list[str],
+                          in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("ScatterElements", ins, hint, axis=a["axis"], reduction="add")
+
+
+@emitter("mp.scatter_nd_add")
+def _scatter_nd_add(self: _Exporter, op: str, a: dict, ins: list[str],
+                    in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    if a["batch_dims"] == 0:  # ScatterND has no batch dims
+        return self.node("ScatterND", ins, hint, reduction="add")
+    raise DiagnosticError.at(self.loc, f"'{op}' has no ONNX export")
+
+
+@emitter("mp.isinf")
+def _isinf(self: _Exporter, op: str, a: dict, ins: list[str],
+           in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("IsInf", ins, hint, detect_negative=int(a["detect_negative"]),
+                     detect_positive=int(a["detect_positive"]))
+
+
+@emitter("mp.expand")
+def _expand(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Expand", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
+
+
+@emitter("mp.trilu")
+def _trilu(self: _Exporter, op: str, a: dict, ins: list[str],
+           in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("Trilu", [ins[0], self.ints(a["k"], f"{hint}_k")], hint,
+                     upper=int(a["upper"]))
+
+
+@emitter("mp.cumsum")
+def _cumsum(self: _Exporter, op: str, a: dict, ins: list[str],
+            in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    return self.node("CumSum", [ins[0], self.ints(a["axis"], f"{hint}_axis")], hint,
+                     exclusive=int(a["exclusive"]), reverse=int(a["reverse"]))
 
 
 def _in_onnx_type(raw: np.ndarray, elem: str) -> np.ndarray:

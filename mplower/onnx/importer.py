@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.dialect.plan import OUTPUT_NAMES
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS, OpError
@@ -293,7 +294,7 @@ class _Importer:
             onnx_types.append(r.onnx_type)
         self.f.result_types = types
         # What the model calls its results, for `mplower run --output-names onnx`.
-        self.f.attrs["mp.output_names"] = tuple(self.out_names)
+        self.f.attrs[OUTPUT_NAMES] = tuple(self.out_names)
         self.f.append_op(RETURN, values, {}, [], loc=self.loc)
         module = Module(name=_ssa_name(g.name) if g.name else None, path=self.file,
                         loc=self.loc)

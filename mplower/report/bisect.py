@@ -35,11 +35,10 @@ import numpy as np
 
 from mplower.backend.executor import Program
 from mplower.dialect.mp import ACCUMULATING
-from mplower.dialect.plan import PLAN_ATTRS, Plan
+from mplower.dialect.plan import PLAN_ATTRS, QUANT_MARK, WEIGHT_QUANT, Plan
 from mplower.ir.graph import Function, Module, Value
 from mplower.numerics.formats import FORMATS
 from mplower.passes.dce import eliminate_dead_ops
-from mplower.passes.quantize import QUANT_MARK, WEIGHT_QUANT
 from mplower.report.quant import (
     converted_ops,
     float_origin,

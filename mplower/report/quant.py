@@ -32,13 +32,14 @@ import numpy as np
 
 from mplower.backend.executor import Program
 from mplower.dialect.mp import CONVERSIONS
+from mplower.dialect.plan import QUANT_MARK, WEIGHT_QUANT
 from mplower.ir.graph import Function, Value
 from mplower.ir.opdef import attr_array
 from mplower.lowering.calibration import CALIB, constant_nodes
 from mplower.numerics.formats import FORMATS, INDEX_FORMATS
 from mplower.numerics.metrics import channel_sqnr_db, finite_or_none, sqnr_db
 from mplower.numerics.quant import dequantize
-from mplower.passes.quantize import QUANT_MARK, ZERO_POINT
+from mplower.passes.quantize import ZERO_POINT
 
 MOVEMENT = frozenset({"mp.reshape", "mp.transpose"})
 
@@ -112,7 +113,7 @@ def converted_ops(f: Function) -> list[int]:
         if d["attrs"].get(QUANT_MARK) == ZERO_POINT:  # part of the quantized op it follows
             continue
         narrow = any(FORMATS[t.elem].is_float and FORMATS[t.elem].bits < 32 for t in d["types"])
-        through = "mp.weight_quant" in d["attrs"]
+        through = WEIGHT_QUANT in d["attrs"]
         # A mask or an index cast from a float (an attention mask's `where`) changed no precision.
         if narrow or any(f.type_of(v).elem not in _NOT_QUANTIZED
                          and float_origin(f, v, through) != v for v in f.operands(n)):
@@ -145,7 +146,7 @@ def operand_sqnr(program: Program, inputs: list[np.ndarray],
     steps = {s.node: s for s in program.steps}
     rows = []
     for n in converted_ops(f):
-        through = "mp.weight_quant" in f.attrs_of(n)
+        through = WEIGHT_QUANT in f.attrs_of(n)
         row: dict[str, Any] = {"name": f.value_name((n, 0)), "op": f.op(n),
                                "weight_sqnr_db": None, "activation_sqnr_db": None,
                                "activation_local_sqnr_db": None, "local_sqnr_db": None}

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
-from mplower.dialect.plan import Plan
+from mplower.dialect.plan import POLICY, Plan
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.opdef import OPS, check_attrs
 from mplower.lowering.cost import compute_format, plan_cost
@@ -76,7 +76,7 @@ def precision_sheet(module: Module, target: Target, func: str | None = None,
     return {
         "function": f.name,
         "target": target.name,
-        "policy": module.attrs.get("mp.policy"),
+        "policy": module.attrs.get(POLICY),
         "ops": [{c: getattr(r, c) for c in (*COLUMNS, "group")} for r in rows],
         "groups": [{**asdict(g), "members": list(g.members)} for g in cost.groups],
         "summary": {

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.executor import Program
+from mplower.dialect.plan import GRAD_OF, TRAINABLE
 from mplower.io.weights import Weights
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function, Module
@@ -32,8 +33,7 @@ from mplower.numerics.formats import FLOATS
 from mplower.numerics.metrics import finite_or_none
 from mplower.numerics.rounding import Counts
 from mplower.pass_manager import Pass, PassContext, PassManager
-from mplower.passes.grad import GRAD_OF, Grad
-from mplower.passes.prepare_qat import TRAINABLE
+from mplower.passes.grad import Grad
 from mplower.passes.set_batch import set_batch
 from mplower.train.optim import Optimizer
 from mplower.train.scaler import LossScaler
@@ -149,7 +149,7 @@ class Trainer:
         if not types:
             raise DiagnosticError.at(f.loc, f"@{f.name} has nothing to train: no float constant "
                                             "of the weights file (mp.weights) and none marked "
-                                            "mp.trainable")
+                                            f"{TRAINABLE}")
         weights = Weights(self.module, self.weights_path)
         source = self.module.function(self.func)
         initial = {}
