@@ -318,7 +318,8 @@ class _Builder:
             lo = 0 if t.startswith("ui") else -(1 << (bits - 1))
             hi = (1 << bits) - 1
             if not lo <= value <= hi:
-                raise self.error(tok, f"integer value {value} does not fit {t} "
+                # The literal as written: a hex one past 4300 decimal digits has no decimal form.
+                raise self.error(tok, f"integer value {_short(tok.value)} does not fit {t} "
                                       f"(range [{lo}, {hi}])")
         return TypedInt(value, t)
 
