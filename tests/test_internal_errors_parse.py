@@ -328,3 +328,15 @@ def test_toml_integer_past_the_decimal_limit_is_located(cli, tmp_path):
     assert r.rc == 1
     assert r.err.startswith(f"{sheet}:5:16: error: invalid TOML: integer literal has 5000 "
                             f"digits; at most 4300 are supported\n"), r.err[:300]
+
+
+def test_toml_hex_integer_past_the_decimal_limit_out_of_bounds_is_shown_in_hex(cli, tmp_path):
+    sheet = _write(tmp_path, "p.toml", "[policy]\ncompute = \"bf16\"\n\n[guardrails]\n"
+                                       f"max_overflow = 0x{'F' * 4000}\n")
+    path = _write(tmp_path, "m.ir", PLAIN)
+    r = cli("opt", path, f"--pass=assign-precision{{policy={sheet}}}")
+    _clean(r)
+    assert r.rc == 1
+    first = r.err.splitlines()[0]
+    assert first.startswith(f"{sheet}:5:1: error: 'guardrails.max_overflow' must be between "), first
+    assert first.endswith(", not 0xfffffffffffffffffffffffffffffffffff..."), first

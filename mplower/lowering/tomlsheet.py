@@ -26,6 +26,7 @@ from typing import Any
 from mplower.io.atomic import module_relative
 from mplower.ir.diagnostics import DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import Module
+from mplower.ir.types import int_text
 from mplower.numerics.formats import FORMATS
 
 KeyPath = tuple[str | int, ...]
@@ -299,7 +300,10 @@ class Bounds:
             return f"must be a finite number, not {value}"
         # An int compares exactly, however large: no float conversion that could overflow.
         if not self.low <= value <= self.high:
-            return f"must be between {self.low:g} and {self.high:g}{self.unit}, not {value}"
+            # int_text: a hex literal past 4300 decimal digits has no decimal form to show.
+            shown = int_text(value) if isinstance(value, int) else str(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            return f"must be between {self.low:g} and {self.high:g}{self.unit}, not {shown}"
         return None
 
 
