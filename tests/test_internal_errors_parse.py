@@ -340,3 +340,30 @@ def test_toml_hex_integer_past_the_decimal_limit_out_of_bounds_is_shown_in_hex(c
     first = r.err.splitlines()[0]
     assert first.startswith(f"{sheet}:5:1: error: 'guardrails.max_overflow' must be between "), first
     assert first.endswith(", not 0xfffffffffffffffffffffffffffffffffff..."), first
+
+
+@pytest.mark.parametrize("value, message", [
+    ('"missing.npz"', "weights file '{folder}/missing.npz' does not exist"),
+    ("3", "module attribute mp.weights must be a string path"),
+])
+def test_weights_file_problem_is_located_at_the_mp_weights_attribute(cli, tmp_path, value,
+                                                                     message):
+    text = WITH_ATTR.replace('ATTR = "NAME"', f"x.a = 1, mp.weights = {value}")
+    path = _write(tmp_path, "m.ir", text)
+    r = cli("run", path, "--random-inputs")
+    _clean(r)
+    assert r.rc == 1
+    col = text.index("mp.weights") + 1
+    assert r.err.startswith(f"{path}:1:{col}: error: "
+                            f"{message.format(folder=tmp_path)}\n"), r.err
+
+
+def test_mp_target_that_is_not_a_string_is_located_at_the_attribute(cli, tmp_path):
+    text = WITH_ATTR.replace('ATTR = "NAME"', 'mp.weights = "w.npz", mp.target = 3')
+    path = _write(tmp_path, "m.ir", text)
+    r = cli("report", path)
+    _clean(r)
+    assert r.rc == 1
+    col = text.index("mp.target") + 1
+    assert r.err.startswith(f"{path}:1:{col}: error: module attribute mp.target must be a "
+                            f"string\n"), r.err
