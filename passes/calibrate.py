@@ -82,6 +82,10 @@ def split_batches(f: Function, arrays: dict[str, np.ndarray], loc: Location,
     if len(counts) != 1:
         raise DiagnosticError.at(loc, f"{what} arrays hold different numbers of batches: "
                                       f"{dict(zip(names, (len(b) for b in per_arg)))}")
+    if counts == {0}:  # statistics, references and drift of no batch at all mean nothing
+        shapes = ", ".join(f"'{n}' {list(np.shape(arrays[n]))}" for n in names)
+        raise DiagnosticError.at(loc, f"{what} data {loc.file} holds no batch (a stack of "
+                                      f"zero: {shapes}); give at least one")
     return [list(batch) for batch in zip(*per_arg)]
 
 

@@ -432,7 +432,7 @@ def test_nul_byte_in_mp_weights_is_a_located_error(command, cli, tmp_path):
     args = [str(out) if a == "OUT" else a for a in command]
     r = cli(args[0], src, *args[1:])
     assert r.rc == 1
-    assert r.err.startswith(f"{src}:1:1: error: mp.weights 'w\\x00.npz' contains a NUL byte, "
+    assert r.err.startswith(f"{src}:1:20: error: mp.weights 'w\\x00.npz' contains a NUL byte, "
                             "which no file path can\n")
 
 

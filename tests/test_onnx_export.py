@@ -185,8 +185,8 @@ func.func @main(%x: tensor<4xf32>) -> tensor<4xi32> {
     assert r.rc == 1 and "Traceback" not in r.err
     assert "mp.quantize to i32 has no ONNX QuantizeLinear form" in r.err
     assert out.read_bytes() == b"previous"
-    r = cli("export", ir, "-o", out, "--func", "nope")
-    assert r.rc == 1 and "no function 'nope'" in r.err
+    r = cli("export", ir, "-o", out, "--func", "nope")  # a usage error, naming what there is
+    assert r.rc == 2 and f"--func: {ir} has no function @nope (it has: @main)" in r.err
 
 
 def test_missing_weights_are_a_located_diagnostic(tmp_path):

@@ -100,7 +100,8 @@ def test_requested_plan_in_the_old_text_form_is_a_located_error() -> None:
         Program(module)
     (d,) = e.value.diagnostics
     assert (d.loc.file, d.loc.line, d.loc.col) == ("m.ir", 3, 3)
-    assert d.message == ("'mp.matmul': mp.requested must be a dictionary {precision = T, "
+    assert d.message == ("'mp.matmul': attribute 'mp.requested' must be a dictionary "
+                         "{precision = T, "
                          "accum = T, kernel = \"K\"} (accum and kernel optional), got "
                          "\"f8E4M3FN/f32\"")
 

@@ -159,7 +159,7 @@ def test_random_inputs_are_seeded_and_exclusive_with_inputs(cli, model, tmp_path
     assert res.rc == 2 and "not allowed with" in res.err
 
 
-def test_func_picks_the_function_and_an_unknown_one_is_a_diagnostic(cli, tmp_path) -> None:
+def test_func_picks_the_function_and_an_unknown_one_is_a_usage_error(cli, tmp_path) -> None:
     (tmp_path / "two.ir").write_text("""
 func.func @first(%x: tensor<3xf32>) -> tensor<3xf32> {
   %0 = mp.neg %x : (tensor<3xf32>) -> tensor<3xf32>
@@ -177,8 +177,10 @@ func.func @second(%x: tensor<3xf32>) -> tensor<3xf32> {
     assert json.loads(res.out)["function"] == "second"
     with np.load(tmp_path / "o.npz") as out:
         assert out["output_0"].tolist() == [0.0, 0.5, 2.0]
-    assert_clean_error(cli("run", tmp_path / "two.ir", "--func", "third"),
-                       "no function @third", "@first, @second")
+    res = cli("run", tmp_path / "two.ir", "--func", "third")  # a usage error: exit 2
+    assert res.rc == 2 and "Traceback" not in res.err
+    assert res.err.endswith(f"--func: {tmp_path / 'two.ir'} has no function @third (it has: "
+                            f"@first, @second)\n")
     assert_clean_error(cli("run", tmp_path / "two.ir"), "--func")
 
 

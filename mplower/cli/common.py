@@ -76,10 +76,35 @@ def parse_module(text: str, name: str, line_offset: int = 0,
 
 def read_module(args: argparse.Namespace) -> Module:
     """The verified module of the command's `input` argument (a file or `-`). Its text is
-    kept on `args` so that `main` shows source lines with later diagnostics."""
+    kept on `args` so that `main` shows source lines with later diagnostics. A command with
+    `--func` learns here, before any work, that the function it would run is missing."""
     text, name = read_input(args.input)
     args._source = text
-    return parse_module(text, name)
+    module = parse_module(text, name)
+    if "func" in vars(args):
+        check_function(module, args.func, name)
+    return module
+
+
+def check_function(module: Module, func: str | None, name: str) -> None:
+    """The function `--func` names (`func`), or by default `main` or the only one, exists in
+    `module` read from `name`: an unknown `--func` is a usage error naming the functions there
+    are; a file without a function, or with several and none `main`, a diagnostic at it."""
+    from mplower.ir.diagnostics import did_you_mean
+
+    have = ", ".join(f"@{f}" for f in module.functions) or "none"
+    if func is not None:
+        if func not in module.functions:
+            raise UsageError(f"--func: {name} has no function @{func}"
+                             f"{did_you_mean(func, module.functions)} (it has: {have})")
+        return
+    if "main" in module.functions or len(module.functions) == 1:
+        return
+    if not module.functions:
+        raise DiagnosticError.at(Location(name, 1, 1), f"{name} holds no function "
+                                                       f"(expected a func.func)")
+    raise DiagnosticError.at(module.loc, f"{name} has several functions and none is @main "
+                                         f"(it has: {have}); pick one with --func")
 
 
 # What `run`, `bench` and `export` say when they run insert-casts on a plan that is only

@@ -100,15 +100,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mplower.ir.diagnostics import DiagnosticError, Location
+    from mplower.ir.diagnostics import Location
     from mplower.onnx.exporter import check_and_serialize, export_module
     module = read_module(args)
-    try:
-        module.function(args.func)
-    except KeyError:
-        have = ", ".join(sorted(module.functions)) or "none"
-        raise DiagnosticError.at(module.loc, f"no function '{args.func}' to export (the module "
-                                             f"has: {have})") from None
     materialize_and_say(module, args, "export")  # a plan still only annotations gets casts
     exported = export_module(module, args.func, args.weights, args.narrow_io)
     name = input_name(args.input)

@@ -22,17 +22,13 @@ def add_report(sub, name: str) -> argparse.ArgumentParser:
 
 def cmd_report(args: argparse.Namespace) -> int:
     import mplower.dialect  # noqa: F401  (registers the mp ops)
-    from mplower.ir.diagnostics import Diagnostic, DiagnosticError
     from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
     from mplower.report.sheet import precision_sheet, render
 
     module = read_module(args)
     target = module_target(module, args.target, known_ops=OPS)
-    try:
-        sheet = precision_sheet(module, target, args.func)
-    except KeyError as e:
-        raise DiagnosticError(Diagnostic(module.loc, str(e).strip("'\""))) from None
+    sheet = precision_sheet(module, target, args.func)  # read_module checked the function
     write_output(args.output, render(sheet, args.format))
     return EXIT_OK
 

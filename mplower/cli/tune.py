@@ -126,11 +126,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from mplower.tune.packet import build_packet, candidate_of, pareto_png, sha256_file, versions
 
     module = read_module(args)
-    try:
-        f = module.function(args.func)
-    except KeyError:
-        name = f"@{args.func}" if args.func else "@main"
-        raise DiagnosticError.at(module.loc, f"the module has no function {name}") from None
+    f = module.function(args.func)
     target = load_target(args.target, known_ops=OPS)
     builtin = target.source.startswith("builtin:")
     target_file = Path(target.source) if not builtin else builtin_sheet(target)

@@ -4,4 +4,5 @@ The IR layer (parser, verifier) never imports a dialect; whatever needs ops to e
 the backend, the frontends, the CLI commands) imports `mplower.dialect` first.
 """
 
-from mplower.dialect import mp  # noqa: F401  (registers the mp ops)
+# mp registers the mp ops; plan declares the values of the mp.* plan annotations.
+from mplower.dialect import mp, plan  # noqa: F401

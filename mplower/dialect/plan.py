@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from mplower.dialect.mp import TYPE_CARRYING
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function
-from mplower.ir.opdef import OpError, attr_type
+from mplower.ir.opdef import OpError, annotation, attr_str, attr_type
 from mplower.ir.types import TypeAttr, attr_to_str
 from mplower.numerics.formats import FLOATS, FORMATS
 
@@ -294,6 +294,12 @@ def _type(v: Any) -> str:
         return v.type
     return attr_type(v)
 
+
+annotation(PRECISION, _type, "an element type such as bf16")
+annotation(ACCUM, _type, "an element type such as f32")
+annotation(KERNEL, attr_str, 'a string ("dense")')
+annotation(REQUESTED, Requested.of, "a dictionary {precision = T, accum = T, kernel = \"K\"} "
+                                    "(accum and kernel optional)")
 
 __all__ = [
     "ACCUM",

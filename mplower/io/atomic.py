@@ -44,15 +44,32 @@ def module_relative(module: Module, attr: str, rel: str, hint: str) -> Path:
     file's folder; a path that leaves that folder (`..`, an absolute path, a symbolic link out
     of it) is a diagnostic at the module that ends with `hint` (how to name the file
     deliberately). Nothing is read, so the message cannot show any of the refused file."""
+    loc = module.attr_loc(attr)
     if "\0" in rel:  # no file path holds one; resolving it would raise ValueError
-        raise DiagnosticError.at(module.loc, f"{attr} {rel!r} contains a NUL byte, which no "
-                                             f"file path can")
+        raise DiagnosticError.at(loc, f"{attr} {rel!r} contains a NUL byte, which no file path "
+                                      f"can")
     base = module_folder(module)
-    candidate = (base / rel).resolve()
+    try:
+        candidate = (base / rel).resolve()
+        # resolve() passes over what it cannot follow; stat() says why (ELOOP, ENAMETOOLONG).
+        candidate.stat()
+    except RuntimeError:  # Python before 3.13 raises this for a loop of symbolic links
+        raise DiagnosticError.at(loc, f"{attr} '{_short(rel)}' cannot be opened: it is a loop "
+                                      f"of symbolic links") from None
+    except FileNotFoundError:
+        pass  # a missing file is for the reader to report, with what it was looking for
+    except OSError as e:
+        raise DiagnosticError.at(loc, f"{attr} '{_short(rel)}' cannot be opened: "
+                                      f"{(e.strerror or str(e)).lower()}") from None
     if not candidate.is_relative_to(base):
-        raise DiagnosticError.at(module.loc, f"{attr} '{rel}' leaves the model's folder "
-                                             f"{base}; {hint}")
+        raise DiagnosticError.at(loc, f"{attr} '{rel}' leaves the model's folder {base}; "
+                                      f"{hint}")
     return candidate
+
+
+def _short(text: str) -> str:
+    """`text` cut to 60 characters for a message (a name may be thousands long)."""
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def path_from(folder: Path, path: Path) -> str:

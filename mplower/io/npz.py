@@ -42,7 +42,7 @@ def weights_file(module: Module, override: str | None) -> Path | None:
     if rel is None:
         return None
     if not isinstance(rel, str):
-        raise _error(module.loc, "module attribute mp.weights must be a string path")
+        raise _error(module.attr_loc(WEIGHTS), "module attribute mp.weights must be a string path")
     return module_relative(module, WEIGHTS, rel, "pass --weights to use it deliberately")
 
 
@@ -206,6 +206,8 @@ class WeightStore:
     def __init__(self, module: Module, override: str | None = None):
         self.module = module
         self.path = weights_file(module, override)
+        # Where a problem with the file is reported: the attribute that named it, if one did.
+        self._file_loc = module.loc if override is not None else module.attr_loc("mp.weights")
         self._archive: NpzArchive | None = None
         self._arrays: dict[str, np.ndarray] = {}
 
@@ -214,7 +216,7 @@ class WeightStore:
             raise _error(loc, "this constant needs weights, but the module has no mp.weights "
                               "attribute and no --weights was given")
         if self._archive is None:
-            self._archive = NpzArchive(self.path, self.module.loc)
+            self._archive = NpzArchive(self.path, self._file_loc)
         return self._archive
 
     def all(self, loc: Location) -> dict[str, np.ndarray]:

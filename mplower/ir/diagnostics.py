@@ -138,9 +138,15 @@ class DiagnosticRenderer:
         return f"{n} more {kind}{'s' if n != 1 else ''} not shown"
 
 
+# What a terminal would break the shown line at or move the caret by, shown as one space each:
+# only LF (and CR) end a line for the lexer and the editor, so columns count these as one
+# character. (Python's str.splitlines also breaks at U+2028 and the rest: never used here.)
+_SHOWN_AS_SPACE = str.maketrans(dict.fromkeys("\t\v\f\x1c\x1d\x1e\x85\u2028\u2029", " "))
+
+
 def _window(line: str, col: int) -> tuple[str, int]:
     """The part of `line` to show and the caret's column within it."""
-    line = line.replace("\t", " ")
+    line = line.translate(_SHOWN_AS_SPACE)
     if len(line) <= _WINDOW:
         return line, col
     lo = max(0, col - 1 - _WINDOW // 2)

@@ -262,6 +262,13 @@ class Module:
     functions: dict[str, Function] = field(default_factory=dict)
     path: str = "<stdin>"  # the file it was read from; weights resolve relative to it
     loc: Location = UNKNOWN
+    # Where each attribute of `attrs` was written, for a diagnostic about its value (a file
+    # that `mp.weights` names); an attribute set by a pass has none and falls back to `loc`.
+    attr_locs: dict[str, Location] = field(default_factory=dict)
+
+    def attr_loc(self, name: str) -> Location:
+        """Where the attribute `name` was written, else where the module was."""
+        return self.attr_locs.get(name, self.loc)
 
     def function(self, name: str | None = None) -> Function:
         """The named function, or `main`, or the only one."""

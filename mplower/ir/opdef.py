@@ -27,6 +27,7 @@ from mplower.ir.types import (
     TypedFloat,
     TypedInt,
     attr_to_str,
+    int_text,
 )
 from mplower.numerics.formats import FORMATS
 
@@ -157,6 +158,17 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 
+# Discardable attributes (a dotted name, `mp.precision`) whose values a dialect declares: the
+# check that refuses a malformed value and what it expects, in words. The verifier applies them
+# to every op, so no pass or reader meets `mp.precision = 3`.
+ANNOTATIONS: dict[str, tuple[Callable[[Any], Any], str]] = {}
+
+
+def annotation(name: str, check: Callable[[Any], Any], what: str) -> None:
+    """Declare the annotation `name`: `check` raises OpError for a value it may not hold."""
+    ANNOTATIONS[name] = (check, what)
+
+
 def define(op: OpDef) -> OpDef:
     """Register `op`; a dialect module calls this for each of its ops when it is imported."""
     OPS[op.name] = op
@@ -192,12 +204,25 @@ def ops_with(trait: Trait) -> frozenset[str]:
 # plain Python value; `check_attrs` applies them to a whole attribute dict.
 
 
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class _OutOfRange(OpError):
+    """An integer of the right kind but too large: said as such, not as the wrong kind."""
+
+
 def attr_int(v: Any) -> int:
-    """An integer attribute (`3` or `3 : i64`) as an int."""
+    """An integer attribute (`3` or `3 : i64`) as an int, within int64 (an untyped integer is
+    an i64 in MLIR, and op rules hand these to numpy)."""
     if isinstance(v, TypedInt):
         v = v.value
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
         raise OpError(f"expected an integer, got {show_value(v)}")
+    if not _I64[0] <= v <= _I64[1]:
+        text = int_text(int(v))
+        text = text if len(text) <= 40 else text[:37] + "..."
+        raise _OutOfRange(f"integer {text} does not fit a 64-bit attribute (range "
+                          f"[{_I64[0]}, {_I64[1]}])")
     return int(v)
 
 
@@ -220,6 +245,8 @@ def attr_ints(v: Any) -> tuple[int, ...]:
         raise OpError(f"expected an array of integers, got {show_value(v)}")
     try:
         return tuple(attr_int(x) for x in v)
+    except _OutOfRange:
+        raise
     except OpError:
         raise OpError(f"expected an array of integers, got {show_value(v)}") from None
 
@@ -328,6 +355,8 @@ def check_attr_values(op: str, specs: Mapping[str, AttrSpec],
     out: dict[str, Any] = {}
     for name, value in attrs.items():
         if "." in name:
+            if (declared := ANNOTATIONS.get(name)) is not None:
+                _check_annotation(name, declared, value)
             out[name] = value
             continue
         spec = specs.get(name)
@@ -344,6 +373,18 @@ def check_attr_values(op: str, specs: Mapping[str, AttrSpec],
     return out
 
 
+def _check_annotation(name: str, declared: tuple[Callable[[Any], Any], str], value: Any
+                      ) -> None:
+    """Refuse a malformed value of a declared annotation; the value itself is kept as written."""
+    check, what = declared
+    try:
+        check(value)
+    except OpError:
+        text = show_value(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        raise OpError(f"attribute '{name}' must be {what}, got {text}") from None
+
+
 def _unknown_attr_message(op: str, name: str, specs: Mapping[str, AttrSpec]) -> str:
     if not specs:
         return f"{op} takes no attribute '{name}'"
@@ -358,6 +399,8 @@ def _check_value(name: str, spec: AttrSpec, value: Any) -> Any:
     convert, what = _KINDS[spec.kind]
     try:
         v = convert(value)
+    except _OutOfRange as e:
+        raise OpError(f"attribute '{name}': {e.message}") from None
     except OpError:
         raise OpError(f"attribute '{name}' must be {what}, got {show_value(value)}") from None
     if spec.choices and v not in spec.choices:

@@ -318,7 +318,8 @@ class _Builder:
             lo = 0 if t.startswith("ui") else -(1 << (bits - 1))
             hi = (1 << bits) - 1
             if not lo <= value <= hi:
-                raise self.error(tok, f"integer value {value} does not fit {t} "
+                # The literal as written: a hex one past 4300 decimal digits has no decimal form.
+                raise self.error(tok, f"integer value {_short(tok.value)} does not fit {t} "
                                       f"(range [{lo}, {hi}])")
         return TypedInt(value, t)
 
@@ -375,16 +376,18 @@ class _Builder:
 
     def attr_dict(self, lbrace: Token, entries: list | None) -> dict:
         out: dict[str, Any] = {}
+        keys: dict[str, Token] = {}
         depth = 1
         for key, value in entries or ():
             name = _unquote(key, self) if key.type == "STRING" else key.value
             if name in out:
                 raise self.error(key, f"duplicate attribute '{name}'")
             out[name] = _freeze(value)
+            keys[name] = key
             depth = max(depth, 1 + getattr(value, "depth", 0))
         if depth > MAX_ATTRIBUTE_DEPTH:
             raise self.error(lbrace, f"attribute nesting is deeper than {MAX_ATTRIBUTE_DEPTH} levels")
-        return _Dict(out, depth)
+        return _Dict(out, depth, keys)
 
     def dense_attr(self, tok: Token, body: Any, t: Any) -> DenseAttr:
         if not isinstance(t, TensorType):
@@ -691,7 +694,9 @@ class _Builder:
     def module(self, kw: Token, sym: Token | None, _attributes, attrs, *rest) -> Module:
         funcs = rest[:-1]
         m = Module(name=sym.value[1:].strip('"') if sym is not None else None,
-                   attrs=dict(attrs or {}), loc=_loc(kw, self.file))
+                   attrs=dict(attrs or {}), loc=_loc(kw, self.file),
+                   attr_locs={k: _loc(t, self.file) for k, t in (attrs.keys_at if attrs
+                                                                  else {}).items()})
         for f in funcs:
             _add_function(m, f, self)
         return m
@@ -702,7 +707,9 @@ class _Builder:
         if modules and (funcs or len(modules) > 1):
             loc = funcs[0].loc if funcs else modules[1].loc
             raise DiagnosticError.at(loc, "a file holds either one module or bare functions")
-        m = modules[0] if modules else Module()
+        # A file of bare functions (or none) is a module that starts where the file does.
+        m = modules[0] if modules else Module(
+            loc=funcs[0].loc if funcs else Location(self.file, 1 + self.line_offset, 1))
         for f in funcs:
             _add_function(m, f, self)
         return m
@@ -711,9 +718,10 @@ class _Builder:
 class _Dict(dict):
     """A dictionary attribute while parsing, remembering its nesting depth."""
 
-    def __init__(self, items: dict, depth: int):
+    def __init__(self, items: dict, depth: int, keys_at: dict[str, Token]):
         super().__init__(items)
         self.depth = depth
+        self.keys_at = keys_at  # where each key was written
 
 
 def _short(text: str) -> str:

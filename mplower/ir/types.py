@@ -92,7 +92,7 @@ class TypedInt:
     type: str
 
     def __str__(self) -> str:
-        return f"{self.value} : {self.type}"
+        return f"{int_text(self.value)} : {self.type}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,7 +217,7 @@ def module_scaling(module: Module) -> Scaling | None:
     try:
         return Scaling.of(value)
     except OpError as e:
-        raise DiagnosticError.at(module.loc, e.message) from None
+        raise DiagnosticError.at(module.attr_loc(SCALING), e.message) from None
 
 
 _TOP_KEYS = ("policy", "override", "guardrails", "scaling")

@@ -26,6 +26,7 @@ from typing import Any
 from mplower.io.atomic import module_relative
 from mplower.ir.diagnostics import DiagnosticError, Location, did_you_mean
 from mplower.ir.graph import Module
+from mplower.ir.types import int_text
 from mplower.numerics.formats import FORMATS
 
 KeyPath = tuple[str | int, ...]
@@ -42,7 +43,18 @@ _TOML_END = re.compile(r"\s*\(at end of document\)$")
 
 
 def _split_dotted(text: str) -> tuple[str, ...]:
-    return tuple(m.group(0).strip("'\"") for m in re.finditer(_PART, text))
+    return tuple(_key_part(m.group(0)) for m in re.finditer(_PART, text))
+
+
+def _key_part(part: str) -> str:
+    """The key a part of a dotted key names: a basic string's escapes (`"\u0066oo"`) decoded
+    as TOML decodes them, so that the key is found where it was written."""
+    if part.startswith('"') and "\\" in part:
+        try:
+            return tomllib.loads(f"k = {part}")["k"]
+        except tomllib.TOMLDecodeError:
+            pass
+    return part.strip("'\"")
 
 
 @dataclass
@@ -63,6 +75,10 @@ class Sheet:
             err = DiagnosticError.at(*_syntax_error(str(e), text, path))
             err.source = text  # the CLI would otherwise show a line of the model's IR
             raise err from None
+        except ValueError:  # tomllib's int() of a literal past Python's limit on digits
+            err = DiagnosticError.at(*_too_many_digits(text, path))
+            err.source = text
+            raise err from None
         sheet = cls(path, text, data)
         sheet._scan()
         return sheet
@@ -71,11 +87,19 @@ class Sheet:
     def read(cls, path: Path) -> Sheet:
         where = Location(str(path), 0, 0)
         try:
-            text = path.read_bytes().decode("utf-8")
+            data = path.read_bytes()
         except OSError as e:
             raise DiagnosticError.at(where, f"cannot read: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise DiagnosticError.at(where, "not UTF-8 text") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            # Located as the TOML parser locates: lines end at LF, columns count characters.
+            head = data[:e.start].decode("utf-8")
+            loc = Location(str(path), head.count("\n") + 1, len(head) - head.rfind("\n"))
+            err = DiagnosticError.at(loc, f"invalid UTF-8 byte 0x{data[e.start]:02x} at byte "
+                                          f"{e.start}; a sheet is UTF-8 text")
+            err.source = data.decode("utf-8", "replace")
+            raise err from None
         return cls.parse(text, str(path))
 
     def named(self, table: str, name: str) -> str:
@@ -154,15 +178,21 @@ class Sheet:
         return off
 
     def loc(self, keypath: KeyPath) -> Location:
-        """Where the key at `keypath` was written (or its closest enclosing key)."""
+        """Where the key at `keypath` was written (or its closest enclosing key); for a key
+        the scan did not see (written in a form it does not follow), where its name first
+        appears in the text, else the sheet's first line."""
         off = self._offset(keypath)
-        return Location(self.path, 0, 0) if off is None else self._location(off)
+        if off is None:
+            names = [p for p in keypath if isinstance(p, str)]
+            hit = self.text.find(names[-1]) if names and names[-1] else -1
+            off = max(hit, 0)
+        return self._location(off)
 
     def value_loc(self, keypath: KeyPath, value: str) -> Location:
         """Where the string `value` first appears, quoted, in the value of `keypath`."""
         off = self._offset(keypath)
         if off is None:
-            return Location(self.path, 0, 0)
+            return self.loc(keypath)
         hits = [i for q in '"\'' if (i := self.text.find(f"{q}{value}{q}", off)) >= 0]
         return self._location(min(hits)) if hits else self._location(off)
 
@@ -270,7 +300,10 @@ class Bounds:
             return f"must be a finite number, not {value}"
         # An int compares exactly, however large: no float conversion that could overflow.
         if not self.low <= value <= self.high:
-            return f"must be between {self.low:g} and {self.high:g}{self.unit}, not {value}"
+            # int_text: a hex literal past 4300 decimal digits has no decimal form to show.
+            shown = int_text(value) if isinstance(value, int) else str(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            return f"must be between {self.low:g} and {self.high:g}{self.unit}, not {shown}"
         return None
 
 
@@ -301,12 +334,32 @@ def _syntax_error(message: str, text: str, path: str) -> tuple[Location, str]:
         loc = Location(path, int(m.group(1)), int(m.group(2)))
         message = message[: m.start()]
     elif m := _TOML_END.search(message):
-        lines = text.splitlines() or [""]
+        # Lines as tomllib counts them: LF ends one, U+2028 (a break to str.splitlines) not.
+        lines = text.split("\n")
+        if len(lines) > 1 and not lines[-1]:
+            lines.pop()
+        lines[-1] = lines[-1].removesuffix("\r")
         loc = Location(path, len(lines), len(lines[-1]) + 1)  # just after the last character
         message = message[: m.start()] + " at end of file"
     else:
         loc = Location(path, 0, 0)
     return loc, f"invalid TOML: {message[:1].lower()}{message[1:]}"
+
+
+def _too_many_digits(text: str, path: str) -> tuple[Location, str]:
+    """Where the integer literal that Python refuses to convert (more than
+    sys.get_int_max_str_digits() digits) is, and a message saying so."""
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    for m in re.finditer(r"[0-9][0-9_]*", text):
+        digits = len(m.group().replace("_", ""))
+        if digits > limit:
+            line = text.count("\n", 0, m.start()) + 1
+            loc = Location(path, line, m.start() - text.rfind("\n", 0, m.start()))
+            return loc, (f"invalid TOML: integer literal has {digits} digits; at most {limit} "
+                         f"are supported")
+    return Location(path, 1, 1), "invalid TOML: a number too long to read"
 
 
 def names_a_file(spec: str) -> bool:
@@ -330,9 +383,16 @@ def locate(spec: str, kind: str, builtin_dir: Path, module: Module | None = None
             path = Path(spec)
         else:
             path = module_relative(module, f"mp.{kind}", spec, deliberately)
-        if not path.is_file():
+        try:
+            is_file = path.is_file()
+            resolved = path.resolve()
+        except (OSError, RuntimeError) as e:  # a name too long, a loop of symbolic links
+            why = (getattr(e, "strerror", None) or "a loop of symbolic links").lower()
+            raise DiagnosticError.at(Location(_short(spec), 0, 0),
+                                     f"cannot open {kind} file: {why}") from None
+        if not is_file:
             raise DiagnosticError.at(Location(str(path), 0, 0), f"no such {kind} file")
-        return path, str(path.resolve())
+        return path, str(resolved)
     names = builtin_names(builtin_dir)
     if spec not in names:
         raise DiagnosticError.at(
@@ -340,6 +400,11 @@ def locate(spec: str, kind: str, builtin_dir: Path, module: Module | None = None
             f"unknown built-in {kind} '{spec}'{did_you_mean(spec, names)} "
             f"(built-ins: {', '.join(names)}; or give a path to a .toml file)")
     return builtin_dir / f"{spec}.toml", f"builtin:{spec}"
+
+
+def _short(text: str) -> str:
+    """`text` cut to 200 characters for a message (a name may be thousands long)."""
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def builtin_names(builtin_dir: Path) -> list[str]:
