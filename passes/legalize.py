@@ -24,7 +24,7 @@ from mplower.ir.graph import Module
 from mplower.ir.opdef import OPS
 from mplower.lowering.policy import module_scaling
 from mplower.lowering.target import NO_F16_ACCUM, Legal, load_target
-from mplower.numerics.rounding import f16_accum_emulated
+from mplower.numerics.formats import f16_accum_emulated
 from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 

@@ -707,20 +707,6 @@ def _matmul_f16_accum_kernel(a, b, out):
             out[i, j] = np.float32(acc[j])
 
 
-# matmul_f16_accum adds each product to an f16 value in float64. Near an f16 tie that sum must
-# be exact: the product's bits reach 11 + (its significant bits) below the accumulator's
-# leading bit, within f64's 53 for operands of up to 15 significant bits (f16, bf16, tf32, fp8:
-# products of up to 30 bits), not for f32 operands (48-bit products).
-F16_ACCUM_MAX_BITS = 15
-
-
-def f16_accum_emulated(elem: str) -> bool:
-    """Whether `matmul_f16_accum` accumulates products of `elem` operands exactly as an f16
-    accumulator would (what legalize checks before it keeps `mp.accum = f16`)."""
-    f = FORMATS[elem]
-    return f.is_float and f.man_bits + 1 <= F16_ACCUM_MAX_BITS
-
-
 def matmul_f16_accum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """`a @ b` with an fp16 accumulator; `a` (M, K) and `b` (K, N) hold f16-representable f32.
 
