@@ -1,8 +1,10 @@
 """What every `mplower` command shares: exit codes, usage errors, and the start and end of a run.
 
 A command that works on an IR module starts with `read_module`: the file or `-` for stdin,
-decoded, parsed and verified, every problem a located diagnostic; it ends with `write_output`
-or `write_atomic`, which write only once the whole run has succeeded. Command modules import
+decoded, parsed and verified, every problem a located diagnostic. A command that writes is
+wrapped in `writes_outputs`, checks its outputs with `check_outputs` before the work, and
+writes with `write_output` or `write_atomic`, which stage the files (and stdout for `-`) until
+the whole run has succeeded, then commit them together. Command modules import
 these from here, never from `mplower.cli.main`, which imports them (and so cannot be imported
 back without a cycle). Importing this module is cheap: the parser and the verifier load when a
 command reads its input.
