@@ -1,8 +1,10 @@
 """What every `mplower` command shares: exit codes, usage errors, and the start and end of a run.
 
 A command that works on an IR module starts with `read_module`: the file or `-` for stdin,
-decoded, parsed and verified, every problem a located diagnostic; it ends with `write_output`
-or `write_atomic`, which write only once the whole run has succeeded. Command modules import
+decoded, parsed and verified, every problem a located diagnostic. A command that writes is
+wrapped in `writes_outputs`, checks its outputs with `check_outputs` before the work, and
+writes with `write_output` or `write_atomic`, which stage the files (and stdout for `-`) until
+the whole run has succeeded, then commit them together. Command modules import
 these from here, never from `mplower.cli.main`, which imports them (and so cannot be imported
 back without a cycle). Importing this module is cheap: the parser and the verifier load when a
 command reads its input.
@@ -11,6 +13,9 @@ command reads its input.
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -136,26 +141,132 @@ def seed(text: str) -> int:
     return value
 
 
-def write_output(path: str, text: str) -> None:
-    """`text` to stdout (`-`) or, atomically, to the file `path`."""
-    if path == "-":
-        sys.stdout.write(text)
+def writes_outputs(cmd: Callable[[argparse.Namespace], int]
+                   ) -> Callable[[argparse.Namespace], int]:
+    """Run the command `cmd` with every output it writes (through `write_output`,
+    `write_atomic`, a pass's weights) staged in one output set (mplower.io.atomic), committed
+    together when it returns 0 or 3 (a guardrail verdict is a result) and discarded otherwise:
+    a failed, interrupted or terminated run changes no existing file and prints nothing on
+    stdout for `-`. Two outputs on one path, or an output on an input, are a usage error."""
+
+    @functools.wraps(cmd)
+    def run(args: argparse.Namespace) -> int:
+        from mplower.io.atomic import CommitError, OutputCollision, output_set
+
+        try:
+            with output_set() as outputs:
+                rc = cmd(args)
+                if rc in (EXIT_OK, EXIT_GUARDRAIL):
+                    outputs.commit()
+                return rc
+        except OutputCollision as e:
+            raise UsageError(str(e)) from None
+        except CommitError as e:
+            raise DiagnosticError.at(Location(str(e.filename), 0, 0),
+                                     f"cannot write output: {e.strerror}") from None
+    return run
+
+
+def check_outputs(outputs: dict[str, str | Path | None],
+                  inputs: dict[str, str | Path | None] | None = None,
+                  binary: Sequence[str] = ()) -> None:
+    """Before any work: every output `flag -> path` can be written, and none is another's
+    path or an input's. `-` is stdout for every output: at most one may take it, and one of
+    the `binary` flags only when stdout is not a terminal. A missing or unwritable folder is
+    the diagnostic the write itself would give; the rest are usage errors."""
+    from mplower.io.atomic import active_output_set
+
+    dashes = [flag for flag, path in outputs.items() if path is not None and str(path) == "-"]
+    if len(dashes) > 1:
+        raise UsageError(f"{' and '.join(dashes)} both write to stdout ('-'); give all but one "
+                         f"of them a file")
+    for flag in dashes:
+        if flag in binary and sys.stdout.isatty():
+            raise UsageError(f"{flag} -: binary output goes to stdout only through a pipe or a "
+                             f"redirection, not to a terminal")
+    files = {flag: Path(path) for flag, path in outputs.items()
+             if path is not None and str(path) != "-"}
+    for flag, path in files.items():
+        check_writable(path)
+    seen: dict[Path, str] = {}
+    for flag, path in files.items():
+        key = Path(os.path.normcase(path.resolve()))
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {flag} are the same file ({path}); one would "
+                             f"replace the other")
+        seen[key] = flag
+    outputs_set = active_output_set()
+    for flag, path in (inputs or {}).items():
+        if path is None or str(path) == "-":
+            continue
+        key = Path(os.path.normcase(Path(path).resolve()))
+        if key in seen:
+            raise UsageError(f"{seen[key]} {path} is the input {flag}; mplower does not write "
+                             f"over an input of the command")
+        if outputs_set is not None:  # a pass's weights beside -o must not land there either
+            outputs_set.protect(path, f"the input {flag}")
+
+
+def check_writable(path: str | Path) -> None:
+    """A located diagnostic now, not after the work, when `path` cannot be written: its folder
+    is missing or not writable, or `path` is a folder."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        code = errno.EISDIR
+    elif not parent.is_dir():
+        code = errno.ENOTDIR if parent.exists() else errno.ENOENT
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        code = errno.EACCES
+    else:
+        return
+    raise DiagnosticError.at(Location(str(path), 0, 0),
+                             f"cannot write output: {os.strerror(code)}")
+
+
+def weights_beside(flag: str, path: str) -> Path:
+    """The weights file that goes beside the IR output `path`, `<stem>.npz`; refused when it
+    is `path` itself (`-o NAME.npz`), which would leave the IR text where the weights were."""
+    from mplower.io.npz import beside
+
+    weights = beside(path)
+    if os.path.normcase(weights.name) == os.path.normcase(Path(path).name):
+        raise UsageError(f"{flag} {path}: the module's weights go to <stem>.npz beside it, which "
+                         f"is this file; name the IR file {weights.with_suffix('.ir').name}")
+    return weights
+
+
+def write_output(path: str | Path, data: str | bytes) -> None:
+    """`data` (text or bytes) to stdout (`-`) or, atomically, to the file `path`; inside a
+    command both wait for its commit."""
+    from mplower.io.atomic import active_output_set
+
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    if str(path) != "-":
+        write_atomic(path, lambda fh: fh.write(raw))
+        return
+    outputs = active_output_set()
+    if outputs is not None:
+        outputs.stdout(raw)
+    elif isinstance(data, str):
+        sys.stdout.write(data)
         sys.stdout.flush()
     else:
-        write_atomic(path, lambda fh: fh.write(text), "w")
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[Any]], object], mode: str = "wb") -> None:
-    """Call `write` with a temporary file that becomes `path` only if it returns; an OS error
-    is a diagnostic at the file."""
+    """Call `write` with a stage file that becomes `path` when the command commits (or at once
+    outside a command); an OS error is a diagnostic at the file."""
     write_atomic_all([(path, write, mode)])
 
 
 def write_atomic_all(files: Sequence[tuple[str | Path, Callable[[IO[Any]], object], str]]
                      ) -> None:
     """Write every `(path, write, mode)` as `write_atomic` does, all or none: each goes to a
-    temporary file first and only when all of them are written are they renamed into place,
-    so a bad path among them (a missing folder) leaves every file as it was."""
+    stage file first, and only when all of them are written are they renamed into place (by
+    the command's commit), so a bad path among them leaves every file as it was."""
     import contextlib
 
     from mplower.io.atomic import atomic_output

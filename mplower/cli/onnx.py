@@ -1,7 +1,8 @@
 """`mplower import` (ONNX -> IR + weights) and `mplower export` (IR -> ONNX).
 
-Both write atomically: the IR and its .npz, or the .onnx, appear whole or not at all, and a
-failing run leaves earlier files untouched.
+Both write as one set (mplower.io.atomic): the IR and its .npz, or the .onnx, appear whole or
+not at all, and a failing run leaves earlier files untouched. `import -o NAME.npz` is refused:
+the weights beside it would be the same file.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from pathlib import Path
 from mplower.cli.common import (
     EXIT_OK,
     UsageError,
+    check_outputs,
     input_name,
     materialize_and_say,
     read_module,
-    write_atomic,
+    weights_beside,
+    write_atomic_all,
+    write_output,
+    writes_outputs,
 )
 
 
@@ -43,7 +48,8 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
                                    "A plan that is only annotations gets insert-casts first.")
     e.add_argument("input", help="IR file, or - for stdin")
     e.add_argument("--format", choices=("onnx",), default="onnx")
-    e.add_argument("-o", dest="output", required=True, help="the .onnx file to write")
+    e.add_argument("-o", dest="output", required=True,
+                   help="the .onnx file to write ('-': stdout, through a pipe)")
     e.add_argument("--weights", help="weights .npz to use instead of the module's mp.weights")
     e.add_argument("--func", default=None, help="function to export (default: main or the "
                                                  "only one)")
@@ -54,12 +60,11 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
     return e
 
 
+@writes_outputs
 def cmd_import(args: argparse.Namespace) -> int:
 
     from mplower.dialect.plan import WEIGHTS
-    from mplower.io.atomic import atomic_output
     from mplower.io.npz import save_npz
-    from mplower.ir.diagnostics import DiagnosticError, Location
     from mplower.ir.printer import print_module
     from mplower.onnx.importer import import_model, load_model, parse_input_shape
 
@@ -73,41 +78,41 @@ def cmd_import(args: argparse.Namespace) -> int:
             raise UsageError(f"--input-shape gives input '{name}' two shapes: "
                              f"{'x'.join(map(str, shapes[name]))} and {'x'.join(map(str, shape))}")
         shapes[name] = shape
+    if args.output == "-":  # the weights go to a file beside it, which '-' has not
+        raise UsageError("import writes the module and its weights beside it: -o needs a file, "
+                         "not '-'")
+    npz = weights_beside("-o", args.output)
+    check_outputs({"-o": args.output, "the weights beside -o": npz}, {"model": args.model})
     outputs = None
     if args.outputs is not None:
         outputs = [o.strip() for o in args.outputs.split(",") if o.strip()]
     model = load_model(args.model)
     imported = import_model(model, args.model, input_shapes=shapes, outputs=outputs)
     module = imported.module
-    out = Path(args.output)
-    npz = out.with_suffix(".npz")
     if imported.weights:
         module.attrs[WEIGHTS] = npz.name
     source = f"// Imported from {Path(args.model).name} by `mplower import`.\n"
     text = source + print_module(module)
-    try:
-        if imported.weights:
-            with atomic_output(npz, "wb") as fz, atomic_output(out) as fi:
-                save_npz(fz, imported.weights)
-                fi.write(text)
-        else:
-            with atomic_output(out) as fi:
-                fi.write(text)
-    except OSError as e:
-        raise DiagnosticError.at(Location(str(out), 0, 0),
-                                 f"cannot write output: {e.strerror or e}") from None
+    files = [(args.output, lambda fh: fh.write(text), "w")]
+    if imported.weights:
+        files.insert(0, (npz, lambda fh: save_npz(fh, imported.weights), "wb"))
+    write_atomic_all(files)
     return EXIT_OK
 
 
+@writes_outputs
 def cmd_export(args: argparse.Namespace) -> int:
     from mplower.ir.diagnostics import Location
     from mplower.onnx.exporter import check_and_serialize, export_module
+
+    check_outputs({"-o": args.output}, {"input": args.input, "--weights": args.weights},
+                  binary=("-o",))
     module = read_module(args)
     materialize_and_say(module, args, "export")  # a plan still only annotations gets casts
     exported = export_module(module, args.func, args.weights, args.narrow_io)
     name = input_name(args.input)
     data = check_and_serialize(exported.model, Location(name, 0, 0))
-    write_atomic(args.output, lambda fh: fh.write(data))
+    write_output(args.output, data)
     for note in exported.notes:
         sys.stderr.write(f"{name}: note: {note}\n")
     return EXIT_OK

@@ -12,16 +12,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from mplower.cli.common import (
     EXIT_INPUT,
     EXIT_OK,
     UsageError,
+    check_outputs,
     parse_module,
     print_diagnostics,
     print_error_summary,
     read_input,
+    weights_beside,
     write_output,
+    writes_outputs,
 )
 from mplower.ir.diagnostics import (
     DEFAULT_ERROR_LIMIT,
@@ -83,6 +87,7 @@ def _reference_runner(module, func, weights):
     return reference_runner(module, func, weights)
 
 
+@writes_outputs
 def cmd_opt(args: argparse.Namespace) -> int:
     from mplower.ir import expected
     from mplower.ir.parser import split_source
@@ -111,6 +116,14 @@ def cmd_opt(args: argparse.Namespace) -> int:
                                  f"{did_you_mean(name, load_passes())}")
     if args.error_limit < 0:
         raise UsageError("--error-limit must be a count of errors, or 0 for no limit")
+    if args.output != "-":  # a pass may write the weights beside it
+        weights_beside("-o", args.output)
+    in_place = args.output != "-" and args.input != "-" and \
+        Path(args.output).resolve() == Path(args.input).resolve()
+    # The input's weights are protected too, once a chunk is parsed; in place, the module and
+    # its weights are replaced as a whole.
+    check_outputs({"-o": args.output},
+                  {} if in_place else {"input": args.input, "--weights": args.weights})
     renderer = DiagnosticRenderer(args.error_limit)
     timings: list[tuple[str, float]] = []
     t0 = time.perf_counter()
@@ -130,6 +143,8 @@ def cmd_opt(args: argparse.Namespace) -> int:
         source = text
         try:
             module = parse_module(chunk, name, offset, timings)
+            if not in_place:
+                _protect_weights(module, args.weights)
             ctx = PassContext(output_path=None if args.output == "-" else args.output,
                               weights_path=args.weights, runner=_reference_runner)
             pm.run(module, ctx)
@@ -161,6 +176,20 @@ def cmd_opt(args: argparse.Namespace) -> int:
         return EXIT_OK
     write_output(args.output, "// -----\n".join(outputs))
     return EXIT_OK
+
+
+def _protect_weights(module, override: str | None) -> None:
+    """No pass may write its new weights over the file the input module reads them from."""
+    from mplower.io.atomic import active_output_set
+    from mplower.io.npz import weights_file
+
+    try:
+        path = weights_file(module, override)
+    except DiagnosticError:  # a bad mp.weights is an error only where the weights are read
+        return
+    outputs = active_output_set()
+    if path is not None and outputs is not None:
+        outputs.protect(path, "the weights file of the input module")
 
 
 def cmd_passes(args: argparse.Namespace) -> int:

@@ -4,8 +4,9 @@ Both read the module, materialize an annotated plan (insert-casts), compile it o
 their inputs from `--inputs` or, by default, seeded random values. `run` executes the plan
 beside its fp32 reference and prints the report (DESIGN §6, docs/report.md), with guardrails
 from the module's policy sheet (`mp.policy`) overridden by `--guardrail`; `bench` times the
-lowered plan alone and adds the cost model's figures for a target. Nothing is written unless
-the whole run succeeded, and then atomically.
+lowered plan alone and adds the cost model's figures for a target. The outputs of `run` are
+checked before the work and committed as one set when it returns (mplower.io.atomic): nothing
+is written unless the whole run succeeded. `-` is stdout for each of them.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from mplower.cli.common import (
     EXIT_GUARDRAIL,
     EXIT_OK,
     UsageError,
+    check_outputs,
     materialize_and_say,
     read_module,
     seed,
-    write_atomic_all,
+    write_output,
+    writes_outputs,
 )
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 
@@ -53,7 +56,8 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
                                    "side; report per-op fallbacks, overflow and drift. A plan "
                                    "that is only annotations gets insert-casts first.")
     _input_flags(p)
-    p.add_argument("--save-outputs", metavar="OUT.npz", help="write the function's results")
+    p.add_argument("--save-outputs", metavar="OUT.npz",
+                   help="write the function's results ('-': stdout, through a pipe)")
     p.add_argument("--output-names", choices=("index", "onnx"), default="index",
                    help="keys of --save-outputs: output_0, output_1, ... (index, the default) "
                         "or the ONNX graph output names that `mplower import` recorded (onnx)")
@@ -63,7 +67,8 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "json", "markdown"), default="table",
                    help="format of the report printed on stdout")
     p.add_argument("--plot", metavar="DRIFT.png",
-                   help="write a bar chart of each op's drift (rel_l2) and overflow count")
+                   help="write a bar chart of each op's drift (rel_l2) and overflow count "
+                        "(PNG; '-': stdout, through a pipe)")
     p.add_argument("--check", action="store_true", help="exit 3 if a guardrail fails")
     p.add_argument("--bisect", action="store_true",
                    help="name the smallest set of ops whose return to f32 meets the guardrails")
@@ -163,13 +168,20 @@ def _policy_guardrails(module) -> dict[str, float]:
         raise
 
 
+@writes_outputs
 def cmd_run(args: argparse.Namespace) -> int:
     from mplower.dialect.plan import POLICY
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
+    outputs = {"--save-outputs": args.save_outputs, "--report": args.report,
+               "--plot": args.plot}
+    check_outputs(outputs, {"input": args.input, "--inputs": args.inputs,
+                            "--weights": args.weights},
+                  binary=("--save-outputs", "--plot"))
     module, program, arrays = _load(args, "run")
+    _protect_weights(module, args.weights)
     keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
     for flag in ("check", "bisect"):  # neither means anything without a limit to meet
@@ -185,27 +197,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mplower.report.bisect import bisect
 
         report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
-    shown = render(report, "json" if args.report == "-" else args.format)
-    if args.plot:  # drawn before anything is written: a failing plot leaves no file behind
-        from mplower.report.drift_plot import plot_drift
-
-        png = plot_drift(report, f"@{program.function.name}").png
-    files = []
+    # All of these are committed together when the command returns; an output given as '-'
+    # takes stdout in place of the --format output.
     if args.save_outputs:
+        import io
+
         from mplower.io.npz import save_npz
 
-        files.append((args.save_outputs,
-                      lambda fh: save_npz(fh, dict(zip(keys, result.outputs))), "wb"))
-    if args.report and args.report != "-":
-        text = render(report, "json").encode()
-        files.append((args.report, lambda fh: fh.write(text), "wb"))
+        buf = io.BytesIO()
+        save_npz(buf, dict(zip(keys, result.outputs)))
+        write_output(args.save_outputs, buf.getvalue())
+    if args.report:
+        write_output(args.report, render(report, "json"))
     if args.plot:
-        files.append((args.plot, lambda fh: fh.write(png), "wb"))
-    write_atomic_all(files)
-    sys.stdout.write(shown)
+        from mplower.report.drift_plot import plot_drift
+
+        write_output(args.plot, plot_drift(report, f"@{program.function.name}").png)
+    if "-" not in outputs.values():
+        write_output("-", render(report, args.format))
     if args.check and report["summary"]["verdict"] != "pass":
         return EXIT_GUARDRAIL
     return EXIT_OK
+
+
+def _protect_weights(module, override: str | None) -> None:
+    from mplower.io.atomic import active_output_set
+    from mplower.io.npz import weights_file
+
+    outputs = active_output_set()
+    if outputs is not None:
+        outputs.protect(weights_file(module, override), "the module's weights file")
 
 
 def output_keys(f: Function, names: str) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from mplower.cli.common import EXIT_OK, UsageError, write_output
+from mplower.cli.common import EXIT_OK, UsageError, check_outputs, write_output, writes_outputs
 
 
 def add_target(sub, name: str) -> argparse.ArgumentParser:
@@ -28,6 +28,7 @@ def add_target(sub, name: str) -> argparse.ArgumentParser:
     return p
 
 
+@writes_outputs
 def cmd_target(args: argparse.Namespace) -> int:
     from mplower.backend.measure import measure_host, onnxruntime_available, sheet_text
     from mplower.ir.opdef import OPS
@@ -38,6 +39,7 @@ def cmd_target(args: argparse.Namespace) -> int:
                          "(pip install onnxruntime)")
     if not args.name or not args.name.isprintable():  # it also goes in the header comment
         raise UsageError(f"--name must be one line of printable text, got {args.name!r}")
+    check_outputs({"-o": args.output})  # before the minutes of measuring
     measured = measure_host(quick=args.quick)  # every runtime: the others for comparison
     flags = [f"--runtime {args.runtime}", f"--name {shlex.quote(args.name)}"] + \
         ["--quick"] * args.quick + ([f"-o {shlex.quote(args.output)}"] * (args.output != "-"))

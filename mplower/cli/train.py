@@ -4,8 +4,8 @@ The model's function returns its output (logits, or probabilities from a final s
 command builds the training step (mplower.train.trainer), runs `--steps` (or `--epochs`) seeded
 steps with loss scaling and an f32 optimizer, and writes the same module with its weights
 file replaced by the trained one (`<stem>.npz` beside `-o`), the per-step report (`--report`)
-and its plot (`--plot`). Every output is written at the end, atomically, only when the whole
-run succeeded.
+and its plot (`--plot`). The outputs are checked before the first step and written at the
+end as one set (mplower.io.atomic): all of them when the whole run succeeded, none otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +16,17 @@ import json
 import sys
 from pathlib import Path
 
-from mplower.cli.common import EXIT_OK, UsageError, read_module, seed, write_atomic_all
+from mplower.cli.common import (
+    EXIT_OK,
+    UsageError,
+    check_outputs,
+    read_module,
+    seed,
+    weights_beside,
+    write_atomic_all,
+    write_output,
+    writes_outputs,
+)
 from mplower.ir.diagnostics import DiagnosticError, Location
 
 
@@ -62,7 +72,7 @@ def add_train(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--func", default=None, help="function to train (default: main)")
     p.add_argument("--report", metavar="train.json",
                    help="write the per-step report here ('-': print it on stdout)")
-    p.add_argument("--plot", metavar="train.png", help="plot loss, loss scale and incidence")
+    p.add_argument("--plot", metavar="train.png", help="plot loss, loss scale and incidence (PNG; '-': stdout, through a pipe)")
     p.add_argument("-o", "--output", required=True, metavar="TRAINED.ir",
                    help="the trained module; its weights go to <stem>.npz beside it")
     return p
@@ -86,12 +96,13 @@ def _data(path: str, names: list[str], what: str):
     return {n: arrays[n] for n in names}
 
 
+@writes_outputs
 def cmd_train(args: argparse.Namespace) -> int:
     import numpy as np
 
     from mplower.dialect.plan import WEIGHTS
     from mplower.io.atomic import path_from
-    from mplower.io.npz import beside, read_npz, save_npz, weights_file
+    from mplower.io.npz import read_npz, save_npz, weights_file
     from mplower.ir.printer import print_module
     from mplower.pass_manager import PipelineError, parse_pipeline
     from mplower.train.optim import parse_optimizer
@@ -117,7 +128,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         pipeline = parse_pipeline(pipeline_text)
     except PipelineError as e:
         raise UsageError(str(e)) from None
+    out_npz = weights_beside("-o", args.output)
     module = read_module(args)
+    # Checked before any step: a missing folder, two outputs on one file, an output on an
+    # input. In place (-o the input), the module and its weights are replaced as a whole.
+    in_place = Path(args.output).resolve() == Path(args.input).resolve()
+    try:
+        initial = weights_file(module, args.weights)
+    except DiagnosticError:  # a bad mp.weights is reported where the weights are read
+        initial = None
+    check_outputs({"-o": args.output, "the weights beside -o": out_npz,
+                   "--report": args.report, "--plot": args.plot},
+                  {"--data": args.data, "--eval": args.eval,
+                   **({} if in_place else {"input": args.input, "weights": initial})},
+                  binary=("--plot",))
     trainer = Trainer(module, args.loss, args.labels, pipeline, optimizer, scaler, args.func,
                       args.weights, args.batch)
     inputs = [n for n in trainer.eval_program.arg_names if n not in trainer.params]
@@ -149,21 +173,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     source = weights_file(module, args.weights)
     arrays = read_npz(source, module.loc) if source is not None else {}
     arrays.update({k: v for k, v in trainer.params.items() if k not in inline})
-    out_npz = beside(args.output)
     module.attrs[WEIGHTS] = path_from(Path(args.output).resolve().parent, out_npz.resolve())
     text = print_module(module)
     files = [(out_npz, lambda fh: save_npz(fh, {k: np.asarray(v) for k, v in arrays.items()}),
               "wb"), (args.output, lambda fh: fh.write(text), "w")]
-    report_text = json.dumps(report, indent=1, allow_nan=False) + "\n"
-    if args.report and args.report != "-":
-        files.append((args.report, lambda fh: fh.write(report_text), "w"))
+    write_atomic_all(files)  # committed with the rest when the command returns
+    if args.report:
+        write_output(args.report, json.dumps(report, indent=1, allow_nan=False) + "\n")
     if args.plot:
         buf = io.BytesIO()
         plot_training(report, buf)
-        files.append((args.plot, lambda fh: fh.write(buf.getvalue()), "wb"))
-    write_atomic_all(files)  # all or none: a bad --plot path leaves TRAINED.ir as it was
-    if args.report == "-":
-        sys.stdout.write(report_text)
+        write_output(args.plot, buf.getvalue())
     s = report["summary"]
     acc = f", eval accuracy {s['eval']['accuracy']:.4f}" if "eval" in s else ""
     loss = "not finite" if s["final_loss"] is None else f"{s['final_loss']:.4f}"

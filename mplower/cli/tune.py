@@ -3,18 +3,20 @@
 Reads the model, its calibration (`--data`) and evaluation (`--eval`, default the calibration
 data) batches and optional slice ids, checks everything before any work (a located diagnostic
 and exit 1 for bad input, exit 2 for a bad command line), runs the search of
-mplower.tune.search serially or on dask.distributed, and writes OUT_DIR/policy.toml,
-lowered.ir (+ weights), tune.json and pareto.png, each atomically. Exit 0 when a plan meets
-the guardrails; 3 when none does (tune.json and pareto.png then name the best rejected plan and
-why, and no sheet or lowered module is written). Progress (tqdm) goes to stderr, a short
+mplower.tune.search serially or on dask.distributed, and releases OUT_DIR/policy.toml,
+lowered.ir (+ weights), tune.json and pareto.png as one unit: built in a folder beside OUT_DIR,
+then swapped in whole, so OUT_DIR is always one run's release. Exit 0 when a plan meets the
+guardrails; 3 when none does (the new OUT_DIR then holds only tune.json and pareto.png, which
+name the best rejected plan and why: no sheet or lowered module, not even an earlier run's). Progress (tqdm) goes to stderr, a short
 table to stdout. docs/tune.md walks through it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import errno
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -114,10 +116,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--workers must be 0 (this process) or more")
     if args.input == "-":  # its weights are found beside it, and its hash goes in the packet
         raise UsageError("tune reads the model from a file, not from stdin")
+    if args.output == "-":
+        raise UsageError("tune writes a release folder: -o needs a folder, not '-'")
+    out_dir = Path(args.output)
+    _check_out_dir(out_dir, [args.input, args.data, args.eval, args.slices, args.target])
     started = time.perf_counter()
 
     import numpy as np
 
+    from mplower.io.atomic import staged_folder
     from mplower.io.npz import read_npz, weights_file
     from mplower.ir.opdef import OPS
     from mplower.lowering.target import load_target
@@ -165,21 +172,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         calib=Path(args.data).read_bytes(), target=args.target,
         target_text=None if builtin else Path(target.source).read_text(encoding="utf-8"),
         batches=batches, slices=slices, guardrails=guardrails, func=args.func)
-    out_dir = Path(args.output)
-    created = not out_dir.exists()
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DiagnosticError.at(Location(str(out_dir), 0, 0),
-                                 f"cannot create the output folder: {e.strerror}") from None
-
-    try:
-        outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
-    except BaseException:  # a search that fails (no scheduler, interrupted) leaves no folder
-        if created:
-            with contextlib.suppress(OSError):
-                out_dir.rmdir()
-        raise
+    outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
     inputs = {"model": sha256_file(args.input),
               "weights": sha256_file(weights_path) if weights else None,
               "data": sha256_file(args.data), "eval": sha256_file(eval_path),
@@ -188,33 +181,60 @@ def cmd_tune(args: argparse.Namespace) -> int:
                   "target_sheet_sha256": sha256_file(target_file), "seed": args.seed,
                   "formats": formats, "sparse": args.sparse, "budget": args.budget,
                   "input_sha256": inputs}
-    reproduce = None
-    lowered_text = None
-    if outcome.chosen is not None:
-        candidate = candidate_of(outcome.chosen)
-        policy_path = out_dir / "policy.toml"
-        pipeline = _pipeline(candidate, str(policy_path), args)
-        command = (f"mplower opt {args.input} --pass-pipeline='{pipeline}' "
-                   f"-o {out_dir / 'lowered.ir'}")
-        reproduce = {"pipeline": pipeline, "command": command}
-        header = (f"Tuned by `mplower tune` for target {target.name}, objective "
-                  f"{args.objective}, seed {args.seed}.\nlowered.ir is this sheet through:\n"
-                  f"  {command}")
-        sheet = sheet_text(candidate, guardrails, header)
-        write_atomic(policy_path, lambda fh: fh.write(sheet), "w")
-        lowered_text = _lower(module, pipeline, out_dir / "lowered.ir")
-    packet = build_packet(outcome, results, objective=args.objective, guardrails=guardrails,
-                          provenance=provenance, reproduce=reproduce, evaluations=evaluations,
-                          slices=slices is not None)
-    packet["timing"] = {"wall_s": time.perf_counter() - started, "evaluator": evaluator_text}
-    text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
-    if lowered_text is not None:
-        write_atomic(out_dir / "lowered.ir", lambda fh: fh.write(lowered_text), "w")
-    write_atomic(out_dir / "tune.json", lambda fh: fh.write(text), "w")
-    pareto_png(out_dir / "pareto.png", results,
-               outcome.chosen["key"] if outcome.chosen else None, args.objective)
+    # The release is built in a folder beside OUT_DIR and swapped in whole (io.atomic): a run
+    # that fails or is killed leaves the previous release as it was, and OUT_DIR never mixes
+    # files of two runs. The files name OUT_DIR, where they will be, never the stage folder.
+    with staged_folder(out_dir) as stage:
+        reproduce = None
+        if outcome.chosen is not None:
+            candidate = candidate_of(outcome.chosen)
+            pipeline = _pipeline(candidate, str(out_dir / "policy.toml"), args)
+            command = (f"mplower opt {args.input} --pass-pipeline='{pipeline}' "
+                       f"-o {out_dir / 'lowered.ir'}")
+            reproduce = {"pipeline": pipeline, "command": command}
+            header = (f"Tuned by `mplower tune` for target {target.name}, objective "
+                      f"{args.objective}, seed {args.seed}.\nlowered.ir is this sheet through:\n"
+                      f"  {command}")
+            sheet = sheet_text(candidate, guardrails, header)
+            write_atomic(stage / "policy.toml", lambda fh: fh.write(sheet), "w")
+            lowered_text = _lower(module, _pipeline(candidate, str(stage / "policy.toml"), args),
+                                  stage / "lowered.ir")
+            write_atomic(stage / "lowered.ir", lambda fh: fh.write(lowered_text), "w")
+        packet = build_packet(outcome, results, objective=args.objective,
+                              guardrails=guardrails, provenance=provenance, reproduce=reproduce,
+                              evaluations=evaluations, slices=slices is not None)
+        packet["timing"] = {"wall_s": time.perf_counter() - started,
+                            "evaluator": evaluator_text}
+        text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
+        write_atomic(stage / "tune.json", lambda fh: fh.write(text), "w")
+        pareto_png(stage / "pareto.png", results,
+                   outcome.chosen["key"] if outcome.chosen else None, args.objective)
     sys.stdout.write(_table(packet))
     return EXIT_OK if outcome.chosen is not None else EXIT_GUARDRAIL
+
+
+def _check_out_dir(out_dir: Path, inputs: list[str | None]) -> None:
+    """Before any work: OUT_DIR can be replaced by a release folder, and replacing it loses
+    no input and no file of the user's (tune swaps the whole folder)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DiagnosticError.at(Location(str(out_dir), 0, 0),
+                                 f"cannot write output: {os.strerror(errno.ENOTDIR)}")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "tune.json").is_file():
+        raise UsageError(f"-o {out_dir}: the folder holds files but no tune.json; tune replaces "
+                         f"the whole folder with its release, so -o names a new folder, an "
+                         f"empty one or an earlier release of tune")
+    for path in inputs:
+        if path is not None and Path(path).exists() and \
+                Path(path).resolve().is_relative_to(out_dir.resolve()):
+            raise UsageError(f"{path} is inside -o {out_dir}, which tune replaces whole; "
+                             f"give the release another folder")
+    existing = out_dir.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        code = errno.EACCES if existing.is_dir() else errno.ENOTDIR
+        raise DiagnosticError.at(Location(str(out_dir), 0, 0),
+                                 f"cannot write output: {os.strerror(code)}")
 
 
 def builtin_sheet(target) -> Path:

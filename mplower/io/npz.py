@@ -25,7 +25,7 @@ from typing import IO, Self
 import numpy as np
 
 from mplower.dialect.plan import WEIGHTS
-from mplower.io.atomic import atomic_output, module_relative
+from mplower.io.atomic import atomic_output, module_relative, staged_path
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Module
 
@@ -154,10 +154,11 @@ class NpzArchive:
 
 def _open_regular_file(path: Path, loc: Location, what: str):
     """`path` opened for reading, refused at once unless it is a regular file: a FIFO or a
-    device would block the read or never end."""
+    device would block the read or never end. A file this run has staged but not yet committed
+    (the weights an earlier pass wrote beside `-o`) reads as its staged content."""
     try:
         # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(staged_path(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise _error(loc, f"{what} file '{path}' does not exist") from None
     except OSError as e:
