@@ -208,7 +208,7 @@ class WeightStore:
         self.module = module
         self.path = weights_file(module, override)
         # Where a problem with the file is reported: the attribute that named it, if one did.
-        self._file_loc = module.loc if override is not None else module.attr_loc("mp.weights")
+        self._file_loc = module.loc if override is not None else module.attr_loc(WEIGHTS)
         self._archive: NpzArchive | None = None
         self._arrays: dict[str, np.ndarray] = {}
 
