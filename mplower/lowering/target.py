@@ -349,7 +349,7 @@ def module_target(module: Module, named: str | None,
     if recorded is None:
         return load_target("generic", known_ops=known_ops)
     if not isinstance(recorded, str):
-        raise DiagnosticError.at(module.attr_loc("mp.target"),
+        raise DiagnosticError.at(module.attr_loc(TARGET),
                                  "module attribute mp.target must be a string")
     return load_target(recorded, module=module, known_ops=known_ops)
 
