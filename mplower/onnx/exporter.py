@@ -154,6 +154,13 @@ class _Exporter:
     def error(self, n: int, message: str) -> DiagnosticError:
         return DiagnosticError.at(self.f.data(n)["loc"], message)
 
+    def index(self, name: str, t: TensorType, takes: tuple[str, ...]) -> str:
+        """An index operand in a type the ONNX op `takes` (Gather: INT32/INT64, GatherND and
+        ScatterND: INT64): any other integer type is Cast to INT64, which holds its values."""
+        if t.elem in takes:
+            return name
+        return self.node("Cast", [name], f"{name}_i64", to=TensorProto.INT64)
+
     def as_float(self, name: str, t: TensorType) -> str:
         """The FLOAT copy of a narrow float tensor (one Cast per tensor)."""
         if t.elem not in NARROW_FLOATS or t.elem == "tf32":
@@ -168,6 +175,10 @@ class _Exporter:
         inputs = []
         for a in f.args:
             t = f.types(a)[0]
+            why = _unexportable(t.elem)
+            if why is not None:
+                raise self.error(a, f"argument %{f.data(a)['name']} has type {t}: "
+                                    f"{t.elem}{why}; not exported")
             self._note_type(t)
             name = self.fresh(f.data(a)["name"])
             io = _IO_AS.get(t.elem)
@@ -239,12 +250,9 @@ class _Exporter:
         self._note_type(out_t)
         q_elem = attr_type(attrs["dtype"]) if op == "mp.fake_quant" else None
         for elem in (out_t.elem, q_elem, *(t.elem for t in f.operand_types(n))):
-            if elem in _NO_RUNTIME:
-                raise self.error(n, f"'{op}' uses {elem}: it would be exported as "
-                                    f"{_NO_RUNTIME[elem]}; not exported")
-            if elem is not None and elem not in ONNX_TYPE:
-                raise self.error(n, f"'{op}' uses {elem}, which has no ONNX type (ONNX has "
-                                    f"FLOAT8 and FLOAT4E2M1, no 6-bit float); not exported")
+            why = None if elem is None else _unexportable(elem)
+            if why is not None:
+                raise self.error(n, f"'{op}' uses {elem}{why}; not exported")
         ins = [self.names[v] for v in f.operands(n)]
         in_types = f.operand_types(n)
         hint = d["name"]
@@ -328,8 +336,10 @@ class _Exporter:
             idx = self.node("ArgMax", ins, f"{hint}_i64", axis=a["axis"],
                             keepdims=int(a["keepdims"]))
             return self.node("Cast", [idx], hint, to=TensorProto.INT32)
-        if op == "mp.reshape":
-            return self.node("Reshape", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
+        if op == "mp.reshape":  # allowzero: a 0 in the shape is a zero dimension, not "copy"
+            extra = {"allowzero": 1} if 0 in out_t.shape else {}
+            return self.node("Reshape", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint,
+                             **extra)
         if op == "mp.transpose":
             perm = a.get("perm", tuple(reversed(range(in_types[0].rank))))
             return self.node("Transpose", ins, hint, perm=list(perm))
@@ -361,13 +371,17 @@ class _Exporter:
             return self.node("LRN", ins, hint, size=a["size"], alpha=a["alpha"],
                              beta=a["beta"], bias=a["bias"])
         if op in ("mp.gather", "mp.gather_elements"):
+            ins = [ins[0], self.index(ins[1], in_types[1], ("i32", "i64"))]
             return self.node("Gather" if op == "mp.gather" else "GatherElements", ins, hint,
                              axis=a["axis"])
         if op == "mp.gather_nd":
+            ins = [ins[0], self.index(ins[1], in_types[1], ("i64",))]
             return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
         if op == "mp.scatter_elements_add":
+            ins = [ins[0], self.index(ins[1], in_types[1], ("i32", "i64")), ins[2]]
             return self.node("ScatterElements", ins, hint, axis=a["axis"], reduction="add")
         if op == "mp.scatter_nd_add" and a["batch_dims"] == 0:  # ScatterND has no batch dims
+            ins = [ins[0], self.index(ins[1], in_types[1], ("i64",)), ins[2]]
             return self.node("ScatterND", ins, hint, reduction="add")
         if op == "mp.isinf":
             return self.node("IsInf", ins, hint, detect_negative=int(a["detect_negative"]),
@@ -591,6 +605,19 @@ def _in_onnx_type(raw: np.ndarray, elem: str) -> np.ndarray:
     if fmt.is_int and elem != "i1":
         return np.clip(raw, fmt.min_value, fmt.max_finite).astype(dtype)
     return np.asarray(raw).astype(dtype)
+
+
+def _unexportable(elem: str) -> str | None:
+    """Why a value of element type `elem` cannot be exported (the clause that follows the
+    type's name in a message), or None when it can."""
+    if elem in _NO_RUNTIME:
+        return f": it would be exported as {_NO_RUNTIME[elem]}"
+    if elem == "f8E8M0FNU":  # a block-scale type; ONNX's FLOAT8E8M0 came with opset 24
+        return (f", which has no ONNX type at opset {OPSET} (FLOAT8E8M0 needs opset 24, "
+                f"which onnxruntime's CPU provider does not run)")
+    if elem not in ONNX_TYPE:
+        return ", which has no ONNX type (ONNX has FLOAT8 and FLOAT4E2M1, no 6-bit float)"
+    return None
 
 
 def _value_info(name: str, t: TensorType) -> onnx.ValueInfoProto:
