@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
-from mplower.ir.diagnostics import did_you_mean
+from mplower.ir.diagnostics import DiagnosticError, did_you_mean
 
 if TYPE_CHECKING:  # the CLI imports this module before it knows whether it will parse IR
     from mplower.ir.graph import Module, Value
@@ -394,12 +394,27 @@ class PassManager:
                 stats.setdefault(key, 0)
             if inst.verify_each:
                 t0 = time.perf_counter()
-                verify(module)
+                _verify_after(p, module, verify)
                 self.timings.append(("(verify)", time.perf_counter() - t0))
             if inst.print_after_all or p.name in inst.print_after:
                 out.write(f"// -----// IR Dump After {describe_pass(p)} //----- //\n")
                 out.write(print_module(module, inst.generic))
         place_module_files(module, ctx, named)
+
+
+def _verify_after(p: Pass, module: Module, verify: Callable[[Module], None]) -> None:
+    """Verify the module `p` produced. The input was verified when it was parsed, so a failure
+    here is a bug of the pass, not of the input: the diagnostics say so and name the pass
+    (they keep their locations, the ops the pass left invalid)."""
+    try:
+        verify(module)
+    except DiagnosticError as e:
+        err = DiagnosticError(*(dataclasses.replace(d, message=(
+            f"internal error in pass '{p.name}' (a bug in mplower, not in the input; please "
+            f"report it): the module it produced fails verification: {d.message}"))
+            for d in e.diagnostics))
+        err.source = e.source
+        raise err from None
 
 
 def format_timing(rows: list[tuple[str, float]]) -> str:

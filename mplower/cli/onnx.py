@@ -42,10 +42,21 @@ def add_import(sub, name: str) -> argparse.ArgumentParser:
 
 def add_export(sub, name: str) -> argparse.ArgumentParser:
     e = sub.add_parser(name, help="export a (lowered) module as an ONNX model",
-                       description="Write an ONNX model that computes what mplower's executor "
-                                   "computes: narrow formats as Cast nodes, int8 as "
-                                   "QuantizeLinear/DequantizeLinear, weights as initializers. "
-                                   "A plan that is only annotations gets insert-casts first.")
+                       description="Write an ONNX model of the module's plan: narrow formats "
+                                   "as Cast nodes, int8 as QuantizeLinear/DequantizeLinear, "
+                                   "weights as initializers. A plan that is only annotations "
+                                   "gets insert-casts first. What onnxruntime's CPU provider "
+                                   "reproduces of mplower's executor (docs/onnx.md): casts, "
+                                   "data movement, elementwise ops, quantize/dequantize with "
+                                   "static or current scales of an input, and integer "
+                                   "MatMul/Conv are bit-identical; float sums (MatMul, Conv, "
+                                   "reductions, Softmax, normalizations) run in the runtime's "
+                                   "own order, so their f32 results differ in the last bits, "
+                                   "within 1 ULP of the plan's narrow format; where such a "
+                                   "value is then rounded to fp8 (current scaling also takes "
+                                   "its scale from their amax) it may land on the neighbouring "
+                                   "code: each fp8 value is within one fp8 code of the "
+                                   "executor's, and outputs downstream differ accordingly.")
     e.add_argument("input", help="IR file, or - for stdin")
     e.add_argument("--format", choices=("onnx",), default="onnx")
     e.add_argument("-o", dest="output", required=True,

@@ -2355,7 +2355,7 @@ def _cumsum_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     if a["reverse"]:
         x = np.flip(x, axis)
     y = np.cumsum(x, axis=axis, dtype=x.dtype)
-    if a["exclusive"]:  # shift by one along the axis: the sum of the elements before
+    if a["exclusive"] and x.shape[axis]:  # shift by one along the axis: the sums before
         y = np.concatenate([np.zeros_like(np.take(y, [0], axis=axis)),
                             np.take(y, range(x.shape[axis] - 1), axis=axis)], axis=axis)
     return [np.flip(y, axis) if a["reverse"] else y]

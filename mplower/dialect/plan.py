@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from mplower.dialect.mp import TYPE_CARRYING
+from mplower.dialect.mp import CONTRACTIONS, TYPE_CARRYING
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import Function
 from mplower.ir.opdef import OpError, annotation, attr_str, attr_type
@@ -226,11 +226,12 @@ def result_format(op: str, compute: str, accum: str | None) -> str:
     """The element type an op's float results have once it computes in `compute`.
 
     Integer compute (w8a8) is materialized by quantize/dequantize pairs whose result is f32;
-    tf32 and fp8 matmuls write their accumulator; every other op writes its compute format.
+    tf32 and fp8 matmuls and convs write their accumulator; every other op writes its compute
+    format, as its type rule infers (an fp8 slice moves fp8 values and gives fp8).
     """
     if FORMATS[compute].is_int:
         return "f32"
-    if compute in INPUT_ONLY_FORMATS:
+    if compute in INPUT_ONLY_FORMATS and op in CONTRACTIONS:
         return accum if accum is not None and FORMATS[accum].is_float else "f32"
     return compute
 

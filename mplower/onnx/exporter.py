@@ -154,6 +154,13 @@ class _Exporter:
     def error(self, n: int, message: str) -> DiagnosticError:
         return DiagnosticError.at(self.f.data(n)["loc"], message)
 
+    def index(self, name: str, t: TensorType, takes: tuple[str, ...]) -> str:
+        """An index operand in a type the ONNX op `takes` (Gather: INT32/INT64, GatherND and
+        ScatterND: INT64): any other integer type is Cast to INT64, which holds its values."""
+        if t.elem in takes:
+            return name
+        return self.node("Cast", [name], f"{name}_i64", to=TensorProto.INT64)
+
     def as_float(self, name: str, t: TensorType) -> str:
         """The FLOAT copy of a narrow float tensor (one Cast per tensor)."""
         if t.elem not in NARROW_FLOATS or t.elem == "tf32":
@@ -168,6 +175,10 @@ class _Exporter:
         inputs = []
         for a in f.args:
             t = f.types(a)[0]
+            why = _unexportable(t.elem)
+            if why is not None:
+                raise self.error(a, f"argument %{f.data(a)['name']} has type {t}: "
+                                    f"{t.elem}{why}; not exported")
             self._note_type(t)
             name = self.fresh(f.data(a)["name"])
             io = _IO_AS.get(t.elem)
@@ -239,12 +250,9 @@ class _Exporter:
         self._note_type(out_t)
         q_elem = attr_type(attrs["dtype"]) if op == "mp.fake_quant" else None
         for elem in (out_t.elem, q_elem, *(t.elem for t in f.operand_types(n))):
-            if elem in _NO_RUNTIME:
-                raise self.error(n, f"'{op}' uses {elem}: it would be exported as "
-                                    f"{_NO_RUNTIME[elem]}; not exported")
-            if elem is not None and elem not in ONNX_TYPE:
-                raise self.error(n, f"'{op}' uses {elem}, which has no ONNX type (ONNX has "
-                                    f"FLOAT8 and FLOAT4E2M1, no 6-bit float); not exported")
+            why = None if elem is None else _unexportable(elem)
+            if why is not None:
+                raise self.error(n, f"'{op}' uses {elem}{why}; not exported")
         ins = [self.names[v] for v in f.operands(n)]
         in_types = f.operand_types(n)
         hint = d["name"]
@@ -581,7 +589,9 @@ def _argmax(self: _Exporter, op: str, a: dict, ins: list[str],
 @emitter("mp.reshape")
 def _reshape(self: _Exporter, op: str, a: dict, ins: list[str],
              in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
-    return self.node("Reshape", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint)
+    extra = {"allowzero": 1} if 0 in out_t.shape else {}  # a 0 is a zero dim, not "copy"
+    return self.node("Reshape", [ins[0], self.ints(out_t.shape, f"{hint}_shape")], hint,
+                     **extra)
 
 
 @emitter("mp.transpose")
@@ -653,6 +663,7 @@ def _lrn(self: _Exporter, op: str, a: dict, ins: list[str],
 @emitter("mp.gather", "mp.gather_elements")
 def _gather(self: _Exporter, op: str, a: dict, ins: list[str],
             in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    ins = [ins[0], self.index(ins[1], in_types[1], ("i32", "i64"))]
     return self.node("Gather" if op == "mp.gather" else "GatherElements", ins, hint,
                      axis=a["axis"])
 
@@ -660,12 +671,14 @@ def _gather(self: _Exporter, op: str, a: dict, ins: list[str],
 @emitter("mp.gather_nd")
 def _gather_nd(self: _Exporter, op: str, a: dict, ins: list[str],
                in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    ins = [ins[0], self.index(ins[1], in_types[1], ("i64",))]
     return self.node("GatherND", ins, hint, batch_dims=a["batch_dims"])
 
 
 @emitter("mp.scatter_elements_add")
 def _scatter_elements_add(self: _Exporter, op: str, a: dict, ins: list[str],
                           in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    ins = [ins[0], self.index(ins[1], in_types[1], ("i32", "i64")), ins[2]]
     return self.node("ScatterElements", ins, hint, axis=a["axis"], reduction="add")
 
 
@@ -673,6 +686,7 @@ def _scatter_elements_add(self: _Exporter, op: str, a: dict, ins: list[str],
 def _scatter_nd_add(self: _Exporter, op: str, a: dict, ins: list[str],
                     in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
     if a["batch_dims"] == 0:  # ScatterND has no batch dims
+        ins = [ins[0], self.index(ins[1], in_types[1], ("i64",)), ins[2]]
         return self.node("ScatterND", ins, hint, reduction="add")
     raise DiagnosticError.at(self.loc, f"'{op}' has no ONNX export")
 
@@ -721,6 +735,19 @@ def _in_onnx_type(raw: np.ndarray, elem: str) -> np.ndarray:
     if fmt.is_int and elem != "i1":
         return np.clip(raw, fmt.min_value, fmt.max_finite).astype(dtype)
     return np.asarray(raw).astype(dtype)
+
+
+def _unexportable(elem: str) -> str | None:
+    """Why a value of element type `elem` cannot be exported (the clause that follows the
+    type's name in a message), or None when it can."""
+    if elem in _NO_RUNTIME:
+        return f": it would be exported as {_NO_RUNTIME[elem]}"
+    if elem == "f8E8M0FNU":  # a block-scale type; ONNX's FLOAT8E8M0 came with opset 24
+        return (f", which has no ONNX type at opset {OPSET} (FLOAT8E8M0 needs opset 24, "
+                f"which onnxruntime's CPU provider does not run)")
+    if elem not in ONNX_TYPE:
+        return ", which has no ONNX type (ONNX has FLOAT8 and FLOAT4E2M1, no 6-bit float)"
+    return None
 
 
 def _value_info(name: str, t: TensorType) -> onnx.ValueInfoProto:

@@ -660,7 +660,10 @@ class _Importer:
         graph = helper.make_graph([copy], "fold", inputs,
                                   [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None)
                                    for o in outs if o])
-        model = helper.make_model(graph, opset_imports=list(self.model.opset_import),
+        opsets = [helper.make_opsetid(o.domain, max(o.version, _FOLD_OPSET.get(
+            node.op_type, 0)) if o.domain in ("", "ai.onnx") else o.version)
+            for o in self.model.opset_import]
+        model = helper.make_model(graph, opset_imports=opsets,
                                   ir_version=self.model.ir_version or 8)
         try:
             results = ReferenceEvaluator(model).run(None, feeds)
@@ -669,6 +672,13 @@ class _Importer:
                              f"{type(e).__name__}: {str(e)[:200]}") from None
         it = iter(results)
         return [Const(np.asarray(next(it))) if o else None for o in outs]
+
+
+# Ops that onnx's ReferenceEvaluator implements only from a later version, whose later versions
+# compute what the earlier ones did on every input the earlier ones take (they add types and
+# attributes with defaults): folded at that version. QuantizeLinear/DequantizeLinear-13 (what
+# opset-13 QDQ models hold) have no implementation of their own.
+_FOLD_OPSET = {"QuantizeLinear": 19, "DequantizeLinear": 19}
 
 
 def _first_line(e: Exception) -> str:
@@ -843,6 +853,11 @@ def _constant_value(imp: _Importer, node: onnx.NodeProto) -> np.ndarray:
                     f"(numeric value, value_float(s), value_int(s) are)")
 
 
+# The most elements a tensor computed at import time may have: the importer holds it in memory
+# whole (2^31 f32 elements are 8 GiB); a larger fill is a model error, not a weight.
+FOLD_LIMIT = 2 ** 31
+
+
 @handler("ConstantOfShape")
 def _constant_of_shape(imp: _Importer, node: onnx.NodeProto) -> list:
     shape = imp.const(0, "the shape")
@@ -855,6 +870,9 @@ def _fill(imp: _Importer, node: onnx.NodeProto, shape: np.ndarray) -> np.ndarray
     dims = tuple(int(d) for d in np.reshape(shape, -1))
     if any(d < 0 for d in dims):
         raise imp.error(f"shape {list(dims)} has a negative dimension")
+    if math.prod(dims) > FOLD_LIMIT:
+        raise imp.error(f"shape {list(dims)} has {math.prod(dims)} elements, more than the "
+                        f"{FOLD_LIMIT} (2^31) that import folds into a constant")
     try:
         return np.full(dims, value.reshape(-1)[0], value.dtype)
     except MemoryError:

@@ -45,7 +45,7 @@ def output_drift(result: RunResult) -> dict[str, float | None]:
     none = {"output_rel_l2": None, "output_max_abs": None, "sqnr_db": None,
             "nonfinite_mismatch": None, "top1_agreement": None}
     pairs = _output_pairs(result)
-    if not pairs:
+    if not sum(y.size for y, _ in pairs):  # no values: no drift to speak of (not 0, not NaN)
         return none
     d = result_drift(np.concatenate([a.astype(np.float64).ravel() for a, _ in pairs]),
                      np.concatenate([b.astype(np.float64).ravel() for _, b in pairs]))
@@ -92,7 +92,7 @@ def top1_agreement(y: np.ndarray, ref: np.ndarray) -> float | None:
     never agrees. None where there are no classes to pick from: a scalar, a non-float output,
     a class axis of one entry.
     """
-    if y.ndim == 0 or y.dtype.kind != "f" or y.shape[class_axis(y.ndim)] < 2:
+    if y.ndim == 0 or y.dtype.kind != "f" or y.shape[class_axis(y.ndim)] < 2 or not y.size:
         return None
     axis = class_axis(y.ndim)
     rows = np.moveaxis(y.astype(np.float64), axis, -1).reshape(-1, y.shape[axis])
@@ -190,13 +190,16 @@ def verdict(guardrails: dict[str, Any]) -> str:
 
 def op_entry(r: OpResult) -> dict[str, Any]:
     s = r.step
+    # A zero-size result has no drift to measure: null, as for a non-finite figure.
+    empty = math.prod(s.out_type.shape) == 0
+    drift = {k: None if empty else finite_or_none(v) for k, v in
+             (("rel_l2", r.rel_l2), ("sqnr_db", r.sqnr_db), ("max_abs", r.max_abs))}
     return {
         "name": s.name, "op": s.op, "type": str(s.out_type),
         "requested": s.requested, "executed": s.executed,
         "fallback": s.reason is not None, "reason": s.reason,
         "overflow": r.counts.overflow, "underflow": r.counts.underflow, "nan": r.counts.nan,
-        "rel_l2": finite_or_none(r.rel_l2), "sqnr_db": finite_or_none(r.sqnr_db),
-        "max_abs": finite_or_none(r.max_abs), "nonfinite_mismatch": r.nonfinite_mismatch,
+        **drift, "nonfinite_mismatch": r.nonfinite_mismatch,
         "flops": s.flops,
         **({"scaling": scaling_entry(r.scale)} if r.scale is not None else {}),
     }

@@ -136,8 +136,9 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
               f" us on {sheet['target']} ({s['modeled_inferences_per_s']:.1f} inferences/s), "
               f"{s['modeled_speedup_vs_fp32']:.2f}x the f32 plan")
     if s["modeled_joules_per_inference"] is not None:
+        per_joule = s["modeled_inferences_per_joule"]  # None where nothing takes time
         footer += (f"; {s['modeled_joules_per_inference']:.4g} J/inference, "
-                   f"{s['modeled_inferences_per_joule']:.4g} inferences/J at "
+                   f"{'-' if per_joule is None else format(per_joule, '.4g')} inferences/J at "
                    f"{s['board_power_w']:g} W")
     sparse = sparse_lines(sheet["sparse"], fmt) if "sparse" in sheet else []
     gap = "\n" if fmt == "markdown" else ""  # a blank line ends a markdown table
