@@ -280,5 +280,31 @@ def test_portable_rint_is_numpys() -> None:
                               native[number].view(np.uint32))
 
 
+CONV_IR = """\
+func.func @main(%x: tensor<1x2x2x2xf32>) -> tensor<1x8x2x2xf32> {
+  %w = mp.constant {value = dense<0.5> : tensor<8x2x1x1xf32>} : () -> tensor<8x2x1x1xf32>
+  %0 = mp.conv2d %x, %w {strides = [1, 1], padding = [0, 0, 0, 0], dilations = [1, 1], \
+groups = 1} : (tensor<1x2x2x2xf32>, tensor<8x2x1x1xf32>) -> tensor<1x8x2x2xf32>
+  return %0 : tensor<1x8x2x2xf32>
+}
+"""
+
+
+def test_run_with_numba_jit_disabled_says_so_in_one_line(tmp_path) -> None:
+    """NUMBA_DISABLE_JIT=1 turns njit functions into Python, where the kernels' LLVM IR
+    intrinsics cannot run: `mplower run` says to unset it (exit 2), not "internal error"."""
+    model = tmp_path / "conv.ir"
+    model.write_text(CONV_IR)
+    done = subprocess.run(
+        [sys.executable, "-c", "from mplower.cli.main import main; raise SystemExit(main())",
+         "run", str(model), "--random-inputs", "--seed", "0"],
+        env=dict(os.environ, NUMBA_DISABLE_JIT="1"), capture_output=True, text=True,
+        timeout=600, check=False)
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith("mplower: error: ") and "NUMBA_DISABLE_JIT" in done.stderr
+    assert "internal error" not in done.stderr and "Traceback" not in done.stderr
+
+
 if __name__ == "__main__":
     print(json.dumps(digests()))
