@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -31,7 +32,9 @@ from mplower.numerics import gemm
 from mplower.numerics.conv import conv2d
 from mplower.numerics.cpu import Target, compile_target, probe
 from mplower.numerics.gemm import integer_matmul, matmul
+from mplower.numerics.pool import avg_pool2d, max_pool2d
 from mplower.numerics.rounding import round_to
+from mplower.numerics.special import erf
 
 X86 = "x86_64-unknown-linux-gnu"
 AARCH64 = "aarch64-unknown-linux-gnu"
@@ -101,9 +104,21 @@ def outputs() -> dict[str, np.ndarray]:
             out[name + "-amax"] = np.asarray(kw["amax"], np.float32)
     for name, (fn, operands, kw) in _matmul_cases().items():
         out[name] = fn(*operands, **kw)
-    wide = np.random.default_rng(9).standard_normal(4096).astype(np.float32) * 1e5
+    wide, x, planes = _elementwise_inputs()
     out["round-f16"] = round_to(wide, "f16")[0]
+    out["erf"] = erf(x)
+    # The 3x3 stride-2 pools' kernel loads and stores the last columns through lane masks.
+    out["max-pool-3x3s2"] = max_pool2d(planes, (3, 3), (2, 2), (1, 1, 1, 1))
+    out["avg-pool-3x3s2"] = avg_pool2d(planes, (3, 3), (2, 2), (1, 1, 1, 1))
     return out
+
+
+def _elementwise_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inputs of the f16 rounding, erf and the pools."""
+    rng = np.random.default_rng(9)
+    return (rng.standard_normal(4096).astype(np.float32) * 1e5,
+            rng.standard_normal(4096).astype(np.float32) * 2,
+            rng.standard_normal((1, 8, 17, 17)).astype(np.float32))
 
 
 def digests() -> dict[str, str]:
@@ -138,7 +153,9 @@ def _can_run(cpu: str) -> bool:
 def test_workload_matches_numpy_references() -> None:
     """The host's bits, which the other targets must reproduce, are the right ones: each
     float32 conv and product against numpy's sequential sums (tests/conftest.py), the f16
-    rounding against numpy's float16 cast, the quantize against rint, clip and cast."""
+    rounding against numpy's float16 cast, the quantize against rint, clip and cast, erf
+    against math.erf, the max pool against numpy's windows (the average pool's order is
+    compared across targets only)."""
     from conftest import sequential_matmul
     from test_conv_implicit import sequential_conv
 
@@ -164,6 +181,14 @@ def test_workload_matches_numpy_references() -> None:
         assert got[name].tobytes() == np.ascontiguousarray(y).tobytes(), name
         if "amax" in kw:
             assert got[name + "-amax"][0] == np.abs(y).max()
+    wide, x, planes = _elementwise_inputs()
+    with np.errstate(over="ignore"):
+        assert got["round-f16"].tobytes() == wide.astype(np.float16).astype(np.float32).tobytes()
+    assert got["erf"].tobytes() == np.array([math.erf(v) for v in x], np.float32).tobytes()
+    windows = np.lib.stride_tricks.sliding_window_view(
+        np.pad(planes, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf), (3, 3),
+        axis=(2, 3))[:, :, ::2, ::2]
+    assert got["max-pool-3x3s2"].tobytes() == windows.max(axis=(4, 5)).tobytes()
     for name, (fn, (a, b), kw) in _matmul_cases().items():
         y = sequential_matmul(a.astype(np.int64), b.astype(np.int64)) if fn is integer_matmul \
             else sequential_matmul(a, b)
