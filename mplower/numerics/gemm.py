@@ -62,8 +62,6 @@ TILE_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 SERIAL_BELOW = 1 << 23
 
 
-
-
 def _micro_kernel(rows: int):
     """An intrinsic `micro(a, a_offset, lda, panel, panel_offset, ldp, tile, tile_offset, ldt,
     depth, zero)` for `rows` output rows: t[r, :] += a[a_offset + r * lda + k] * panel[
@@ -245,9 +243,10 @@ def _post_epilogue(builder, final, lanes, post, width):
     """What a float32 tile's outputs get after `_fused_epilogue`, in registers: if bit 0 of
     `post` is set, bf16's rounding (rounding.rounded_bits' non-saturating bf16 path: nearest
     even on the bit pattern, a NaN made bf16's quiet NaN with its sign); if bit 2 is set,
-    non-saturating f16's (`_half_round_trip`); if bit 1 is set, the largest magnitude as a bit pattern (sign cleared, compared
-    unsigned, as rounding.amax takes it) of the outputs in the first `width` columns, after
-    the rounding, returned as an i32 (0 if the bit is clear). Each is decided once per tile
+    non-saturating f16's (`_half_round_trip`); if bit 1 is set, the largest magnitude as a
+    bit pattern (sign cleared, compared unsigned, as rounding.amax takes it) of the outputs
+    in the first `width` columns, after the rounding, returned as an i32 (0 if the bit is
+    clear). Each is decided once per tile
     by a branch (`_when`), so a tile without them runs the same instructions as before."""
     i32 = ir.IntType(32)
     uty = ir.VectorType(i32, lanes)
@@ -344,9 +343,9 @@ def _half_round_trip(builder, value, native: bool):
 
 def _rint(builder, value, native: bool):
     """A float32 vector rounded to integers, nearest even (llvm.rint in the default rounding
-    mode). `native`: the instruction (SSE4.1's roundps, AArch64's frintx); otherwise (a libm
-    call per lane, cpu.py) (|x| + 2^23) - 2^23 with x's sign, exact below 2^23, where every
-    float32 at or beyond it (and inf, NaN) is its own rint."""
+    mode). `native`: the instruction (SSE4.1's roundps, AArch64's frintx); otherwise, where
+    LLVM would call libm's rintf once per lane (cpu.py), (|x| + 2^23) - 2^23 with x's sign,
+    exact below 2^23, where every float32 at or beyond it (and inf, NaN) is its own rint."""
     lanes = value.type.count
     if native:
         fn = builder.module.declare_intrinsic(f"llvm.rint.v{lanes}f32",
