@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def _cases():
@@ -80,9 +81,10 @@ def main() -> None:
                 env=dict(os.environ, NUMBA_NUM_THREADS="1", **env), capture_output=True,
                 text=True, check=True)
             results[target].append(json.loads(done.stdout.splitlines()[-1]))
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo
                   if line.startswith("model name")), platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo
                   if line.startswith("flags")), [])
     print(f"`python3 benchmarks/cpu_targets.py --rounds {args.rounds} --repeats "
           f"{args.repeats}`, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
