@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,8 @@ def main() -> None:
         ms = [statistics.median(r[case][0] for r in results[t][1:]) * 1e3 for t in targets]
         same = len({r[case][1] for t in targets for r in results[t]}) == 1
         print(f"| {case} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {same} |")
+    for cache in caches.values():
+        shutil.rmtree(cache)
 
 
 if __name__ == "__main__":
