@@ -167,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug in mplower: say so, without a traceback
         if os.environ.get("MPLOWER_TRACEBACK"):
             raise
+        from mplower.numerics.cpu import jit_disabled
+
+        if jit_disabled():
+            sys.stderr.write(f"mplower: error: mplower's kernels run only compiled; unset "
+                             f"NUMBA_DISABLE_JIT ({type(e).__name__}: {e})\n")
+            return EXIT_USAGE
         sys.stderr.write(f"mplower: internal error: {type(e).__name__}: {e}\n"
                          "(set MPLOWER_TRACEBACK=1 to see where; please report it)\n")
         return EXIT_INPUT

@@ -39,6 +39,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from mplower.numerics.cpu import compile_target
 from mplower.numerics.quant import _quantize_one
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,
@@ -59,29 +60,6 @@ TILE_ROWS, _VECTORS, _VECTOR_BYTES = 8, 2, 64
 # before units were claimed inside compiled code) kept ShuffleNet's grouped 1x1 convs at batch
 # 8 on one thread; 2^21 was no better and ShuffleNet b8 10% slower (docs/benchmarks.md).
 SERIAL_BELOW = 1 << 23
-
-
-def _embedded_broadcast() -> bool:
-    """Whether the micro-kernel's row values are loaded once per vector (see `_codegen`): on
-    AVX-512, where each load folds into its fmul as an embedded broadcast. On this Zen 4 VM a
-    broadcast instruction per row and k took FP-pipe time: 8 vbroadcastss, 16 vmulps and 16
-    vaddps ran in 19.2-19.9 TSC cycles, with the broadcasts embedded 13.9-14.9, as 16 FMAs
-    (13.3). Elsewhere (AVX2 has no embedded broadcast) each row is loaded once, as before. The
-    arithmetic, and so every bit, is the same either way. Where NUMBA_CPU_NAME has numba
-    compile for another CPU than this one, NUMBA_CPU_FEATURES decides."""
-    from numba.core import config
-
-    if config.CPU_NAME and config.CPU_NAME != "host":
-        return "+avx512f" in (config.CPU_FEATURES or "")
-    try:
-        from llvmlite import binding
-
-        return bool(binding.get_host_cpu_features().get("avx512f"))
-    except (ImportError, RuntimeError):
-        return False
-
-
-_EMBEDDED_BROADCAST = _embedded_broadcast()
 
 
 def _micro_kernel(rows: int):
@@ -160,12 +138,16 @@ def _codegen(rows: int, lanes: int, vty: ir.VectorType, fused: bool = False):
                 _prefetch(builder, vector_at(t_ptr, builder.add(at(r, v),
                                                                 const(_VECTORS * lanes))),
                           write=True)
-        # With AVX-512, vector v > 0 reads its row's value from a copy of a's address that
-        # LLVM cannot see through (an empty asm), so that each load has one use and folds
-        # into the fmul as an embedded broadcast instead of a broadcast instruction per row
-        # (`_EMBEDDED_BROADCAST`).
+        # Where the compile target has AVX-512 (cpu.Target.wide), vector v > 0 reads its
+        # row's value from a copy of a's address that LLVM cannot see through (an empty
+        # asm), so that each load has one use and folds into the fmul as an embedded
+        # broadcast instead of a broadcast instruction per row and k, which took FP-pipe
+        # time on this Zen 4 VM: 8 vbroadcastss, 16 vmulps and 16 vaddps ran in 19.2-19.9 TSC
+        # cycles, with the broadcasts embedded 13.9-14.9, as 16 FMAs (13.3). Elsewhere (AVX2
+        # has no embedded broadcast) each row is loaded once. The arithmetic, and so every
+        # bit, is the same either way.
         a_alt = a_ptr
-        if _EMBEDDED_BROADCAST:
+        if compile_target().wide:
             a_alt = builder.inttoptr(builder.asm(ir.FunctionType(i64, [i64]), "", "=r,0",
                                                  [builder.ptrtoint(a_ptr, i64)], False),
                                      a_ptr.type)
@@ -261,13 +243,10 @@ def _post_epilogue(builder, final, lanes, post, width):
     """What a float32 tile's outputs get after `_fused_epilogue`, in registers: if bit 0 of
     `post` is set, bf16's rounding (rounding.rounded_bits' non-saturating bf16 path: nearest
     even on the bit pattern, a NaN made bf16's quiet NaN with its sign); if bit 2 is set,
-    non-saturating f16's (the CPU's float16 conversion there and back: IEEE nearest-even with
-    subnormals and inf on overflow. A NaN here is quiet, made by the epilogue's arithmetic,
-    and keeps its sign and top ten payload bits as numpy's float16 cast and
-    rounding._round_one keep them; only a signalling NaN, which never gets here, would
-    differ); if bit 1 is set, the largest magnitude as a bit pattern (sign cleared, compared
-    unsigned, as rounding.amax takes it) of the outputs in the first `width` columns, after
-    the rounding, returned as an i32 (0 if the bit is clear). Each is decided once per tile
+    non-saturating f16's (`_half_round_trip`); if bit 1 is set, the largest magnitude as a
+    bit pattern (sign cleared, compared unsigned, as rounding.amax takes it) of the outputs
+    in the first `width` columns, after the rounding, returned as an i32 (0 if the bit is
+    clear). Each is decided once per tile
     by a branch (`_when`), so a tile without them runs the same instructions as before."""
     i32 = ir.IntType(32)
     uty = ir.VectorType(i32, lanes)
@@ -295,9 +274,8 @@ def _post_epilogue(builder, final, lanes, post, width):
         return rounded
 
     def f16(values):
-        hty = ir.VectorType(ir.HalfType(), lanes)
-        return {rv: builder.fpext(builder.fptrunc(value, hty), vty)
-                for rv, value in values.items()}
+        native = compile_target().half
+        return {rv: _half_round_trip(builder, value, native) for rv, value in values.items()}
 
     def measure(_):
         limit = _broadcast(builder, width, lanes)
@@ -321,6 +299,69 @@ def _post_epilogue(builder, final, lanes, post, width):
     return out, largest
 
 
+def _half_round_trip(builder, value, native: bool):
+    """A float32 vector rounded to float16 and back: IEEE nearest-even with subnormals and
+    inf on overflow; a NaN keeps its sign and top ten payload bits, made quiet. A NaN here
+    is quiet, made by the epilogue's arithmetic, and so keeps what numpy's float16 cast and
+    rounding._round_one keep; only a signalling NaN, which never gets here, would differ.
+
+    `native`: the CPU's conversion there and back (F16C's vcvtps2ph and vcvtph2ps, AArch64's
+    fcvtn and fcvtl). Otherwise the same bits from float32 operations alone (a target
+    without the conversion would call a runtime function numba does not link, cpu.py): in
+    float16's normal range, nearest-even on the bit pattern (13 bits dropped; a carry past
+    65504 reaches 0x47800000, inf's place); below 2^-14, |x| + 0.5 - 0.5, whose ulp at 0.5 is
+    float16's smallest subnormal 2^-24, so that the add rounds once, to nearest even, and the
+    subtraction is exact (rounding._round_one's subnormal step). Checked against the native
+    path and numpy by tests/test_cpu_targets.py."""
+    lanes = value.type.count
+    if native:
+        return builder.fpext(builder.fptrunc(value, ir.VectorType(ir.HalfType(), lanes)),
+                             value.type)
+    uty = ir.VectorType(ir.IntType(32), lanes)
+
+    def splat(v):
+        return ir.Constant(uty, [v] * lanes)
+
+    u = builder.bitcast(value, uty)
+    magnitude = builder.and_(u, splat(0x7FFFFFFF))
+    odd = builder.and_(builder.lshr(magnitude, splat(13)), splat(1))
+    normal = builder.and_(builder.add(builder.add(magnitude, splat(0xFFF)), odd),
+                          splat(0xFFFFE000))
+    normal = builder.select(builder.icmp_unsigned(">=", normal, splat(0x47800000)),
+                            splat(0x7F800000), normal)
+    point_five = ir.Constant(value.type, [0.5] * lanes)
+    tiny = builder.fsub(builder.fadd(builder.bitcast(magnitude, value.type), point_five),
+                        point_five)
+    rounded = builder.select(builder.icmp_unsigned("<", magnitude, splat(0x38800000)),
+                             builder.bitcast(tiny, uty), normal)
+    rounded = builder.or_(rounded, builder.and_(u, splat(0x80000000)))
+    nan = builder.or_(builder.and_(u, splat(0xFFFFE000)), splat(0x00400000))
+    return builder.bitcast(builder.select(builder.icmp_unsigned(">", magnitude,
+                                                                splat(0x7F800000)),
+                                          nan, rounded), value.type)
+
+
+def _rint(builder, value, native: bool):
+    """A float32 vector rounded to integers, nearest even (llvm.rint in the default rounding
+    mode). `native`: the instruction (SSE4.1's roundps, AArch64's frintx); otherwise, where
+    LLVM would call libm's rintf once per lane (cpu.py), (|x| + 2^23) - 2^23 with x's sign,
+    exact below 2^23, where every float32 at or beyond it (and inf, NaN) is its own rint."""
+    lanes = value.type.count
+    if native:
+        fn = builder.module.declare_intrinsic(f"llvm.rint.v{lanes}f32",
+                                              fnty=ir.FunctionType(value.type, [value.type]))
+        return builder.call(fn, [value])
+    uty = ir.VectorType(ir.IntType(32), lanes)
+    u = builder.bitcast(value, uty)
+    magnitude = builder.bitcast(builder.and_(u, ir.Constant(uty, [0x7FFFFFFF] * lanes)),
+                                value.type)
+    shift = ir.Constant(value.type, [float(1 << 23)] * lanes)
+    whole = builder.bitcast(builder.fsub(builder.fadd(magnitude, shift), shift), uty)
+    whole = builder.bitcast(builder.or_(whole, builder.and_(u, ir.Constant(
+        uty, [0x80000000] * lanes))), value.type)
+    return builder.select(builder.fcmp_ordered("<", magnitude, shift), whole, value)
+
+
 def _store_quantized(builder, final, lanes, width, q_addr, qp_addr, offset, at):
     """A float32 tile's outputs (after the epilogue) quantized as quant._quantize_one does,
     each lane in float32: rint(y / scale) (nearest even) + zero point, clamped to [lowest,
@@ -329,21 +370,20 @@ def _store_quantized(builder, final, lanes, width, q_addr, qp_addr, offset, at):
     on at the tile's element offsets (`at`); qp_addr holds (scale, zero point, lowest,
     highest) as float32. The integer quantize's bits, without the float32 result."""
     f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
-    vty = ir.VectorType(f32, lanes)
     qp = builder.inttoptr(qp_addr, f32.as_pointer())
     scale, zero, lowest, highest = (
         _broadcast(builder, builder.load(builder.gep(qp, [ir.Constant(ir.IntType(64), i)])),
                    lanes) for i in range(4))
     base = builder.gep(builder.inttoptr(q_addr, i8.as_pointer()), [offset])
     module = builder.module
-    rint = module.declare_intrinsic(f"llvm.rint.v{lanes}f32", fnty=ir.FunctionType(vty, [vty]))
+    native_rint = compile_target().rint
     bty, mty = ir.VectorType(i8, lanes), ir.VectorType(ir.IntType(1), lanes)
     store = module.declare_intrinsic(
         f"llvm.masked.store.v{lanes}i8.p0",
         fnty=ir.FunctionType(ir.VoidType(), [bty, bty.as_pointer(), i32, mty]))
     limit = _broadcast(builder, width, lanes)
     for (r, v), y in final.items():
-        q = builder.fadd(builder.call(rint, [builder.fdiv(y, scale)]), zero)
+        q = builder.fadd(_rint(builder, builder.fdiv(y, scale), native_rint), zero)
         nan = builder.fcmp_unordered("uno", q, q)
         q = builder.select(builder.fcmp_ordered(">", q, highest), highest, q)
         q = builder.select(builder.fcmp_ordered("<", q, lowest), lowest, q)
