@@ -40,6 +40,7 @@ import numpy as np
 from mplower.backend.memory import keep_freed_memory
 from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
 from mplower.backend.sparse import sparse_runner
+from mplower.dialect.fused import PLAIN_FLOATS, RELU_BEFORE_ROUNDING
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS, VALUE_PRESERVING
 from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.io.weights import Weights
@@ -56,7 +57,6 @@ from mplower.numerics.gemm import TILE_ROWS, PackedMatrix, matmul
 from mplower.numerics.metrics import drift
 from mplower.numerics.quant import dequantize, fake_quantizer, quantize, quantizer
 from mplower.numerics.rounding import (
-    MX_ROUNDING_FORMATS,
     ROUNDING_FORMATS,
     Counts,
     decode,
@@ -240,7 +240,7 @@ class Program:
         # An op's FLOPs go to its first result's step, so that per-step sums count them once.
         flops = int(opdef.flops(in_types, d["types"], attrs)) if k == 0 else 0
         reference = _reference(opdef.reference, attrs, op, d["types"], k)
-        constant, constant_counts, scale_stats = None, NO_COUNTS, None
+        constant, constant_counts, scale_stats, amax_kernel = None, NO_COUNTS, None, None
         run: Kernel
         if op == "mp.constant":
             constant, constant_counts, ref = self._constant(attrs, out_t, loc)
@@ -267,6 +267,11 @@ class Program:
             run = lambda xs, _g=gemm, _e=out_t.elem: _finish(_g(_f32(xs[0]), _f32(xs[1])), _e)
         elif op == "mp.matmul":
             run = _matmul_kernel(plan, in_types, out_t)
+        elif op == "mp.fused_matmul":
+            run = _fused_matmul_kernel(opdef, attrs, in_types, out_t)
+        elif op == "mp.add_relu" and (rounded := _add_relu_rounding(in_types, out_t)):
+            run = _add_relu_kernel(rounded[0])
+            amax_kernel = partial(_add_relu_kernel, rounded[0])
         elif op == "mp.conv2d" and plan.executed["accum"] == "f16":
             run = _conv_f16_kernel(attrs, out_t)
         else:
@@ -275,7 +280,7 @@ class Program:
             run = _generic_kernel(opdef, attrs, d["types"], k, exact)
         return Step(n, f.value_name((n, k)), op, inputs, out, run, reference, plan.requested,
                     plan.executed, plan.reason, flops, out_t, loc, constant, constant_counts,
-                    scale_stats, attrs, in_types)
+                    scale_stats, attrs, in_types, amax_kernel=amax_kernel)
 
     def _constant(self, attrs: dict, t: TensorType,
                   loc: Location) -> tuple[np.ndarray, Counts, np.ndarray]:
@@ -400,8 +405,8 @@ class Program:
         same value every run: they run once, on the first call, as a deployed plan holds its
         quantized weights; the kernels are deterministic, so the results are the same bits.
         A conv's dequantize, bias add and relu run as the conv stores each output
-        (`_fuse_epilogues`), an 8-bit matmul's dequantize and constant adds in one pass
-        after it (`_fuse_matmul_epilogues`), with the bits the separate ops give."""
+        (`_fuse_epilogues`), with the bits the separate ops give; the fused ops of the `fuse`
+        pass (mp.add_relu, mp.fused_matmul) run as the module has them."""
         keep_freed_memory()
         if self._folded is None:
             folded, live = list(self._initial), []
@@ -414,8 +419,7 @@ class Program:
                     live.append(step)
             self._folded = folded
             constants = {i: folded[i] for i in known}
-            fused = _fuse_matmul_epilogues(_fuse_epilogues(live, constants, self.outputs),
-                                           constants, self.outputs)
+            fused = _round_matmuls_in_place(_fuse_epilogues(live, constants, self.outputs))
             fused = _fuse_concats(_fuse_shuffles(fused, self.outputs), self.outputs)
             fused = _fuse_amax(_fuse_fake_quants(fused, self.outputs), self.outputs)
             fused = _fuse_quantized_outputs(fused, self.outputs)
@@ -455,8 +459,8 @@ def _pack_weights(steps: list[Step], constants: dict[int, Any]) -> list[Step]:
     for s in steps:
         w = constants.get(s.inputs[1]) if len(s.inputs) >= 2 else None
         dtype = getattr(s.run, "weight_dtype", None)
-        if s.op == "mp.matmul" and len(s.inputs) == 2 and dtype is not None \
-                and isinstance(w, np.ndarray) and w.ndim == 2:
+        if (s.op == "mp.matmul" and len(s.inputs) == 2 or s.op == "mp.fused_matmul") \
+                and dtype is not None and isinstance(w, np.ndarray) and w.ndim == 2:
             s = replace(s, run=partial(_with_weight, s.run, PackedMatrix(w, dtype)))
         elif s.op == "mp.conv2d" and getattr(s.run, "integer_weights", False) \
                 and isinstance(w, np.ndarray) and w.ndim == 4 and w.dtype.kind in "iu":
@@ -480,13 +484,6 @@ def _with_weight(run: Kernel, weight: PackedMatrix | IntegerWeights,
 
 # |sum| below 2^31: the exact sum is the int32 that dequantize would read.
 _I32_LIMIT = 2 ** 31
-# A float result (a conv's, a residual add's) rounded to one of these takes its relu before
-# the rounding: rounding is monotonic, keeps the sign and maps 0 to +0, and a format with
-# infinities keeps NaN a NaN and a negative overflow negative, so round(max(y, 0)) and
-# max(round(y), 0) are the same bits. Not so without infinities: f8E4M3FN rounds -inf and
-# negative overflow to NaN, which a relu after keeps, and the MX element types turn a NaN into
-# a zero of the other sign.
-_RELU_BEFORE_ROUNDING = tuple(f for f in ROUNDING_FORMATS if f != "f32" and FORMATS[f].has_inf)
 
 
 def _only_user_of(steps: list[Step], outputs: list[int]):
@@ -550,10 +547,10 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
         elif conv.out_type.elem == "f32":
             # A conv without a bias operand (an fp8 plan's) takes the f32 add of one.
             last = bias_add(conv) if len(conv.inputs) == 2 else conv
-        elif conv.out_type.elem not in _RELU_BEFORE_ROUNDING:
+        elif conv.out_type.elem not in RELU_BEFORE_ROUNDING:
             continue
         relu = only_user(last, "mp.relu")
-        rounded = conv.out_type.elem if conv.out_type.elem in _RELU_BEFORE_ROUNDING else None
+        rounded = conv.out_type.elem if conv.out_type.elem in RELU_BEFORE_ROUNDING else None
         if relu is not None and relu.out_type.elem == last.out_type.elem:
             chain.append(relu)
             last = relu
@@ -570,124 +567,90 @@ def _fuse_epilogues(steps: list[Step], constants: dict[int, Any],
                                                           rounded),
                                    epilogue=(scale, bias, relu is not None, rounded))
         gone.update(s.node for s in chain)
-    for add in steps:
-        # A residual add and its relu: one pass (mplower.numerics.elementwise.add_relu).
-        if add.op != "mp.add" or add.node in gone or add.node in fused:
-            continue
-        elem = add.out_type.elem
-        relu = only_user(add, "mp.relu")
-        if relu is None or relu.out_type.elem != elem or len(add.inputs) != 2 \
-                or (elem != "f32" and elem not in _RELU_BEFORE_ROUNDING) \
-                or any(t != add.out_type.with_elem(t.elem) or t.elem not in ("f32", elem)
-                       for t in add.in_types):
-            continue
-        rounded = None if elem == "f32" else elem
-        fused[add.node] = replace(add, name=relu.name, output=relu.output,
-                                  run=_add_relu_kernel(rounded),
-                                  amax_kernel=partial(_add_relu_kernel, rounded))
-        gone.add(relu.node)
     return [fused.get(s.node, s) for s in steps if s.node not in gone]
 
 
-# ---- an integer matmul's dequantize and constant adds (run_lowered) ------------------------
-# A static int8 matmul (BERT's projections) is followed by the dequantize of its exact i32
-# sums (one float32 scale per output column), then the adds of constant vectors along the
-# columns (the correction of a shifted activation's zero point, the bias). The GEMM's float32
-# sums are those integers exactly (products of 8-bit values, |sum| < 2^24: the kernel's
-# bound), so float32(int32(y)) * s is y * s: the chain runs as one pass of float32 multiplies
-# and adds in the ops' order over the GEMM's result, the same bits, instead of a conversion to
-# int32, the dequantize and a pass per add.
+# ---- a float matmul's rounding (run_lowered) --------------------------------------------------
+# A bf16/fp16 matmul's kernel rounds its float32 product into a new array and counts what the
+# rounding did; run_lowered keeps no counts, so it rounds in place (round_add_columns with no
+# adds: round_to's bits), one array and one pass fewer. Its bias adds are the `fuse` pass's
+# mp.fused_matmul.
 
-def _fuse_matmul_epilogues(steps: list[Step], constants: dict[int, Any],
-                           outputs: list[int]) -> list[Step]:
-    only_user = _only_user_of(steps, outputs)
-    fused: dict[int, Step] = {}
-    gone: set[int] = set()
-    for mm in steps:
-        if mm.op != "mp.matmul" or mm.out_type.elem != "i32" or len(mm.inputs) != 2 \
-                or not hasattr(mm.run, "weight_dtype") \
-                or any(FORMATS[t.elem].bits != 8 or not FORMATS[t.elem].is_int
-                       for t in mm.in_types) \
-                or _magnitude(mm.in_types[0].elem) * _magnitude(mm.in_types[1].elem) \
-                * mm.in_types[0].shape[-1] > _F32_EXACT \
-                or (dq := only_user(mm, "mp.dequantize")) is None:
-            continue
-        columns = mm.out_type.shape[-1]
-        scale = _dequantize_scale(dq, columns, axis=-1)
-        if scale is None:
-            continue
-        chain, adds, last = _column_adds(only_user, dq, constants, columns, _column_vector)
-        chain.insert(0, dq)
-        fused[mm.node] = replace(mm, name=last.name, output=last.output, out_type=last.out_type,
-                                 run=_dequantized_matmul_kernel(scale, adds))
-        gone.update(s.node for s in chain)
-    for mm in steps:
-        # A float matmul rounded to its format, and the bias adds that follow it.
-        elem = mm.out_type.elem
-        if mm.op != "mp.matmul" or len(mm.inputs) != 2 or mm.node in fused \
-                or getattr(mm.run, "weight_dtype", None) != np.float32 \
-                or not all(_plain_float(t.elem) for t in (*mm.in_types, mm.out_type)):
-            continue
-        chain, adds, last = _column_adds(only_user, mm, constants, mm.out_type.shape[-1],
-                                         _rounded_column_vector)
-        if not adds and elem == "f32":
-            continue
-        fused[mm.node] = replace(mm, name=last.name, output=last.output, out_type=last.out_type,
-                                 run=_rounded_matmul_kernel(elem, adds))
-        gone.update(s.node for s in chain)
-    return [fused.get(s.node, s) for s in steps if s.node not in gone]
-
-
-def _column_adds(only_user: Callable, first: Step, constants: dict[int, Any], columns: int,
-                 vector_of: Callable) -> tuple[list[Step], list, Step]:
-    """The adds of constant vectors along the last axis after `first`, each the only reader
-    of the step before: (their steps, vector_of(constant, add, columns) of each, the last
-    step of the chain)."""
-    chain, adds, last = [], [], first
-    while (add := only_user(last, "mp.add")) is not None:
-        other = add.inputs[1 - add.inputs.index(last.output)]
-        vector = vector_of(constants.get(other), add, columns)
-        if vector is None:
-            break
-        chain.append(add)
-        adds.append(vector)
-        last = add
-    return chain, adds, last
+def _round_matmuls_in_place(steps: list[Step]) -> list[Step]:
+    return [replace(s, run=_rounded_matmul_kernel(s.out_type.elem, []))
+            if s.op == "mp.matmul" and len(s.inputs) == 2 and s.out_type.elem != "f32"
+            and getattr(s.run, "weight_dtype", None) == np.float32
+            and all(_plain_float(t.elem) for t in (*s.in_types, s.out_type)) else s
+            for s in steps]
 
 
 def _plain_float(elem: str) -> bool:
-    """A float format whose values run as float32 and round with round_to's kernel."""
-    return elem in ROUNDING_FORMATS and elem not in MX_ROUNDING_FORMATS
+    return elem in PLAIN_FLOATS
 
 
-def _rounded_column_vector(value: Any, add: Step,
-                           columns: int) -> tuple[np.ndarray, str] | None:
-    """`_column_vector` for an add in any `_plain_float` format: its constant as a vector
-    along the last axis and the add's format, or None."""
-    if not all(_plain_float(t.elem) for t in (*add.in_types, add.out_type)):
-        return None
-    vector = _along_last_axis(value, add.out_type.shape, columns)
-    return None if vector is None else (vector, add.out_type.elem)
+def _fused_matmul_kernel(opdef: OpDef, attrs: dict, in_types: list[TensorType],
+                         out_t: TensorType) -> Kernel:
+    """mp.fused_matmul: an 8-bit integer product's exact sums times the column scale, or a
+    float product rounded to the result's format, then each addend (a vector along the last
+    axis) added and rounded, in one pass over the result in place: the bits of the separate
+    ops' kernels (the fuse pass makes the op only where they are). Integer sums that float32
+    does not hold exactly run the op's reference."""
+    a_t, b_t = in_types[:2]
+    elem, addends = out_t.elem, len(in_types) - 2
+    if "scale" in attrs and all(t.elem in ("i8", "ui8") for t in (a_t, b_t)) \
+            and _magnitude(a_t.elem) * _magnitude(b_t.elem) * a_t.shape[-1] <= _F32_EXACT \
+            and elem == "f32" and all(t.elem == "f32" for t in in_types[2:]):
+        scale = np.ascontiguousarray(np.broadcast_to(
+            attr_array(attrs["scale"]).astype(np.float32).reshape(-1), (out_t.shape[-1],)))
+        return _dequantized_matmul_kernel(scale, addends)
+    if "scale" not in attrs:  # the product's format, then each add's (the last: the result's)
+        formats = [*(attrs.get("formats") or [elem] * addends), elem]
+        return _rounded_matmul_kernel(formats[0], formats[1:])
+    return _generic_kernel(opdef, attrs, [out_t], 0, False)  # sums beyond float32's exact
 
 
-def _rounded_matmul_kernel(elem: str, adds: list[tuple[np.ndarray, str]]) -> Kernel:
-    """A float matmul's result rounded to `elem`, then each add of a vector along its last axis
-    rounded to its format (`_fuse_matmul_epilogues`): the bits of the matmul's kernel and of
-    the adds' (float32 adds, then round_to), in one pass over the result, in place."""
+def _columns(addends: list[np.ndarray], columns: int) -> list[np.ndarray]:
+    """Each addend (a float vector along the last axis) as a float32 vector of `columns`."""
+    return [np.ascontiguousarray(np.broadcast_to(_f32(v).reshape(-1), (columns,)))
+            for v in addends]
+
+
+def _rounded_matmul_kernel(elem: str, formats: list[str]) -> Kernel:
+    """A float matmul's result rounded to `elem`, then each addend added and rounded to its
+    entry of `formats`: the bits of the matmul's kernel and of the adds' (float32 adds, then
+    round_to), in one pass over the result, in place."""
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         y = matmul(_f32(xs[0]), _weight(xs[1], np.float32))
-        round_add_columns(y, elem, adds)
-        return y, None  # run_lowered keeps no counts
+        round_add_columns(y, elem, list(zip(_columns(xs[2:], y.shape[-1]), formats,
+                                            strict=True)))
+        return y, None  # fused: no counts
     run.weight_dtype = np.dtype(np.float32)  # type: ignore[attr-defined]
     return run
 
 
-def _column_vector(value: Any, add: Step, columns: int) -> np.ndarray | None:
-    """A float32 constant that an f32 add of two f32 values adds along the last axis (one
-    value per column, or one for all), as a vector of `columns`, or None."""
-    if add.out_type.elem != "f32" or any(t.elem != "f32" for t in add.in_types):
+def _dequantized_matmul_kernel(scale: np.ndarray, addends: int) -> Kernel:
+    """An 8-bit integer matmul's exact sums in float32 (products of 8-bit values, |sum| below
+    2^24: the GEMM's float32 sums are the integers, so float32(int32(y)) * s is y * s), times
+    `scale` and plus each addend, each a float32 operation in place."""
+    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
+        y = matmul(xs[0].astype(np.float32), _weight(xs[1], np.float32))
+        np.multiply(y, scale, out=y)
+        for vector in _columns(xs[2:], y.shape[-1]):
+            np.add(y, vector, out=y)
+        return y, None  # fused: no counts
+    run.weight_dtype = np.dtype(np.float32)  # type: ignore[attr-defined]
+    return run
+
+
+def _add_relu_rounding(in_types: list[TensorType], out_t: TensorType) -> tuple | None:
+    """(the rounded format or None,) where mp.add_relu runs on add_relu's one-pass kernel:
+    operands of the result's shape, each f32 or in its format, a format that takes its relu
+    before the rounding (mplower.numerics.elementwise.add_relu); else None."""
+    elem = out_t.elem
+    if (elem != "f32" and elem not in RELU_BEFORE_ROUNDING) \
+            or any(t != out_t.with_elem(t.elem) or t.elem not in ("f32", elem) for t in in_types):
         return None
-    return _along_last_axis(value, add.out_type.shape, columns)
+    return (None if elem == "f32" else elem,)
 
 
 def _along_last_axis(value: Any, shape: tuple[int, ...], columns: int) -> np.ndarray | None:
@@ -700,19 +663,6 @@ def _along_last_axis(value: Any, shape: tuple[int, ...], columns: int) -> np.nda
     if tuple(np.broadcast_shapes(value.shape, shape)) != shape:
         return None
     return np.ascontiguousarray(np.broadcast_to(value.reshape(-1), (columns,)))
-
-
-def _dequantized_matmul_kernel(scale: np.ndarray, adds: list[np.ndarray]) -> Kernel:
-    """An 8-bit integer matmul's exact sums in float32, times `scale` and plus each of `adds`
-    (vectors along the last axis), each a float32 operation in place (`_fuse_matmul_epilogues`)."""
-    def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        y = matmul(xs[0].astype(np.float32), _weight(xs[1], np.float32))
-        np.multiply(y, scale, out=y)
-        for vector in adds:
-            np.add(y, vector, out=y)
-        return y, None  # run_lowered keeps no counts
-    run.weight_dtype = np.dtype(np.float32)  # type: ignore[attr-defined]
-    return run
 
 
 # ---- a bf16/fp16 plan's elementwise add, sub or mul and its rounding (run_lowered) ---------
@@ -961,7 +911,7 @@ def _fuse_quantized_outputs(steps: list[Step], outputs: list[int]) -> list[Step]
         # next residual add reads as it is: the add_relu pass quantizes it as well, and the
         # quantize step takes its integers from the box (two passes fewer over the result).
         p = producer.get(q.inputs[0]) if q.op == "mp.quantize" and q.inputs else None
-        if p is None or p.op != "mp.add" or p.amax_kernel is None or p.node in fused \
+        if p is None or p.op != "mp.add_relu" or p.amax_kernel is None or p.node in fused \
                 or p.out_type.elem != "f32" or q.attrs["block_size"] \
                 or (quantize := _per_tensor_8bit(q)) is None:
             continue
@@ -1047,7 +997,7 @@ def _writes_into(conv: Step) -> bool:
 def _add_relu_kernel(rounded: str | None, box: Any = None,
                      quantize: tuple | None = None) -> Kernel:
     """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
-    result takes its relu before the rounding (see _RELU_BEFORE_ROUNDING: the same bits).
+    result takes its relu before the rounding (see RELU_BEFORE_ROUNDING: the same bits).
     With a `box` (_fuse_amax), box.amax is set to the result's amax, from the same pass; with
     `quantize` (scale, zero point, format; _fuse_quantized_outputs) box.q to the result's
     integers."""
@@ -1216,6 +1166,9 @@ def _reference(reference: Callable, attrs: dict, op: str, out_types: list[Tensor
     def run(xs: list[np.ndarray]) -> np.ndarray | None:
         xs = [_f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x for x in xs]
         rt = wide
+        if op == "mp.fused_matmul" and "scale" in attrs \
+                and len({x.dtype.kind == "f" for x in xs[:2]}) == 2:
+            return None  # as its matmul's: an integer operand that never was a float
         if op in CONTRACTIONS and not FORMATS[out_t.elem].is_float:
             kinds = {x.dtype.kind == "f" for x in xs[:2]}
             if kinds == {True, False}:

@@ -4,4 +4,5 @@ The IR layer (parser, verifier) never imports a dialect; whatever needs ops to e
 the backend, the frontends, the CLI commands) imports `mplower.dialect` first.
 """
 
-from mplower.dialect import mp  # noqa: F401  (registers the mp ops)
+# fused imports mp first: the mp ops, then the fused ops of the `fuse` pass.
+from mplower.dialect import fused, mp  # noqa: F401  (registers their ops)
