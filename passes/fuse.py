@@ -20,10 +20,10 @@ from mplower.dialect.plan import ACCUM, PRECISION, Plan
 from mplower.ir.graph import Function, Module
 from mplower.ir.opdef import OPS, attr_array, check_attrs
 from mplower.ir.rewrite import Pattern, apply_patterns, only_user, replace_op
+from mplower.lowering.materialized import unmaterialized
 from mplower.lowering.scaling import ACCUM_BITS
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, register_pass
-from mplower.passes.insert_casts import unmaterialized
 
 # An integer sum stays exact in the float32 GEMM while every partial sum is below 2^24.
 _F32_EXACT = 2.0 ** 24

@@ -228,3 +228,20 @@ def test_opt_prints_the_fused_program_after_fuse(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "IR Dump After fuse" in done.stderr and "mp.add_relu" in done.stderr
     assert (tmp_path / "out.ir").read_text().count("mp.fused_matmul") == 1
+
+
+def test_no_backend_module_imports_a_pass() -> None:
+    """The backend runs modules as they are: it neither runs nor imports a pass (the check
+    that a plan is materialized lives in mplower.lowering.materialized)."""
+    import ast
+    from pathlib import Path
+
+    import mplower.backend
+
+    found = []
+    for path in sorted(Path(mplower.backend.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith("mplower.passes")]
+    assert found == []

@@ -48,6 +48,7 @@ from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import ARG, RETURN, Function, Module, Value
 from mplower.ir.opdef import OPS, OpDef, OpError, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, value_dtype
+from mplower.lowering.materialized import check_materialized
 from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.lowering.target import NO_F16_ACCUM, NO_SPARSE_KERNEL
 from mplower.numerics.conv import IntegerWeights
@@ -64,7 +65,6 @@ from mplower.numerics.rounding import (
     round_to,
 )
 from mplower.numerics.windows import conv_windows, pad_hw
-from mplower.passes.insert_casts import check_materialized
 
 NOT_QUANTIZED = "not-quantized"
 NO_COUNTS = Counts()

@@ -32,6 +32,7 @@ from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import RETURN, Function, Module
 from mplower.ir.opdef import OPS, attr_array, attr_type, check_attrs
 from mplower.ir.types import DenseAttr, TensorType
+from mplower.lowering.materialized import check_materialized
 from mplower.numerics.formats import (
     FORMATS,
     NARROW_FLOATS,
@@ -39,7 +40,6 @@ from mplower.numerics.formats import (
     QUANT_INTS,
     QUANT_STORAGE,
 )
-from mplower.passes.insert_casts import check_materialized
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
 IR_VERSION = 10  # the IR version of opset 21; onnxruntime 1.18+ reads it
