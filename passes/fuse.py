@@ -15,7 +15,13 @@ from typing import Any, ClassVar
 import numpy as np
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
-from mplower.dialect.fused import PLAIN_FLOATS, RELU_BEFORE_ROUNDING, along_last_axis
+from mplower.dialect.fused import (
+    F16_ACCUM_MAX_BITS,
+    F32_EXACT,
+    PLAIN_FLOATS,
+    RELU_BEFORE_ROUNDING,
+    along_last_axis,
+)
 from mplower.dialect.plan import ACCUM, PRECISION, Plan
 from mplower.ir.graph import Function, Module
 from mplower.ir.opdef import OPS, attr_array, check_attrs
@@ -24,12 +30,6 @@ from mplower.lowering.materialized import unmaterialized
 from mplower.lowering.scaling import ACCUM_BITS
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, register_pass
-
-# An integer sum stays exact in the float32 GEMM while every partial sum is below 2^24.
-_F32_EXACT = 2.0 ** 24
-# Where the fp16 accumulator runs (the backend's rule): float operands of at most 15
-# significant bits.
-_F16_ACCUM_MAX_BITS = 15
 
 
 def _annotations(f: Function, node: int) -> dict[str, Any]:
@@ -106,7 +106,7 @@ def _match_integer_matmul(f: Function, mm: int) -> tuple | None:
     out = f.types(mm)[0]
     if out.elem != "i32" or out.rank == 0 or ACCUM_BITS in f.attrs_of(mm) \
             or any(t.elem not in ("i8", "ui8") for t in (x_t, w_t)) \
-            or _magnitude(x_t.elem) * _magnitude(w_t.elem) * x_t.shape[-1] > _F32_EXACT:
+            or _magnitude(x_t.elem) * _magnitude(w_t.elem) * x_t.shape[-1] > F32_EXACT:
         return None
     dq = only_user(f, (mm, 0), "mp.dequantize")
     scale = None if dq is None else _dequantize_scale(f, dq, out.shape[-1])
@@ -124,7 +124,7 @@ def _match_float_matmul(f: Function, mm: int) -> tuple | None:
             or not all(t.elem in PLAIN_FLOATS for t in (*ins, out)):
         return None
     f16 = Plan.of(attrs).accum == "f16"
-    if f16 and FORMATS[ins[0].elem].man_bits + 1 <= _F16_ACCUM_MAX_BITS:
+    if f16 and FORMATS[ins[0].elem].man_bits + 1 <= F16_ACCUM_MAX_BITS:
         return None  # the fp16 accumulator's kernel
     chain, vectors = _column_adds(f, mm, lambda add, t: all(
         u.elem in PLAIN_FLOATS for u in (*f.operand_types(add), *f.types(add))))

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.kernels import (
-    F16_ACCUM_MAX_BITS,
     NO_COUNTS,
     Chosen,
     OpToRun,
@@ -53,6 +52,7 @@ from mplower.backend.lowered import Step, fuse_steps
 from mplower.backend.memory import keep_freed_memory
 from mplower.backend.scaled import ScaleStats
 from mplower.backend.sparse import sparse_runner
+from mplower.dialect.fused import F16_ACCUM_MAX_BITS
 from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS
 from mplower.dialect.plan import DENSE, Plan, Requested
 from mplower.io.weights import Weights

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
-from mplower.dialect.fused import RELU_BEFORE_ROUNDING
+from mplower.dialect.fused import F32_EXACT, RELU_BEFORE_ROUNDING
 from mplower.dialect.mp import CONTRACTIONS, VALUE_PRESERVING
 from mplower.ir.opdef import OpDef, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import TensorType, value_dtype
@@ -36,14 +36,6 @@ from mplower.numerics.rounding import (
 from mplower.numerics.windows import conv_windows, pad_hw
 
 NO_COUNTS = Counts()
-# An integer sum stays exact in a float accumulator while every partial sum is below 2^(p+1)
-# for a p-bit mantissa: f32 BLAS takes i8 x i8 up to K = 2^24 / 2^14 = 1024, f64 up to 2^39.
-F32_EXACT = 2.0 ** 24
-# The fp16 accumulator adds each product to an f16 value in float64 (matmul_f16_accum). Near an
-# f16 tie that sum must be exact: the product's bits reach 11 + (its significant bits) below
-# the accumulator's leading bit, within f64's 53 for operands of up to 15 significant bits
-# (f16, bf16, tf32, fp8: products of up to 30 bits), not for f32 operands (48-bit products).
-F16_ACCUM_MAX_BITS = 15
 # What an op runs on when it returns a result together with what rounding it did (None: the
 # result passed through unrounded; `run` counts its NaNs, `run_lowered` does not need to).
 Kernel = Callable[[list[np.ndarray]], tuple[np.ndarray, Counts | None]]

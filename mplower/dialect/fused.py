@@ -35,6 +35,16 @@ from mplower.numerics.rounding import MX_ROUNDING_FORMATS, ROUNDING_FORMATS
 # The float formats whose values run as float32 and round with round_to's kernel: what a fused
 # float matmul's steps round to.
 PLAIN_FLOATS = tuple(f for f in ROUNDING_FORMATS if f not in MX_ROUNDING_FORMATS)
+# The fused ops' kernels and the backend's share these bounds (the fuse pass fuses only within
+# them; the backend chooses its kernels by them).
+# An integer sum stays exact in a float accumulator while every partial sum is below 2^(p+1)
+# for a p-bit mantissa: f32 BLAS takes i8 x i8 up to K = 2^24 / 2^14 = 1024, f64 up to 2^39.
+F32_EXACT = 2.0 ** 24
+# The fp16 accumulator adds each product to an f16 value in float64 (matmul_f16_accum). Near an
+# f16 tie that sum must be exact: the product's bits reach 11 + (its significant bits) below
+# the accumulator's leading bit, within f64's 53 for operands of up to 15 significant bits
+# (f16, bf16, tf32, fp8: products of up to 30 bits), not for f32 operands (48-bit products).
+F16_ACCUM_MAX_BITS = 15
 # A float result rounded to one of these may take its relu before the rounding: rounding is
 # monotonic, keeps the sign and maps 0 to +0, and a format with infinities keeps NaN a NaN and a
 # negative overflow negative, so round(max(y, 0)) and max(round(y), 0) are the same bits. Not
