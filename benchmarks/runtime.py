@@ -7,8 +7,9 @@ asks for; and one BERT-base encoder layer (sequence 128, hidden 768, 12 heads, F
 in its exported erf form) built with onnx.helper. Each model is imported with mplower's
 importer and lowered with the built-in sheets: bf16, fp16 and fp8 (`assign-precision`,
 `insert-casts`) and static int8 (`assign-precision{policy=int8},calibrate,quantize` on
-`--calib` seeded inputs). onnxruntime (CPU, 2 intra-op threads) runs the same ONNX model in
-fp32, and in int8 after `quantize_static` (QDQ, per channel, MinMax) on the same samples.
+`--calib` seeded inputs), then `fuse` (fp32 too). onnxruntime (CPU, 2 intra-op threads) runs
+the same ONNX model in fp32, and in int8 after `quantize_static` (QDQ, per channel, MinMax) on
+the same samples.
 
 Timed: `Program.run_lowered` on prepared inputs (what `mplower bench` times) and
 `InferenceSession.run`, every configuration of a model once per round, in turns, after two
@@ -220,11 +221,14 @@ def mplower_ir(path: Path) -> Path:
 
 
 def lowered(ir: Path, sheet: str, calib: Path) -> Program:
+    """The model lowered with `sheet` and fused (`fuse`: what run_lowered runs is what the
+    pipeline printed)."""
     module = parse_file(ir)
+    steps = "fuse"
     if sheet != "fp32":
-        steps = (f"assign-precision{{policy=int8}},calibrate{{data={calib}}},quantize"
-                 if sheet == "int8" else f"assign-precision{{policy={sheet}}},insert-casts")
-        PassManager(parse_pipeline(steps)).run(module, PassContext(runner=reference_runner))
+        steps = (f"assign-precision{{policy=int8}},calibrate{{data={calib}}},quantize,fuse"
+                 if sheet == "int8" else f"assign-precision{{policy={sheet}}},insert-casts,fuse")
+    PassManager(parse_pipeline(steps)).run(module, PassContext(runner=reference_runner))
     return Program(module)
 
 

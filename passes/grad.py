@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+from mplower.passes.dce import eliminate_dead_ops
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.plan import GRAD_OF, OUTPUT_NAMES
@@ -27,7 +28,6 @@ from mplower.ir.opdef import OPS, OpError, check_attrs
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.numerics.formats import FLOATS
 from mplower.pass_manager import Pass, PassContext, PipelineError, option, register_pass
-from mplower.passes.dce import eliminate_dead_ops
 
 LOSSES = ("", "cross_entropy", "mse")
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from mplower.passes.scale_recipes import apply_scaling
+
 from mplower.dialect.plan import KEEP_IO_TYPES, float_formats, unmaterialized
 from mplower.ir.graph import RETURN, Function, Module, Value
 from mplower.lowering.policy import module_scaling
 from mplower.numerics.formats import FLOATS, FORMATS
 from mplower.pass_manager import Pass, PassContext, PassManager, register_pass
-from mplower.passes.scale_recipes import apply_scaling
 
 
 class _Casts:

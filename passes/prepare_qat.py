@@ -18,12 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mplower.dialect.plan import TRAINABLE
-from mplower.ir.diagnostics import DiagnosticError
-from mplower.ir.graph import Function, Module, Value
-from mplower.ir.types import DenseAttr, TypeAttr, tensor
-from mplower.lowering.calibration import ConstantValues, range_of
-from mplower.pass_manager import Pass, PassContext, option, register_pass
 from mplower.passes.quantize import (
     QParams,
     activation_qparams,
@@ -33,6 +27,13 @@ from mplower.passes.quantize import (
     weight_axis,
     weight_qparams,
 )
+
+from mplower.dialect.plan import TRAINABLE
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.ir.graph import Function, Module, Value
+from mplower.ir.types import DenseAttr, TypeAttr, tensor
+from mplower.lowering.calibration import ConstantValues, range_of
+from mplower.pass_manager import Pass, PassContext, option, register_pass
 
 SCALES = ("frozen", "lsq")
 

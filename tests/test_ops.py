@@ -41,6 +41,8 @@ ALL_OPS = [
     "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad", "reduce_max_grad",
     "fake_quant_lsq", "lsq_grad", "scatter_elements_add", "scatter_nd_add",
     "scaled_quant",
+    # the fused ops of the `fuse` pass (mplower.dialect.fused)
+    "add_relu", "fused_matmul",
 ]
 
 

@@ -256,7 +256,7 @@ def test_calibration_statistics_run_in_float32_with_numpys_float64_counts() -> N
 
 def test_run_lowered_quantizes_a_constant_weight_once_with_the_same_bits(tmp_path,
                                                                          monkeypatch) -> None:
-    from mplower.backend import executor
+    from mplower.backend import executor, kernels
     from mplower.ir.parser import parse
 
     text = """func.func @main(%x: tensor<4x8xf32>) -> tensor<4x3xf32> {
@@ -271,7 +271,7 @@ def test_run_lowered_quantizes_a_constant_weight_once_with_the_same_bits(tmp_pat
 }
 """
     calls = []
-    make = executor.quantizer  # each mp.quantize step's kernel (quant.quantizer)
+    make = kernels.quantizer  # each mp.quantize step's kernel (quant.quantizer)
 
     def counting(*args, **kwargs):
         run = make(*args, **kwargs)
@@ -281,7 +281,7 @@ def test_run_lowered_quantizes_a_constant_weight_once_with_the_same_bits(tmp_pat
             return run(x)
         return counted
 
-    monkeypatch.setattr(executor, "quantizer", counting)
+    monkeypatch.setattr(kernels, "quantizer", counting)
     program = executor.Program(parse(text, "m.ir"))
     x = np.random.default_rng(7).standard_normal((4, 8)).astype(np.float32)
     expect = program.run([x], reference=False).outputs[0]

@@ -4,5 +4,6 @@ The IR layer (parser, verifier) never imports a dialect; whatever needs ops to e
 the backend, the frontends, the CLI commands) imports `mplower.dialect` first.
 """
 
-# mp registers the mp ops; plan declares the values of the mp.* plan annotations.
-from mplower.dialect import mp, plan  # noqa: F401
+# fused imports mp first: the mp ops, then the fused ops of the `fuse` pass; plan declares the
+# values of the mp.* plan annotations.
+from mplower.dialect import fused, mp, plan  # noqa: F401  (registers their ops)

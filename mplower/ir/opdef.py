@@ -47,7 +47,8 @@ class OpError(Exception):
 
 @dataclass(frozen=True)
 class AttrSpec:
-    """kind: int, float, str, bool, ints, floats, type, dense, number (int or float, scalar or dense).
+    """kind: int, float, str, bool, ints, floats, type, types, dense, number (int or float, scalar
+    or dense).
 
     `min` bounds a numeric value (each entry of an array) from below; `length` fixes the number
     of entries of an `ints`/`floats` array. Both are checked by `check_attrs`.
@@ -288,6 +289,13 @@ def attr_type(v: Any) -> str:
     return name
 
 
+def attr_types(v: Any) -> tuple[str, ...]:
+    """An array of element types (`[bf16, f32]`) as a tuple of their names."""
+    if not isinstance(v, (tuple, list)):
+        raise OpError(f"expected an array of element types, got {show_value(v)}")
+    return tuple(attr_type(x) for x in v)
+
+
 def attr_array(v: Any) -> np.ndarray:
     """A numeric attribute (`0.1`, `3 : i8`, `dense<[...]>`, N-D for blocked scales) as an array.
 
@@ -333,6 +341,7 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "ints": (attr_ints, "an array of integers"),
     "floats": (attr_floats, "an array of numbers"),
     "type": (attr_type, "an element type"),
+    "types": (attr_types, "an array of element types"),
     "dense": (attr_dense, "dense elements"),
     "number": (attr_array, "a number or dense elements"),
 }

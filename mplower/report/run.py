@@ -40,7 +40,7 @@ def output_drift(result: RunResult) -> dict[str, float | None]:
 
     An output is compared where the reference has a counterpart of the same kind: a quantized
     (integer) output against a float reference, or one with no reference at all (see
-    executor._reference), is not, and without any comparable output the figures are None.
+    kernels.reference_kernel), is not, and without any comparable output the figures are None.
     """
     none = {"output_rel_l2": None, "output_max_abs": None, "sqnr_db": None,
             "nonfinite_mismatch": None, "top1_agreement": None}
