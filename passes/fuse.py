@@ -21,11 +21,10 @@ from mplower.dialect.fused import (
     RELU_BEFORE_ROUNDING,
     along_last_axis,
 )
-from mplower.dialect.plan import ACCUM, PRECISION, Plan, unmaterialized
+from mplower.dialect.plan import ACCUM, ACCUM_BITS, PRECISION, Plan, unmaterialized
 from mplower.ir.graph import Function, Module
 from mplower.ir.opdef import OPS, attr_array, check_attrs
 from mplower.ir.rewrite import Pattern, apply_patterns, only_user, replace_op
-from mplower.lowering.scaling import ACCUM_BITS
 from mplower.numerics.formats import FORMATS, f16_accum_emulated
 from mplower.pass_manager import Pass, PassContext, register_pass
 

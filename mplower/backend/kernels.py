@@ -19,9 +19,9 @@ import numpy as np
 from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quant_kernel
 from mplower.dialect.fused import F32_EXACT, RELU_BEFORE_ROUNDING
 from mplower.dialect.mp import CONTRACTIONS, VALUE_PRESERVING
+from mplower.dialect.plan import ACCUM_BITS, PROMOTE_EVERY
 from mplower.ir.opdef import OpDef, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import TensorType, value_dtype
-from mplower.lowering.scaling import ACCUM_BITS, PROMOTE_EVERY
 from mplower.numerics.elementwise import add_relu, round_add_columns
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.gemm import PackedMatrix, matmul

@@ -29,8 +29,7 @@ from mplower.dialect.mp import (
 )
 from mplower.ir.opdef import OPS, AttrSpec, OpError, attr_array, define
 from mplower.ir.types import TensorType, tensor
-from mplower.numerics.formats import FORMATS
-from mplower.numerics.rounding import MX_ROUNDING_FORMATS, ROUNDING_FORMATS
+from mplower.numerics.formats import FORMATS, MX_ROUNDING_FORMATS, ROUNDING_FORMATS
 
 # The float formats whose values run as float32 and round with round_to's kernel: what a fused
 # float matmul's steps round to.

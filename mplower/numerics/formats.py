@@ -179,3 +179,9 @@ def f16_accum_emulated(elem: str) -> bool:
     f16 accumulator would (what legalize checks before it keeps `mp.accum = f16`)."""
     f = FORMATS[elem]
     return f.is_float and f.man_bits + 1 <= F16_ACCUM_MAX_BITS
+
+
+# The formats rounding.round_to rounds float32 values to (the MX element types with their block
+# scales); the dialect reads them without loading numba.
+MX_ROUNDING_FORMATS = ("f6E2M3FN", "f6E3M2FN", "f4E2M1FN", "f8E8M0FNU")
+ROUNDING_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2") + MX_ROUNDING_FORMATS

@@ -50,13 +50,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from mplower.numerics.formats import FORMATS
+from mplower.numerics.formats import FORMATS, MX_ROUNDING_FORMATS, ROUNDING_FORMATS
 from mplower.numerics.workers import run_blocks
 
-# Formats round_to handles; f32 is accepted as the identity so callers need no special case.
-# The MX formats (see the module docstring) run on `_round_one_mx`.
-MX_ROUNDING_FORMATS = ("f6E2M3FN", "f6E3M2FN", "f4E2M1FN", "f8E8M0FNU")
-ROUNDING_FORMATS = ("f32", "tf32", "bf16", "f16", "f8E4M3FN", "f8E5M2") + MX_ROUNDING_FORMATS
+# ROUNDING_FORMATS (numerics.formats): what round_to handles; f32 is accepted as the identity so
+# callers need no special case. The MX formats (see the module docstring) run on `_round_one_mx`.
 ENCODING_FORMATS = ("bf16", "f16", "f8E4M3FN", "f8E5M2") + MX_ROUNDING_FORMATS
 
 # Elements per parallel chunk: big enough to amortise scheduling, small enough to balance.
