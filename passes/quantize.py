@@ -148,7 +148,7 @@ def qat_params(f: Function, v: Value, consts: ConstantValues) -> tuple[Value, QP
     operands = f.operands(v[0])
     if not FORMATS[elem].is_int or (len(operands) > 1 and operands[1] not in consts):
         return None
-    # fake_quant_lsq quantizes with |scale| (mplower.dialect.mp._lsq_attrs).
+    # fake_quant_lsq quantizes with |scale| (mplower.dialect.mp.quantization._lsq_attrs).
     scale = np.asarray(a["scale"] if len(operands) == 1 else np.abs(consts.get(operands[1])),
                        np.float32).reshape(-1)
     axis = a["axis"] % f.type_of(v).rank if scale.size > 1 else None

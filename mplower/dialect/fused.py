@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from mplower.dialect.mp import (
+from mplower.dialect.mp.common import (
     _ELEMENTWISE,
     _NUMERIC,
     _VECTOR,
@@ -24,9 +24,8 @@ from mplower.dialect.mp import (
     _declared,
     _def,
     _elementwise_size,
-    _matmul_flops,
-    _matmul_shape,
 )
+from mplower.dialect.mp.linalg import _matmul_flops, _matmul_shape
 from mplower.ir.opdef import OPS, AttrSpec, OpError, attr_array, define
 from mplower.ir.types import TensorType, tensor
 from mplower.numerics.formats import FORMATS, MX_ROUNDING_FORMATS, ROUNDING_FORMATS
