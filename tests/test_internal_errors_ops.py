@@ -126,6 +126,25 @@ def test_policy_sheet_report_of_a_zero_size_module_has_no_figure_to_divide(cli, 
     assert _strict_json(j.out)["summary"]["modeled_inferences_per_joule"] is None
 
 
+SPARSE_ASKED_IR = """func.func @main(%x: tensor<32x64xf32>) -> tensor<32x64xf32> {
+  %w = mp.constant {value = dense<1.0> : tensor<64x64xf32>} : () -> tensor<64x64xf32>
+  %0 = mp.matmul %x, %w {mp.kernel = "sparse_2_4"} : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
+  return %0 : tensor<32x64xf32>
+}
+"""
+
+
+def test_report_of_a_sparse_kernel_the_target_lacks_says_it_runs_dense(cli, tmp_path):
+    # Not legalized for the target: report's sparse section was an internal ValueError.
+    src = tmp_path / "s.ir"
+    src.write_text(SPARSE_ASKED_IR)
+    r = cli("report", src, "--format", "json")
+    assert r.rc == 0, r.err
+    (op,) = _strict_json(r.out)["sparse"]["ops"]
+    assert op["kernel"] == "sparse_2_4" and op["compute"] == "f32"
+    assert op["note"].startswith("target 'generic' has no sparse_2_4 f32 kernel: the op runs dense")
+
+
 # ---- export: what ONNX cannot type, and index types ONNX ops do not take -------------------
 
 @pytest.mark.parametrize(("elem", "why"), [

@@ -190,6 +190,22 @@ def test_scale_recipes_margin_beyond_31_is_a_located_error(cli, tmp_path) -> Non
     _clean_error(res, "error: scale-recipes: margin must be in 0..31, got 128")
 
 
+SCALED_QUANT_IR = """func.func @main(%x: tensor<4xf32>) -> tensor<4xf8E4M3FN> {{
+  %0 = mp.scaled_quant %x {{recipe = "current", margin = {margin}}} : (tensor<4xf32>) -> tensor<4xf8E4M3FN>
+  return %0 : tensor<4xf8E4M3FN>
+}}
+"""
+
+
+@pytest.mark.parametrize("margin", [32, 128, 100000, -1])
+def test_scaled_quant_margin_outside_0_to_31_is_a_located_error(cli, tmp_path, margin) -> None:
+    # Written on the op, not through a sheet: 100000 was an internal OverflowError, 128 NaN.
+    (tmp_path / "m.ir").write_text(SCALED_QUANT_IR.format(margin=margin))
+    res = cli("run", tmp_path / "m.ir", "--random-inputs", "--seed", "0")
+    _clean_error(res, f"m.ir:2:3: error: 'mp.scaled_quant' attribute 'margin' must be between 0 "
+                      f"and 31, not {margin}")
+
+
 def test_largest_margin_gives_finite_outputs(cli, tmp_path) -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((256, 256)).astype(np.float32)

@@ -22,17 +22,11 @@ from mplower.dialect.mp import SCALE_FORMATS
 
 # SCALING carries a sheet's [scaling] from assign-precision to insert-casts and legalize (a
 # dictionary of the Scaling fields), so that they need not read the sheet again.
+from mplower.dialect.mp.quantization import MAX_MARGIN
 from mplower.dialect.plan import SCALING
 from mplower.ir.opdef import OpError, attr_bool, attr_int, attr_str
 
 ACTIVATION_RECIPES = ("static", "current", "delayed", "block")
-# The largest `margin` (scale = fmt_max / amax / 2^margin). Past it a margin means nothing: 2^31
-# already exceeds the span of every scaled format from its largest value to its smallest
-# subnormal (f8E5M2's 2^31.8), so every value flushes to zero; and the larger the margin, the
-# smaller the amax at which the f32 scale underflows and decoding gives NaN (2^128 is inf in
-# f32: at 128 every output was NaN). Within 0..31 the scale stays finite and non-zero for any
-# amax below fmt_max * 2^96 (1e29 for f4E2M1FN), far beyond data a narrow float can carry.
-MAX_MARGIN = 31
 WEIGHT_RECIPES = ("current", "channel", "block")
 
 

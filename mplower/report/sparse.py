@@ -162,6 +162,11 @@ def _op_check(f: Function, n: int, kernel: str, module: Module, weights: str | N
         return {"note": e.diagnostics[0].message}
     plan = Plan.of(attrs)
     compute, accum = plan.precision or ins[0].elem, plan.accum
+    try:
+        target.peak(compute, kernel)
+    except ValueError as e:  # a plan not legalized for this target asks for a kernel it lacks
+        return {"compute": compute, "note": f"{e}: the op runs dense there "
+                                            f"(legalize{{target={target.name}}} records that)"}
     flops = int(OPS[op].flops(ins, outs, check_attrs(OPS[op], attrs)))
     axis = reduction_axis(op, w.ndim)
     w2 = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)  # (K, everything else)

@@ -392,6 +392,13 @@ _def("lsq_grad",
 # Scaled narrow floats (issue 14): a recipe chooses the scale at run time or from calibration.
 SCALE_RECIPES = ("static", "current", "delayed", "block")
 SCALE_FORMATS = ("f32", "e8m0", "nvfp4")
+# The largest `margin` (scale = fmt_max / amax / 2^margin). Past it a margin means nothing: 2^31
+# already exceeds the span of every scaled format from its largest value to its smallest
+# subnormal (f8E5M2's 2^31.8), so every value flushes to zero; and the larger the margin, the
+# smaller the amax at which the f32 scale underflows and decoding gives NaN (2^128 is inf in
+# f32: at 128 every output was NaN). Within 0..31 the scale stays finite and non-zero for any
+# amax below fmt_max * 2^96 (1e29 for f4E2M1FN), far beyond data a narrow float can carry.
+MAX_MARGIN = 31
 _SCALED_TYPES = ("f8E4M3FN", "f8E5M2", "f6E2M3FN", "f6E3M2FN", "f4E2M1FN")
 
 
@@ -413,6 +420,8 @@ def _scaled_quant_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType
         raise OpError(f"scale_format = \"{fmt}\" scales blocks: it needs recipe = \"block\"")
     if fmt == "nvfp4" and elem != "f4E2M1FN":
         raise OpError(f"scale_format = \"nvfp4\" quantizes to f4E2M1FN, not {elem}")
+    if not 0 <= a["margin"] <= MAX_MARGIN:
+        raise OpError(f"attribute 'margin' must be between 0 and {MAX_MARGIN}, not {a['margin']}")
     if recipe == "static" and not a["amax"] > 0:
         raise OpError("recipe = \"static\" needs the calibrated 'amax' (> 0); run calibrate")
     return [tensor(x.shape, elem)]
