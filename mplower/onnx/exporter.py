@@ -163,7 +163,7 @@ class _Exporter:
 
     def as_float(self, name: str, t: TensorType) -> str:
         """The FLOAT copy of a narrow float tensor (one Cast per tensor)."""
-        if t.elem not in NARROW_FLOATS or t.elem == "tf32":
+        if not _rounds(t.elem):
             return name
         if name not in self.wide:
             self.wide[name] = self.node("Cast", [name], f"{name}_f32", to=TensorProto.FLOAT)
@@ -188,8 +188,12 @@ class _Exporter:
                 continue
             outer = self.fresh(f"{name}_{io}")
             inputs.append(_value_info(outer, t.with_elem(io)))
+            # The executor keeps an argument's NaN and infinities (an inf is inf in f8E5M2,
+            # NaN in f8E4M3FN); ONNX's saturating float8 Cast would make an inf the largest
+            # finite value. A finite value out of range is the executor's error.
+            extra = {"saturate": 0} if t.elem.startswith("f8") else {}
             self.nodes.append(helper.make_node("Cast", [outer], [name], name=name,
-                                               to=ONNX_TYPE[t.elem]))
+                                               to=ONNX_TYPE[t.elem], **extra))
             self.names[(a, 0)] = name
         outputs = []
         for n in f.ops():
@@ -289,12 +293,24 @@ class _Exporter:
             return
         # Arithmetic: narrow floats compute in FLOAT and round back, as the executor does.
         wide_ins = [self.as_float(x, t) for x, t in zip(ins, in_types)]
-        narrow_out = out_t.elem in NARROW_FLOATS and out_t.elem != "tf32"
-        y = self._emit(op, attrs, wide_ins, in_types, out_t, f"{hint}_f32" if narrow_out
-                       else hint)
-        if narrow_out:
-            y = self.node("Cast", [y], hint, to=ONNX_TYPE[out_t.elem])
-        self.names[(n, 0)] = y
+        y = self._emit(op, attrs, wide_ins, in_types, out_t,
+                       f"{hint}_f32" if _rounds(out_t.elem) else hint)
+        self.names[(n, 0)] = self.round_to(y, out_t.elem, hint)
+
+    def round_to(self, y: str, elem: str, hint: str) -> str:
+        """A FLOAT result `y` of arithmetic in element type `elem`: Cast to `elem` where that
+        is a narrow float (the one rounding the executor does), else `y` itself. The executor
+        rounds arithmetic without saturating (an fp8 overflow is inf or NaN, as IEEE rounding
+        gives), where ONNX's Cast to float8 saturates unless told not to."""
+        if not _rounds(elem):
+            return y
+        extra = {"saturate": 0} if elem.startswith("f8") else {}
+        return self.node("Cast", [y], hint, to=ONNX_TYPE[elem], **extra)
+
+    def rounded_wide(self, y: str, t: TensorType, hint: str) -> str:
+        """A FLOAT result `y` of arithmetic rounded to `t`'s element type and read back as FLOAT,
+        exactly what an op of result type `t` hands the next op in the unfused export."""
+        return self.as_float(self.round_to(y, t.elem, hint), t)
 
     def _split(self, n: int, a: dict, x: str, in_t: TensorType, parts: int, hint: str) -> None:
         """ONNX Split with its `split` input (opset >= 13), one output per result. Split has
@@ -335,17 +351,7 @@ class _Exporter:
                     out_t: TensorType, hint: str) -> str:
         if op == "mp.cast":
             return self._cast(a, x, in_t, out_t, hint)
-        scale = attr_array(a["scale"]).astype(np.float32)
-        zp = attr_array(a.get("zero_point", 0))
-        axis = {}
-        if a.get("block_size"):  # ONNX 21 blocked: both of x's rank, ceil(D / B) on axis
-            shape = scale.shape if scale.size > 1 else zp.shape
-            scale, zp = (np.broadcast_to(v, shape) for v in (scale, zp))
-            axis = {"axis": a["axis"], "block_size": a["block_size"]}
-        elif max(scale.size, zp.size) > 1:  # per axis: ONNX wants both as 1-D of one length
-            n = max(scale.size, zp.size)
-            scale, zp = (np.broadcast_to(v.reshape(-1), (n,)) for v in (scale, zp))
-            axis = {"axis": a["axis"]}
+        scale, zp, axis = _quant_params(a)
         if op == "mp.dequantize":
             q_elem = in_t.elem
         elif op == "mp.quantize":
@@ -368,7 +374,7 @@ class _Exporter:
             if op == "mp.quantize":
                 return q
             x = q
-        wide = out_t.elem in NARROW_FLOATS and out_t.elem != "tf32" and op != "mp.scaled_quant"
+        wide = _rounds(out_t.elem) and op != "mp.scaled_quant"
         y = self.node("DequantizeLinear", [x, s, z], f"{hint}_f32" if wide else hint, **axis)
         return self.node("Cast", [y], hint, to=ONNX_TYPE[out_t.elem]) if wide else y
 
@@ -645,6 +651,42 @@ def _matmul(self: _Exporter, op: str, a: dict, ins: list[str],
     return self.node("MatMul", ins, hint)
 
 
+# Fused ops (mplower.dialect.fused) export as the nodes of the ops they fuse, each rounded to
+# its format as the unfused export rounds it, so the graph computes each fused op's reference:
+# the composition of those ops' references.
+
+
+@emitter("mp.add_relu")
+def _add_relu(self: _Exporter, op: str, a: dict, ins: list[str],
+              in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    s = self._emit("mp.add", {}, ins, in_types, out_t, f"{hint}_add_f32")
+    s = self.rounded_wide(s, out_t, f"{hint}_add")
+    return self._emit("mp.relu", {}, [s], [out_t], out_t, hint)
+
+
+@emitter("mp.fused_matmul")
+def _fused_matmul(self: _Exporter, op: str, a: dict, ins: list[str],
+                  in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
+    addends = list(zip(ins[2:], in_types[2:]))
+    last = hint if not addends else f"{hint}_mm"
+    if "scale" in a:  # i8 x i8 -> exact i32 sums, dequantized to f32 (zero point 0)
+        acc = self.node("MatMulInteger", ins[:2], f"{hint}_acc")
+        scale, zp, axis = _quant_params({"scale": a["scale"], "zero_point": 0, "axis": -1})
+        y = self._qdq("mp.dequantize", acc, out_t.with_elem("i32"), out_t, scale,
+                      zp, "i32", axis, last)
+    else:
+        y = self._emit("mp.matmul", {}, ins[:2], in_types[:2], out_t, f"{last}_f32")
+    # What the product and each add round to; _op rounds the last add, to the result type.
+    steps = [out_t.with_elem(e) for e in a.get("formats") or (out_t.elem,) * len(addends)]
+    steps.append(out_t)
+    for i, (b, b_t) in enumerate(addends):
+        self._note_type(steps[i])
+        y = self.rounded_wide(y, steps[i], last if i == 0 else f"{hint}_add{i}")
+        y = self._emit("mp.add", {}, [y, b], [steps[i], b_t], steps[i + 1],
+                       hint if i == len(addends) - 1 else f"{hint}_add{i + 1}_f32")
+    return y
+
+
 @emitter("mp.conv2d")
 def _conv2d(self: _Exporter, op: str, a: dict, ins: list[str],
             in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
@@ -735,6 +777,29 @@ def _in_onnx_type(raw: np.ndarray, elem: str) -> np.ndarray:
     if fmt.is_int and elem != "i1":
         return np.clip(raw, fmt.min_value, fmt.max_finite).astype(dtype)
     return np.asarray(raw).astype(dtype)
+
+
+def _quant_params(a: dict) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The scale, zero point and axis attributes of the QuantizeLinear/DequantizeLinear of a
+    conversion with attributes `a`."""
+    scale = attr_array(a["scale"]).astype(np.float32)
+    zp = attr_array(a.get("zero_point", 0))
+    axis = {}
+    if a.get("block_size"):  # ONNX 21 blocked: both of x's rank, ceil(D / B) on axis
+        shape = scale.shape if scale.size > 1 else zp.shape
+        scale, zp = (np.broadcast_to(v, shape) for v in (scale, zp))
+        axis = {"axis": a["axis"], "block_size": a["block_size"]}
+    elif max(scale.size, zp.size) > 1:  # per axis: ONNX wants both as 1-D of one length
+        size = max(scale.size, zp.size)
+        scale, zp = (np.broadcast_to(v.reshape(-1), (size,)) for v in (scale, zp))
+        axis = {"axis": a["axis"]}
+    return scale, zp, axis
+
+
+def _rounds(elem: str) -> bool:
+    """Whether arithmetic in `elem` computes in FLOAT and is Cast back (tf32 has no ONNX type:
+    its rounding is dropped with a note)."""
+    return elem in NARROW_FLOATS and elem != "tf32"
 
 
 def _unexportable(elem: str) -> str | None:
