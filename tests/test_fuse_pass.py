@@ -207,6 +207,25 @@ def test_an_int8_matmul_its_dequantize_and_bias_fuse_with_onnxs_bits() -> None:
     assert program.run([x]).outputs[0].tobytes() == expect.tobytes()
 
 
+def test_an_int8_matmul_and_its_dequantize_alone_fuse_with_no_addend() -> None:
+    # A fused matmul's addends may be none: fuse once left a module that failed verification.
+    rng = np.random.default_rng(5)
+    w = rng.integers(-128, 128, (16, 4)).astype(np.int8)
+    text = f"""func.func @main(%x: tensor<8x16xi8>) -> tensor<8x4xf32> {{
+  %w = mp.constant {{value = dense<{w.tolist()}> : tensor<16x4xi8>}} : () -> tensor<16x4xi8>
+  %acc = mp.matmul %x, %w : (tensor<8x16xi8>, tensor<16x4xi8>) -> tensor<8x4xi32>
+  %y = mp.dequantize %acc {{scale = 0.01}} : (tensor<8x4xi32>) -> tensor<8x4xf32>
+  return %y : tensor<8x4xf32>
+}}"""
+    fused, stats = _fuse(text)
+    assert stats["matmul-dequantize"] == 1
+    assert "%y = mp.fused_matmul %x, %w {scale = 0.01" in fused
+    x = rng.integers(-128, 128, (8, 16)).astype(np.int8)
+    got = Program(parse(fused, "fused.ir")).run([x]).outputs[0]
+    acc = (x.astype(np.int64) @ w.astype(np.int64)).astype(np.int32)
+    assert got.tobytes() == (acc.astype(np.float32) * np.float32(0.01)).tobytes()
+
+
 def test_a_fused_matmul_whose_addend_is_not_along_the_columns_is_an_error() -> None:
     text = """func.func @main(%x: tensor<3x4xf32>, %w: tensor<4x6xf32>, %b: tensor<3x1xf32>) -> tensor<3x6xf32> {
   %y = mp.fused_matmul %x, %w, %b : (tensor<3x4xf32>, tensor<4x6xf32>, tensor<3x1xf32>) -> tensor<3x6xf32>

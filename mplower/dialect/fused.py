@@ -11,7 +11,6 @@ The backend runs each on the kernel that computes the same bits as the separate 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -26,7 +25,7 @@ from mplower.dialect.mp.common import (
     _elementwise_size,
 )
 from mplower.dialect.mp.linalg import _matmul_flops, _matmul_shape
-from mplower.ir.opdef import OPS, AttrSpec, OpError, attr_array, define
+from mplower.ir.opdef import OPS, AttrSpec, OpError, attr_array
 from mplower.ir.types import TensorType, tensor
 from mplower.numerics.formats import FORMATS, MX_ROUNDING_FORMATS, ROUNDING_FORMATS
 
@@ -82,8 +81,6 @@ def along_last_axis(t: TensorType, shape: tuple[int, ...]) -> bool:
 
 
 def _fused_matmul_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
-    if len(ins) < 2:
-        raise OpError(f"mp.fused_matmul takes at least 2 operands, got {len(ins)}")
     shape = _matmul_shape(ins[0], ins[1])
     if not shape:
         raise OpError("mp.fused_matmul's result has columns: its operands are not both 1-D")
@@ -123,7 +120,7 @@ def _fused_matmul_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndar
 
 
 _def("fused_matmul",
-     operands=("a", "b", "addends..."),
+     operands=("a", "b", "addends*"),
      attrs={"scale": AttrSpec("number"), "formats": AttrSpec("types")},
      infer=_fused_matmul_infer,
      reference=_fused_matmul_reference,
@@ -134,6 +131,3 @@ _def("fused_matmul",
          "(one scale per column or one for all, zero point 0), then an `mp.add` of each "
          "addend (a vector along the last axis). The product and each add but the last are rounded "
          "to their entry of `formats` (none: the result type), the last add to the result type.")
-# Its addends are a variadic list that may be empty (a dequantized product alone), which
-# `_def`'s "at least one" for a variadic list does not say.
-define(replace(OPS["mp.fused_matmul"], min_operands=2))

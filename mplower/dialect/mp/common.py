@@ -147,9 +147,10 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
          num_results: int | None = 1) -> OpDef:
     op = f"mp.{name}"
     specs = dict(attrs)
-    lo = sum(1 for n in operands if not n.endswith(("?", "...")))
-    lo += any(n.endswith("...") for n in operands)  # a variadic list holds at least one value
-    hi = None if any(n.endswith("...") for n in operands) else len(operands)
+    # `name?` is optional, `name...` a list of one or more, `name*` a list of zero or more.
+    lo = sum(1 for n in operands if not n.endswith(("?", "...", "*")))
+    lo += any(n.endswith("...") for n in operands)
+    hi = None if any(n.endswith(("...", "*")) for n in operands) else len(operands)
 
     def checked_infer(ins: Sequence[TensorType], attrs: Mapping[str, Any],
                       declared: Sequence[TensorType] = ()) -> list[TensorType]:
