@@ -135,8 +135,8 @@ def ops_markdown() -> str:
     """The generated op table of docs/ir.md (between the GENERATED OPS markers)."""
     everything = frozenset(FORMATS)
     lines = [
-        ("Operands: `bias?` is optional, `inputs...` takes one or more values. Attributes: "
-         "`name: kind` is required, `name: kind = default` has a default, `name?: kind` is "
+        ("Operands: `bias?` is optional, `inputs...` takes one or more values, `addends*` zero "
+         "or more. Attributes: `name: kind` is required, `name: kind = default` has a default, `name?: kind` is "
          "optional without one; `a | b` lists the allowed values. Kinds: `int`, `float`, "
          "`str`, `bool`, `ints`/`floats` (arrays), `type` (an element type), `dense` (dense "
          "elements), `number` (a scalar or 1-D dense elements). Precisions: the compute "
