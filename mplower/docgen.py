@@ -138,8 +138,8 @@ def ops_markdown() -> str:
         ("Operands: `bias?` is optional, `inputs...` takes one or more values, `addends*` zero "
          "or more. Attributes: `name: kind` is required, `name: kind = default` has a "
          "default, `name?: kind` is optional without one; `a | b` lists the allowed values. "
-         "Kinds: `int`, `float`, `str`, `bool`, `ints`/`floats` (arrays), `type` (an element type), `dense` (dense "
-         "elements), `number` (a scalar or 1-D dense elements). Precisions: the compute "
+         "Kinds: `int`, `float`, `str`, `bool`, `ints`/`floats` (arrays), `type` (an element "
+         "type), `dense` (dense elements), `number` (a scalar or 1-D dense elements). Precisions: the compute "
          "formats an op may be assigned (`OpDef.precisions`; any: every element type); "
          "elementwise: result element *i* depends on operand element *i* only, after "
          "broadcasting."),
