@@ -20,6 +20,7 @@ from mplower.onnx.exporter import export_module
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 ort = pytest.importorskip("onnxruntime")
+from test_fuse_pass import _MLP
 from test_onnx_export import EXAMPLES, load_example, run_both, ulps
 
 _rng = np.random.default_rng(7)
@@ -72,20 +73,7 @@ def test_a_fused_mlp_exports_with_the_unfused_exports_bits(pipeline, elem):
     _assert_agrees(ours[0], theirs[0], elem)
 
 
-_RESIDUAL = """func.func @main(%x: tensor<8x16xf32>, %s: tensor<8x32xf32>) -> tensor<8x32xELEM> {
-  %w = mp.constant {value = dense<WEIGHTS> : tensor<16x32xf32>} : () -> tensor<16x32xf32>
-  %b = mp.constant {value = dense<BIAS> : tensor<32xf32>} : () -> tensor<32xf32>
-  %xc = mp.cast %x : (tensor<8x16xf32>) -> tensor<8x16xELEM>
-  %wc = mp.cast %w : (tensor<16x32xf32>) -> tensor<16x32xELEM>
-  %bc = mp.cast %b : (tensor<32xf32>) -> tensor<32xELEM>
-  %sc = mp.cast %s : (tensor<8x32xf32>) -> tensor<8x32xELEM>
-  %y = mp.matmul %xc, %wc {mp.precision = ELEM, mp.accum = f32} : (tensor<8x16xELEM>, tensor<16x32xELEM>) -> tensor<8x32xELEM>
-  %yb = mp.add %y, %bc : (tensor<8x32xELEM>, tensor<32xELEM>) -> tensor<8x32xELEM>
-  %r = mp.add %yb, %sc : (tensor<8x32xELEM>, tensor<8x32xELEM>) -> tensor<8x32xELEM>
-  %o = mp.relu %r : (tensor<8x32xELEM>) -> tensor<8x32xELEM>
-  return %o : tensor<8x32xELEM>
-}
-"""
+_RESIDUAL = _MLP  # matmul, bias add, residual add, relu (tests/test_fuse_pass.py)
 
 
 @pytest.mark.parametrize("elem", ["f32", "bf16", "f16"])
