@@ -178,10 +178,22 @@ def textline_cls(n: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
     return {"x": np.stack(xs), "labels": np.array(labels, np.int64)}
 
 
+def _degrade(img, rng: np.random.Generator):
+    """A hard line: rendered at a third of its resolution and scaled back up, at a third of
+    the contrast, with sensor-like noise (sigma 25 of 255)."""
+    from PIL import Image
+
+    w, h = img.size
+    small = img.resize((max(1, int(w * 0.32)), max(1, int(h * 0.32))), Image.BILINEAR)
+    a = np.asarray(small.resize((w, h), Image.BILINEAR), np.float32)
+    a = 128 + (a - 128) * 0.35 + rng.normal(0, 25, a.shape)
+    return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
+
+
 def text_rec(n: int = 32, seed: int = 1, charset: list[str] | None = None
              ) -> dict[str, np.ndarray]:
-    """Rendered text lines and their characters as indices into the model's character list
-    (CTC class k+1 is charset[k]; -1 pads)."""
+    """Hard rendered text lines (`_degrade`) and their characters as indices into the model's
+    character list (CTC class k+1 is charset[k]; -1 pads)."""
     rng, corpus = np.random.default_rng(seed), _corpus()
     index = {c: k + 1 for k, c in enumerate(charset or [])}
     xs, targets = [], np.full((n, 40), -1, np.int64)
@@ -191,7 +203,7 @@ def text_rec(n: int = 32, seed: int = 1, charset: list[str] | None = None
         i += 1
         if any(c not in index for c in text):
             continue
-        xs.append(_ppocr_line(_render_line(text, 40, i), 48, 320))
+        xs.append(_ppocr_line(_degrade(_render_line(text, 40, i), rng), 48, 320))
         targets[len(xs) - 1, :len(text)] = [index[c] for c in text]
     return {"x": np.stack(xs), "targets": targets}
 
