@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -347,14 +348,60 @@ def test_bench_json_has_measured_and_modeled_figures(cli, lowered) -> None:
     assert out["modeled"]["target"] == "h100"
     assert out["modeled"]["time_s"] > 0
     assert out["modeled"]["inferences_per_s"] == pytest.approx(1 / out["modeled"]["time_s"])
-    assert out["iterations"] == 5
+    assert out["samples"] == 5
+    assert "warning: p99 rests on 5 samples (fewer than 100" in res.err
+    # samples/s is inferences/s times the batch (the first argument's leading dimension)
+    (arg,) = re.findall(r"func.func @\w+\(%\w+: tensor<(\d+)x", lowered.read_text())
+    assert out["batch"] == int(arg)
+    assert out["samples_per_s"] == pytest.approx(out["inferences_per_s"] * out["batch"])
+    assert out["modeled"]["samples_per_s"] == pytest.approx(
+        out["modeled"]["inferences_per_s"] * out["batch"])
 
 
 def test_bench_table_and_random_inputs_by_default(cli, model) -> None:
     res = cli("bench", model, "-n", "3")
     assert res.rc == 0, res.err
     assert "p50" in res.out and "inferences/s" in res.out and "modeled on generic" in res.out
+    assert "measured (3 samples" in res.out
     assert cli("bench", model, "-n", "0").rc == 2
+
+
+def test_bench_default_takes_200_samples_or_its_time_budget(cli, model) -> None:
+    res = cli("bench", model, "--format", "json", "--warmup", "0")
+    assert res.rc == 0, res.err
+    out = json.loads(res.out)
+    assert (out["samples"], out["time_budget_s"]) == (200, 10.0)  # a tiny model: 200 first
+    assert "warning" not in res.err
+    res = cli("bench", model, "--format", "json", "--warmup", "0", "--time-budget", "1e-9")
+    out = json.loads(res.out)
+    assert res.rc == 0 and out["samples"] == 1 and "rests on 1 samples" in res.err
+
+
+def test_bench_and_report_count_tokens_along_the_sequence_axis(cli, tmp_path) -> None:
+    ir = tmp_path / "seq.ir"
+    ir.write_text("func.func @main(%x: tensor<4x6x8xf32>) -> tensor<4x6x8xf32> {\n"
+                  "  %y = mp.relu %x : (tensor<4x6x8xf32>) -> tensor<4x6x8xf32>\n"
+                  "  return %y : tensor<4x6x8xf32>\n}\n")
+    res = cli("bench", ir, "-n", "2", "--format", "json", "--seq-axis", "1")
+    out = json.loads(res.out)
+    assert (out["batch"], out["tokens_per_inference"]) == (4, 24)
+    assert out["tokens_per_s"] == pytest.approx(24 * out["inferences_per_s"])
+    rep = json.loads(cli("report", ir, "--format", "json", "--seq-axis", "1").out)["summary"]
+    assert (rep["samples_per_inference"], rep["tokens_per_inference"]) == (4, 24)
+    assert rep["modeled_tokens_per_s"] == pytest.approx(24 * rep["modeled_inferences_per_s"])
+    # without an axis or attention, a model has no tokens
+    rep = json.loads(cli("report", ir, "--format", "json").out)["summary"]
+    assert rep["tokens_per_inference"] is None and rep["modeled_tokens_per_s"] is None
+    bad = cli("report", ir, "--seq-axis", "3")
+    assert bad.rc == 2 and "--seq-axis 3 is not an axis of the first argument" in bad.err
+
+
+def test_report_ends_with_its_summary_line(cli, lowered) -> None:
+    """`mplower report M | tail -1` is the summary (docs/tune.md), after the kernel table."""
+    res = cli("report", lowered, "--target", "h100")
+    last = res.out.rstrip("\n").splitlines()[-1]
+    assert re.match(r"\d+ ops, \d+ lowered; modeled [\d.]+ us on h100 \([\d.]+ inferences/s",
+                    last), last
 
 
 # ---- the numba cache ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mplower.cli.common import EXIT_OK, read_module, write_output
+from mplower.cli.common import EXIT_OK, UsageError, read_module, write_output
 
 
 def add_report(sub, name: str) -> argparse.ArgumentParser:
@@ -17,6 +17,9 @@ def add_report(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table")
     p.add_argument("--func", default=None, help="function to report (default: main or the only one)")
     p.add_argument("-o", dest="output", default="-", help="output file (default stdout)")
+    p.add_argument("--seq-axis", type=int, default=None, metavar="AXIS",
+                   help="axis of the first argument that holds the sequence: tokens/s counts "
+                        "its dimensions up to this one (default: found from attention)")
     return p
 
 
@@ -24,11 +27,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     import mplower.dialect  # noqa: F401  (registers the mp ops)
     from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
+    from mplower.lowering.throughput import SeqAxisError
     from mplower.report.sheet import precision_sheet, render
 
     module = read_module(args)
     target = module_target(module, args.target, known_ops=OPS)
-    sheet = precision_sheet(module, target, args.func)  # read_module checked the function
+    try:  # read_module checked the function
+        sheet = precision_sheet(module, target, args.func, seq_axis=args.seq_axis)
+    except SeqAxisError as e:
+        raise UsageError(str(e)) from None
     write_output(args.output, render(sheet, args.format))
     return EXIT_OK
 

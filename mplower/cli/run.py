@@ -84,7 +84,14 @@ def add_bench(sub, name: str) -> argparse.ArgumentParser:
                                    "only annotations gets insert-casts first.")
     _input_flags(b)
     b.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    b.add_argument("--iterations", "-n", type=int, default=20, help="timed runs (default 20)")
+    b.add_argument("--samples", "-n", "--iterations", dest="samples", type=int, default=None,
+                   help="timed runs: exactly this many (default: until 200 runs or the time "
+                        "budget, whichever comes first)")
+    b.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop timing after this long (default 10 s; with --samples, none)")
+    b.add_argument("--seq-axis", type=int, default=None, metavar="AXIS",
+                   help="axis of the first argument that holds the sequence: tokens/s counts "
+                        "its dimensions up to this one (default: found from attention)")
     b.add_argument("--target", default=None,
                    help="target for the modeled figures (default: the module's mp.target, "
                         "else generic)")
@@ -252,6 +259,11 @@ def output_keys(f: Function, names: str) -> list[str]:
     return list(recorded)
 
 
+# bench's default: 200 timed runs or 10 s, whichever comes first; a p99 over fewer than 100
+# samples is (nearly) their maximum, and bench says so.
+BENCH_SAMPLES, BENCH_SECONDS, MIN_P99_SAMPLES = 200, 10.0, 100
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
@@ -260,41 +272,63 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import mplower.dialect  # noqa: F401  (registers the mp ops)
     from mplower.ir.opdef import OPS
     from mplower.lowering.target import module_target
+    from mplower.lowering.throughput import SeqAxisError, rate_text, units
     from mplower.numerics.metrics import finite_or_none
     from mplower.report.sheet import precision_sheet
 
-    if args.iterations < 1 or args.warmup < 0:
-        raise UsageError("--iterations must be at least 1 and --warmup at least 0")
+    samples = args.samples if args.samples is not None else BENCH_SAMPLES
+    budget = args.time_budget if args.time_budget is not None else (
+        None if args.samples is not None else BENCH_SECONDS)
+    if samples < 1 or args.warmup < 0 or (budget is not None and not budget > 0):
+        raise UsageError("--samples must be at least 1, --warmup at least 0 and --time-budget "
+                         "positive")
     module, program, arrays = _load(args, "bench")
     target = module_target(module, args.target, known_ops=OPS)
+    try:
+        u = units(program.function, args.seq_axis)
+    except SeqAxisError as e:
+        raise UsageError(str(e)) from None
     prepared = program.prepare_inputs(arrays)
     for _ in range(args.warmup):
         program.run_lowered(prepared)
-    times = []
-    for _ in range(args.iterations):
+    times: list[float] = []
+    start = time.perf_counter()
+    while not times or (len(times) < samples
+                        and (budget is None or time.perf_counter() - start < budget)):
         t0 = time.perf_counter()
         program.run_lowered(prepared)
         times.append(time.perf_counter() - t0)
     ms = np.array(times) * 1e3
-    modeled = precision_sheet(module, target, program.function.name)["summary"]
+    modeled = precision_sheet(module, target, program.function.name,
+                              seq_axis=args.seq_axis)["summary"]
+    measured_rate = float(1e3 / np.median(ms))
     out = {
         "function": program.function.name,
-        "iterations": len(times),
+        "samples": len(times),
         "warmup": args.warmup,
+        "time_budget_s": budget,
         "latency_ms": {p: float(np.percentile(ms, q)) for p, q in
                        (("p50", 50), ("p95", 95), ("p99", 99))},
-        "inferences_per_s": float(1e3 / np.median(ms)),
+        "inferences_per_s": measured_rate,
+        "batch": u.samples,
+        "tokens_per_inference": u.tokens,
+        **u.rates(measured_rate),
         "modeled": {"target": target.name, "time_s": modeled["modeled_time_s"],
-                    "inferences_per_s": finite_or_none(modeled["modeled_inferences_per_s"])},
+                    "inferences_per_s": finite_or_none(modeled["modeled_inferences_per_s"]),
+                    **u.rates(finite_or_none(modeled["modeled_inferences_per_s"]))},
     }
+    if len(times) < MIN_P99_SAMPLES:
+        print(f"{args.input}: warning: p99 rests on {len(times)} samples (fewer than "
+              f"{MIN_P99_SAMPLES}: it is near the maximum); give --samples or a longer "
+              "--time-budget", file=sys.stderr)
     if args.format == "json":
         sys.stdout.write(json.dumps(out, indent=2, allow_nan=False) + "\n")
     else:
         lat = out["latency_ms"]
         sys.stdout.write(
-            f"measured ({out['iterations']} iterations, emulated on this CPU): "
+            f"measured ({out['samples']} samples, emulated on this CPU): "
             f"p50 {lat['p50']:.3f} ms, p95 {lat['p95']:.3f} ms, p99 {lat['p99']:.3f} ms, "
-            f"{out['inferences_per_s']:.1f} inferences/s\n"
+            f"{rate_text(measured_rate, u)}\n"
             f"modeled on {target.name}: {out['modeled']['time_s'] * 1e6:.3f} us, "
-            f"{modeled['modeled_inferences_per_s']:.1f} inferences/s\n")
+            f"{rate_text(modeled['modeled_inferences_per_s'], u)}\n")
     return EXIT_OK

@@ -24,6 +24,7 @@ from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.opdef import OPS, check_attrs
 from mplower.lowering.cost import compute_format, plan_cost
 from mplower.lowering.target import Target
+from mplower.lowering.throughput import Units, rate_text, units
 from mplower.report.sparse import sparse_lines, sparse_report
 from mplower.report.table import table
 
@@ -63,10 +64,13 @@ def op_row(f: Function, n: int, times: dict[str, float], groups: dict[str, int])
 
 
 def precision_sheet(module: Module, target: Target, func: str | None = None,
-                    measure: bool = True) -> dict[str, Any]:
+                    measure: bool = True, seq_axis: int | None = None) -> dict[str, Any]:
     """The sheet as a dict; with sparse decisions in the module, a `sparse` section too (the
-    reality check of mplower.report.sparse.sparse_report; `measure` times the CPU kernels)."""
+    reality check of mplower.report.sparse.sparse_report; `measure` times the CPU kernels).
+    Throughput is per call (`inferences`), per sample (the first argument's leading
+    dimension) and per token (mplower.lowering.throughput; `seq_axis` names the axis)."""
     f = module.function(func)
+    u = units(f, seq_axis)
     cost = plan_cost(f, target)
     times = {g.anchor: g.time_s for g in cost.groups}
     rows = [r for r in (op_row(f, n, times, dict(cost.group_of)) for n in f.ops())
@@ -88,6 +92,9 @@ def precision_sheet(module: Module, target: Target, func: str | None = None,
             "fp32_modeled_time_s": fp32_total,
             "modeled_speedup_vs_fp32": fp32_total / total if total else 1.0,
             "modeled_inferences_per_s": 1.0 / total if total else float("inf"),
+            "samples_per_inference": u.samples,
+            "tokens_per_inference": u.tokens,
+            **{f"modeled_{k}": v for k, v in u.rates(1.0 / total if total else None).items()},
             "board_power_w": target.board_power_w,
             "modeled_joules_per_inference": (joules := target.joules(total)),
             "modeled_inferences_per_joule": 1.0 / joules if joules else None,
@@ -132,8 +139,10 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
         return buf.getvalue()
     header = ["name", "op", "compute", "accum", "kernel", "reason", "flops", "modeled time"]
     rows = [_cells(r) for r in sheet["ops"]]
+    rate = rate_text(s["modeled_inferences_per_s"], Units(s["samples_per_inference"],
+                                                          s["tokens_per_inference"]))
     footer = (f"{s['ops']} ops, {s['lowered_ops']} lowered; modeled {s['modeled_time_s'] * 1e6:.3f}"
-              f" us on {sheet['target']} ({s['modeled_inferences_per_s']:.1f} inferences/s), "
+              f" us on {sheet['target']} ({rate}), "
               f"{s['modeled_speedup_vs_fp32']:.2f}x the f32 plan")
     if s["modeled_joules_per_inference"] is not None:
         per_joule = s["modeled_inferences_per_joule"]  # None where nothing takes time
@@ -142,8 +151,10 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
                    f"{s['board_power_w']:g} W")
     sparse = sparse_lines(sheet["sparse"], fmt) if "sparse" in sheet else []
     gap = "\n" if fmt == "markdown" else ""  # a blank line ends a markdown table
-    return ("\n".join(table(header, rows, fmt, rule=True)) + f"\n{gap}{footer}\n"
-            + "".join(f"{x}\n" for x in [*group_lines(sheet["groups"], fmt, gap), *sparse]))
+    # The summary is the last line (`| tail -1`), after the fused kernels and sparse sections.
+    return ("\n".join(table(header, rows, fmt, rule=True)) + "\n"
+            + "".join(f"{x}\n" for x in [*group_lines(sheet["groups"], fmt, gap), *sparse])
+            + f"{gap}{footer}\n")
 
 
 def group_lines(groups: list[dict[str, Any]], fmt: str, gap: str) -> list[str]:
