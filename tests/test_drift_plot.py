@@ -39,22 +39,46 @@ def test_run_plot_writes_a_png_of_the_reports_drift_and_overflow(cli, model, tmp
     assert res.rc == 0, res.err
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
-    assert imread(png).shape == (550, 600, 4)  # 6 x 5.5 inches at 100 dpi, RGBA
+    # 10 inches wide, 1.6 + 0.3 per row (6 ops) high, at 100 dpi, RGBA
+    assert imread(png).shape == (340, 1000, 4)
     report = json.loads(report_path.read_text())
     plotted = plot_drift(report, "@main")
     assert plotted.png == data  # the file is this drawing
-    ops = [o for o in report["ops"] if o["op"] != "mp.constant"]
-    assert plotted.names == tuple(o["name"] for o in ops) == (
-        "%s_f16", "%r", "%r_f16", "%a", "%a_f32", "%y")
-    assert plotted.overflow == tuple(o["overflow"] for o in ops) == (0, 0, 0, 2, 0, 0)
-    assert plotted.rel_l2 == tuple(o["rel_l2"] for o in ops)
+    ops = {o["name"]: o for o in report["ops"] if o["op"] != "mp.constant"}
+    # worst first: the results that are not finite (the f16 multiply overflowed) in program
+    # order, then the f16 rounding of relu's output, then the exact ops
+    assert plotted.names == ("%a", "%a_f32", "%y", "%r_f16", "%s_f16", "%r")
+    assert plotted.not_finite == (0, 1, 2)
+    assert plotted.overflow == tuple(ops[n]["overflow"] for n in plotted.names) == (
+        2, 0, 0, 0, 0, 0)
+    assert plotted.rel_l2 == tuple(ops[n]["rel_l2"] for n in plotted.names)
     # 1000 is exact in f16, so the scalar's cast has no drift (it read None while a rounded
     # scalar came back with shape (1,) instead of ()).
-    assert plotted.rel_l2[:2] == (0.0, 0.0) and plotted.rel_l2[3:] == (None, None, None)
+    assert plotted.rel_l2[:3] == (None, None, None) and plotted.rel_l2[4:] == (0.0, 0.0)
     # The f16 rounding of relu's output: rel_l2 of the f16 values of [100, 200, 0.3, 0].
     x = np.array([100, 200, 0.3, 0], np.float32)
     expected = np.linalg.norm(x.astype(np.float16).astype(np.float64) - x) / np.linalg.norm(x)
-    assert plotted.rel_l2[2] == pytest.approx(expected, rel=1e-12)
+    assert plotted.rel_l2[3] == pytest.approx(expected, rel=1e-12)
+
+
+def test_drift_plot_of_200_ops_shows_the_30_worst_readably() -> None:
+    """A 200-op report: 30 rows (9.1 inches high), worst drift first, overflow on an integer
+    axis even when every count is 0."""
+    from matplotlib.image import imread
+
+    rng = np.random.default_rng(0)
+    drifts = rng.uniform(1e-6, 1e-1, 200)
+    report = {"ops": [{"name": f"%op{i}", "op": "mp.add", "rel_l2": float(d), "overflow": 0,
+                       "nonfinite_mismatch": False} for i, d in enumerate(drifts)],
+              "summary": {"output_rel_l2": 0.01, "verdict": "pass", "overflow": 0}}
+    plotted = plot_drift(report)
+    want = np.argsort(-drifts, kind="stable")[:30]
+    assert plotted.names == tuple(f"%op{i}" for i in want)
+    assert plotted.rel_l2 == pytest.approx([float(drifts[i]) for i in want], rel=1e-12)
+    assert plotted.overflow == (0,) * 30
+    import io
+
+    assert imread(io.BytesIO(plotted.png)).shape == (1060, 1000, 4)
 
 
 def test_run_plot_of_a_failing_run_leaves_the_png_untouched(cli, model, tmp_path):

@@ -1,18 +1,19 @@
-"""`mplower run --plot`: the run report's per-op drift and overflow as a bar chart.
+"""`mplower run --plot`: the ops with the most drift, and their overflow, as a bar chart.
 
-One bar per executed op (constants left out, as in the report's table), in program order, so the
-op where drift jumps or values overflow stands out: the top panel is each op's rel_l2 against
-the fp32 reference on a log scale (an exact op or an integer result has no bar; an op whose
-drift is not finite, say because it overflowed to inf, is marked with a red triangle at the
-top), the bottom panel its
-overflow count. matplotlib is imported only here, and only when a plot is asked for; the figure
-is drawn without pyplot (no global state, no display) and returned as PNG bytes, which the
-caller writes atomically.
+One row per op, worst first, at most `TOP` rows (constants left out, as in the report's table):
+ops whose result is not finite where the reference is (overflow to inf, NaN) first, marked
+with a red triangle, then by rel_l2 against the fp32 reference, then by overflow count. The
+rows are horizontal so that names stay readable at any model size: the left panel is each op's
+rel_l2 on a log axis (an exact op or an integer result has no bar), the right one its overflow
+count on an integer axis. The title says how many of the model's ops are shown. matplotlib is
+imported only here, and only when a plot is asked for; the figure is drawn without pyplot (no
+global state, no display) and returned as PNG bytes, which the caller writes atomically.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,45 +30,64 @@ class DriftPlot:
     not_finite: tuple[int, ...] = ()  # positions marked with the red triangle
 
 
-def plot_drift(report: dict[str, Any], title: str = "") -> DriftPlot:
-    """The drift chart of a run report (mplower.report.run.build_report)."""
+TOP = 30  # rows: a 200-op model's chart stays readable
+
+
+def _worst_first(ops: list[dict[str, Any]]) -> list[int]:
+    def key(i: int) -> tuple:
+        o = ops[i]
+        bad = o["rel_l2"] is None and bool(o["nonfinite_mismatch"])
+        return (not bad, -(o["rel_l2"] or 0.0), -o["overflow"], i)
+    return sorted(range(len(ops)), key=key)
+
+
+def plot_drift(report: dict[str, Any], title: str = "", top: int = TOP) -> DriftPlot:
+    """The drift chart of a run report (mplower.report.run.build_report): its `top` worst
+    ops, worst first (the order of the returned fields)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    ops = [o for o in report["ops"] if o["op"] != "mp.constant"]
+    every = [o for o in report["ops"] if o["op"] != "mp.constant"]
+    ops = [every[i] for i in _worst_first(every)[:top]]
     names = [o["name"] for o in ops]
-    x = list(range(len(ops)))
-    width = max(6.0, min(40.0, 0.25 * len(ops) + 2))
-    fig = Figure(figsize=(width, 5.5), layout="constrained")
+    y = list(range(len(ops)))
+    fig = Figure(figsize=(10.0, 1.6 + 0.3 * max(len(ops), 1)), layout="constrained")
     FigureCanvasAgg(fig)
-    drift_ax, over_ax = fig.subplots(2, 1, sharex=True)
+    drift_ax, over_ax = fig.subplots(1, 2, sharey=True, width_ratios=(3, 1))
     # An exact op (rel_l2 0) or one without a finite drift gets no bar: a log axis has no 0.
-    heights = [o["rel_l2"] if o["rel_l2"] else 0.0 for o in ops]
-    drift_bars = drift_ax.bar(x, heights, color="tab:blue")
-    if any(heights):
-        drift_ax.set_yscale("log")
-    drift_ax.set_ylabel("rel_l2 vs fp32")
+    widths = [o["rel_l2"] if o["rel_l2"] else 0.0 for o in ops]
+    drift_bars = drift_ax.barh(y, widths, color="tab:blue")
+    if any(widths):  # whole decades, so that a bar's length reads against the axis
+        positive = [w for w in widths if w > 0]
+        drift_ax.set_xscale("log")
+        drift_ax.set_xlim(10.0 ** math.floor(math.log10(min(positive))),
+                          10.0 ** math.ceil(math.log10(max(positive)) + 1e-9))
+    drift_ax.set_xlabel("rel_l2 vs fp32 (log)")
+    drift_ax.set_yticks(y, names, fontsize=8)
+    drift_ax.invert_yaxis()  # worst on top
     # rel_l2 is also null for an integer result (an index, a mask, an i8 kernel), which has
     # no drift to draw; only a result that is not finite where the reference is gets marked.
     missing = [i for i, o in enumerate(ops) if o["rel_l2"] is None and o["nonfinite_mismatch"]]
     if missing:
-        drift_ax.plot(missing, [1.0] * len(missing), "v", color="tab:red",
+        right = max((w for w in widths if w), default=1.0)
+        drift_ax.plot([right] * len(missing), missing, "<", color="tab:red",
                       label="drift not finite (overflow, NaN)")
-        drift_ax.legend(loc="upper left")
-    over_bars = over_ax.bar(x, [o["overflow"] for o in ops], color="tab:red")
-    over_ax.set_ylabel("overflow count")
-    over_ax.set_ylim(bottom=0)
-    over_ax.yaxis.get_major_locator().set_params(integer=True)
-    over_ax.set_xticks(x, names, rotation=90, fontsize=7)
+        drift_ax.legend(loc="lower right", fontsize=8)
+    counts = [o["overflow"] for o in ops]
+    over_bars = over_ax.barh(y, counts, color="tab:red")
+    over_ax.set_xlabel("overflow count")
+    over_ax.set_xlim(0, max(max(counts, default=0), 1) * 1.05)
+    over_ax.xaxis.get_major_locator().set_params(integer=True)
     s = report["summary"]
     drift = "-" if s["output_rel_l2"] is None else f"{s['output_rel_l2']:.3g}"
+    shown = f"{len(ops)} of {len(every)} ops, worst first"
     fig.suptitle(f"{title}{': ' if title else ''}verdict {s['verdict']}, output rel_l2 "
-                 f"{drift}, overflow {s['overflow']}", fontsize=10)
+                 f"{drift}, overflow {s['overflow']} ({shown})", fontsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    drawn = [b.get_height() for b in drift_bars]
+    drawn = [b.get_width() for b in drift_bars]
     return DriftPlot(
         names=tuple(names),
         rel_l2=tuple(None if o["rel_l2"] is None else drawn[i] for i, o in enumerate(ops)),
-        overflow=tuple(int(b.get_height()) for b in over_bars),
+        overflow=tuple(int(b.get_width()) for b in over_bars),
         png=buf.getvalue(), not_finite=tuple(missing))
