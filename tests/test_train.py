@@ -313,3 +313,23 @@ def test_train_batch_the_model_cannot_follow_is_a_located_error(tmp_path, digits
         "    %f = mp.reshape %4 : (tensor<32x10xf32>) -> tensor<320xf32>\n"
         "    ^\n"))
     assert sorted(os.listdir(tmp_path)) == ["mlp.ir", "mlp.npz", "train.npz"]
+
+
+def test_train_evaluates_after_each_epoch_and_plots_it(tmp_path, digits, cli):
+    """--eval gives the accuracy after every whole epoch (at its last step); the last one is
+    the final accuracy, and train.png gets a fourth panel for it."""
+    from matplotlib.image import imread
+
+    x, y = digits
+    model = mlp_init(tmp_path)
+    np.savez(tmp_path / "train.npz", x=x[:SPLIT], y=y[:SPLIT])
+    np.savez(tmp_path / "test.npz", x=x[SPLIT:], y=y[SPLIT:])
+    res = cli("train", model, "--data", tmp_path / "train.npz", "--eval", tmp_path / "test.npz",
+              "--epochs", 2, "--optimizer", "sgd{lr=0.05 momentum=0.9}", "--report",
+              tmp_path / "train.json", "--plot", tmp_path / "train.png", "-o", tmp_path / "o.ir")
+    assert res.rc == 0, res.err
+    ev = json.loads((tmp_path / "train.json").read_text())["summary"]["eval"]
+    assert [(e["epoch"], e["step"]) for e in ev["per_epoch"]] == [(1, 42), (2, 85)]  # 1400 // 32
+    assert ev["per_epoch"][-1]["accuracy"] == ev["accuracy"]
+    assert all(0.0 <= e["accuracy"] <= 1.0 for e in ev["per_epoch"])
+    assert imread(tmp_path / "train.png").shape == (1000, 800, 4)  # 8 x 10 inches: 4 panels

@@ -155,14 +155,21 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise DiagnosticError.at(Location(args.eval, 0, 0), str(e)) from None
     n = len(data[args.labels])
     steps = args.steps or (args.epochs or 1) * (n // trainer.batch)
+    per_epoch: list[dict] = []
+    on_epoch = None
+    if evaluation is not None:
+        def on_epoch(epoch: int, step: int) -> None:
+            per_epoch.append({"epoch": epoch, "step": step, "accuracy": trainer.accuracy(
+                evaluation[inputs[0]], eval_classes)})
     try:
-        rows = _fit_with_progress(trainer, data, steps, args.seed)
+        rows = _fit_with_progress(trainer, data, steps, args.seed, on_epoch)
     except ValueError as e:
         raise DiagnosticError.at(Location(args.data, 0, 0), str(e)) from None
     accuracy = None
     if evaluation is not None:
         accuracy = {"samples": len(eval_classes),
-                    "accuracy": trainer.accuracy(evaluation[inputs[0]], eval_classes)}
+                    "accuracy": trainer.accuracy(evaluation[inputs[0]], eval_classes),
+                    "per_epoch": per_epoch}
     config = {"model": args.input, "plan": pipeline_text or "fp32", "loss": args.loss,
               "optimizer": args.optimizer, "loss_scale": args.loss_scale,
               "steps": steps, "batch": trainer.batch, "seed": args.seed}
@@ -193,13 +200,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _fit_with_progress(trainer, data: dict, steps: int, seed: int) -> list:
+def _fit_with_progress(trainer, data: dict, steps: int, seed: int, on_epoch=None) -> list:
+    """fit, with a progress bar; `on_epoch(epoch, step)` after the last step of each whole
+    epoch (the batches of `batches`: len // batch steps per epoch)."""
     from tqdm import tqdm
 
     from mplower.train.trainer import fit
 
+    per_epoch = len(data[trainer.labels]) // trainer.batch
     with tqdm(total=steps, unit="step", file=sys.stderr, disable=None) as bar:
         def progress(i: int, row: dict) -> None:
             bar.set_postfix(loss=f"{row['loss']:.4f}", scale=row["loss_scale"], refresh=False)
             bar.update(1)
+            if on_epoch is not None and per_epoch and (i + 1) % per_epoch == 0:
+                on_epoch((i + 1) // per_epoch, i)
         return fit(trainer, data, steps, seed, progress)

@@ -8,6 +8,7 @@ test accuracy when there was an evaluation set.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from mplower.train.trainer import BACKWARD, FORWARD
@@ -29,16 +30,19 @@ def training_report(config: dict[str, Any], rows: list[dict[str, Any]],
 
 
 def plot_training(report: dict[str, Any], fh: Any) -> None:
-    """Loss, loss scale and per-step overflow/underflow incidence (forward and backward) over
-    the steps, as PNG into the binary file `fh`. matplotlib is imported here, when asked for."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Loss, loss scale, per-step overflow/underflow incidence (forward and backward) and, with
+    an evaluation set, the accuracy after each epoch, over the steps, as PNG into the binary
+    file `fh`. matplotlib is imported here, when asked for; no pyplot (no global state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rows = report["steps"]
     steps = [r["step"] for r in rows]
-    fig, (ax_loss, ax_scale, ax_inc) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    epochs = (report["summary"].get("eval") or {}).get("per_epoch") or []
+    fig = Figure(figsize=(8, 10 if epochs else 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(4 if epochs else 3, 1, sharex=True)
+    ax_loss, ax_scale, ax_inc = axes[:3]
     loss = [math.nan if r["loss"] is None else r["loss"] for r in rows]  # None: not finite
     ax_loss.plot(steps, loss, lw=1)
     skipped = [r["step"] for r in rows if r["skipped"]]
@@ -53,12 +57,26 @@ def plot_training(report: dict[str, Any], fh: Any) -> None:
         for kind in ("overflow", "underflow"):
             ax_inc.plot(steps, [r[phase][kind] for r in rows], style, lw=1,
                         label=f"{phase} {kind}")
-    ax_inc.set_yscale("symlog")
+    if any(r[phase][kind] for r in rows for phase in (FORWARD, BACKWARD)
+           for kind in ("overflow", "underflow")):
+        ax_inc.set_yscale("symlog")
+    else:  # nothing to show: counts, so integers from 0
+        ax_inc.set_ylim(0, 1)
+        ax_inc.yaxis.get_major_locator().set_params(integer=True)
     ax_inc.set_ylabel("values per step")
-    ax_inc.set_xlabel("step")
     ax_inc.legend(fontsize="small")
-    fig.suptitle(f"mplower train: {report['config'].get('model', '')} "
-                 f"({report['config'].get('plan', '')})")
-    fig.tight_layout()
+    if epochs:
+        ax_eval = axes[3]
+        ax_eval.plot([e["step"] for e in epochs], [e["accuracy"] for e in epochs], "o-", lw=1)
+        for e in epochs:
+            ax_eval.annotate(f"{e['accuracy']:.3f}", (e["step"], e["accuracy"]),
+                             textcoords="offset points", xytext=(0, 6), ha="center",
+                             fontsize="small")
+        ax_eval.set_ylabel("eval accuracy")
+        ax_eval.margins(y=0.2)  # room for the labels above the points
+    axes[-1].set_xlabel("step")
+    config = report["config"]
+    # Two short lines: a long model path and plan no longer run off both sides.
+    fig.suptitle(f"mplower train: {Path(str(config.get('model', ''))).name}\n"
+                 f"{config.get('plan', '')}", fontsize=10)
     fig.savefig(fh, format="png", dpi=100)
-    plt.close(fig)
