@@ -207,7 +207,7 @@ def _policy_guardrails(module) -> dict[str, float]:
 @writes_outputs
 def cmd_run(args: argparse.Namespace) -> int:
     from mplower.dialect.plan import POLICY
-    from mplower.lowering.metrics import METRIC_GUARDRAILS
+    from mplower.lowering.metrics import METRIC_GUARDRAILS, recorded_output_names
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
 
@@ -283,16 +283,6 @@ def _protect_weights(module, override: str | None) -> None:
     outputs = active_output_set()
     if outputs is not None:
         outputs.protect(weights_file(module, override), "the module's weights file")
-
-
-def recorded_output_names(f: Function) -> list[str] | None:
-    """The function's `mp.output_names` (from ONNX) when they are well formed, else None."""
-    from mplower.dialect.plan import OUTPUT_NAMES
-
-    recorded = f.attrs.get(OUTPUT_NAMES)
-    if isinstance(recorded, tuple) and all(isinstance(k, str) and k for k in recorded):
-        return list(recorded)
-    return None
 
 
 def output_keys(f: Function, names: str) -> list[str]:

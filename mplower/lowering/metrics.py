@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from mplower.dialect.plan import OUTPUT_NAMES
 from mplower.ir.diagnostics import DiagnosticError, Location, did_you_mean
+from mplower.ir.graph import Function
 
 MAX, MIN = "max", "min"
 DIRECTIONS = (MAX, MIN)
@@ -407,6 +409,32 @@ def _is_int(text: str) -> bool:
 # ---- the figures the guardrails read -------------------------------------------------------
 
 METRIC_GUARDRAILS = ("min_metric", "max_metric", "max_metric_drop", "max_metric_drop_rel")
+# The summary keys `metric_figures` writes (and the metric guardrails read).
+METRIC_FIGURES = ("metric", "metric_reference", "metric_drop", "metric_drop_rel")
+
+
+def eval_samples(arrays: Mapping[str, np.ndarray], batches: int, rows: int | None
+                 ) -> dict[str, np.ndarray]:
+    """The evaluation arrays with one row per sample, as the outputs are stacked over the
+    batches: an array stacked like the inputs, (batches, rows, ...), is flattened to
+    (batches * rows, ...); any other array (labels already (batches * rows,), a vocabulary
+    table) is as it was."""
+    out = {}
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        if (rows is not None and rows != 1 and a.ndim >= 2
+                and a.shape[:2] == (batches, rows)):
+            a = a.reshape(batches * rows, *a.shape[2:])
+        out[name] = a
+    return out
+
+
+def recorded_output_names(f: Function) -> list[str] | None:
+    """The function's `mp.output_names` (from ONNX) when they are well formed, else None."""
+    recorded = f.attrs.get(OUTPUT_NAMES)
+    if isinstance(recorded, tuple) and all(isinstance(k, str) and k for k in recorded):
+        return list(recorded)
+    return None
 
 
 def output_arrays(outputs: Sequence[Any], names: Sequence[str] | None = None
