@@ -221,7 +221,7 @@ class Workspace:
         self.target: Target = load_target(self.target_spec)
         self.root = root
         self.module = self.parse()
-        self._calibrated: Module | None = None
+        self._calibrated: Module | DiagnosticError | None = None
         base = Program(self.module, problem.func, reference_only=True)
         self.references = []
         for batch in problem.batches:
@@ -244,10 +244,20 @@ class Workspace:
     def calibrated(self) -> Module:
         """The module after `calibrate{data=...}`, computed once: the first pass of every int8
         pipeline without pruning, whose result does not depend on the plan."""
+        # Cached only once it succeeded, and a failure is cached as the failure: the module a
+        # failed calibrate left half done is no calibrated module, and every int8 plan after
+        # the first would otherwise be told to run the calibrate it did run.
+        if isinstance(self._calibrated, DiagnosticError):
+            raise self._calibrated
         if self._calibrated is None:
-            self._calibrated = copy.deepcopy(self.module)
-            PassManager(parse_pipeline(f"calibrate{{data={self.calib_path}}}")).run(
-                self._calibrated, PassContext(runner=reference_runner))
+            module = copy.deepcopy(self.module)
+            try:
+                PassManager(parse_pipeline(f"calibrate{{data={self.calib_path}}}")).run(
+                    module, PassContext(runner=reference_runner))
+            except DiagnosticError as e:
+                self._calibrated = e
+                raise
+            self._calibrated = module
         return self._calibrated
 
     def lower(self, candidate: Candidate) -> tuple[Module, PassContext]:
