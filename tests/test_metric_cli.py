@@ -193,6 +193,7 @@ def test_tune_picks_a_plan_under_a_metric_guardrail_and_records_it_per_slice(cli
     chosen = packet["chosen"]
     q = chosen["quality"]
     assert q["metric_reference"] == np.mean(probs.argmax(1) == labels) == 86 / 96
+    assert chosen["lowered_ops"] > 0  # a plan that lowers, not fp32 kept for safety
     assert q["metric_drop"] <= 0.0 and chosen["guardrails"]["max_metric_drop"]["ok"]
     per_slice = chosen["validation"]["metric"]
     assert sorted(per_slice) == ["0", "1", "2"]
