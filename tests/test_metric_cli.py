@@ -209,3 +209,15 @@ def test_tune_picks_a_plan_under_a_metric_guardrail_and_records_it_per_slice(cli
     # The released module, run on the evaluation rows of slice 0's first batch, keeps it.
     policy = (out / "policy.toml").read_text()
     assert "max_metric_drop = 0.0" in policy and "--metric top1:labels" in policy
+
+
+def test_bisect_measures_the_metric_guardrail(cli, tmp_path):
+    probs = _mlp(tmp_path)
+    np.savez(tmp_path / "in.npz", x=np.load(tmp_path / "mlp_inputs.npz")["x"],
+             labels=_labels(probs, 0))
+    ir = _bf16(cli, tmp_path)
+    r = cli("run", ir, "--inputs", tmp_path / "in.npz", "--metric", "top1:labels",
+            "--guardrail", "min_metric=1", "--bisect", "--format", "json")
+    assert r.rc == 0, r.err
+    report = json.loads(r.out)
+    assert report["summary"]["metric"] == 1.0 and report["bisect"]["met"], report["bisect"]

@@ -252,7 +252,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.bisect:
         from mplower.report.bisect import bisect
 
-        report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
+        report["bisect"] = bisect(module, arrays, limits, args.func, args.weights,
+                                  metric=metric, eval=eval_arrays,
+                                  output_names=recorded_output_names(program.function)).to_json()
     # All of these are committed together when the command returns; an output given as '-'
     # takes stdout in place of the --format output.
     if args.save_outputs:
