@@ -197,11 +197,6 @@ class Metric:
     def to_json(self) -> dict[str, Any]:
         return {"spec": self.spec, "direction": self.direction}
 
-    @property
-    def name(self) -> str:
-        """`top1:labels`, `pkg.mod:fn`, `file.py:fn` as the user wrote it."""
-        return self.spec
-
     def evaluate(self, outputs: Mapping[str, np.ndarray],
                  eval: Mapping[str, np.ndarray]) -> MetricValue:
         """The metric of `outputs` (`output_0`, ... and any ONNX names) on the evaluation
