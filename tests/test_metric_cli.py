@@ -221,3 +221,29 @@ def test_bisect_measures_the_metric_guardrail(cli, tmp_path):
     assert r.rc == 0, r.err
     report = json.loads(r.out)
     assert report["summary"]["metric"] == 1.0 and report["bisect"]["met"], report["bisect"]
+
+
+def test_tune_calls_the_user_function_on_all_samples_stacked(cli, tmp_path):
+    """The user's function sees every evaluation batch's outputs stacked along the samples
+    and the labels flattened to match (docs/metrics.md); a min metric's drop is plan - fp32."""
+    _mlp(tmp_path)
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((2, 32, 64)) * 4).astype(np.float32)
+    probs = _reference(tmp_path, x.reshape(64, 64))
+    labels = _labels(probs, 8)
+    np.savez(tmp_path / "eval.npz", x=x, labels=labels.reshape(2, 32))
+    (tmp_path / "err.py").write_text(
+        "import numpy as np\n"
+        "def error_rate(outputs, eval):\n"
+        "    assert outputs['output_0'].shape == (64, 10), outputs['output_0'].shape\n"
+        "    assert eval['labels'].shape == (64,), eval['labels'].shape\n"
+        "    return float(np.mean(outputs['output_0'].argmax(1) != eval['labels']))\n")
+    r = cli("tune", tmp_path / "mlp.ir", "--target", "h100", "--data", tmp_path / "eval.npz",
+            "--formats", "bf16", "--budget", "6", "--metric", f"{tmp_path / 'err.py'}:error_rate",
+            "--metric-direction", "min", "--guardrail", "max_metric=0.2", "-o", tmp_path / "o")
+    assert r.rc == 0, r.err
+    packet = json.loads((tmp_path / "o" / "tune.json").read_text())
+    assert packet["metric"]["direction"] == "min"
+    q = packet["chosen"]["quality"]
+    assert q["metric_reference"] == 8 / 64
+    assert q["metric_drop"] == q["metric"] - q["metric_reference"]
