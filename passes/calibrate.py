@@ -36,7 +36,14 @@ from mplower.io.npz import read_npz
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
 from mplower.ir.opdef import Trait, attr_int, attr_ints, check_attrs, lookup, ops_with
-from mplower.lowering.calibration import METHODS, Progress, TensorStats, constant_nodes, record
+from mplower.lowering.calibration import (
+    METHODS,
+    ConstantValues,
+    Progress,
+    TensorStats,
+    constant_nodes,
+    record,
+)
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, ReferenceRunner, option, register_pass
 
@@ -201,17 +208,43 @@ def calibrate_function(module: Module, func: str | None, batches: list[list[np.n
         if v in channel:
             channel[x] = channel[v]
     counted = {v: TensorStats(bins, histogram) for v in tracked if v not in derived}
+    nonfinite: set[Value] = set()  # values that held inf or NaN in some batch
+    constant_values: list[ConstantValues] = []  # read only where an op's result is not finite
+
+    def carries_nonfinite(u: Value) -> bool:
+        if u in nonfinite or derived.get(u) in nonfinite:
+            return True
+        if u[0] not in constants or not FORMATS[f.type_of(u).elem].is_float:
+            return False
+        if not constant_values:
+            constant_values.append(ConstantValues(module, f, weights))
+        return not np.all(np.isfinite(constant_values[0].get(u)))
 
     def observe(v: Value, y: np.ndarray | None) -> None:
         s = counted.get(v)
         if s is None or y is None:  # None: no fp32 counterpart (an integer input)
             return
-        try:
-            s.add(y, channel.get(v))
-        except ValueError as e:  # non-finite data, or an op that overflows f32 on it
-            where = "argument " if v[0] in f.args else "the fp32 reference of "
+        before = s.nonfinite.copy()
+        s.add(y, channel.get(v))
+        if np.array_equal(s.nonfinite, before):
+            return
+        # Ranges are over the finite values; the inf and NaN are counted (mp.nonfinite). An
+        # -inf mask given as data, or made from a -inf constant or operand, is intentional;
+        # inf or NaN from finite operands is the fp32 reference overflowing, and NaN in the
+        # data is no value at all.
+        nonfinite.add(v)
+        new = s.nonfinite - before
+        if v[0] in f.args:
+            if new[2]:
+                raise DiagnosticError.at(f.data(v[0])["loc"], (
+                    f"calibration: argument {f.value_name(v)}: {int(new[2])} values are NaN "
+                    f"(an infinity, such as an attention mask's -inf, is taken as it is)"))
+            return
+        if not any(carries_nonfinite(u) for u in f.operands(v[0])):
             raise DiagnosticError.at(f.data(v[0])["loc"], (
-                f"calibration: {where}{f.value_name(v)}: {e}")) from None
+                f"calibration: the fp32 reference of {f.value_name(v)}: {int(new.sum())} "
+                f"values are NaN or infinite from finite operands (the op overflows f32 on "
+                f"this data)"))
 
     start = 0
     while start < len(batches):
@@ -310,7 +343,7 @@ class Calibrate(Pass):
             progress.close()
         axes = channel_axes(f, constant_nodes(f))
         for v, s in stats.items():
-            if s.count == 0:
+            if s.count == 0 and not s.has_nonfinite:
                 continue
             lo, hi = record(f, v, s, self.method, self.percentile, self.symmetric,
                             channels=v in axes)

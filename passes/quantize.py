@@ -58,6 +58,7 @@ from mplower.lowering.calibration import (
     RANGE,
     ConstantValues,
     dense_f32,
+    nonfinite_of,
     range_of,
     set_value_attrs,
 )
@@ -260,7 +261,14 @@ def _error(f: Function, n: int, message: str) -> Diagnostic:
 def missing_range(f: Function, n: int, consts: ConstantValues) -> Diagnostic | None:
     """A diagnostic for the first activation operand of `n` without a calibrated range."""
     for i, v in enumerate(f.operands(n)[:2]):
-        if v not in consts and range_of(f, v) is None and qat_params(f, v, consts) is None:
+        if v in consts or qat_params(f, v, consts) is not None:
+            continue
+        if (bad := nonfinite_of(f, v)) is not None:  # a mask's -inf: no integer holds it
+            return _error(f, n, f"operand #{i} {f.value_name(v)} held {bad[0]} -inf, {bad[1]} "
+                                f"+inf and {bad[2]} NaN values in calibration, which no "
+                                f"integer format holds; keep this op out of i8 (an "
+                                f"[[override]] with compute = \"f32\")")
+        if range_of(f, v) is None:
             return _error(f, n, f"operand #{i} {f.value_name(v)} has no calibrated range "
                                 f"(mp.range); run calibrate{{data=...}} first")
     return None

@@ -80,7 +80,8 @@ def test_drift_matches_numpy_on_finite_values():
 
 
 SUMMARY = {"output_rel_l2": 0.5, "sqnr_db": 12.0, "overflow": 3, "overflow_rate": 0.25,
-           "top1_agreement": 0.75, "allclose_ratio": 0.125}
+           "top1_agreement": 0.75, "allclose_ratio": 0.125, "metric": -2.0,
+           "metric_drop": 0.375, "metric_drop_rel": 0.0625}
 
 
 def test_every_guardrail_limits_the_summary_figure_it_names():
@@ -89,7 +90,8 @@ def test_every_guardrail_limits_the_summary_figure_it_names():
     # rtol and atol are one check, reported as max_allclose_ratio
     assert got == {"max_rel_l2": 0.5, "min_sqnr_db": 12.0, "max_overflow": 3,
                    "max_overflow_rate": 0.25, "min_top1_agreement": 0.75,
-                   "max_allclose_ratio": 0.125}
+                   "max_allclose_ratio": 0.125, "min_metric": -2.0, "max_metric": -2.0,
+                   "max_metric_drop": 0.375, "max_metric_drop_rel": 0.0625}
 
 
 def test_report_schema_allows_exactly_the_reported_guardrail_keys():

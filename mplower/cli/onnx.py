@@ -37,6 +37,9 @@ def add_import(sub, name: str) -> argparse.ArgumentParser:
                         "default: a dynamic batch dimension becomes 1)")
     p.add_argument("--outputs", metavar="NAME,...",
                    help="keep only these graph outputs, and only the nodes that feed them")
+    p.add_argument("--eval-mode", action="store_true",
+                   help="import training-mode Dropout (as the identity) and BatchNormalization "
+                        "(with its running statistics) as inference, a note per node changed")
     return p
 
 
@@ -98,7 +101,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.outputs is not None:
         outputs = [o.strip() for o in args.outputs.split(",") if o.strip()]
     model = load_model(args.model)
-    imported = import_model(model, args.model, input_shapes=shapes, outputs=outputs)
+    imported = import_model(model, args.model, input_shapes=shapes, outputs=outputs,
+                            eval_mode=args.eval_mode)
+    for note in imported.notes:
+        sys.stderr.write(f"{args.model}: note: --eval-mode: {note}\n")
     module = imported.module
     if imported.weights:
         module.attrs[WEIGHTS] = npz.name

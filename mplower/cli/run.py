@@ -74,7 +74,43 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
                    help="name the smallest set of ops whose return to f32 meets the guardrails")
     p.add_argument("--guardrail", action="append", default=[], metavar="KEY=VALUE",
                    help="a guardrail, e.g. max_rel_l2=0.01 (overrides the policy sheet's)")
+    add_metric_flags(p, "the --inputs file")
     return p
+
+
+def add_metric_flags(p: argparse.ArgumentParser, where: str) -> None:
+    """`--metric` and `--metric-direction` (docs/metrics.md), for run and tune."""
+    p.add_argument("--metric", metavar="NAME:ARRAY|pkg.mod:fn|file.py:fn",
+                   help=f"a task metric measured on the outputs and the fp32 reference: a "
+                        f"built-in over an array of {where} (top1:labels, top5:labels, "
+                        f"class_accuracy:labels, perplexity:targets, bits_per_token:targets; "
+                        f"options after commas, e.g. perplexity:labels,shift=1) or your "
+                        f"function(outputs, eval) -> float; enables the min_metric, "
+                        f"max_metric, max_metric_drop, max_metric_drop_rel guardrails")
+    p.add_argument("--metric-direction", choices=("max", "min"), default=None,
+                   help="whether your metric is better higher (max, the default) or lower")
+
+
+def metric_flag(args: argparse.Namespace, limits: dict[str, float]):
+    """The `Metric` of `--metric` (None without one), checked before any work: a bad spec is a
+    usage error, a user function that cannot be imported a diagnostic. Metric guardrails in
+    `limits` (the command line's) need it."""
+    from mplower.lowering.metrics import METRIC_GUARDRAILS, MetricSpecError, parse_metric
+
+    if args.metric is None:
+        if args.metric_direction is not None:
+            raise UsageError("--metric-direction needs --metric")
+        if keys := [k for k in limits if k in METRIC_GUARDRAILS]:
+            raise UsageError(f"--guardrail {keys[0]} needs a metric to measure: --metric "
+                             f"NAME:ARRAY or pkg.module:function (docs/metrics.md)")
+        return None
+    try:
+        metric = parse_metric(args.metric, args.metric_direction)
+    except MetricSpecError as e:
+        raise UsageError(str(e)) from None
+    if metric.builtin is None:
+        metric.load()  # the user's module imports now, not after the work
+    return metric
 
 
 def add_bench(sub, name: str) -> argparse.ArgumentParser:
@@ -178,10 +214,15 @@ def _policy_guardrails(module) -> dict[str, float]:
 @writes_outputs
 def cmd_run(args: argparse.Namespace) -> int:
     from mplower.dialect.plan import POLICY
+    from mplower.lowering.metrics import METRIC_GUARDRAILS, recorded_output_names
     from mplower.report.quant import converted_ops, json_safe, operand_sqnr
     from mplower.report.run import build_report, render
 
     flags = _guardrail_flags(args.guardrail)  # usage errors before any work
+    if args.metric is not None and not args.inputs:
+        raise UsageError("--metric needs --inputs: the metric reads its arrays (labels, "
+                         "targets) from that file")
+    metric = metric_flag(args, flags)
     outputs = {"--save-outputs": args.save_outputs, "--report": args.report,
                "--plot": args.plot}
     check_outputs(outputs, {"input": args.input, "--inputs": args.inputs,
@@ -191,19 +232,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     _protect_weights(module, args.weights)
     keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
+    if metric is None and (sheet_metric := [k for k in limits if k in METRIC_GUARDRAILS]):
+        # The sheet limits a metric that only the command line may name (docs/metrics.md).
+        if args.check:
+            raise UsageError(f"--check: the policy sheet's guardrail {sheet_metric[0]} needs "
+                             f"the metric it limits: give --metric")
+        sys.stderr.write(f"{args.input}: note: the policy sheet's "
+                         f"{', '.join(sheet_metric)} left out: no --metric to measure\n")
+        limits = {k: v for k, v in limits.items() if k not in METRIC_GUARDRAILS}
     for flag in ("check", "bisect"):  # neither means anything without a limit to meet
         if getattr(args, flag) and not limits:
             raise UsageError(f"--{flag} needs guardrails: the policy sheet's or "
                              f"--guardrail KEY=VALUE")
+    eval_arrays = None
+    if metric is not None:
+        from mplower.io.npz import read_npz
+
+        eval_arrays = read_npz(Path(args.inputs), Location(args.inputs, 0, 0), "inputs")
+        metric.check_eval(eval_arrays)
     result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get(POLICY),
-                          program.function.name)
+                          program.function.name, metric, eval_arrays,
+                          recorded_output_names(program.function))
     if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
         report["quantization"] = json_safe(operand_sqnr(program, arrays))
     if args.bisect:
         from mplower.report.bisect import bisect
 
-        report["bisect"] = bisect(module, arrays, limits, args.func, args.weights).to_json()
+        report["bisect"] = bisect(module, arrays, limits, args.func, args.weights,
+                                  metric=metric, eval=eval_arrays,
+                                  output_names=recorded_output_names(program.function)).to_json()
     # All of these are committed together when the command returns; an output given as '-'
     # takes stdout in place of the --format output.
     if args.save_outputs:

@@ -30,6 +30,7 @@ from mplower.cli.common import (
     seed,
     write_atomic,
 )
+from mplower.cli.run import add_metric_flags
 from mplower.ir.diagnostics import DiagnosticError, Location
 
 DEFAULT_FORMATS = "bf16,f16,f8E4M3FN,i8"
@@ -67,6 +68,7 @@ def add_tune(sub, name: str) -> argparse.ArgumentParser:
                    help="one slice id per evaluation sample; every guardrail holds per slice")
     p.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
                    help="rank plans by modeled inferences/s or inferences/joule")
+    add_metric_flags(p, "the --eval file")
     p.add_argument("--func", default=None, help="function to tune (default: main or the only one)")
     p.add_argument("-o", dest="output", required=True, metavar="OUT_DIR", help="output folder")
     return p
@@ -106,10 +108,11 @@ def _slices(path: str, n_samples: int):
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from mplower.cli.run import _guardrail_flags
+    from mplower.cli.run import _guardrail_flags, metric_flag
 
     formats = _formats(args.formats)
     guardrails = _guardrail_flags(args.guardrail) or dict(DEFAULT_GUARDRAILS)
+    metric = metric_flag(args, guardrails)
     if args.budget < 1:
         raise UsageError("--budget must be at least 1 evaluation")
     if args.workers < 0:
@@ -127,6 +130,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from mplower.io.atomic import staged_folder
     from mplower.io.npz import read_npz, weights_file
     from mplower.ir.opdef import OPS
+    from mplower.lowering.metrics import eval_samples
     from mplower.lowering.target import load_target
     from mplower.passes.calibrate import split_batches
     from mplower.tune.evaluation import Problem, sheet_text
@@ -144,9 +148,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     calib = read_npz(Path(args.data), Location(args.data, 0, 0), "calibration data")
     split_batches(f, calib, Location(args.data, 0, 0))  # located errors before any work
     eval_path = args.eval or args.data
-    batches = split_batches(f, read_npz(Path(eval_path), Location(eval_path, 0, 0),
-                                        "evaluation data"), Location(eval_path, 0, 0),
-                            "evaluation")
+    eval_arrays = read_npz(Path(eval_path), Location(eval_path, 0, 0), "evaluation data")
+    batches = split_batches(f, eval_arrays, Location(eval_path, 0, 0), "evaluation")
+    if metric is not None:
+        metric.check_eval(eval_arrays)
     for i, a in enumerate(f.args):
         bad = sum(int(np.count_nonzero(~np.isfinite(b[i]))) for b in batches
                   if b[i].dtype.kind == "f")
@@ -156,12 +161,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 f"value(s) (NaN or inf); the guardrails are judged against the fp32 outputs "
                 f"on these inputs"))
     slices = None
+    rows = {t.shape[0] if t.shape else 1 for t in f.result_types}
     if args.slices:
-        rows = {t.shape[0] if t.shape else 1 for t in f.result_types}
         if len(rows) != 1:
             raise DiagnosticError.at(f.loc, "--slices needs outputs with one sample axis "
                                             "(the same first dimension)")
-        slices = _slices(args.slices, len(batches) * rows.pop())
+        slices = _slices(args.slices, len(batches) * next(iter(rows)))
     weights_path = weights_file(module, None)
     weights = None
     if weights_path is not None and weights_path.is_file():
@@ -171,7 +176,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         module_text=args._source, module_name=Path(module.path).name, weights=weights,
         calib=Path(args.data).read_bytes(), target=args.target,
         target_text=None if builtin else Path(target.source).read_text(encoding="utf-8"),
-        batches=batches, slices=slices, guardrails=guardrails, func=args.func)
+        batches=batches, slices=slices, guardrails=guardrails, func=args.func, metric=metric,
+        eval=None if metric is None else eval_samples(
+            eval_arrays, len(batches), next(iter(rows)) if len(rows) == 1 else None))
     outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
     inputs = {"model": sha256_file(args.input),
               "weights": sha256_file(weights_path) if weights else None,
@@ -195,6 +202,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             header = (f"Tuned by `mplower tune` for target {target.name}, objective "
                       f"{args.objective}, seed {args.seed}.\nlowered.ir is this sheet through:\n"
                       f"  {command}")
+            if metric is not None:  # a sheet never names the metric (docs/metrics.md)
+                header += (f"\nIts metric guardrails need the metric on the command line: "
+                           f"mplower run ... --metric {metric.spec}")
             sheet = sheet_text(candidate, guardrails, header)
             write_atomic(stage / "policy.toml", lambda fh: fh.write(sheet), "w")
             lowered_text = _lower(module, _pipeline(candidate, str(stage / "policy.toml"), args),
@@ -202,7 +212,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             write_atomic(stage / "lowered.ir", lambda fh: fh.write(lowered_text), "w")
         packet = build_packet(outcome, results, objective=args.objective,
                               guardrails=guardrails, provenance=provenance, reproduce=reproduce,
-                              evaluations=evaluations, slices=slices is not None)
+                              evaluations=evaluations, slices=slices is not None,
+                              metric=metric)
         packet["timing"] = {"wall_s": time.perf_counter() - started,
                             "evaluator": evaluator_text}
         text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
@@ -296,13 +307,16 @@ def _search(problem, args: argparse.Namespace, formats: list[str]):
 def _table(packet: dict[str, Any]) -> str:
     from mplower.report.table import table
 
+    metric = packet["metric"]
+
     def row(label: str, r: dict[str, Any] | None) -> list[str]:
         if r is None or "modeled" not in r:
-            return [label, "-", "-", "-", r["verdict"] if r else "-"]
+            return [label, "-", "-", "-", *(["-"] if metric else []), r["verdict"] if r else "-"]
         m, q = r["modeled"], r["quality"]
         rel = q["output_rel_l2"]
+        value = [] if not metric else ["-" if q["metric"] is None else f"{q['metric']:.4g}"]
         return [label, f"{m['inferences_per_s']:.4g}", f"{m['speedup_vs_fp32']:.3f}x",
-                "-" if rel is None else f"{rel:.3g}", r["verdict"]]
+                "-" if rel is None else f"{rel:.3g}", *value, r["verdict"]]
 
     rows = [row("fp32 (baseline)", packet["baseline"])]
     rows += [row(r["label"], r) for r in packet["uniform"]]
@@ -312,8 +326,9 @@ def _table(packet: dict[str, Any]) -> str:
     elif packet["best_rejected"] is not None:
         rows.append(row("best rejected: " + packet["best_rejected"]["label"],
                         packet["best_rejected"]))
-    lines = table(["plan", "inferences/s", "vs fp32", "rel_l2", "verdict"], rows, "table",
-                  rule=True)
+    header = ["plan", "inferences/s", "vs fp32", "rel_l2",
+              *([f"metric ({metric['spec']})"] if metric else []), "verdict"]
+    lines = table(header, rows, "table", rule=True)
     ev = packet["evaluations"]
     lines.append(f"{ev['count']} evaluations ({ev['cache_hits']} cache hits), budget "
                  f"{ev['budget']}")

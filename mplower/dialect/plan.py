@@ -55,6 +55,8 @@ OVERFLOW, UNDERFLOW, BOUND = "mp.overflow", "mp.underflow", "mp.bound"
 RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX = (
     "mp.range", "mp.calib", "mp.observed", "mp.tiny", "mp.channel_absmax")
 RESULT_ATTRS = "mp.result_attrs"  # function: per-result attributes (calibration of results)
+# Calibration: how many -inf, +inf and NaN values a value held (its range is over the rest).
+NONFINITE = "mp.nonfinite"
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,7 @@ __all__ = [
     "INPUT_ONLY_FORMATS",
     "KEEP_IO_TYPES",
     "KERNEL",
+    "NONFINITE",
     "OBSERVED",
     "OUTPUT_NAMES",
     "OVERFLOW",

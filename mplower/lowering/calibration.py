@@ -38,7 +38,15 @@ from typing import Any, TextIO
 import numpy as np
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
-from mplower.dialect.plan import CALIB, CHANNEL_ABSMAX, OBSERVED, RANGE, RESULT_ATTRS, TINY
+from mplower.dialect.plan import (
+    CALIB,
+    CHANNEL_ABSMAX,
+    NONFINITE,
+    OBSERVED,
+    RANGE,
+    RESULT_ATTRS,
+    TINY,
+)
 from mplower.io.npz import WeightStore
 from mplower.ir.graph import ARG, Function, Module, Value
 from mplower.ir.opdef import OPS, check_attrs
@@ -46,7 +54,7 @@ from mplower.ir.types import DenseAttr, tensor
 
 METHODS = ("minmax", "percentile", "entropy", "mse")
 # Attributes a calibration writes (and a new calibration replaces).
-CALIB_KEYS = (RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX)
+CALIB_KEYS = (RANGE, CALIB, OBSERVED, TINY, CHANNEL_ABSMAX, NONFINITE)
 ARG_ATTRS = "arg_attrs"
 
 # Binary exponents (np.frexp) of non-zero float32 magnitudes lie in [-148, 129].
@@ -78,6 +86,14 @@ class TensorStats:
         self.side_exponents = np.zeros((2, _EXP_HI - _EXP_LO), np.int64)  # by frexp exponent
         self.channel_max: np.ndarray | None = None
         self.channel_min: np.ndarray | None = None
+        # Values left out of every statistic above: -inf, +inf and NaN (an attention mask's
+        # -inf is intentional; a range is taken over the finite values, and a value holding
+        # any of these is kept out of integer formats: mplower.passes.quantize).
+        self.nonfinite = np.zeros(3, np.int64)
+
+    @property
+    def has_nonfinite(self) -> bool:
+        return bool(self.nonfinite.any())
 
     @property
     def exp(self) -> int | None:
@@ -133,9 +149,9 @@ class TensorStats:
 
         high = low = None
         # Extrema (per channel too) and exponents in one pass; with a histogram its own pass
-        # counts the exponents, after the extrema have set the bins.
-        exponents = np.zeros_like(self.side_exponents) if self.histogram and \
-            channel_axis is not None else self.side_exponents
+        # counts the exponents, after the extrema have set the bins. They go to a scratch
+        # array first: a batch with non-finite values is counted again without them.
+        exponents = np.zeros_like(self.side_exponents)
         if channel_axis is not None:
             lo, hi, bad, low, high = channel_summary(x, channel_axis, exponents, _EXP_LO)
         elif self.histogram:  # the bins need the range: the extrema first, from numpy
@@ -143,9 +159,12 @@ class TensorStats:
             bad = 0 if math.isfinite(lo) and math.isfinite(hi) else \
                 int(np.count_nonzero(~np.isfinite(x)))  # a NaN makes both NaN
         else:
-            lo, hi, bad = tensor_summary(x, self.side_exponents, _EXP_LO)
+            lo, hi, bad = tensor_summary(x, exponents, _EXP_LO)
         if bad:
-            raise ValueError(f"{bad} values are NaN or infinite")
+            self._add_finite(x, channel_axis)
+            return
+        if not self.histogram:
+            self.side_exponents += exponents
         self.count += x.size
         self.min, self.max = min(self.min, lo) + 0.0, max(self.max, hi) + 0.0  # never -0.0
         for s, top in ((0, hi), (1, -lo)):
@@ -162,10 +181,33 @@ class TensorStats:
             tensor_counts(x, tuple(log_bins - (e or 0) for e in self.side_exp), self.hist,
                           self.side_exponents, _EXP_LO)
 
+    def _add_finite(self, x: np.ndarray, channel_axis: int | None) -> None:
+        """`add` of the finite values of x; the others are counted in `nonfinite`. A channel
+        without a finite value has extremes 0."""
+        finite = np.isfinite(x)
+        self.nonfinite += (int(np.count_nonzero(x == -np.inf)),
+                           int(np.count_nonzero(x == np.inf)), int(np.count_nonzero(np.isnan(x))))
+        if np.any(finite):
+            self.add(x[finite])
+        if channel_axis is None:
+            return
+        rows = np.moveaxis(np.asarray(x, np.float64), channel_axis, 0).reshape(
+            x.shape[channel_axis], -1)
+        keep = np.moveaxis(finite, channel_axis, 0).reshape(rows.shape)
+        any_finite = keep.any(axis=1)
+        high = np.where(any_finite, np.where(keep, rows, -np.inf).max(axis=1), 0.0) + 0.0
+        low = np.where(any_finite, np.where(keep, rows, np.inf).min(axis=1), 0.0) + 0.0
+        if self.channel_max is None:
+            self.channel_max, self.channel_min = high, low
+        else:
+            np.maximum(self.channel_max, high, out=self.channel_max)
+            np.minimum(self.channel_min, low, out=self.channel_min)
+
     def merge(self, other: TensorStats) -> None:
         """Fold another tensor's statistics into this one (same `bins`)."""
         if other.bins != self.bins:
             raise ValueError("cannot merge statistics with different bin counts")
+        self.nonfinite += other.nonfinite
         if other.count == 0:
             return
         for s in range(2):
@@ -193,6 +235,9 @@ class TensorStats:
         non-negative side is unchanged."""
         out = TensorStats(self.bins, self.histogram)
         out.count = self.count
+        # relu(-inf) = 0, a finite value the statistics above do not hold: kept as non-finite,
+        # so the value stays out of integer formats, as its operand does.
+        out.nonfinite = self.nonfinite.copy()
         if self.count:
             out.min, out.max = max(self.min, 0.0) + 0.0, max(self.max, 0.0) + 0.0
         out.side_exp = [self.side_exp[0], None]
@@ -371,6 +416,14 @@ def range_of(f: Function, value: Value) -> tuple[float, float] | None:
     return None
 
 
+def nonfinite_of(f: Function, value: Value) -> tuple[int, int, int] | None:
+    """How many -inf, +inf and NaN values calibration saw in `value` (None: none)."""
+    r = value_attrs(f, value).get(NONFINITE)
+    if isinstance(r, tuple) and len(r) == 3:
+        return tuple(int(_plain(c)) for c in r)  # type: ignore[return-value]
+    return None
+
+
 def observed_of(f: Function, value: Value) -> tuple[float, float] | None:
     """The observed extremes of `value` (`mp.observed` where the method clipped, else the range)."""
     attrs = value_attrs(f, value)
@@ -402,6 +455,8 @@ def record(f: Function, value: Value, stats: TensorStats, method: str,
         attrs[TINY] = tiny
     if channels and stats.channel_absmax is not None:
         attrs[CHANNEL_ABSMAX] = dense_f32(stats.channel_absmax)
+    if stats.has_nonfinite:
+        attrs[NONFINITE] = tuple(int(c) for c in stats.nonfinite)
     set_value_attrs(f, value, attrs)
     return lo, hi
 

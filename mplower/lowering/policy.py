@@ -44,6 +44,12 @@ GUARDRAIL_BOUNDS = {
     # an absolute tolerance beyond f32's largest value admits everything.
     "rtol": Bounds(0, 1e3),
     "atol": Bounds(0, 3.4028234663852886e38),
+    # A task metric (mplower.lowering.metrics, docs/metrics.md): its value is the user's, in
+    # any units; a drop is how much worse than fp32 the plan may be (0: no worse at all).
+    "min_metric": Bounds(-1e300, 1e300),
+    "max_metric": Bounds(-1e300, 1e300),
+    "max_metric_drop": Bounds(0, 1e300),
+    "max_metric_drop_rel": Bounds(0, 1e3),
 }
 GUARDRAILS = tuple(GUARDRAIL_BOUNDS)  # the keys, in the order docs and messages list them
 WEIGHT_FORMATS = ("i8",)  # weight-only quantization (`weights = "i8"`)
@@ -260,6 +266,11 @@ def _parse(sheet: Sheet, stem: str, source: str, known_ops: Collection[str] | No
                 raise sheet.error(kp, f"op '{op}' is in both {other} and {which}", value=op)
 
     guardrails_table = sheet.table(data, ("guardrails",))
+    if "metric" in guardrails_table:  # naming code in a file would run it: the user names it
+        raise sheet.error(("guardrails", "metric"), (
+            "a sheet holds metric limits (min_metric, max_metric_drop, ...), not the metric: "
+            "mplower runs no code a file names; give the metric on the command line "
+            "(--metric top1:labels, --metric pkg.module:function)"))
     sheet.check_keys(guardrails_table, ("guardrails",), GUARDRAILS)
     return Policy(
         name=sheet.string(head, ("policy", "name"), stem),

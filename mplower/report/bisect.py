@@ -121,10 +121,13 @@ def _restore(f: Function, n: int, restored: dict[Value, Value]) -> None:
 
 
 def evaluate(module: Module, inputs: list[np.ndarray], guardrails: dict[str, float],
-             func: str | None = None, weights: str | None = None) -> dict[str, Any]:
-    """The run report's summary (verdict and guardrails) of one module on `inputs`."""
+             func: str | None = None, weights: str | None = None,
+             **metric: Any) -> dict[str, Any]:
+    """The run report's summary (verdict and guardrails) of one module on `inputs`; `metric`
+    is build_report's task metric (metric=, eval=, output_names=), where the guardrails
+    limit one."""
     program = Program(module, func, weights)
-    return build_report(program.run(inputs), guardrails)["summary"]
+    return build_report(program.run(inputs), guardrails, **metric)["summary"]
 
 
 def rank(module: Module, inputs: list[np.ndarray], func: str | None = None,
@@ -138,7 +141,8 @@ def rank(module: Module, inputs: list[np.ndarray], func: str | None = None,
 
 
 def bisect(module: Module, inputs: list[np.ndarray], guardrails: dict[str, float],
-           func: str | None = None, weights: str | None = None) -> BisectResult:
+           func: str | None = None, weights: str | None = None,
+           **metric: Any) -> BisectResult:
     """The smallest set of ops to keep in f32 so that `guardrails` pass (module docstring)."""
     if not guardrails:
         raise ValueError("bisect needs guardrails to meet (a policy sheet's or --guardrail)")
@@ -148,7 +152,7 @@ def bisect(module: Module, inputs: list[np.ndarray], guardrails: dict[str, float
         nonlocal runs
         runs += 1
         summary = evaluate(keep_f32(module, names, func) if names else module, inputs,
-                           guardrails, func, weights)
+                           guardrails, func, weights, **metric)
         return summary["verdict"] == "pass", summary
 
     ok, baseline = passes([])

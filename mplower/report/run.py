@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from mplower.backend.executor import OpResult, RunResult, Step
 from mplower.backend.scaled import ScaleStats
 from mplower.dialect.plan import DENSE, Requested
 from mplower.ir.diagnostics import DiagnosticError
+from mplower.lowering.metrics import Metric, metric_figures, output_arrays
 from mplower.lowering.policy import keep_f32_overrides
 from mplower.numerics.metrics import allclose_ratio, finite_or_none
 from mplower.numerics.metrics import drift as result_drift
@@ -130,7 +131,8 @@ def evaluate_guardrails(limits: dict[str, float], summary: dict[str, Any]) -> di
         if key in ("rtol", "atol"):
             rtol, atol = tolerance(limits)
             key, limit = ALLCLOSE, 1.0
-        v = summary[_SUMMARY_FIELD.get(key, key[len("max_"):])]
+        # A metric guardrail without a metric to measure (mplower.lowering.metrics) is None.
+        v = summary.get(_SUMMARY_FIELD.get(key, key[len("max_"):]))
         if v is None:
             ok = False
         elif key.startswith("max_"):
@@ -216,9 +218,13 @@ def scaling_entry(st: ScaleStats) -> dict[str, Any]:
 
 
 def build_report(result: RunResult, guardrails: dict[str, float],
-                 policy: str | None = None, function: str | None = None) -> dict[str, Any]:
+                 policy: str | None = None, function: str | None = None,
+                 metric: Metric | None = None, eval: Mapping[str, np.ndarray] | None = None,
+                 output_names: Sequence[str] | None = None) -> dict[str, Any]:
     """The report of one run (docs/report.md); `guardrails` maps keys of
-    mplower.lowering.policy.GUARDRAILS to limits."""
+    mplower.lowering.policy.GUARDRAILS to limits. With a task `metric`, the outputs and the
+    fp32 reference are measured on the arrays `eval` (docs/metrics.md); `output_names` are the
+    model's own names of its outputs (`mp.output_names`), which a metric may use."""
     if result.reference is not None:
         check_reference([r.step for r in result.ops], result.refs, result.reference)
     ops = [op_entry(r) for r in result.ops]
@@ -235,6 +241,16 @@ def build_report(result: RunResult, guardrails: dict[str, float],
         "nonfinite_weights": nonfinite_weights(result),
         **drift,
     }
+    detail: dict[str, Any] = {}
+    if metric is not None:
+        refs = result.reference
+        ref = (output_arrays(refs, output_names)
+               if refs is not None and all(r is not None for r in refs) else None)
+        figures = metric_figures(metric, output_arrays(result.outputs, output_names), ref,
+                                 eval or {})
+        detail = {k: figures.pop(k) for k in ("metric_detail", "metric_reference_detail")
+                  if k in figures}
+        summary.update(figures)
     # Over every value the ops wrote (constants too, as `overflow` counts their rounding).
     written = sum(math.prod(r.step.out_type.shape) for r in result.ops)
     summary["overflow_rate"] = summary["overflow"] / written if written else 0.0
@@ -246,7 +262,10 @@ def build_report(result: RunResult, guardrails: dict[str, float],
     summary["verdict"] = verdict(summary["guardrails"])
     for key in ("output_rel_l2", "output_max_abs", "sqnr_db"):
         summary[key] = finite_or_none(summary[key])
-    return {"function": function, "policy": policy, "summary": summary, "ops": ops}
+    out = {"function": function, "policy": policy, "summary": summary, "ops": ops}
+    if metric is not None:
+        out["metric"] = {**metric.to_json(), **detail}
+    return out
 
 
 def _severity(op: dict[str, Any]) -> float:
@@ -282,6 +301,7 @@ def render(report: dict[str, Any], fmt: str) -> str:
              f"{num(s['output_max_abs'], '.4g')}, sqnr {num(s['sqnr_db'], '.2f')} dB"
              + (f", top-1 agreement {s['top1_agreement']:.4f}"
                 if s["top1_agreement"] is not None else ""),
+             *([_metric_line(report)] if "metric" in report else []),
              (f"ops: {s['ops']}, fallbacks: {s['fallback_ops']} "
               f"({100 * s['fallback_rate']:.1f}%), overflow {s['overflow']}, "
               f"underflow {s['underflow']}, nan {s['nan']}"), ""]
@@ -312,6 +332,15 @@ def render(report: dict[str, Any], fmt: str) -> str:
             lines += ["to keep them in f32 when lowering, add to the policy sheet:", "",
                       *keep_f32_overrides(b["ops"]).rstrip("\n").splitlines()]
     return "\n".join(lines) + "\n"
+
+
+def _metric_line(report: dict[str, Any]) -> str:
+    """`metric top1:labels (max): 0.8125, fp32 0.8438, drop 0.03125 (3.70%)`."""
+    s, m = report["summary"], report["metric"]
+    rel = s["metric_drop_rel"]
+    return (f"metric {m['spec']} ({m['direction']}): {_figure(s['metric'])}, fp32 "
+            f"{_figure(s['metric_reference'])}, drop {_figure(s['metric_drop'])}"
+            + (f" ({rel:.2%})" if rel is not None else ""))
 
 
 def _nonfinite_line(s: dict[str, Any]) -> str:

@@ -37,6 +37,13 @@ from mplower.ir.graph import Function, Module
 from mplower.ir.parser import parse
 from mplower.ir.verifier import verify
 from mplower.lowering.cost import plan_cost
+from mplower.lowering.metrics import (
+    METRIC_FIGURES,
+    Metric,
+    metric_figures,
+    output_arrays,
+    recorded_output_names,
+)
 from mplower.lowering.policy import load_policy
 from mplower.lowering.target import Target, load_target
 from mplower.lowering.tomlsheet import toml_string
@@ -166,16 +173,25 @@ class Problem:
     slices: np.ndarray | None
     guardrails: dict[str, float]
     func: str | None = None
+    # A task metric (mplower.lowering.metrics) and the evaluation arrays it reads, one row per
+    # sample (`eval_samples`): the user's function is named, not pickled, so a worker imports
+    # it itself.
+    metric: Metric | None = None
+    eval: dict[str, np.ndarray] | None = None
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
         arrays = [a for batch in self.batches for a in batch]
         if self.slices is not None:
             arrays.append(self.slices)
+        for name, a in sorted((self.eval or {}).items()):
+            arrays.append(np.frombuffer(name.encode(), np.uint8))
+            arrays.append(a)
         self.key = digest(self.module_text, self.module_name,
                           *(self.weights or ("", b"")), self.calib, self.target,
                           self.target_text or "", json.dumps(self.guardrails, sort_keys=True),
                           self.func or "",
+                          json.dumps(repr(self.metric)),
                           *(f"{a.dtype.str}{a.shape}".encode() + np.ascontiguousarray(a).tobytes()
                             for a in arrays))
 
@@ -205,7 +221,7 @@ class Workspace:
         self.target: Target = load_target(self.target_spec)
         self.root = root
         self.module = self.parse()
-        self._calibrated: Module | None = None
+        self._calibrated: Module | DiagnosticError | None = None
         base = Program(self.module, problem.func, reference_only=True)
         self.references = []
         for batch in problem.batches:
@@ -215,6 +231,9 @@ class Workspace:
             # user's error (at the op, in their file: the module is a copy of it), not a pass.
             check_reference(base.steps, refs, outputs, problem.module_name)
             self.references.append(outputs)
+        self.output_names = recorded_output_names(self.module.function(problem.func))
+        if problem.metric is not None:  # the user's function fails here, before any plan
+            self._metric(self.references, None)
 
     def parse(self) -> Module:
         module = parse(self.problem.module_text, str(self.module_path))
@@ -225,10 +244,20 @@ class Workspace:
     def calibrated(self) -> Module:
         """The module after `calibrate{data=...}`, computed once: the first pass of every int8
         pipeline without pruning, whose result does not depend on the plan."""
+        # Cached only once it succeeded, and a failure is cached as the failure: the module a
+        # failed calibrate left half done is no calibrated module, and every int8 plan after
+        # the first would otherwise be told to run the calibrate it did run.
+        if isinstance(self._calibrated, DiagnosticError):
+            raise self._calibrated
         if self._calibrated is None:
-            self._calibrated = copy.deepcopy(self.module)
-            PassManager(parse_pipeline(f"calibrate{{data={self.calib_path}}}")).run(
-                self._calibrated, PassContext(runner=reference_runner))
+            module = copy.deepcopy(self.module)
+            try:
+                PassManager(parse_pipeline(f"calibrate{{data={self.calib_path}}}")).run(
+                    module, PassContext(runner=reference_runner))
+            except DiagnosticError as e:
+                self._calibrated = e
+                raise
+            self._calibrated = module
         return self._calibrated
 
     def lower(self, candidate: Candidate) -> tuple[Module, PassContext]:
@@ -289,6 +318,9 @@ class Workspace:
                "summary": summary, "guardrails": guardrails, "slices": slices,
                "failed": failed,
                "verdict": "fail" if failed else verdict(guardrails) if guardrails else "pass"}
+        if self.problem.metric is not None and per_slice:  # the packet's metric per slice
+            out["slice_metric"] = {s: {k: q[k] for k in METRIC_FIGURES if k in q}
+                                   for s, q in per_slice.items()}
         return {**out, "local_error": local} if local is not None else out
 
     def _local_error(self, program: Program, first: RunResult) -> dict[str, float]:
@@ -332,15 +364,41 @@ class Workspace:
                   for k in ("overflow", "underflow", "nan")}
         tol = tolerance(self.problem.guardrails)
         summary = {**_output_figures(ys, refs, tol), **counts,
-                   "overflow_rate": counts["overflow"] / written if written else 0.0}
+                   "overflow_rate": counts["overflow"] / written if written else 0.0,
+                   **self._metric(outs, None)}
         per_slice: dict[str, dict[str, Any]] = {}
         if self.problem.slices is not None:
             ids = self.problem.slices
             for s in sorted(set(ids.tolist()), key=lambda v: (str(type(v)), v)):
                 rows = ids == s
-                per_slice[str(s)] = _output_figures([y[rows] for y in ys],
-                                                    [r[rows] for r in refs], tol)
+                per_slice[str(s)] = {**_output_figures([y[rows] for y in ys],
+                                                       [r[rows] for r in refs], tol),
+                                     **self._metric(outs, rows)}
         return summary, per_slice
+
+    def _metric(self, outs: list[list[np.ndarray]], rows: np.ndarray | None) -> dict[str, Any]:
+        """The task metric's figures (mplower.lowering.metrics.metric_figures) of the outputs of
+        every batch `outs` against the fp32 references, on the samples `rows` (all: None)."""
+        metric = self.problem.metric
+        if metric is None:
+            return {}
+        ys, refs = _samples(outs, rows), _samples(self.references, rows)
+        eval = {k: a[rows] if rows is not None and a.ndim and len(a) == len(rows) else a
+                for k, a in (self.problem.eval or {}).items()}
+        figures = metric_figures(metric, output_arrays(ys, self.output_names),
+                                 output_arrays(refs, self.output_names), eval)
+        figures.pop("metric_reference_detail", None)
+        return figures
+
+
+def _samples(batches: list[list[np.ndarray]], rows: np.ndarray | None) -> list[np.ndarray]:
+    """Every output over all batches (stacked along the sample axis, the first), the rows
+    `rows` of them where given; a scalar output is the first batch's."""
+    out = []
+    for i, first in enumerate(batches[0]):
+        y = np.concatenate([np.asarray(b[i]) for b in batches]) if np.ndim(first) else first
+        out.append(y[rows] if rows is not None and np.ndim(y) else y)
+    return out
 
 
 def _output_figures(ys: list[np.ndarray], refs: list[np.ndarray],

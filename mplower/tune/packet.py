@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mplower.lowering.metrics import METRIC_FIGURES, Metric
 from mplower.tune.evaluation import Candidate
 from mplower.tune.search import OBJECTIVES, Outcome, failure, objective_value
 
@@ -54,7 +55,8 @@ def _figures(r: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any
     modeled = {**r["modeled"], "speedup_vs_fp32": _speedup(r, baseline)}
     return {**out, "lowered_ops": r["lowered_ops"], "modeled": modeled,
             "quality": {k: s[k] for k in ("output_rel_l2", "sqnr_db", "output_max_abs",
-                                          "top1_agreement")},
+                                          "top1_agreement", *METRIC_FIGURES, "metric_detail")
+                        if k in s},
             "overflow": s["overflow"], "underflow": s["underflow"], "nan": s["nan"],
             "overflow_rate": s["overflow_rate"], "guardrails": r["guardrails"],
             "failed": r["failed"]}
@@ -91,7 +93,7 @@ def validation(chosen: Mapping[str, Any]) -> dict[str, Any]:
 def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: str,
                  guardrails: Mapping[str, float], provenance: dict[str, Any],
                  reproduce: dict[str, str] | None, evaluations: dict[str, int],
-                 slices: bool) -> dict[str, Any]:
+                 slices: bool, metric: Metric | None = None) -> dict[str, Any]:
     chosen, baseline = outcome.chosen, outcome.baseline
     passing_uniform = [r for r in outcome.uniform if r["verdict"] == "pass"]
     best_uniform = max(passing_uniform, key=lambda r: objective_value(r, objective),
@@ -104,6 +106,8 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
                        "speedup_vs_best_uniform": _speedup(chosen, best_uniform)}
         if slices:
             chosen_json["validation"] = validation(chosen)
+            if "slice_metric" in chosen:
+                chosen_json["validation"]["metric"] = chosen["slice_metric"]
     rejected = None
     if outcome.best_rejected is not None:
         rejected = {**_figures(outcome.best_rejected, baseline),
@@ -125,6 +129,7 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
         "packet": "mplower-tune/1",
         "objective": objective,
         "guardrails": dict(guardrails),
+        "metric": metric.to_json() if metric is not None else None,
         "baseline": _figures(baseline, baseline),
         "chosen": chosen_json,
         "best_rejected": rejected,

@@ -25,7 +25,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
 from typing import Any
@@ -100,6 +100,7 @@ class Imported:
     input_types: list[int]  # their ONNX element types
     outputs: list[str]  # ONNX names of the results, in order
     output_types: list[int]  # their ONNX element types
+    notes: list[str] = field(default_factory=list)  # what --eval-mode changed, per node
 
 
 class StaticInputsNeeded(DiagnosticError):
@@ -170,16 +171,20 @@ def import_model(model: onnx.ModelProto, file: str = "<model>", *,
                  input_shapes: dict[str, tuple[int, ...]] | None = None,
                  outputs: Sequence[str] | None = None,
                  static_inputs: dict[str, np.ndarray] | None = None,
-                 inline_weights: bool = False) -> Imported:
+                 inline_weights: bool = False, eval_mode: bool = False) -> Imported:
     """Convert `model` to a verified Module; see the module docstring.
 
     `static_inputs` binds graph inputs to values known at import (the backend's int64 shape
-    and axes inputs). With `inline_weights` every constant is inline (no weights file).
+    and axes inputs). With `inline_weights` every constant is inline (no weights file). With
+    `eval_mode`, training-mode Dropout and BatchNormalization import as inference, each one
+    changed named in `Imported.notes`.
     """
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # pruning and fixing input shapes edit the graph
-    return _Importer(copy, file, input_shapes or {}, outputs, static_inputs or {},
-                     inline_weights).run()
+    imp = _Importer(copy, file, input_shapes or {}, outputs, static_inputs or {},
+                    inline_weights)
+    imp.eval_mode = eval_mode
+    return imp.run()
 
 
 def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
@@ -202,6 +207,16 @@ def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
 def op_key(node: onnx.NodeProto) -> str:
     """The op type as the coverage tables name it: `Conv`, or `domain::Op` off the default."""
     return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def _sklearn_hint(bad: Counter, g: onnx.GraphProto) -> str:
+    """skl2onnx computes a classifier's label output with ArrayFeatureExtractor (class index to
+    label): the probabilities alone import, so say how to ask for them."""
+    if "ai.onnx.ml::ArrayFeatureExtractor" not in bad:
+        return ""
+    probs = [o.name for o in g.output if "prob" in o.name.lower()] or ["probabilities"]
+    return (f"; ArrayFeatureExtractor computes a scikit-learn classifier's label: import its "
+            f"probabilities alone with --outputs {probs[0]}")
 
 
 def unsupported_ops(graph: onnx.GraphProto) -> Counter:
@@ -245,8 +260,15 @@ class _Importer:
         self.const_of_node: dict[int, np.ndarray] = {}  # mp.constant node -> its array
         self.f = Function("main", self.loc)
         self.node: onnx.NodeProto | None = None
+        self.eval_mode = False  # training-mode Dropout/BatchNormalization as inference
+        self.notes: list[str] = []
 
     # ---- diagnostics ---------------------------------------------------------------------
+    def eval_mode_note(self, what: str) -> None:
+        """Record that --eval-mode imported this training-mode node as inference."""
+        n = self.node
+        self.notes.append(f"node '{n.name or n.output[0]}' ({op_key(n)}): {what}")
+
     def error(self, message: str) -> DiagnosticError:
         if self.node is not None:
             n = self.node
@@ -263,7 +285,8 @@ class _Importer:
         if bad:
             listing = ", ".join(f"{k} ({v})" for k, v in sorted(bad.items()))
             raise DiagnosticError.at(self.loc, f"the model uses {len(bad)} op type(s) that "
-                                               f"mplower cannot import: {listing}")
+                                               f"mplower cannot import: {listing}"
+                                               f"{_sklearn_hint(bad, g)}")
         inits = {t.name: t for t in g.initializer}
         needed = {i for n in nodes for i in n.input if i}
         needed.update(self.out_names)
@@ -301,7 +324,8 @@ class _Importer:
         module.functions["main"] = self.f
         self._check_output_shapes(types)
         verify(module)
-        return Imported(module, self.weights, args, arg_types, list(self.out_names), onnx_types)
+        return Imported(module, self.weights, args, arg_types, list(self.out_names), onnx_types,
+                        self.notes)
 
     def _opset(self) -> int:
         version = None

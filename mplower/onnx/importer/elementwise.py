@@ -93,7 +93,11 @@ def _dropout(imp: _Importer, node: onnx.NodeProto) -> list:
     else:
         ratio = float(a.get("ratio", 0.5))
     if training and ratio > 0:
-        raise imp.error("training-mode dropout is random; mplower imports inference graphs")
+        if not imp.eval_mode:
+            raise imp.error("training-mode dropout is random; mplower imports inference "
+                            "graphs: export the model in eval mode, or import it with "
+                            "--eval-mode to take this Dropout as the identity")
+        imp.eval_mode_note(f"training-mode dropout (ratio {ratio:g}) imported as the identity")
     shape = x.array.shape if isinstance(x, Const) else x.type.shape
     return [x, Const(np.ones(shape, np.bool_))]
 

@@ -106,7 +106,10 @@ def _batch_norm(imp: _Importer, node: onnx.NodeProto) -> list:
     a = _attrs(node)
     eps = float(a.get("epsilon", 1e-5))
     if a.get("training_mode", 0):
-        return _batch_norm_training(imp, node, eps, float(a.get("momentum", 0.9)))
+        if not imp.eval_mode:
+            return _batch_norm_training(imp, node, eps, float(a.get("momentum", 0.9)))
+        imp.eval_mode_note("training-mode batch normalization imported as inference (the "
+                           "running mean and variance, not the batch's statistics)")
     if any(imp.consumers.get(o) for o in node.output[1:] if o):
         raise imp.error("the running mean/variance outputs exist in training mode only")
     x = imp.run_input(0)
