@@ -8,6 +8,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     elementwise,
     indexing,
     linalg,
+    msft,
     pooling,
     quantization,
     reduce,

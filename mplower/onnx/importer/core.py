@@ -178,8 +178,26 @@ def import_model(model: onnx.ModelProto, file: str = "<model>", *,
     """
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # pruning and fixing input shapes edit the graph
+    _move_contrib_ops(copy)
     return _Importer(copy, file, input_shapes or {}, outputs, static_inputs or {},
                      inline_weights).run()
+
+
+# Ops that onnxruntime registers in the default domain though onnx has no such op (its
+# SimplifiedLayerNormalization), each with the domain whose handler imports it. Handler modules
+# fill it; such nodes move there before onnx's checker (which rejects them) sees the model.
+CONTRIB_DEFAULT_DOMAIN: dict[str, str] = {}
+
+
+def _move_contrib_ops(model: onnx.ModelProto) -> None:
+    domains = set()
+    for n in model.graph.node:
+        if n.domain in ("", "ai.onnx") and n.op_type in CONTRIB_DEFAULT_DOMAIN \
+                and not onnx.defs.has(n.op_type):
+            n.domain = CONTRIB_DEFAULT_DOMAIN[n.op_type]
+            domains.add(n.domain)
+    for d in domains - {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(d, 1))
 
 
 def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:

@@ -1,0 +1,436 @@
+"""The com.microsoft operators of onnxruntime's transformer optimizer and quantization tools, and
+the opset-23 transformer ops, imported and compared with onnxruntime's CPU kernels (fp32).
+
+Every model is built here with onnx.helper, one node at a time (plus the real optimizer's output
+on a small BERT-like graph at the end); every expected value comes from onnxruntime.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mplower.backend.executor import Program
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.onnx.importer import import_model
+
+ort = pytest.importorskip("onnxruntime")
+
+F32, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
+RTOL, ATOL = 1e-5, 1e-5
+MS = "com.microsoft"
+
+
+def build(op: str, inputs: list, n_out: int = 1, *, domain: str = MS, opset: int = 17,
+          out_types: tuple[int, ...] = (), **attrs) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """One node: `inputs` are (name, array, is_weight) or None (an absent optional input);
+    weights become initializers, the rest graph inputs fed with their arrays."""
+    names, args, inits, feeds = [], [], [], {}
+    for item in inputs:
+        if item is None:
+            names.append("")
+            continue
+        name, arr, weight = item
+        names.append(name)
+        if weight:
+            inits.append(numpy_helper.from_array(arr, name))
+        else:
+            args.append(helper.make_tensor_value_info(
+                name, helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape))
+            feeds[name] = arr
+    outs = [f"y{i}" for i in range(n_out)]
+    node = helper.make_node(op, names, outs, domain=domain, **attrs)
+    graph = helper.make_graph([node], "g", args,
+                              [helper.make_tensor_value_info(o, t, None) for o, t in
+                               zip(outs, out_types or (F32,) * n_out)], inits)
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(MS, 1)] if domain else [])
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10), feeds
+
+
+def onnxruntime(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def ours(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    shapes = {i.name: feeds[i.name].shape for i in model.graph.input}
+    imp = import_model(model, "m.onnx", input_shapes=shapes, inline_weights=True)
+    return Program(imp.module).run([feeds[n] for n in imp.inputs], reference=False).outputs
+
+
+def declare(model: onnx.ModelProto, *shapes: tuple[int, ...]) -> onnx.ModelProto:
+    """Output shapes declared, as a shared model declares them (onnx cannot infer a
+    com.microsoft op's, and its checker wants them)."""
+    for out, shape in zip(model.graph.output, shapes):
+        out.type.tensor_type.shape.Clear()
+        for d in shape:
+            out.type.tensor_type.shape.dim.add().dim_value = d
+    return model
+
+
+def check(model: onnx.ModelProto, feeds: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Our fp32 outputs against onnxruntime's: within rtol, or atol of the output's scale
+    (sums that cancel keep only the absolute error of their largest terms)."""
+    want = onnxruntime(model, feeds)
+    declare(model, *(w.shape for w in want))
+    got = ours(model, feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        scale = max(1.0, float(np.max(np.abs(w)))) if w.size else 1.0
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * scale)
+
+
+def rnd(*shape: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed + len(shape)).standard_normal(shape) * scale).astype(
+        np.float32)
+
+
+# ---- matrix products ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ta", "tb", "tba", "tbb", "alpha"), [
+    (0, 0, 0, 0, 1.0), (1, 0, 0, 0, 0.5), (0, 1, 0, 0, 2.0), (1, 1, 0, 0, 1.0),
+    (0, 0, 1, 0, 1.0), (0, 1, 0, 1, 0.25), (1, 0, 1, 1, 1.0)])
+def test_fused_matmul_transposes_and_scales_as_onnxruntime(ta, tb, tba, tbb, alpha):
+    # Logical A (2, 3, 4, 5) and B (2, 3, 5, 6), stored as each flag says.
+    a, b = rnd(2, 3, 4, 5, seed=1), rnd(2, 3, 5, 6, seed=2)
+    if ta:
+        a = a.swapaxes(-1, -2)
+    if tba:
+        a = np.moveaxis(a, -2, 0)
+    if tb:
+        b = b.swapaxes(-1, -2)
+    if tbb:
+        b = np.moveaxis(b, -2, 0)
+    model, feeds = build("FusedMatMul", [("a", np.ascontiguousarray(a), False),
+                                         ("b", np.ascontiguousarray(b), tb == 1)],
+                         transA=ta, transB=tb, transBatchA=tba, transBatchB=tbb, alpha=alpha)
+    check(model, feeds)
+
+
+def _nbits_weights(n: int, k: int, block: int, bits: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // block)
+    codes = rng.integers(0, 1 << bits, (n, blocks * block), dtype=np.uint8)
+    per = 8 // bits
+    grouped = codes.reshape(n, blocks, block // per, per).astype(np.uint16)
+    packed = sum(grouped[..., i] << (bits * i) for i in range(per)).astype(np.uint8)
+    scales = (rng.random((n, blocks)) * 0.1 + 0.01).astype(np.float32)
+    zp_codes = rng.integers(0, 1 << bits, (n, blocks), dtype=np.uint8)
+    zcols = -(-blocks * bits // 8)
+    padded = np.zeros((n, zcols * per), np.uint16)
+    padded[:, :blocks] = zp_codes
+    zp = sum(padded.reshape(n, zcols, per)[..., i] << (bits * i) for i in range(per)).astype(
+        np.uint8)
+    return packed, scales, zp, codes[:, :k], zp_codes
+
+
+@pytest.mark.parametrize(("bits", "k", "block", "with_zp", "with_bias"), [
+    (4, 64, 32, True, False), (4, 48, 32, False, True), (4, 96, 16, True, True),
+    (8, 64, 32, True, False), (8, 40, 16, False, True)])
+def test_matmul_nbits_dequantizes_blocks_exactly(bits, k, block, with_zp, with_bias):
+    n = 24
+    packed, scales, zp, codes, zp_codes = _nbits_weights(n, k, block, bits)
+    x = rnd(2, 3, k, seed=5)
+    bias = rnd(n, seed=6)
+    inputs = [("a", x, False), ("b", packed, True), ("scales", scales.reshape(-1), True),
+              ("zp", zp.reshape(-1), True) if with_zp else None, None,
+              ("bias", bias, True) if with_bias else None]
+    while inputs[-1] is None:
+        inputs.pop()
+    model, feeds = build("MatMulNBits", inputs, K=k, N=n, bits=bits, block_size=block)
+    check(model, feeds, rtol=1e-5, atol=1e-5)
+    # The weight stays quantized in the module: one blocked mp.dequantize of 4-/8-bit codes.
+    imp = import_model(model, "m.onnx", input_shapes={"a": x.shape}, inline_weights=True)
+    f = imp.module.function()
+    dq = [o for o in f.ops() if f.op(o) == "mp.dequantize"]
+    assert len(dq) == 1
+    (code_type,) = f.types(f.operands(dq[0])[0][0])
+    assert code_type.elem == ("i4" if bits == 4 else "ui8") and code_type.shape == (k, n)
+    assert f.attrs_of(dq[0])["block_size"] == block
+    # Its values are (code - zero point) * scale: the product matches numpy's in f64.
+    zp_full = zp_codes if with_zp else np.full_like(zp_codes, 1 << (bits - 1))
+    w = (codes.astype(np.float64) - np.repeat(zp_full, block, 1)[:, :k]) * np.repeat(
+        scales, block, 1)[:, :k]
+    want = x.astype(np.float64) @ w.T + (bias if with_bias else 0)
+    got = Program(imp.module).run([x], reference=False).outputs[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_matmul_nbits_refuses_two_bit_weights_and_group_indices():
+    packed, scales, _, _, _ = _nbits_weights(8, 32, 16, 4)
+    model, _ = build("MatMulNBits", [("a", rnd(1, 32), False), ("b", packed, True),
+                                     ("scales", scales.reshape(-1), True)],
+                     K=32, N=8, bits=2, block_size=16)
+    declare(model, (1, 8))
+    with pytest.raises(DiagnosticError, match="bits = 2"):
+        import_model(model, "m.onnx")
+
+
+# ---- normalizations and activations -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_beta", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_skip_layer_norm_and_its_sum_output(with_beta, with_bias):
+    h = 16
+    inputs = [("x", rnd(2, 5, h, seed=1), False), ("skip", rnd(2, 5, h, seed=2), False),
+              ("gamma", rnd(h, seed=3), True),
+              ("beta", rnd(h, seed=4), True) if with_beta else None,
+              ("bias", rnd(h, seed=5), True) if with_bias else None]
+    while inputs[-1] is None:
+        inputs.pop()
+    model, feeds = build("SkipLayerNormalization", inputs, n_out=4, epsilon=1e-5)
+    node = model.graph.node[0]
+    node.output[1], node.output[2] = "", ""  # the training outputs, unused
+    del model.graph.output[1:3]
+    check(model, feeds)
+
+
+def test_skip_simplified_layer_norm_with_a_broadcast_skip():
+    h = 8
+    model, feeds = build("SkipSimplifiedLayerNormalization",
+                         [("x", rnd(3, 4, h, seed=1), False), ("skip", rnd(4, h, seed=2), False),
+                          ("gamma", rnd(h, seed=3), True), ("bias", rnd(h, seed=4), True)],
+                         epsilon=1e-6)
+    check(model, feeds)
+
+
+def test_simplified_layer_norm_in_the_default_domain():
+    """onnxruntime registers SimplifiedLayerNormalization in the default domain (its optimizer
+    writes it there), where onnx's checker knows no such op: the importer takes it anyway."""
+    model, feeds = build("SimplifiedLayerNormalization", [("x", rnd(2, 3, 8), False),
+                                                          ("scale", rnd(8, seed=7), True)],
+                         domain="", axis=-1, epsilon=1e-5)
+    check(model, feeds)
+
+
+def test_rms_normalization_opset_23_matches_onnxruntime():
+    model, feeds = build("RMSNormalization", [("x", rnd(2, 3, 8), False),
+                                              ("scale", rnd(3, 8, seed=7), True)],
+                         domain="", opset=23, axis=1, epsilon=1e-4)
+    check(model, feeds)
+
+
+@pytest.mark.parametrize(("op", "extra", "attrs"), [
+    ("Gelu", False, {}), ("BiasGelu", True, {}), ("FastGelu", False, {}), ("FastGelu", True, {}),
+    ("QuickGelu", False, {}), ("QuickGelu", False, {"alpha": 1.2})])
+def test_gelu_family(op, extra, attrs):
+    inputs = [("x", rnd(2, 6, 16, scale=2.0), False)]
+    if extra:
+        inputs.append(("bias", rnd(16, seed=3), True))
+    model, feeds = build(op, inputs, **attrs)
+    check(model, feeds, rtol=1e-5, atol=2e-6)
+
+
+def test_bias_add_and_bias_split_gelu_as_their_schemas_define():
+    """onnxruntime runs these two on CUDA only: checked against their schema's formulas."""
+    x, bias, skip = rnd(2, 4, 8), rnd(8, seed=1), rnd(2, 4, 8, seed=2)
+    model, feeds = build("BiasAdd", [("x", x, False), ("bias", bias, True),
+                                     ("skip", skip, False)])
+    declare(model, x.shape)
+    np.testing.assert_array_equal(ours(model, feeds)[0], (x + bias) + skip)
+    x, bias = rnd(2, 4, 16), rnd(16, seed=1)
+    model, feeds = build("BiasSplitGelu", [("x", x, False), ("bias", bias, True)])
+    declare(model, (2, 4, 8))
+    t = (x + bias).astype(np.float64)
+    right = t[..., 8:]
+    gelu = 0.5 * right * (1 + np.vectorize(math.erf)(right / math.sqrt(2)))
+    np.testing.assert_allclose(ours(model, feeds)[0], t[..., :8] * gelu, rtol=1e-6, atol=1e-6)
+
+
+def test_embed_layer_norm_with_segments_and_mask_index():
+    b, s, h, vocab = 2, 6, 8, 20
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, vocab, (b, s)).astype(np.int32)
+    seg = (np.arange(s) >= 3).astype(np.int32)[None].repeat(b, 0)
+    mask = np.ones((b, s), np.int32)
+    mask[1, 4:] = 0
+    model, feeds = build("EmbedLayerNormalization", [
+        ("ids", ids, False), ("seg", seg, False), ("word", rnd(vocab, h, seed=1), True),
+        ("pos", rnd(s, h, seed=2), True), ("segemb", rnd(2, h, seed=3), True),
+        ("gamma", rnd(h, seed=4), True), ("beta", rnd(h, seed=5), True),
+        ("mask", mask, False)], n_out=3, out_types=(F32, I32, F32), epsilon=1e-5)
+    check(model, feeds)
+
+
+# ---- rotary embeddings ------------------------------------------------------------------------
+
+
+def _caches(max_pos: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    freqs = np.outer(np.arange(max_pos), 1.0 / 10000 ** (np.arange(half) / half))
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("rot", [0, 4])
+def test_rotary_embedding_com_microsoft(rank, interleaved, rot):
+    b, s, n, d = 2, 5, 2, 8
+    x = rnd(b, s, n * d) if rank == 3 else rnd(b, n, s, d)
+    cos, sin = _caches(16, (rot or d) // 2)
+    pos = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int64)
+    attrs = {"interleaved": interleaved}
+    if rot:
+        attrs.update(rotary_embedding_dim=rot, num_heads=n)
+    elif rank == 3:
+        attrs["num_heads"] = n
+    model, feeds = build("RotaryEmbedding", [("x", x, False), ("pos", pos, False),
+                                             ("cos", cos, True), ("sin", sin, True)], **attrs)
+    check(model, feeds)
+
+
+def test_rotary_embedding_com_microsoft_position_offset():
+    x = rnd(2, 4, 16)
+    cos, sin = _caches(12, 4)
+    model, feeds = build("RotaryEmbedding", [("x", x, False),
+                                             ("pos", np.array([3], np.int64), True),
+                                             ("cos", cos, True), ("sin", sin, True)], num_heads=2)
+    check(model, feeds)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_embedding_opset_23_partial_with_position_ids(interleaved):
+    b, n, s, d = 2, 2, 5, 8
+    cos, sin = _caches(16, 2)
+    pos = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int64)
+    model, feeds = build("RotaryEmbedding", [("x", rnd(b, n, s, d), False),
+                                             ("cos", cos, True), ("sin", sin, True),
+                                             ("pos", pos, False)],
+                         domain="", opset=23, interleaved=interleaved, rotary_embedding_dim=4)
+    check(model, feeds)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unidirectional", [0, 1])
+@pytest.mark.parametrize("mask", [None, "2d", "1d"])
+def test_com_microsoft_attention(unidirectional, mask):
+    b, s, hin, heads, hidden = 2, 5, 12, 2, 8
+    inputs = [("x", rnd(b, s, hin), False), ("w", rnd(hin, 3 * hidden, seed=1, scale=0.3), True),
+              ("bias", rnd(3 * hidden, seed=2, scale=0.1), True)]
+    if mask == "2d":
+        m = np.ones((b, s), np.int32)
+        m[1, 3:] = 0
+        inputs.append(("mask", m, False))
+    elif mask == "1d":
+        inputs.append(("mask", np.array([5, 3], np.int32), False))
+    model, feeds = build("Attention", inputs, num_heads=heads, unidirectional=unidirectional)
+    check(model, feeds)
+
+
+def test_com_microsoft_attention_with_past_and_present():
+    b, s, past, hin, heads, hidden = 1, 1, 4, 8, 2, 8
+    inputs = [("x", rnd(b, s, hin), False), ("w", rnd(hin, 3 * hidden, seed=1, scale=0.3), True),
+              ("bias", rnd(3 * hidden, seed=2, scale=0.1), True), None,
+              ("past", rnd(2, b, heads, past, hidden // heads, seed=3), False)]
+    model, feeds = build("Attention", inputs, n_out=2, num_heads=heads, unidirectional=1)
+    check(model, feeds)
+
+
+@pytest.mark.parametrize("form", ["separate", "bnsh_kv"])
+def test_multi_head_attention_forms(form):
+    b, s, l, heads, d = 2, 4, 6, 2, 4
+    h = heads * d
+    if form == "bnsh_kv":
+        inputs = [("q", rnd(b, s, h), False), ("k", rnd(b, heads, l, d, seed=1), False),
+                  ("v", rnd(b, heads, l, d, seed=2), False)]
+    else:
+        m = np.ones((b, l), np.int32)
+        m[0, 4:] = 0
+        inputs = [("q", rnd(b, s, h), False), ("k", rnd(b, l, h, seed=1), False),
+                  ("v", rnd(b, l, h, seed=2), False), ("bias", rnd(3 * h, seed=3), True),
+                  ("mask", m, False), ("attn_bias", rnd(1, heads, s, l, seed=4), False)]
+    model, feeds = build("MultiHeadAttention", inputs, num_heads=heads)
+    check(model, feeds)
+
+
+def test_multi_head_attention_packed_forms_equal_the_separate_one():
+    """onnxruntime's CPU kernel has no packed QKV or KV: ours against its separate form."""
+    b, s, heads, d = 2, 4, 2, 4
+    packed = rnd(b, s, heads, 3, d)
+    q, k, v = (np.ascontiguousarray(packed[:, :, :, i]).reshape(b, s, heads * d)
+               for i in range(3))
+    separate, feeds = build("MultiHeadAttention", [("q", q, False), ("k", k, False),
+                                                   ("v", v, False)], num_heads=heads)
+    want = onnxruntime(separate, feeds)[0]
+    model, pfeeds = build("MultiHeadAttention", [("q", packed, False)], num_heads=heads)
+    np.testing.assert_allclose(ours(declare(model, want.shape), pfeeds)[0], want, rtol=1e-5,
+                               atol=1e-6)
+    kv = np.ascontiguousarray(packed[:, :, :, 1:])
+    model, pfeeds = build("MultiHeadAttention", [("q", q, False), ("kv", kv, False)],
+                          num_heads=heads)
+    np.testing.assert_allclose(ours(declare(model, want.shape), pfeeds)[0], want, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_multi_head_attention_decode_step_with_cache():
+    b, heads, d, past = 2, 2, 4, 3
+    h = heads * d
+    inputs = [("q", rnd(b, 1, h), False), ("k", rnd(b, 1, h, seed=1), False),
+              ("v", rnd(b, 1, h, seed=2), False), None, None, None,
+              ("pk", rnd(b, heads, past, d, seed=3), False),
+              ("pv", rnd(b, heads, past, d, seed=4), False)]
+    model, feeds = build("MultiHeadAttention", inputs, n_out=3, num_heads=heads,
+                         unidirectional=1)
+    check(model, feeds)
+
+
+def _gqa(b, s, past, heads, kv_heads, d, *, rotary=False, window=-1, softcap=0.0, packed=False):
+    q = rnd(b, s, heads * d)
+    k, v = rnd(b, s, kv_heads * d, seed=1), rnd(b, s, kv_heads * d, seed=2)
+    inputs = [("q", np.concatenate([q, k, v], -1), False), None, None] if packed else \
+        [("q", q, False), ("k", k, False), ("v", v, False)]
+    if past:
+        inputs += [("pk", rnd(b, kv_heads, past, d, seed=3), False),
+                   ("pv", rnd(b, kv_heads, past, d, seed=4), False)]
+    else:
+        inputs += [None, None]
+    inputs += [("seqlens", np.full(b, past + s - 1, np.int32), True),
+               ("total", np.array(past + s, np.int32), True)]
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "local_window_size": window}
+    if softcap:
+        attrs["softcap"] = softcap
+    if rotary:
+        cos, sin = _caches(32, d // 2)
+        inputs += [("cos", cos, True), ("sin", sin, True)]
+        attrs.update(do_rotary=1)
+    return build("GroupQueryAttention", inputs, n_out=3, **attrs)
+
+
+@pytest.mark.parametrize(("s", "past"), [(5, 0), (1, 6), (3, 4)])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_group_query_attention_prompt_and_decode(s, past, kv_heads):
+    if past and s > 1:
+        model, feeds = _gqa(1, s, past, 4, kv_heads, 8)  # onnxruntime: S > 1 with past, B = 1
+    else:
+        model, feeds = _gqa(2, s, past, 4, kv_heads, 8)
+    check(model, feeds)
+
+
+@pytest.mark.parametrize("option", ["rotary", "window", "softcap", "packed"])
+def test_group_query_attention_options(option):
+    kwargs = {"rotary": {"rotary": True}, "window": {"window": 3}, "softcap": {"softcap": 2.0},
+              "packed": {"packed": True}}[option]
+    d = 16 if option == "rotary" else 8  # onnxruntime rotates head sizes in multiples of 16
+    model, feeds = _gqa(2, 6, 0, 4, 2, d, **kwargs)
+    check(model, feeds)
+    model, feeds = _gqa(2, 1, 5, 4, 2, d, **kwargs)
+    check(model, feeds)
+
+
+def test_group_query_attention_refuses_ragged_seqlens_with_the_reason():
+    model, _ = _gqa(2, 1, 5, 4, 2, 8)
+    seq = next(t for t in model.graph.initializer if t.name == "seqlens")
+    seq.CopyFrom(numpy_helper.from_array(np.array([5, 3], np.int32), "seqlens"))
+    declare(model, (2, 1, 32), (2, 2, 6, 8), (2, 2, 6, 8))
+    with pytest.raises(DiagnosticError, match=r"seqlens_k \[5, 3\].*ragged batch"):
+        import_model(model, "m.onnx")
