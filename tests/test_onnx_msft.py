@@ -434,3 +434,77 @@ def test_group_query_attention_refuses_ragged_seqlens_with_the_reason():
     declare(model, (2, 1, 32), (2, 2, 6, 8), (2, 2, 6, 8))
     with pytest.raises(DiagnosticError, match=r"seqlens_k \[5, 3\].*ragged batch"):
         import_model(model, "m.onnx")
+
+
+# ---- onnxruntime's transformer optimizer, on models built here ---------------------------------
+
+
+def _rms_residual_model(h: int = 16) -> onnx.ModelProto:
+    """Two RMSNorms as Llama's code writes them (x * 1 / sqrt(mean(x^2) + eps) * w), the second
+    after a residual add: what the optimizer fuses into SimplifiedLayerNormalization and
+    SkipSimplifiedLayerNormalization."""
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+
+    def init(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        return name
+
+    def rms(x, i):
+        nodes.extend([
+            helper.make_node("Pow", [x, init(f"two{i}", 2.0)], [f"sq{i}"]),
+            helper.make_node("ReduceMean", [f"sq{i}"], [f"ms{i}"], axes=[-1], keepdims=1),
+            helper.make_node("Add", [f"ms{i}", init(f"eps{i}", 1e-6)], [f"mse{i}"]),
+            helper.make_node("Sqrt", [f"mse{i}"], [f"rt{i}"]),
+            helper.make_node("Div", [init(f"one{i}", 1.0), f"rt{i}"], [f"inv{i}"]),
+            helper.make_node("Mul", [x, f"inv{i}"], [f"nx{i}"]),
+            helper.make_node("Mul", [init(f"g{i}", 1 + 0.1 * rng.standard_normal(h)), f"nx{i}"],
+                             [f"rms{i}"])])
+        return f"rms{i}"
+
+    nodes.append(helper.make_node("MatMul", [rms("x", 0), init("w0", rng.standard_normal(
+        (h, h)) * 0.3)], ["mm0"]))
+    nodes.append(helper.make_node("Add", ["x", "mm0"], ["res0"]))
+    nodes.append(helper.make_node("MatMul", [rms("res0", 1), init("w1", rng.standard_normal(
+        (h, h)) * 0.3)], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, [2, 5, h])],
+                              [helper.make_tensor_value_info("y", F32, [2, 5, h])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _optimized(model: onnx.ModelProto, model_type: str, heads: int, hidden: int,
+               path) -> onnx.ModelProto:
+    """The optimizer's output file, as users share it."""
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    # opt_level 0: the Python fusions only (onnxruntime's own graph passes need torch here).
+    optimizer.optimize_model(model, model_type=model_type, num_heads=heads, hidden_size=hidden,
+                             opt_level=0).save_model_to_file(str(path))
+    return onnx.load(str(path))
+
+
+@pytest.mark.parametrize(("name", "fused"), [
+    ("bert", {"com.microsoft:SkipLayerNormalization", "com.microsoft:BiasGelu"}),
+    ("gpt2", {"com.microsoft:SkipLayerNormalization", "com.microsoft:FastGelu"}),
+    ("rms", {":SimplifiedLayerNormalization", "com.microsoft:SkipSimplifiedLayerNormalization"})])
+def test_models_after_onnxruntimes_transformer_optimizer_import_and_match(name, fused, tmp_path):
+    if name == "rms":
+        model, hidden, heads = _rms_residual_model(), 16, 2
+        x = {"x": rnd(2, 5, 16)}
+    else:
+        import test_onnx_transformers as tt
+
+        model, hidden, heads = tt.MODELS[name](), tt.H, tt.HEADS
+        for i in model.graph.input:  # the optimizer wants static shapes to fuse
+            i.type.tensor_type.shape.Clear()
+            for d in (tt.B, tt.S):
+                i.type.tensor_type.shape.dim.add().dim_value = d
+        x = tt.feeds(model)
+    before = onnxruntime(model, x)[0]
+    opt = _optimized(model, "gpt2" if name == "gpt2" else "bert", heads, hidden,
+                     tmp_path / "opt.onnx")
+    ops = {f"{n.domain}:{n.op_type}" for n in opt.graph.node}
+    assert fused <= ops
+    want = onnxruntime(opt, x)[0]
+    np.testing.assert_allclose(want, before, rtol=1e-5, atol=1e-5)
+    got = ours(declare(opt, want.shape), x)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1, np.abs(want).max()))
