@@ -508,3 +508,72 @@ def test_models_after_onnxruntimes_transformer_optimizer_import_and_match(name, 
     np.testing.assert_allclose(want, before, rtol=1e-5, atol=1e-5)
     got = ours(declare(opt, want.shape), x)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1, np.abs(want).max()))
+
+
+# ---- plans of the lowered fusions: precision per part, export ----------------------------------
+
+
+def _lowered(model, feeds, pipeline):
+    from mplower.pass_manager import PassContext, PassManager, parse_pipeline
+
+    shapes = {i.name: feeds[i.name].shape for i in model.graph.input}
+    imp = import_model(model, "m.onnx", input_shapes=shapes, inline_weights=True)
+    PassManager(parse_pipeline(pipeline)).run(imp.module, PassContext())
+    return imp
+
+
+@pytest.mark.parametrize("case", ["gqa", "nbits", "skip_rms"])
+def test_lowered_fusions_get_a_precision_per_part_and_export_to_onnxruntime(case):
+    from mplower.onnx.exporter.core import export_module
+
+    if case == "gqa":
+        model, feeds = _gqa(2, 6, 0, 4, 2, 8)
+    elif case == "nbits":
+        packed, scales, zp, _, _ = _nbits_weights(24, 64, 32, 4)
+        model, feeds = build("MatMulNBits", [("a", rnd(2, 3, 64), False), ("b", packed, True),
+                                             ("scales", scales.reshape(-1), True),
+                                             ("zp", zp.reshape(-1), True)],
+                             K=64, N=24, bits=4, block_size=32)
+    else:
+        model, feeds = build("SkipSimplifiedLayerNormalization", [
+            ("x", rnd(3, 4, 8), False), ("skip", rnd(3, 4, 8, seed=2), False),
+            ("gamma", rnd(8, seed=3), True)], epsilon=1e-6)
+    wants = onnxruntime(model, feeds)
+    want = wants[0]
+    declare(model, *(w.shape for w in wants))
+    imp = _lowered(model, feeds, "assign-precision{policy=bf16},insert-casts")
+    program = Program(imp.module)
+    result = program.run([feeds[n] for n in imp.inputs])
+    executed = {(s.op, s.executed["precision"]) for s in program.steps}
+    if case == "skip_rms":
+        # Two ops, two decisions: the residual add (follows its f32 inputs) and the norm (kept
+        # f32, as the sheet keeps norms).
+        assert {("mp.add", "f32"), ("mp.rms_norm", "f32")} <= executed
+    else:
+        assert ("mp.matmul", "bf16") in executed and ("mp.matmul", "f32") not in executed
+    if case == "gqa":
+        assert ("mp.softmax", "f32") in executed
+    rel = np.linalg.norm(result.outputs[0] - want) / np.linalg.norm(want)
+    assert rel < 1e-2
+    exported = export_module(imp.module).model
+    so = ort.SessionOptions()
+    # onnxruntime would fuse the exported DequantizeLinear + MatMul into its own MatMulNBits,
+    # which quantizes the activations to int8 (accuracy level 4): not the plan's numbers.
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(exported.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    names = [i.name for i in exported.graph.input]
+    theirs = sess.run(None, {n: feeds[m] for n, m in zip(names, imp.inputs)})[0]
+    np.testing.assert_allclose(theirs, result.outputs[0], rtol=0, atol=1e-6)
+
+
+def test_group_query_attention_refuses_runtime_seqlens_naming_the_inputs():
+    model, _ = _gqa(2, 1, 5, 4, 2, 8)
+    graph = model.graph
+    seq = next(t for t in graph.initializer if t.name == "seqlens")
+    graph.initializer.remove(seq)
+    graph.input.append(helper.make_tensor_value_info("seqlens", I32, [2]))
+    declare(model, (2, 1, 32), (2, 2, 6, 8), (2, 2, 6, 8))
+    with pytest.raises(DiagnosticError, match=r"seqlens_k \('seqlens'\) must be a constant.*"
+                                              r"graph input\(s\) 'seqlens'"):
+        import_model(model, "m.onnx")
