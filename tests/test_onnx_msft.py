@@ -472,6 +472,53 @@ def _rms_residual_model(h: int = 16) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _bert_attention_model(b: int = 2, s: int = 8, h: int = 16, heads: int = 2,
+                          layers: int = 2) -> onnx.ModelProto:
+    """BERT encoder layers in the pattern onnxruntime's FusionAttention matches (the classic
+    export: per-head Reshape/Transpose of Q, K (transposed to 0,2,3,1) and V, Div by sqrt(d),
+    the -10000 padding mask from Unsqueeze/Cast/Sub/Mul, residual Add + LayerNormalization)."""
+    rng = np.random.default_rng(0)
+    d = h // heads
+    nodes, inits = [], []
+
+    def init(name, value, dtype=np.float32):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
+        return name
+
+    def op(kind, ins, **attrs):
+        out = f"{kind}_{len(nodes)}"
+        nodes.append(helper.make_node(kind, ins, [out], name=out, **attrs))
+        return out
+
+    def linear(x, name):
+        w = op("MatMul", [x, init(f"{name}_w", rng.standard_normal((h, h)) * 0.3)])
+        return op("Add", [w, init(f"{name}_b", rng.standard_normal(h) * 0.05)])
+
+    def norm(x, name):
+        return op("LayerNormalization", [x, init(f"{name}_g", 1 + 0.1 * rng.standard_normal(h)),
+                                         init(f"{name}_b", 0.1 * rng.standard_normal(h))],
+                  axis=-1, epsilon=1e-12)
+
+    m = op("Unsqueeze", ["attention_mask", init("ax1", [1], np.int64)])
+    m = op("Cast", [op("Unsqueeze", [m, init("ax2", [2], np.int64)])], to=F32)
+    mask = op("Mul", [op("Sub", [init("one", 1.0), m]), init("neg", -10000.0)])
+    x = norm("x", "ln0")
+    heads4, merged = init("heads4", [0, 0, heads, d], np.int64), init("merged", [0, 0, h], np.int64)
+    for i in range(layers):
+        q = op("Transpose", [op("Reshape", [linear(x, f"q{i}"), heads4])], perm=[0, 2, 1, 3])
+        k = op("Transpose", [op("Reshape", [linear(x, f"k{i}"), heads4])], perm=[0, 2, 3, 1])
+        v = op("Transpose", [op("Reshape", [linear(x, f"v{i}"), heads4])], perm=[0, 2, 1, 3])
+        scores = op("Div", [op("MatMul", [q, k]), init(f"sqrt{i}", np.sqrt(d))])
+        probs = op("Softmax", [op("Add", [scores, mask])], axis=3)
+        ctx = op("Transpose", [op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
+        x = norm(op("Add", [linear(op("Reshape", [ctx, merged]), f"o{i}"), x]), f"ln{i + 1}")
+    graph = helper.make_graph(nodes, "bert", [
+        helper.make_tensor_value_info("x", F32, [b, s, h]),
+        helper.make_tensor_value_info("attention_mask", I64, [b, s])],
+        [helper.make_tensor_value_info(x, F32, [b, s, h])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def _optimized(model: onnx.ModelProto, model_type: str, heads: int, hidden: int,
                path) -> onnx.ModelProto:
     """The optimizer's output file, as users share it."""
@@ -485,11 +532,17 @@ def _optimized(model: onnx.ModelProto, model_type: str, heads: int, hidden: int,
 @pytest.mark.parametrize(("name", "fused"), [
     ("bert", {"com.microsoft:SkipLayerNormalization", "com.microsoft:BiasGelu"}),
     ("gpt2", {"com.microsoft:SkipLayerNormalization", "com.microsoft:FastGelu"}),
-    ("rms", {":SimplifiedLayerNormalization", "com.microsoft:SkipSimplifiedLayerNormalization"})])
+    ("rms", {":SimplifiedLayerNormalization", "com.microsoft:SkipSimplifiedLayerNormalization"}),
+    ("bert_attention", {"com.microsoft:Attention", "com.microsoft:SkipLayerNormalization"})])
 def test_models_after_onnxruntimes_transformer_optimizer_import_and_match(name, fused, tmp_path):
     if name == "rms":
         model, hidden, heads = _rms_residual_model(), 16, 2
         x = {"x": rnd(2, 5, 16)}
+    elif name == "bert_attention":
+        model, hidden, heads = _bert_attention_model(), 16, 2
+        mask = np.ones((2, 8), np.int64)
+        mask[1, 5:] = 0  # right padding, which the fused Attention's mask_index (lengths) assumes
+        x = {"x": rnd(2, 8, 16), "attention_mask": mask}
     else:
         import test_onnx_transformers as tt
 
