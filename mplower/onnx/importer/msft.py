@@ -529,8 +529,16 @@ def _group_query_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     k = split_heads(imp, parts[1], kv_heads, "key")
     v = split_heads(imp, parts[2], kv_heads, "value")
     past = 0 if imp.input(3) is None else _shape_of(imp.need(3))[2]
-    seqlens = imp.const(5, "seqlens_k")
-    total = imp.const(6, "total_sequence_length")
+    for i in (5, 6):
+        if not isinstance(imp.need(i), Const):
+            roots = ", ".join(map(repr, imp._graph_inputs_under(node.input[i]))) or "none"
+            raise imp.error(f"{'seqlens_k' if i == 5 else 'total_sequence_length'} "
+                            f"('{node.input[i]}') is computed at run time (from graph input(s) "
+                            f"{roots}): the cache length of each batch entry would decide the "
+                            f"masks and the present cache's shape from values; mplower imports "
+                            f"GroupQueryAttention with constant seqlens_k and "
+                            f"total_sequence_length")
+    seqlens, total = imp.need(5).array, imp.need(6).array
     want = past + s
     if int(np.reshape(total, -1)[0]) != want or np.any(np.reshape(seqlens, -1) != want - 1):
         raise imp.error(f"seqlens_k {np.reshape(seqlens, -1).tolist()} and "
