@@ -630,3 +630,48 @@ def test_group_query_attention_refuses_runtime_seqlens_naming_the_inputs():
     with pytest.raises(DiagnosticError, match=r"seqlens_k \('seqlens'\) is computed at run time "
                                               r"\(from graph input\(s\) 'seqlens'\)"):
         import_model(model, "m.onnx")
+
+
+# ---- ONNX Attention (opset 23) beside onnxruntime, and through int8 calibration ----------------
+
+
+def _onnx_attention(mask_kind: str):
+    b, heads, kv_heads, s, d = 2, 4, 2, 6, 8
+    inputs = [("q", rnd(b, heads, s, d), False), ("k", rnd(b, kv_heads, s, d, seed=1), False),
+              ("v", rnd(b, kv_heads, s, d, seed=2), False)]
+    if mask_kind == "bool":
+        m = np.ones((b, 1, s, s), np.bool_)  # onnxruntime wants the query axis spelled out
+        m[1, ..., 4:] = False  # padding at the end of the second sequence
+        inputs.append(("mask", m, False))
+    elif mask_kind == "float":
+        inputs.append(("mask", rnd(b, 1, s, s, seed=3), False))
+    return build("Attention", inputs, domain="", opset=23, is_causal=1)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_onnx_attention_gqa_causal_matches_onnxruntime(mask_kind):
+    model, feeds = _onnx_attention(mask_kind)
+    check(model, feeds)
+
+
+def test_onnx_attention_masks_hold_no_infinity_so_int8_calibration_runs(tmp_path):
+    """Masked keys get the lowest finite float through mp.where (the fill the sheets know),
+    never -inf: calibration, which refuses infinities, runs over every intermediate."""
+    from mplower.backend.executor import reference_runner
+    from mplower.pass_manager import PassContext, PassManager, parse_pipeline
+
+    model, feeds = _onnx_attention("bool")
+    want = onnxruntime(model, feeds)[0]
+    declare(model, want.shape)
+    np.savez(tmp_path / "calib.npz", **feeds)
+    imp = import_model(model, "m.onnx", input_shapes={k: v.shape for k, v in feeds.items()},
+                       inline_weights=True)
+    inter = Program(imp.module).run([feeds[n] for n in imp.inputs], reference=False)
+    assert np.array_equal(inter.outputs[0], inter.outputs[0])  # no NaN
+    pipeline = f"assign-precision{{policy=int8}},calibrate{{data={tmp_path / 'calib.npz'}}}," \
+               f"quantize,insert-casts"
+    PassManager(parse_pipeline(pipeline)).run(imp.module, PassContext(runner=reference_runner))
+    result = Program(imp.module).run([feeds[n] for n in imp.inputs])
+    assert sum(r.counts.nan for r in result.ops) == 0
+    rel = np.linalg.norm(result.outputs[0] - want) / np.linalg.norm(want)
+    assert rel < 0.1

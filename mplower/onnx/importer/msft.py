@@ -37,7 +37,7 @@ from mplower.onnx.importer.transformer_ops import (
     as_broadcast,
     binary,
     cache_rows,
-    causal_bias,
+    causal_allowed,
     concat,
     merge_heads,
     np_dtype,
@@ -366,18 +366,11 @@ def _key_mask(imp: _Importer, mask: Const | Run, b: int, sq: int, total: int, fi
     return _reshape_to(imp, bias, bshape)
 
 
-def _add_part(bias: Bias, imp: _Importer, part: np.ndarray | Run) -> None:
-    if isinstance(part, Run):
-        bias.runtime = part if bias.runtime is None else binary(imp, "mp.add", bias.runtime, part)
-    else:
-        bias.add_static(part)
-
-
 def _attention_bias(imp: _Importer, i: int, bias: Bias, like: Run) -> None:
     if imp.input(i) is None:
         return
     v = imp.need_tensor(i)
-    _add_part(bias, imp, v.array.astype(np_dtype(like)) if isinstance(v, Const) else v)
+    bias.add(imp, v.array.astype(np_dtype(like)) if isinstance(v, Const) else v)
 
 
 @handler(MS + "Attention")
@@ -417,11 +410,12 @@ def _ms_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     fill = float(a.get("mask_filter_value", -10000.0))
     bias = Bias()
     if imp.input(3) is not None:
-        _add_part(bias, imp, _key_mask(imp, imp.need_tensor(3), b, sq, total, fill, q,
+        bias.add(imp, _key_mask(imp, imp.need_tensor(3), b, sq, total, fill, q,
                                        "mask_index"))
     if int(a.get("unidirectional", 0)):
-        bias.add_static(np.where(causal_bias(sq, total, plen, np.dtype(np.float64)) < 0,
-                                 np_dtype(q).type(fill), np_dtype(q).type(0)))
+        # onnxruntime adds mask_filter_value past the causal frontier too
+        bias.add(imp, np.where(causal_allowed(sq, total, plen), np_dtype(q).type(0),
+                               np_dtype(q).type(fill)))
     _attention_bias(imp, 5, bias, q)
     scale = a.get("scale")
     y, _ = sdpa(imp, q, k, v, bias, scale=None if scale is None else float(scale),
@@ -487,11 +481,12 @@ def _multi_head_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     fill = float(a.get("mask_filter_value", -10000.0))
     bias = Bias()
     if imp.input(4) is not None:
-        _add_part(bias, imp, _key_mask(imp, imp.need_tensor(4), b, sq, total, fill, q,
+        bias.add(imp, _key_mask(imp, imp.need_tensor(4), b, sq, total, fill, q,
                                        "key_padding_mask"))
     if int(a.get("unidirectional", 0)):
-        bias.add_static(np.where(causal_bias(sq, total, plen, np.dtype(np.float64)) < 0,
-                                 np_dtype(q).type(fill), np_dtype(q).type(0)))
+        # onnxruntime adds mask_filter_value past the causal frontier too
+        bias.add(imp, np.where(causal_allowed(sq, total, plen), np_dtype(q).type(0),
+                               np_dtype(q).type(fill)))
     _attention_bias(imp, 5, bias, q)
     scale = a.get("scale")
     y, _ = sdpa(imp, q, k, v, bias, scale=None if scale is None else float(scale),
@@ -557,13 +552,12 @@ def _group_query_attention(imp: _Importer, node: onnx.NodeProto) -> list:
         k = rotate(imp, k, cos_b, sin_b, 2 * half, interleaved)
     k = with_past(imp, imp.input(3), k, "past_key")
     v = with_past(imp, imp.input(4), v, "past_value")
-    dtype = np_dtype(q)
     bias = Bias()
     window = int(a.get("local_window_size", -1))
     causal = bool(a.get("causal", 1))
-    if causal or window >= 0:
-        bias.add_static(causal_bias(s, want, past, dtype, window - 1 if window > 0 else -1,
-                                    causal=causal))
+    if causal or window >= 0:  # onnxruntime leaves such keys out of the softmax
+        bias.allow(imp, causal_allowed(s, want, past, window - 1 if window > 0 else -1,
+                                       causal=causal))
     _attention_bias(imp, 10, bias, q)
     scale = a.get("scale")
     softcap = float(a.get("softcap", 0.0))

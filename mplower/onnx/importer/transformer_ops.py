@@ -226,59 +226,76 @@ NEG_INF = -np.inf
 
 @dataclass
 class Bias:
-    """The additive attention bias, built from its parts: `static` is known at import (a
-    numpy array broadcastable to the scores), `runtime` is a value computed by mp ops."""
+    """What masks the attention scores, built from its parts. `allowed` (i1, broadcastable to
+    the scores) says which keys a query may attend: the others get the lowest finite float
+    through an mp.where, the mask fill the precision sheets know (no -inf ever reaches the
+    softmax or calibration, and two masks never add up to an overflow). `additive` is added to
+    the scores first (a float mask, attention_bias). Each is a numpy array known at import, a
+    value computed by mp ops, or None; `allowed_static` and `allowed` combine with and."""
 
-    static: np.ndarray | None = None
-    runtime: Run | None = None
+    additive: np.ndarray | Run | None = None
+    allowed_static: np.ndarray | None = None
+    allowed: Run | None = None
 
-    def add_static(self, arr: np.ndarray) -> None:
-        self.static = arr if self.static is None else self.static + arr
+    def allow(self, imp: _Importer, part: np.ndarray | Run) -> None:
+        if isinstance(part, Run):
+            self.allowed = part if self.allowed is None else imp.emit(
+                "mp.logical_and", [self.allowed, part], onnx_type=TensorProto.BOOL)
+        else:
+            self.allowed_static = part if self.allowed_static is None else \
+                self.allowed_static & part
+
+    def add(self, imp: _Importer, part: np.ndarray | Run) -> None:
+        if self.additive is None:
+            self.additive = part
+        elif isinstance(part, Run) or isinstance(self.additive, Run):
+            a, b = (imp.constant(v, "bias") if isinstance(v, np.ndarray) else v
+                    for v in (self.additive, part))
+            self.additive = binary(imp, "mp.add", a, b)
+        else:
+            self.additive = self.additive + part
 
 
-def additive(imp: _Importer, mask: Const | Run, total: int, like: Run) -> np.ndarray | Run:
-    """An attention mask as an additive bias in like's type: a boolean one as 0 (attend) or
-    -inf, a float one as it is; a last axis shorter than `total` padded with -inf (False)."""
-    dtype = np_dtype(like)
-    if isinstance(mask, Const):
-        arr = mask.array
-        pad = total - arr.shape[-1]
-        if pad < 0:
-            raise imp.error(f"the mask's last dimension {arr.shape[-1]} exceeds the {total} keys")
-        if arr.dtype == np.bool_:
-            arr = np.where(arr, dtype.type(0), dtype.type(NEG_INF))
-        arr = arr.astype(dtype)
-        if pad:
-            arr = np.concatenate([arr, np.full(arr.shape[:-1] + (pad,), NEG_INF, dtype)], -1)
-        return arr
-    pad = total - mask.type.shape[-1]
+def add_mask(imp: _Importer, bias: Bias, mask: Const | Run, total: int, like: Run) -> None:
+    """ONNX Attention's attn_mask: a boolean one says which keys to attend, a float one is
+    added; a last axis shorter than `total` leaves the keys past it unattended."""
+    shape = _shape_of(mask)
+    pad = total - shape[-1]
     if pad < 0:
-        raise imp.error(f"the mask's last dimension {mask.type.shape[-1]} exceeds the {total} "
-                        f"keys")
-    if mask.type.elem == "i1":
-        if pad:
-            fill = imp.constant(np.zeros(mask.type.shape[:-1] + (pad,), np.bool_), "mask_pad")
-            mask = concat(imp, [mask, fill], -1)
-        zero, neg = _scalar(imp, 0.0, like), _scalar(imp, NEG_INF, like)
-        return imp.emit("mp.where", [mask, zero, neg], onnx_type=like.onnx_type)
-    _same_onnx(imp, like, mask)
+        raise imp.error(f"the mask's last dimension {shape[-1]} exceeds the {total} keys")
+    tail = np.concatenate([np.ones(shape[-1], np.bool_), np.zeros(pad, np.bool_)])
+    is_bool = (mask.array.dtype == np.bool_) if isinstance(mask, Const) else mask.type.elem == "i1"
     if pad:
-        fill = imp.constant(np.full(mask.type.shape[:-1] + (pad,), NEG_INF, dtype), "mask_pad")
-        mask = concat(imp, [mask, fill], -1)
-    return mask
+        bias.allow(imp, tail)
+    if isinstance(mask, Const):
+        arr = np.pad(mask.array, [(0, 0)] * (len(shape) - 1) + [(0, pad)])
+        if is_bool:
+            bias.allow(imp, arr)
+        else:
+            bias.add(imp, arr.astype(np_dtype(like)))
+        return
+    if pad:
+        zeros = imp.constant(np.zeros(shape[:-1] + (pad,), np.bool_ if is_bool else np_dtype(
+            like)), "mask_pad")
+        mask = concat(imp, [mask, zeros], -1)
+    if is_bool:
+        bias.allow(imp, mask)
+    else:
+        _same_onnx(imp, like, mask)
+        bias.add(imp, mask)
 
 
-def causal_bias(sq: int, skv: int, offset: int, dtype: np.dtype, left: int = -1,
-                right: int = -1, causal: bool = True) -> np.ndarray:
-    """0 where query i may attend key j (j <= i + offset, and within the window of `left`
-    keys before and `right` after position i + offset when they are >= 0), else -inf."""
+def causal_allowed(sq: int, skv: int, offset: int, left: int = -1, right: int = -1,
+                   causal: bool = True) -> np.ndarray:
+    """Where query i may attend key j: j <= i + offset (causal), and within `left` keys before
+    and `right` after position i + offset when they are >= 0 (a window)."""
     diff = (np.arange(sq)[:, None] + offset) - np.arange(skv)[None, :]
     allowed = diff >= 0 if causal else np.ones_like(diff, np.bool_)
     if left >= 0:
         allowed &= diff <= left
     if right >= 0:
         allowed &= -diff <= right
-    return np.where(allowed, dtype.type(0), dtype.type(NEG_INF))
+    return allowed
 
 
 def grouped(imp: _Importer, x: Run, kv_heads: int) -> Run:
@@ -317,32 +334,24 @@ def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | N
         scores = binary(imp, "mp.mul", imp.emit("mp.tanh", [binary(imp, "mp.div", scores, cap)],
                                                  onnx_type=q.onnx_type), cap)
     capped = scores
-    guard: Run | None = None
-    with_bias = None
-    if bias.runtime is not None:
-        full = bias.runtime
-        if bias.static is not None:
-            full = binary(imp, "mp.add", full, imp.constant(bias.static.astype(dtype), "bias"))
-        peak = imp.emit("mp.reduce_max", [full], {"axes": (-1,), "keepdims": True},
-                        onnx_type=q.onnx_type)
-        guard = imp.emit("mp.isinf", [peak], {"detect_positive": False},
-                         onnx_type=TensorProto.BOOL)
-        if qk_mode == 2:
-            with_bias = binary(imp, "mp.add", scores, full)
-        # A fully masked row softmaxes over its plain scores (finite), then becomes zeros.
-        safe = imp.emit("mp.where", [guard, _scalar(imp, 0.0, q), full], onnx_type=q.onnx_type)
-        scores = binary(imp, "mp.add", scores, safe)
-    elif bias.static is not None and np.any(bias.static != 0):
-        arr = bias.static.astype(dtype)
-        dead = np.isneginf(arr.max(axis=-1, keepdims=True))
-        if qk_mode == 2:
-            with_bias = binary(imp, "mp.add", scores, imp.constant(arr, "bias"))
-        if dead.any():
-            guard = imp.constant(dead, "masked_rows")
-            arr = np.where(dead, dtype.type(0), arr)
-        scores = binary(imp, "mp.add", scores, imp.constant(arr, "bias"))
-    elif qk_mode == 2:
-        with_bias = scores
+    lowest = _scalar(imp, float(np.finfo(dtype).min), q)
+    add = bias.additive
+    if isinstance(add, np.ndarray):
+        add = None if not np.any(add) else imp.constant(add.astype(dtype), "bias")
+    if add is not None:
+        scores = binary(imp, "mp.add", scores, add)
+    allowed = bias.allowed
+    if bias.allowed_static is not None and not bias.allowed_static.all():
+        static = imp.constant(bias.allowed_static, "allowed")
+        allowed = static if allowed is None else imp.emit(
+            "mp.logical_and", [allowed, static], onnx_type=TensorProto.BOOL)
+    with_bias = scores
+    if allowed is not None:
+        if qk_mode == 2:  # ONNX's mode-2 output holds the bias as -inf where keys are masked
+            with_bias = imp.emit("mp.where", [allowed, scores, _scalar(imp, NEG_INF, q)],
+                                 onnx_type=q.onnx_type)
+        scores = imp.emit("mp.where", [allowed, scores, lowest], onnx_type=q.onnx_type)
+    guard = _masked_rows(imp, bias, allowed, add, q)
     work = scores
     if softmax_type is not None and softmax_type != q.onnx_type:
         elem = ELEM_OF_ONNX.get(softmax_type)
@@ -362,6 +371,35 @@ def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | N
     y = _reshape_to(imp, y, (b, h, sq, v.type.shape[3]))
     qk = {None: None, 0: raw, 1: capped, 2: with_bias, 3: probs}[qk_mode]
     return y, qk
+
+
+def _masked_rows(imp: _Importer, bias: Bias, allowed: Run | None, add: Run | None,
+                 q: Run) -> Run | None:
+    """The query rows that attend no key (ONNX: their output is zeros): no key that is allowed
+    and whose additive mask is not -inf. A constant when the masks are known at import (None
+    if no row is masked), else computed without producing an infinity."""
+    if bias.allowed is None and not isinstance(bias.additive, Run):
+        ok = np.ones((1, 1), np.bool_) if bias.allowed_static is None else bias.allowed_static
+        if isinstance(bias.additive, np.ndarray):
+            ok = ok & ~np.isneginf(bias.additive)
+        dead = ~ok.any(axis=-1, keepdims=True)
+        return imp.constant(dead, "masked_rows") if dead.any() else None
+    ok = allowed
+    finite: Run | None = None
+    if isinstance(bias.additive, Run):
+        finite = imp.emit("mp.logical_not", [imp.emit(
+            "mp.isinf", [add], {"detect_positive": False}, onnx_type=TensorProto.BOOL)],
+            onnx_type=TensorProto.BOOL)
+    elif isinstance(bias.additive, np.ndarray) and np.isneginf(bias.additive).any():
+        finite = imp.constant(~np.isneginf(bias.additive), "finite_bias")
+    if finite is not None:
+        ok = finite if ok is None else imp.emit("mp.logical_and", [ok, finite],
+                                                onnx_type=TensorProto.BOOL)
+    hit = imp.emit("mp.cast", [ok], declared=ok.type.with_elem(q.type.elem),
+                   onnx_type=q.onnx_type)
+    some = imp.emit("mp.reduce_max", [hit], {"axes": (-1,), "keepdims": True},
+                    onnx_type=q.onnx_type)
+    return imp.emit("mp.equal", [some, _scalar(imp, 0.0, q)], onnx_type=TensorProto.BOOL)
 
 
 def with_past(imp: _Importer, past: Const | Run | None, new: Run, what: str) -> Run:
@@ -403,15 +441,9 @@ def _attention(imp: _Importer, node: onnx.NodeProto) -> list:
     k = with_past(imp, past_k, k, "past_key")
     v = with_past(imp, past_v, v, "past_value")
     sq, skv = q.type.shape[2], k.type.shape[2]
-    dtype = np_dtype(q)
     bias = Bias()
-    mask = imp.input(3)
-    if mask is not None:
-        part = additive(imp, imp.need_tensor(3), skv, q)
-        if isinstance(part, Run):
-            bias.runtime = part
-        else:
-            bias.add_static(part)
+    if imp.input(3) is not None:
+        add_mask(imp, bias, imp.need_tensor(3), skv, q)
     nonpad = imp.input(6)
     if nonpad is not None and past_k is not None:
         raise imp.error("nonpad_kv_seqlen cannot be combined with past_key/past_value")
@@ -419,7 +451,7 @@ def _attention(imp: _Importer, node: onnx.NodeProto) -> list:
     left, right = int(a.get("left_window_size", -1)), int(a.get("right_window_size", -1))
     if nonpad is None:
         if causal or left >= 0 or right >= 0:
-            bias.add_static(causal_bias(sq, skv, past, dtype, left, right, causal))
+            bias.allow(imp, causal_allowed(sq, skv, past, left, right, causal))
     else:
         _nonpad_bias(imp, bias, imp.need_tensor(6), q, skv, causal, left, right)
     mode = int(a.get("qk_matmul_output_mode", 0))
@@ -441,20 +473,17 @@ def _attention(imp: _Importer, node: onnx.NodeProto) -> list:
 
 def _nonpad_bias(imp: _Importer, bias: Bias, nonpad: Const | Run, q: Run, skv: int,
                  causal: bool, left: int, right: int) -> None:
-    """The bias of an external cache with `nonpad` valid keys per batch entry: keys past the
+    """The keys of an external cache with `nonpad` valid ones per batch entry: keys past the
     count are padding; the causal frontier (and window) sits at offset nonpad - Sq."""
     b, _, sq, _ = q.type.shape
-    dtype = np_dtype(q)
     if isinstance(nonpad, Const):
         n = nonpad.array.astype(np.int64).reshape(-1)
         if n.size != b:
             raise imp.error(f"nonpad_kv_seqlen has {n.size} entries for a batch of {b}")
-        pad = np.where(np.arange(skv)[None, :] < n[:, None], dtype.type(0),
-                       dtype.type(NEG_INF)).reshape(b, 1, 1, skv)
-        bias.add_static(pad)
+        bias.allow(imp, (np.arange(skv)[None, :] < n[:, None]).reshape(b, 1, 1, skv))
         if causal or left >= 0 or right >= 0:
-            bias.add_static(np.stack([causal_bias(sq, skv, int(m) - sq, dtype, left, right,
-                                                  causal) for m in n])[:, None])
+            bias.allow(imp, np.stack([causal_allowed(sq, skv, int(m) - sq, left, right, causal)
+                                      for m in n])[:, None])
         return
     counts = _reshape_to(imp, nonpad, (b, 1, 1, 1))
     # Query i sits at position i + n[b] - Sq. With d = j - i + Sq, key j is kept iff
@@ -474,6 +503,4 @@ def _nonpad_bias(imp: _Importer, bias: Bias, nonpad: Const | Run, q: Run, skv: i
                                                                 "key_upper")],
                          onnx_type=TensorProto.BOOL)
         keep = imp.emit("mp.logical_and", [keep, upper], onnx_type=TensorProto.BOOL)
-    zero, neg = _scalar(imp, 0.0, q), _scalar(imp, NEG_INF, q)
-    part = imp.emit("mp.where", [keep, zero, neg], onnx_type=q.onnx_type)
-    bias.runtime = part if bias.runtime is None else binary(imp, "mp.add", bias.runtime, part)
+    bias.allow(imp, keep)
