@@ -675,3 +675,75 @@ def test_onnx_attention_masks_hold_no_infinity_so_int8_calibration_runs(tmp_path
     assert sum(r.counts.nan for r in result.ops) == 0
     rel = np.linalg.norm(result.outputs[0] - want) / np.linalg.norm(want)
     assert rel < 0.1
+
+
+# ---- a decoder step as onnxruntime-genai's model builder writes it ------------------------------
+
+
+def _llm_decode_step(past: int = 5, s: int = 1, b: int = 1) -> tuple[onnx.ModelProto, dict]:
+    """One Llama-style block over `s` new tokens with a KV cache of `past`: embedding Gather,
+    SimplifiedLayerNormalization, 4-bit MatMulNBits projections, GroupQueryAttention with rotary
+    embeddings and GQA heads, SkipSimplifiedLayerNormalization, a SwiGLU MLP (Sigmoid, Mul) and
+    the lm head; past/present keys and values as graph inputs and outputs."""
+    rng = np.random.default_rng(7)
+    vocab, h, heads, kv_heads, d, ffn, block = 32, 64, 4, 2, 16, 64, 32
+    nodes, inits = [], []
+
+    def init(name, value, dtype=np.float32):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
+        return name
+
+    def node(kind, ins, outs, domain="", **attrs):
+        nodes.append(helper.make_node(kind, ins, outs, name=outs[0], domain=domain, **attrs))
+        return outs[0]
+
+    def nbits(x, name, k, n):
+        packed, scales, zp, _, _ = _nbits_weights(n, k, block, 4, seed=len(nodes))
+        return node("MatMulNBits", [x, init(f"{name}_q", packed, np.uint8),
+                                    init(f"{name}_s", scales.reshape(-1)),
+                                    init(f"{name}_z", zp.reshape(-1), np.uint8)], [name], MS,
+                    K=k, N=n, bits=4, block_size=block)
+
+    def gamma(name):
+        return init(name, 1 + 0.1 * rng.standard_normal(h))
+
+    x = node("Gather", [init("embed", rng.standard_normal((vocab, h)) * 0.5), "input_ids"],
+             ["embed_out"])
+    hn = node("SimplifiedLayerNormalization", [x, gamma("ln1")], ["ln1_out"], axis=-1,
+              epsilon=1e-5)
+    qkv = nbits(hn, "qkv", h, (heads + 2 * kv_heads) * d)
+    cos, sin = _caches(64, d // 2)
+    node("GroupQueryAttention", [qkv, "", "", "past_key", "past_value", init(
+        "seqlens_k", np.full(b, past + s - 1), np.int32), init("total", past + s, np.int32),
+        init("cos", cos), init("sin", sin)], ["attn", "present_key", "present_value"], MS,
+        num_heads=heads, kv_num_heads=kv_heads, do_rotary=1)
+    o = nbits("attn", "o_proj", heads * d, h)
+    node("SkipSimplifiedLayerNormalization", [o, x, gamma("ln2")],
+         ["ln2_out", "", "", "resid"], MS, epsilon=1e-5)
+    gate, up = nbits("ln2_out", "gate", h, ffn), nbits("ln2_out", "up", h, ffn)
+    silu = node("Mul", [gate, node("Sigmoid", [gate], ["gate_sig"])], ["silu"])
+    down = nbits(node("Mul", [silu, up], ["swiglu"]), "down", ffn, h)
+    node("SkipSimplifiedLayerNormalization", [down, "resid", gamma("lnf")], ["final"], MS,
+         epsilon=1e-5)
+    nbits("final", "logits", h, vocab)
+    cache = [b, kv_heads, past, d]
+    graph = helper.make_graph(nodes, "llm", [
+        helper.make_tensor_value_info("input_ids", I64, [b, s]),
+        helper.make_tensor_value_info("past_key", F32, cache),
+        helper.make_tensor_value_info("past_value", F32, cache)], [
+        helper.make_tensor_value_info("logits", F32, [b, s, vocab]),
+        helper.make_tensor_value_info("present_key", F32, [b, kv_heads, past + s, d]),
+        helper.make_tensor_value_info("present_value", F32, [b, kv_heads, past + s, d])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(MS, 1)], ir_version=10)
+    feeds = {"input_ids": rng.integers(0, vocab, (b, s)).astype(np.int64),
+             "past_key": rnd(*cache, seed=11), "past_value": rnd(*cache, seed=12)}
+    return model, feeds
+
+
+@pytest.mark.parametrize(("past", "s", "b"), [(5, 1, 2), (0, 6, 2), (4, 3, 1)])
+def test_llm_block_as_the_genai_builder_writes_it_matches_onnxruntime(past, s, b):
+    """past = 0 is the prompt step: empty caches (B, kv_heads, 0, D), as the builder feeds
+    its first step."""
+    model, feeds = _llm_decode_step(past, s, b)
+    check(model, feeds, rtol=1e-4, atol=1e-5)
