@@ -312,7 +312,7 @@ def test_rotary_embedding_opset_23_partial_with_position_ids(interleaved):
 
 
 @pytest.mark.parametrize("unidirectional", [0, 1])
-@pytest.mark.parametrize("mask", [None, "2d", "1d"])
+@pytest.mark.parametrize("mask", [None, "2d", "1d", "3d_with_bias"])
 def test_com_microsoft_attention(unidirectional, mask):
     b, s, hin, heads, hidden = 2, 5, 12, 2, 8
     inputs = [("x", rnd(b, s, hin), False), ("w", rnd(hin, 3 * hidden, seed=1, scale=0.3), True),
@@ -323,6 +323,10 @@ def test_com_microsoft_attention(unidirectional, mask):
         inputs.append(("mask", m, False))
     elif mask == "1d":
         inputs.append(("mask", np.array([5, 3], np.int32), False))
+    elif mask == "3d_with_bias":
+        m = (np.random.default_rng(4).random((b, s, s)) > 0.3).astype(np.int32)
+        m[..., 0] = 1
+        inputs += [("mask", m, False), None, ("attn_bias", rnd(1, heads, s, s, seed=5), False)]
     model, feeds = build("Attention", inputs, num_heads=heads, unidirectional=unidirectional)
     check(model, feeds)
 
@@ -384,7 +388,8 @@ def test_multi_head_attention_decode_step_with_cache():
     check(model, feeds)
 
 
-def _gqa(b, s, past, heads, kv_heads, d, *, rotary=False, window=-1, softcap=0.0, packed=False):
+def _gqa(b, s, past, heads, kv_heads, d, *, rotary=False, window=-1, softcap=0.0, packed=False,
+         bias=False):
     q = rnd(b, s, heads * d)
     k, v = rnd(b, s, kv_heads * d, seed=1), rnd(b, s, kv_heads * d, seed=2)
     inputs = [("q", np.concatenate([q, k, v], -1), False), None, None] if packed else \
@@ -403,6 +408,9 @@ def _gqa(b, s, past, heads, kv_heads, d, *, rotary=False, window=-1, softcap=0.0
         cos, sin = _caches(32, d // 2)
         inputs += [("cos", cos, True), ("sin", sin, True)]
         attrs.update(do_rotary=1)
+    if bias:
+        inputs += [None] * (10 - len(inputs)) + [("attn_bias", rnd(b, 1, s, past + s, seed=9),
+                                                  False)]
     return build("GroupQueryAttention", inputs, n_out=3, **attrs)
 
 
@@ -416,10 +424,10 @@ def test_group_query_attention_prompt_and_decode(s, past, kv_heads):
     check(model, feeds)
 
 
-@pytest.mark.parametrize("option", ["rotary", "window", "softcap", "packed"])
+@pytest.mark.parametrize("option", ["rotary", "window", "softcap", "packed", "bias"])
 def test_group_query_attention_options(option):
     kwargs = {"rotary": {"rotary": True}, "window": {"window": 3}, "softcap": {"softcap": 2.0},
-              "packed": {"packed": True}}[option]
+              "packed": {"packed": True}, "bias": {"bias": True}}[option]
     d = 16 if option == "rotary" else 8  # onnxruntime rotates head sizes in multiples of 16
     model, feeds = _gqa(2, 6, 0, 4, 2, d, **kwargs)
     check(model, feeds)
