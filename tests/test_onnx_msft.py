@@ -755,3 +755,29 @@ def test_llm_block_as_the_genai_builder_writes_it_matches_onnxruntime(past, s, b
     its first step."""
     model, feeds = _llm_decode_step(past, s, b)
     check(model, feeds, rtol=1e-4, atol=1e-5)
+
+
+# ---- malformed contrib nodes: onnx's checker knows no com.microsoft schema, so the handlers check
+
+@pytest.mark.parametrize(("op", "inputs", "attrs", "message"), [
+    ("MatMulNBits", [("a", rnd(1, 32), False), ("b", np.zeros((8, 2, 8), np.uint8), True),
+                     ("scales", np.ones(16, np.float32), True)], {"K": 32, "N": 8},
+     "attribute 'block_size' is required"),
+    ("MatMulNBits", [("a", rnd(1, 32), False), ("b", np.zeros((8, 2, 8), np.uint8), True),
+                     ("scales", np.ones(15, np.float32), True)],
+     {"K": 32, "N": 8, "block_size": 16}, r"scales \(15 values\)"),
+    ("MultiHeadAttention", [("q", rnd(1, 2, 8), False), ("k", rnd(1, 2, 8), False),
+                            ("v", rnd(1, 2, 8), False)], {}, "attribute 'num_heads' is required"),
+    ("MultiHeadAttention", [("q", rnd(1, 2, 8), False), ("k", rnd(1, 2, 3, 4), False),
+                            ("v", rnd(1, 3, 8), False)], {"num_heads": 2}, "must be 4-D"),
+    ("GroupQueryAttention", [("q", rnd(1, 2, 2, 8), False)], {"num_heads": 2, "kv_num_heads": 1},
+     "query must be 3-D"),
+    ("Attention", [("x", rnd(1, 2, 8), False), ("w", rnd(8, 24), True), None, None,
+                   ("past", rnd(2, 1, 2, 4), False)], {"num_heads": 2}, r"past must be \(2, B"),
+])
+def test_malformed_contrib_nodes_are_located_errors(op, inputs, attrs, message):
+    model, _ = build(op, inputs, **attrs)
+    declare(model, (1, 2, 8))
+    with pytest.raises(DiagnosticError, match=message) as e:
+        import_model(model, "m.onnx")
+    assert f"(com.microsoft::{op})" in str(e.value)

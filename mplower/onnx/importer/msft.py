@@ -58,6 +58,13 @@ MS = "com.microsoft::"
 CONTRIB_DEFAULT_DOMAIN["SimplifiedLayerNormalization"] = "com.microsoft"
 
 
+def _required(imp: _Importer, a: dict, name: str) -> int:
+    """An integer attribute the contrib schema requires (onnx's checker does not know it)."""
+    if name not in a:
+        raise imp.error(f"attribute '{name}' is required")
+    return int(a[name])
+
+
 def _unused_outputs(imp: _Importer, node: onnx.NodeProto, which: range, why: str) -> None:
     for k in which:
         name = node.output[k] if k < len(node.output) else ""
@@ -117,8 +124,8 @@ def _matmul_nbits(imp: _Importer, node: onnx.NodeProto) -> list:
     along K: the codes stay a quantized constant (i4 for 4 bits, offset by 8; ui8 for 8) that
     one blocked mp.dequantize turns into the f32 weight, exactly (q - zero_point) * scale."""
     at = _attrs(node)
-    bits, block = int(at.get("bits", 4)), int(at["block_size"])
-    k, n = int(at["K"]), int(at["N"])
+    bits, block = int(at.get("bits", 4)), _required(imp, at, "block_size")
+    k, n = _required(imp, at, "K"), _required(imp, at, "N")
     if bits not in (4, 8):
         raise imp.error(f"bits = {bits}: mplower imports 4- and 8-bit MatMulNBits")
     if imp.input(4) is not None:
@@ -130,14 +137,22 @@ def _matmul_nbits(imp: _Importer, node: onnx.NodeProto) -> list:
         raise imp.error(f"A's last dimension {x.type.shape[-1]} is not K = {k}")
     packed = imp.const(1, "the packed weights B")
     scales = imp.const(2, "the scales")
-    blocks = -(-k // block)
+    blocks = -(-k // block) if block > 0 else 0
+    if packed is None or scales is None or block < 16 or block & (block - 1):
+        raise imp.error("B, scales and a power-of-two block_size >= 16 are required")
     if packed.shape != (n, blocks, block * bits // 8):
         raise imp.error(f"B has shape {list(packed.shape)}, expected "
                         f"{[n, blocks, block * bits // 8]} for N={n}, K={k}, "
                         f"block_size={block}, bits={bits}")
     codes = _unpack(packed.astype(np.uint8), bits).reshape(n, blocks * block)[:, :k]
-    scale = scales.astype(np.float32).reshape(n, blocks)
     zp_in = imp.const(3, "the zero points")
+    zp_size = n * (-(-blocks * bits // 8) if zp_in is not None and zp_in.dtype == np.uint8
+                   else blocks)
+    if scales.size != n * blocks or (zp_in is not None and zp_in.size != zp_size):
+        raise imp.error(f"scales ({scales.size} values) and zero points "
+                        f"({'none' if zp_in is None else zp_in.size}) must hold one entry per "
+                        f"block ({n} x {blocks}; packed zero points {zp_size})")
+    scale = scales.astype(np.float32).reshape(n, blocks)
     if zp_in is None:
         zp = np.full((n, blocks), 1 << (bits - 1), np.int64)
     elif zp_in.dtype == np.uint8:
@@ -219,6 +234,8 @@ def _embed_layer_norm(imp: _Importer, node: onnx.NodeProto) -> list:
     """word + position (+ segment) embeddings, then layer_norm; mask_index is the count of
     non-zero mask entries per sequence."""
     ids = imp.run_input(0)
+    if ids.type.rank != 2:
+        raise imp.error(f"input_ids must be 2-D (batch, sequence), got {list(ids.type.shape)}")
     words = imp.as_run(imp.need_tensor(2), node.input[2])
     total = imp.emit("mp.gather", [words, ids], {"axis": 0}, onnx_type=words.onnx_type)
     b, s = ids.type.shape
@@ -381,7 +398,7 @@ def _ms_attention(imp: _Importer, node: onnx.NodeProto) -> list:
             raise imp.error(f"{flag} = 1 is not supported")
     if imp.input(6) is not None:
         raise imp.error("past_sequence_length (a shared past/present buffer) is not supported")
-    heads = int(a["num_heads"])
+    heads = _required(imp, a, "num_heads")
     x = imp.run_input(0)
     w = imp.as_run(imp.need_tensor(1), node.input[1])
     _same_onnx(imp, x, w)
@@ -399,6 +416,8 @@ def _ms_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     plen = 0
     if past is not None:
         p = imp.as_run(past, node.input[4])
+        if p.type.rank != 5 or p.type.shape[0] != 2:
+            raise imp.error(f"past must be (2, B, N, P, D), got {list(p.type.shape)}")
         plen = p.type.shape[3]
         ps = p.type.shape[1:]
         pk, pv = (_reshape_to(imp, imp.emit("mp.slice", [p], {
@@ -444,7 +463,7 @@ def _multi_head_attention(imp: _Importer, node: onnx.NodeProto) -> list:
         if imp.input(i) is not None:
             raise imp.error(f"{what} is not supported")
     _unused_outputs(imp, node, range(3, 4), "the qk output is not supported")
-    heads = int(a["num_heads"])
+    heads = _required(imp, a, "num_heads")
     query = imp.run_input(0)
     bias_in = imp.input(3)
     if query.type.rank == 5:  # packed QKV (B, S, N, 3, D)
@@ -510,8 +529,11 @@ def _group_query_attention(imp: _Importer, node: onnx.NodeProto) -> list:
         if int(a.get(flag, 0)) > 0:
             raise imp.error(f"{flag} = 1 is not supported")
     _unused_outputs(imp, node, range(3, 4), "the qk output is not supported")
-    heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
+    heads, kv_heads = _required(imp, a, "num_heads"), _required(imp, a, "kv_num_heads")
     query = imp.run_input(0)
+    if query.type.rank != 3 or heads <= 0 or kv_heads <= 0:
+        raise imp.error(f"query must be 3-D and the head counts positive (query "
+                        f"{list(query.type.shape)}, {heads} and {kv_heads} heads)")
     b, s, width = query.type.shape
     if imp.input(1) is None:  # packed QKV along the hidden axis
         d = width // (heads + 2 * kv_heads)

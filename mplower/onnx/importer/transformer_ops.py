@@ -65,6 +65,9 @@ def concat(imp: _Importer, parts: Sequence[Run], axis: int) -> Run:
 
 def split_heads(imp: _Importer, x: Run, heads: int, what: str) -> Run:
     """(B, S, heads * D) -> (B, heads, S, D)."""
+    if x.type.rank != 3:
+        raise imp.error(f"{what} must be 3-D (batch, sequence, hidden), got "
+                        f"{list(x.type.shape)}")
     b, s, hidden = x.type.shape
     if heads <= 0 or hidden % heads:
         raise imp.error(f"{what}: hidden size {hidden} is not a multiple of {heads} heads")
@@ -243,7 +246,7 @@ class Bias:
                 "mp.logical_and", [self.allowed, part], onnx_type=TensorProto.BOOL)
         else:
             self.allowed_static = part if self.allowed_static is None else \
-                self.allowed_static & part
+                _broadcast(imp, np.logical_and, self.allowed_static, part)
 
     def add(self, imp: _Importer, part: np.ndarray | Run) -> None:
         if self.additive is None:
@@ -253,7 +256,15 @@ class Bias:
                     for v in (self.additive, part))
             self.additive = binary(imp, "mp.add", a, b)
         else:
-            self.additive = self.additive + part
+            self.additive = _broadcast(imp, np.add, self.additive, part)
+
+
+def _broadcast(imp: _Importer, fn: np.ufunc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    try:
+        return fn(a, b)
+    except ValueError:
+        raise imp.error(f"masks of shapes {list(a.shape)} and {list(b.shape)} do not "
+                        f"broadcast together") from None
 
 
 def add_mask(imp: _Importer, bias: Bias, mask: Const | Run, total: int, like: Run) -> None:
@@ -313,6 +324,10 @@ def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | N
     `split_scale` multiplies q and k by sqrt(scale) before the product (ONNX Attention), else
     the product by scale. A query row whose bias is -inf everywhere gives zeros (ONNX's
     fully-masked-row rule), never NaN. Returns (Y (B, H, Sq, Dv), the requested qk output)."""
+    if not q.type.rank == k.type.rank == v.type.rank == 4:
+        raise imp.error(f"query, key and value must be 4-D (batch, heads, sequence, head size) "
+                        f"here, got {list(q.type.shape)}, {list(k.type.shape)}, "
+                        f"{list(v.type.shape)}")
     b, h, sq, d = q.type.shape
     hkv, skv = k.type.shape[1], k.type.shape[2]
     if h % hkv or v.type.shape[1] != hkv or k.type.shape[0] != b or v.type.shape[2] != skv:
