@@ -781,3 +781,11 @@ def test_malformed_contrib_nodes_are_located_errors(op, inputs, attrs, message):
     with pytest.raises(DiagnosticError, match=message) as e:
         import_model(model, "m.onnx")
     assert f"(com.microsoft::{op})" in str(e.value)
+
+
+def test_default_domain_simplified_layer_norm_counts_as_supported():
+    from mplower.onnx.importer import unsupported_ops
+
+    model, _ = build("SimplifiedLayerNormalization", [("x", rnd(2, 8), False),
+                                                      ("scale", rnd(8), True)], domain="")
+    assert not unsupported_ops(model.graph)

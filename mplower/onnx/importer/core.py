@@ -218,8 +218,13 @@ def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def op_key(node: onnx.NodeProto) -> str:
-    """The op type as the coverage tables name it: `Conv`, or `domain::Op` off the default."""
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+    """The op type as the coverage tables name it: `Conv`, or `domain::Op` off the default
+    (and for onnxruntime's ops in the default domain, CONTRIB_DEFAULT_DOMAIN)."""
+    domain = node.domain
+    if domain in ("", "ai.onnx") and node.op_type in CONTRIB_DEFAULT_DOMAIN \
+            and not onnx.defs.has(node.op_type):
+        domain = CONTRIB_DEFAULT_DOMAIN[node.op_type]
+    return node.op_type if domain in ("", "ai.onnx") else f"{domain}::{node.op_type}"
 
 
 def unsupported_ops(graph: onnx.GraphProto) -> Counter:
