@@ -322,8 +322,8 @@ def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | N
     """softmax(q k^T * scale (softcapped) + bias) v for q (B, H, Sq, D), k (B, Hkv, Skv, D),
     v (B, Hkv, Skv, Dv) with H a multiple of Hkv (query head h reads key head h // (H / Hkv)).
     `split_scale` multiplies q and k by sqrt(scale) before the product (ONNX Attention), else
-    the product by scale. A query row whose bias is -inf everywhere gives zeros (ONNX's
-    fully-masked-row rule), never NaN. Returns (Y (B, H, Sq, Dv), the requested qk output)."""
+    the product by scale. A query row with no key to attend gives zeros (ONNX's fully-masked-row
+    rule), never NaN. Returns (Y (B, H, Sq, Dv), the requested qk output)."""
     if not q.type.rank == k.type.rank == v.type.rank == 4:
         raise imp.error(f"query, key and value must be 4-D (batch, heads, sequence, head size) "
                         f"here, got {list(q.type.shape)}, {list(k.type.shape)}, "
@@ -349,7 +349,6 @@ def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | N
         scores = binary(imp, "mp.mul", imp.emit("mp.tanh", [binary(imp, "mp.div", scores, cap)],
                                                  onnx_type=q.onnx_type), cap)
     capped = scores
-    lowest = _scalar(imp, float(np.finfo(dtype).min), q)
     add = bias.additive
     if isinstance(add, np.ndarray):
         add = None if not np.any(add) else imp.constant(add.astype(dtype), "bias")
@@ -365,6 +364,7 @@ def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | N
         if qk_mode == 2:  # ONNX's mode-2 output holds the bias as -inf where keys are masked
             with_bias = imp.emit("mp.where", [allowed, scores, _scalar(imp, NEG_INF, q)],
                                  onnx_type=q.onnx_type)
+        lowest = _scalar(imp, -float(FORMATS[q.type.elem].max_finite), q)
         scores = imp.emit("mp.where", [allowed, scores, lowest], onnx_type=q.onnx_type)
     guard = _masked_rows(imp, bias, allowed, add, q)
     work = scores
