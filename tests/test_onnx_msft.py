@@ -134,7 +134,8 @@ def _nbits_weights(n: int, k: int, block: int, bits: int, seed: int = 0):
 
 @pytest.mark.parametrize(("bits", "k", "block", "with_zp", "with_bias"), [
     (4, 64, 32, True, False), (4, 48, 32, False, True), (4, 96, 16, True, True),
-    (8, 64, 32, True, False), (8, 40, 16, False, True)])
+    (8, 64, 32, True, False), (8, 40, 16, False, True), (2, 64, 32, True, False),
+    (2, 80, 16, False, True)])
 def test_matmul_nbits_dequantizes_blocks_exactly(bits, k, block, with_zp, with_bias):
     n = 24
     packed, scales, zp, codes, zp_codes = _nbits_weights(n, k, block, bits)
@@ -153,7 +154,7 @@ def test_matmul_nbits_dequantizes_blocks_exactly(bits, k, block, with_zp, with_b
     dq = [o for o in f.ops() if f.op(o) == "mp.dequantize"]
     assert len(dq) == 1
     (code_type,) = f.types(f.operands(dq[0])[0][0])
-    assert code_type.elem == ("i4" if bits == 4 else "ui8") and code_type.shape == (k, n)
+    assert code_type.elem == ("ui8" if bits == 8 else "i4") and code_type.shape == (k, n)
     assert f.attrs_of(dq[0])["block_size"] == block
     # Its values are (code - zero point) * scale: the product matches numpy's in f64.
     zp_full = zp_codes if with_zp else np.full_like(zp_codes, 1 << (bits - 1))
@@ -164,13 +165,13 @@ def test_matmul_nbits_dequantizes_blocks_exactly(bits, k, block, with_zp, with_b
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_matmul_nbits_refuses_two_bit_weights_and_group_indices():
+def test_matmul_nbits_refuses_bit_widths_onnxruntime_does_not_take():
     packed, scales, _, _, _ = _nbits_weights(8, 32, 16, 4)
     model, _ = build("MatMulNBits", [("a", rnd(1, 32), False), ("b", packed, True),
                                      ("scales", scales.reshape(-1), True)],
-                     K=32, N=8, bits=2, block_size=16)
+                     K=32, N=8, bits=3, block_size=16)
     declare(model, (1, 8))
-    with pytest.raises(DiagnosticError, match="bits = 2"):
+    with pytest.raises(DiagnosticError, match="bits = 3"):
         import_model(model, "m.onnx")
 
 

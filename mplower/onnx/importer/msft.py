@@ -121,13 +121,15 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
 @handler(MS + "MatMulNBits")
 def _matmul_nbits(imp: _Importer, node: onnx.NodeProto) -> list:
     """A (..., K) times the (K, N) weight stored as `bits`-bit codes in blocks of `block_size`
-    along K: the codes stay a quantized constant (i4 for 4 bits, offset by 8; ui8 for 8) that
-    one blocked mp.dequantize turns into the f32 weight, exactly (q - zero_point) * scale."""
+    along K: the codes stay a quantized constant (i4 for 2 and 4 bits, offset by 2^(bits-1);
+    ui8 for 8) that one blocked mp.dequantize turns into the f32 weight, exactly
+    (q - zero_point) * scale."""
     at = _attrs(node)
     bits, block = int(at.get("bits", 4)), _required(imp, at, "block_size")
     k, n = _required(imp, at, "K"), _required(imp, at, "N")
-    if bits not in (4, 8):
-        raise imp.error(f"bits = {bits}: mplower imports 4- and 8-bit MatMulNBits")
+    if bits not in (2, 4, 8):
+        raise imp.error(f"bits = {bits}: mplower imports 2-, 4- and 8-bit MatMulNBits (as "
+                        f"onnxruntime does)")
     if imp.input(4) is not None:
         raise imp.error("g_idx (act-order group indices) is not supported")
     if int(at.get("weight_prepacked", 0)):
@@ -162,11 +164,12 @@ def _matmul_nbits(imp: _Importer, node: onnx.NodeProto) -> list:
         if np.any(zp != np.round(zp)) or zp.min() < 0 or zp.max() >= 1 << bits:
             raise imp.error("float zero points that are not integer codes are not supported")
         zp = zp.astype(np.int64)
-    if bits == 4:  # codes 0..15 as i4 -8..7; (q - 8) - (zp - 8) = q - zp exactly
+    if bits < 8:  # codes 0..2^bits-1 held as i4 around 0: (q - o) - (zp - o) = q - zp exactly
         import ml_dtypes
 
-        weight = (codes.T.astype(np.int16) - 8).astype(ml_dtypes.int4)
-        zp, elem = zp - 8, "i4"
+        offset = 1 << (bits - 1)
+        weight = (codes.T.astype(np.int16) - offset).astype(ml_dtypes.int4)
+        zp, elem = zp - offset, "i4"
     else:
         weight, elem = codes.T.copy(), "ui8"
     q = imp.constant(weight, f"{node.input[1]}_codes")
