@@ -390,7 +390,7 @@ def test_multi_head_attention_decode_step_with_cache():
 
 
 def _gqa(b, s, past, heads, kv_heads, d, *, rotary=False, window=-1, softcap=0.0, packed=False,
-         bias=False):
+         bias=False, sink=False, smooth=False):
     q = rnd(b, s, heads * d)
     k, v = rnd(b, s, kv_heads * d, seed=1), rnd(b, s, kv_heads * d, seed=2)
     inputs = [("q", np.concatenate([q, k, v], -1), False), None, None] if packed else \
@@ -412,6 +412,10 @@ def _gqa(b, s, past, heads, kv_heads, d, *, rotary=False, window=-1, softcap=0.0
     if bias:
         inputs += [None] * (10 - len(inputs)) + [("attn_bias", rnd(b, 1, s, past + s, seed=9),
                                                   False)]
+    if sink:
+        inputs += [None] * (11 - len(inputs)) + [("sink", rnd(heads, seed=10), True)]
+    if smooth:
+        attrs["smooth_softmax"] = 1
     return build("GroupQueryAttention", inputs, n_out=3, **attrs)
 
 
@@ -425,10 +429,12 @@ def test_group_query_attention_prompt_and_decode(s, past, kv_heads):
     check(model, feeds)
 
 
-@pytest.mark.parametrize("option", ["rotary", "window", "softcap", "packed", "bias"])
+@pytest.mark.parametrize("option", ["rotary", "window", "softcap", "packed", "bias", "sink",
+                                    "smooth"])
 def test_group_query_attention_options(option):
     kwargs = {"rotary": {"rotary": True}, "window": {"window": 3}, "softcap": {"softcap": 2.0},
-              "packed": {"packed": True}, "bias": {"bias": True}}[option]
+              "packed": {"packed": True}, "bias": {"bias": True}, "sink": {"sink": True},
+              "smooth": {"smooth": True}}[option]
     d = 16 if option == "rotary" else 8  # onnxruntime rotates head sizes in multiples of 16
     model, feeds = _gqa(2, 6, 0, 4, 2, d, **kwargs)
     check(model, feeds)

@@ -516,6 +516,21 @@ def _multi_head_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     return [merge_heads(imp, y), k, v, None]
 
 
+def _sink(imp: _Importer, i: int, b: int, heads: int, sq: int, like: Run) -> Run:
+    """head_sink (one logit per head) as the (B, H, Sq, 1) column the softmax takes."""
+    v = imp.need_tensor(i)
+    if _shape_of(v) != (heads,):
+        raise imp.error(f"head_sink must hold one value per head ({heads}), got shape "
+                        f"{list(_shape_of(v))}")
+    shape = (b, heads, sq, 1)
+    if isinstance(v, Const):
+        return imp.constant(np.ascontiguousarray(np.broadcast_to(
+            v.array.astype(np_dtype(like)).reshape(1, heads, 1, 1), shape)), "head_sink")
+    _same_onnx(imp, like, v)
+    return imp.emit("mp.expand", [_reshape_to(imp, v, (1, heads, 1, 1))],
+                    declared=tensor(shape, v.type.elem), onnx_type=v.onnx_type)
+
+
 @handler(MS + "GroupQueryAttention")
 def _group_query_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     """Static-shape GQA: every batch entry holds past_key's length P of cached tokens and adds
@@ -523,14 +538,14 @@ def _group_query_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     cache is past and new concatenated. Other lengths depend on the values of seqlens_k (ragged
     batches, a shared max-length buffer) and are refused."""
     a = _attrs(node)
-    for i, what in ((11, "head_sink"), (12, "k_scale (a quantized KV cache)"),
+    for i, what in ((12, "k_scale (a quantized KV cache)"),
                     (13, "v_scale (a quantized KV cache)"), (14, "q_norm_weight"),
                     (15, "k_norm_weight"), (16, "query_seqlens")):
         if imp.input(i) is not None:
             raise imp.error(f"{what} is not supported")
-    for flag in ("smooth_softmax", "sliding_window_cache"):
-        if int(a.get(flag, 0)) > 0:
-            raise imp.error(f"{flag} = 1 is not supported")
+    if int(a.get("sliding_window_cache", 0)) > 0:
+        raise imp.error("sliding_window_cache = 1 (a window-sized cache that evicts by values) "
+                        "is not supported")
     _unused_outputs(imp, node, range(3, 4), "the qk output is not supported")
     heads, kv_heads = _required(imp, a, "num_heads"), _required(imp, a, "kv_num_heads")
     query = imp.run_input(0)
@@ -584,9 +599,16 @@ def _group_query_attention(imp: _Importer, node: onnx.NodeProto) -> list:
         bias.allow(imp, causal_allowed(s, want, past, window - 1 if window > 0 else -1,
                                        causal=causal))
     _attention_bias(imp, 10, bias, q)
+    sink = None
+    if imp.input(11) is not None or int(a.get("smooth_softmax", 0)) > 0:
+        # One more logit per row (the head's sink, or 0 for smooth softmax), as onnxruntime's
+        # ComputeSmoothSoftmaxInplace adds exp(sink - max) to the denominator.
+        sq = q.type.shape[2]
+        sink = _sink(imp, 11, b, heads, sq, q) if imp.input(11) is not None else \
+            imp.constant(np.zeros((b, heads, sq, 1), np_dtype(q)), "smooth_softmax")
     scale = a.get("scale")
     softcap = float(a.get("softcap", 0.0))
     y, _ = sdpa(imp, q, k, v, bias, scale=None if scale in (None, 0.0) else float(scale),
-                split_scale=False, softcap=softcap)
+                split_scale=False, softcap=softcap, sink=sink)
     return [merge_heads(imp, y), k, v, None]
 

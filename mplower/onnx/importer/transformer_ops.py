@@ -318,12 +318,14 @@ def grouped(imp: _Importer, x: Run, kv_heads: int) -> Run:
 
 def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | None,
          split_scale: bool, softcap: float = 0.0, softmax_type: int | None = None,
-         qk_mode: int | None = None) -> tuple[Run, Run | None]:
+         qk_mode: int | None = None, sink: Run | None = None) -> tuple[Run, Run | None]:
     """softmax(q k^T * scale (softcapped) + bias) v for q (B, H, Sq, D), k (B, Hkv, Skv, D),
     v (B, Hkv, Skv, Dv) with H a multiple of Hkv (query head h reads key head h // (H / Hkv)).
     `split_scale` multiplies q and k by sqrt(scale) before the product (ONNX Attention), else
     the product by scale. A query row with no key to attend gives zeros (ONNX's fully-masked-row
-    rule), never NaN. Returns (Y (B, H, Sq, Dv), the requested qk output)."""
+    rule), never NaN. `sink` (H values, broadcast to (B, H, Sq, 1)) joins each row's softmax as
+    one more logit whose probability is dropped (attention sinks, smooth softmax). Returns
+    (Y (B, H, Sq, Dv), the requested qk output)."""
     if not q.type.rank == k.type.rank == v.type.rank == 4:
         raise imp.error(f"query, key and value must be 4-D (batch, heads, sequence, head size) "
                         f"here, got {list(q.type.shape)}, {list(k.type.shape)}, "
@@ -375,7 +377,11 @@ def sdpa(imp: _Importer, q: Run, k: Run, v: Run, bias: Bias, *, scale: float | N
                             f"type of the IR")
         work = imp.emit("mp.cast", [work], declared=work.type.with_elem(elem),
                         onnx_type=softmax_type)
+    if sink is not None:
+        work = concat(imp, [work, sink], -1)
     probs = imp.emit("mp.softmax", [work], {"axis": -1}, onnx_type=work.onnx_type)
+    if sink is not None:
+        probs = slice_last(imp, probs, 0, skv)
     if guard is not None:
         probs = imp.emit("mp.where", [guard, _scalar(imp, 0.0, probs), probs],
                          onnx_type=probs.onnx_type)
