@@ -796,3 +796,15 @@ def test_default_domain_simplified_layer_norm_counts_as_supported():
     model, _ = build("SimplifiedLayerNormalization", [("x", rnd(2, 8), False),
                                                       ("scale", rnd(8), True)], domain="")
     assert not unsupported_ops(model.graph)
+
+
+@pytest.mark.parametrize(("past", "s"), [(0, 6), (5, 1)])
+def test_group_query_attention_rotary_position_ids_as_onnxruntime_reads_them(past, s):
+    """A first prompt rotates by each sequence's first position id + 0, 1, ...; a decode step
+    by the ids as given. Irregular ids tell the two readings apart."""
+    model, feeds = _gqa(2, s, past, 4, 2, 16, rotary=True)
+    model.graph.node[0].input.append("pos")
+    pos = np.array([[3, 9, 1, 4, 0, 2], [7, 2, 5, 0, 1, 3]], np.int64)[:, :s]
+    model.graph.input.append(helper.make_tensor_value_info("pos", I64, pos.shape))
+    feeds["pos"] = pos
+    check(model, feeds)

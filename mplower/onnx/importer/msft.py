@@ -516,6 +516,17 @@ def _multi_head_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     return [merge_heads(imp, y), k, v, None]
 
 
+def _first_prompt_positions(imp: _Importer, pos: Const | Run, b: int, s: int) -> Const | Run:
+    """onnxruntime's GQA reads only the first position id of each sequence in a first prompt
+    (its schema says so): positions pos[:, 0] + 0, 1, ..., S - 1."""
+    steps = np.arange(s, dtype=np.int64)[None, :]
+    if isinstance(pos, Const):
+        return Const(pos.array[:, :1].astype(np.int64) + steps)
+    first = imp.emit("mp.slice", [pos], {"starts": [0, 0], "ends": [b, 1], "steps": [1, 1]},
+                     onnx_type=pos.onnx_type)
+    return binary(imp, "mp.add", first, imp.constant(steps.astype(np_dtype(pos)), "token_index"))
+
+
 def _sink(imp: _Importer, i: int, b: int, heads: int, sq: int, like: Run) -> Run:
     """head_sink (one logit per head) as the (B, H, Sq, 1) column the softmax takes."""
     v = imp.need_tensor(i)
@@ -583,6 +594,8 @@ def _group_query_attention(imp: _Importer, node: onnx.NodeProto) -> list:
                         f"(a ragged batch or a shared max-length buffer)")
     if int(a.get("do_rotary", 0)):
         pos = _positions(imp, 9, b, s, past)
+        if not past and imp.input(9) is not None:
+            pos = _first_prompt_positions(imp, pos, b, s)
         interleaved = bool(a.get("rotary_interleaved", 0))
         cos, sin = cache_rows(imp, 7, pos, q), cache_rows(imp, 8, pos, q)
         half = _shape_of(imp.need(7))[-1]
