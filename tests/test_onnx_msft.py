@@ -800,8 +800,9 @@ def test_default_domain_simplified_layer_norm_counts_as_supported():
 
 @pytest.mark.parametrize(("past", "s"), [(0, 6), (5, 1)])
 def test_group_query_attention_rotary_position_ids_as_onnxruntime_reads_them(past, s):
-    """A first prompt rotates by each sequence's first position id + 0, 1, ...; a decode step
-    by the ids as given. Irregular ids tell the two readings apart."""
+    """A first prompt rotates by the first position id + 0, 1, ... (onnxruntime reads
+    position_ids[0, 0] for every sequence); a decode step by the ids as given. Irregular ids
+    tell the readings apart."""
     model, feeds = _gqa(2, s, past, 4, 2, 16, rotary=True)
     model.graph.node[0].input.append("pos")
     pos = np.array([[3, 9, 1, 4, 0, 2], [7, 2, 5, 0, 1, 3]], np.int64)[:, :s]

@@ -517,12 +517,12 @@ def _multi_head_attention(imp: _Importer, node: onnx.NodeProto) -> list:
 
 
 def _first_prompt_positions(imp: _Importer, pos: Const | Run, b: int, s: int) -> Const | Run:
-    """onnxruntime's GQA reads only the first position id of each sequence in a first prompt
-    (its schema says so): positions pos[:, 0] + 0, 1, ..., S - 1."""
-    steps = np.arange(s, dtype=np.int64)[None, :]
+    """onnxruntime's GQA reads only the first position id in a first prompt (its schema says
+    so; its CPU kernel takes position_ids[0, 0] for every sequence): positions p + 0, 1, ..."""
+    steps = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
     if isinstance(pos, Const):
-        return Const(pos.array[:, :1].astype(np.int64) + steps)
-    first = imp.emit("mp.slice", [pos], {"starts": [0, 0], "ends": [b, 1], "steps": [1, 1]},
+        return Const(pos.array.reshape(-1)[0].astype(np.int64) + steps)
+    first = imp.emit("mp.slice", [pos], {"starts": [0, 0], "ends": [1, 1], "steps": [1, 1]},
                      onnx_type=pos.onnx_type)
     return binary(imp, "mp.add", first, imp.constant(steps.astype(np_dtype(pos)), "token_index"))
 
