@@ -189,12 +189,20 @@ def import_model(model: onnx.ModelProto, file: str = "<model>", *,
 CONTRIB_DEFAULT_DOMAIN: dict[str, str] = {}
 
 
+def _domain(node: onnx.NodeProto) -> str:
+    """The node's domain, or for an onnxruntime op in the default domain the one that imports
+    it."""
+    if node.domain in ("", "ai.onnx") and node.op_type in CONTRIB_DEFAULT_DOMAIN \
+            and not onnx.defs.has(node.op_type):
+        return CONTRIB_DEFAULT_DOMAIN[node.op_type]
+    return node.domain
+
+
 def _move_contrib_ops(model: onnx.ModelProto) -> None:
     domains = set()
     for n in model.graph.node:
-        if n.domain in ("", "ai.onnx") and n.op_type in CONTRIB_DEFAULT_DOMAIN \
-                and not onnx.defs.has(n.op_type):
-            n.domain = CONTRIB_DEFAULT_DOMAIN[n.op_type]
+        if _domain(n) != n.domain:
+            n.domain = _domain(n)
             domains.add(n.domain)
     for d in domains - {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(d, 1))
@@ -220,10 +228,7 @@ def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
 def op_key(node: onnx.NodeProto) -> str:
     """The op type as the coverage tables name it: `Conv`, or `domain::Op` off the default
     (and for onnxruntime's ops in the default domain, CONTRIB_DEFAULT_DOMAIN)."""
-    domain = node.domain
-    if domain in ("", "ai.onnx") and node.op_type in CONTRIB_DEFAULT_DOMAIN \
-            and not onnx.defs.has(node.op_type):
-        domain = CONTRIB_DEFAULT_DOMAIN[node.op_type]
+    domain = _domain(node)
     return node.op_type if domain in ("", "ai.onnx") else f"{domain}::{node.op_type}"
 
 
