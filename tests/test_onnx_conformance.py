@@ -65,6 +65,9 @@ EXPLANATIONS = {
                                         "mp.quantize takes 8-bit, 4-bit and i32 codes",
     "training_dropout": "training-mode Dropout draws a random mask; mplower imports inference "
                         "graphs",
+    "attention_4d_causal_fp16": "f16 rounding order: onnx's reference rounds each numpy step to "
+                                "f16, mplower's f16 ops round elsewhere; 1 ulp (4.9e-4) apart, "
+                                "ours nearer the f32 result (3.96e-4 from it, the data 4.9e-4)",
 }
 
 
@@ -314,7 +317,9 @@ def test_every_handler_is_exercised_by_a_claimed_node_test(node_outcomes) -> Non
     for o in node_outcomes:
         if o.status != "unclaimed":
             seen.update(o.group.removeprefix("expanded: ").split("+"))
-    assert not set(HANDLERS) - seen, f"no claimed node test uses {sorted(set(HANDLERS) - seen)}"
+    # Other domains' ops (com.microsoft) have no ONNX node tests: tests/test_onnx_msft.py.
+    onnx_ops = {k for k in HANDLERS if "::" not in k}
+    assert not onnx_ops - seen, f"no claimed node test uses {sorted(onnx_ops - seen)}"
 
 
 @pytest.mark.parametrize("name", LIGHT_MODELS)

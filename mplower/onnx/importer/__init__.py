@@ -8,10 +8,12 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     elementwise,
     indexing,
     linalg,
+    msft,
     pooling,
     quantization,
     reduce,
     shape,
+    transformer_ops,
 )
 from mplower.onnx.importer.core import (
     ELEM_OF_ONNX,

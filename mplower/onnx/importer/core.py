@@ -181,10 +181,36 @@ def import_model(model: onnx.ModelProto, file: str = "<model>", *,
     """
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # pruning and fixing input shapes edit the graph
+    _move_contrib_ops(copy)
     imp = _Importer(copy, file, input_shapes or {}, outputs, static_inputs or {},
                     inline_weights)
     imp.eval_mode = eval_mode
     return imp.run()
+
+
+# Ops that onnxruntime registers in the default domain though onnx has no such op (its
+# SimplifiedLayerNormalization), each with the domain whose handler imports it. Handler modules
+# fill it; such nodes move there before onnx's checker (which rejects them) sees the model.
+CONTRIB_DEFAULT_DOMAIN: dict[str, str] = {}
+
+
+def _domain(node: onnx.NodeProto) -> str:
+    """The node's domain, or for an onnxruntime op in the default domain the one that imports
+    it."""
+    if node.domain in ("", "ai.onnx") and node.op_type in CONTRIB_DEFAULT_DOMAIN \
+            and not onnx.defs.has(node.op_type):
+        return CONTRIB_DEFAULT_DOMAIN[node.op_type]
+    return node.domain
+
+
+def _move_contrib_ops(model: onnx.ModelProto) -> None:
+    domains = set()
+    for n in model.graph.node:
+        if _domain(n) != n.domain:
+            n.domain = _domain(n)
+            domains.add(n.domain)
+    for d in domains - {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(d, 1))
 
 
 def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
@@ -205,8 +231,10 @@ def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def op_key(node: onnx.NodeProto) -> str:
-    """The op type as the coverage tables name it: `Conv`, or `domain::Op` off the default."""
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+    """The op type as the coverage tables name it: `Conv`, or `domain::Op` off the default
+    (and for onnxruntime's ops in the default domain, CONTRIB_DEFAULT_DOMAIN)."""
+    domain = _domain(node)
+    return node.op_type if domain in ("", "ai.onnx") else f"{domain}::{node.op_type}"
 
 
 def _sklearn_hint(bad: Counter, g: onnx.GraphProto) -> str:
