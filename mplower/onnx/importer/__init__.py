@@ -12,6 +12,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     quantization,
     reduce,
     shape,
+    vision,
 )
 from mplower.onnx.importer.core import (
     ELEM_OF_ONNX,
