@@ -480,7 +480,8 @@ class _Importer:
         outputs are checked against ours at the end."""
         _forget_unknown_dims(self.model.graph)
         try:
-            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=True)
+            inferred = onnx.shape_inference.infer_shapes(_with_stand_ins(self.model),
+                                                         strict_mode=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
             raise DiagnosticError.at(self.loc, f"ONNX shape inference rejects the model: "
                                                f"{_first_line(e)}") from None
@@ -708,6 +709,27 @@ _FOLD_OPSET = {"QuantizeLinear": 19, "DequantizeLinear": 19}
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+# Ops whose result has the type and shape of their first input, which onnx's shape inference
+# leaves untyped (GroupNormalization at every opset, so strict inference fails on the next node)
+# or its checker refuses (GroupNormalization-18, per-group scale, which models at opsets 18 to
+# 20 hold and onnxruntime runs): inference and the checker see an Identity in their place, and
+# the importer checks the node by its own rule.
+_STAND_INS = frozenset({"GroupNormalization"})
+
+
+def _with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
+    if not any(n.op_type in _STAND_INS for n in model.graph.node):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for n in copy.graph.node:
+        if n.op_type in _STAND_INS and n.domain in ("", "ai.onnx"):
+            n.op_type = "Identity"
+            del n.input[1:]
+            del n.attribute[:]
+    return copy
 
 
 def _dim_known(d: onnx.TensorShapeProto.Dimension) -> bool:

@@ -9,7 +9,8 @@ and GroupNormalization, each lowered exactly to mp ops the precision passes alre
 * Resize is separable: each resized axis is a gather of the n taps of every output position
   and a weighted sum of them (n = 1 for nearest, 2 for linear, 4 for cubic), the weights being
   constants computed here from ONNX's coordinate transformation (antialias widens the window
-  when shrinking); axes whose output is their input are left alone. Nearest is therefore pure data movement (exact in any format).
+  when shrinking); axes whose output is their input are left alone. Nearest is therefore pure
+  data movement (exact in any format). Coordinates are computed as onnxruntime computes them.
 * InstanceNormalization and GroupNormalization are mp.layer_norm over the normalized block (of
   a (N, groups, rest) view for groups), then the per-channel scale and bias.
 """
@@ -209,26 +210,33 @@ def _conv_transpose(imp: _Importer, node: onnx.NodeProto) -> list:
 def _source_coords(mode: str, out: int, size: int, scale: float,
                    roi: tuple[float, float] | None) -> np.ndarray:
     """Where each output position along an axis samples the input (ONNX Resize's
-    coordinate_transformation_mode), in float64. `scale` is the axis's scale factor (given, or
-    out / size when sizes were given); the float length scale * size is what ONNX divides by."""
-    y = np.arange(out, dtype=np.float64)
-    length = scale * size
-    if mode == "half_pixel":
-        return (y + 0.5) / scale - 0.5
-    if mode == "half_pixel_symmetric":
-        offset = size / 2 * (1 - out / length)
-        return offset + (y + 0.5) / scale - 0.5
-    if mode == "pytorch_half_pixel":
-        return (y + 0.5) / scale - 0.5 if length > 1 else np.full(out, -0.5)
+    coordinate_transformation_mode). Computed as onnxruntime computes it, in float32 and in its
+    order of operations, so that a coordinate on a rounding tie or a whole number lands where
+    it does there; `scale` is the float32 scale factor (given, or out / size for sizes).
+    Lengths are the integer sizes, as the operator's text says (ONNX's reference divides
+    align_corners and tf_crop_and_resize by scale * size instead)."""
+    f = np.float32
+    y = np.arange(out, dtype=f)
+    s, n_in, n_out = f(scale), f(size), f(out)
+    half = f(0.5)
+    if mode in ("half_pixel", "pytorch_half_pixel"):
+        if mode == "pytorch_half_pixel" and out <= 1:
+            return np.zeros(out, f)
+        return (y + half) / s - half
+    if mode == "tf_half_pixel_for_nn":  # Resize-11 only
+        return (y + half) / s
+    if mode == "half_pixel_symmetric":  # the offset in float32, the rest in float64
+        offset = n_in / f(2) * (f(1) - n_out / (s * n_in))
+        return (np.float64(offset) + (y.astype(np.float64) + 0.5) / np.float64(s) - 0.5).astype(f)
     if mode == "align_corners":
-        return y * (size - 1) / (length - 1) if length != 1 else np.zeros(out)
+        return np.zeros(out, f) if out == 1 else y * (n_in - f(1)) / (n_out - f(1))
     if mode == "asymmetric":
-        return y / scale
+        return y / s
     assert mode == "tf_crop_and_resize" and roi is not None
-    start, end = roi
-    if length == 1:
-        return np.full(out, (end - start) * (size - 1) / 2 + start * (size - 1))
-    return y * (end - start) * (size - 1) / (length - 1) + start * (size - 1)
+    start, end = f(roi[0]), f(roi[1])
+    if out == 1:
+        return np.full(out, half * (start + end) * (n_in - f(1)), f)
+    return start * (n_in - f(1)) + y * (end - start) * (n_in - f(1)) / (n_out - f(1))
 
 
 def _nearest_index(x: np.ndarray, mode: str, scale: float) -> np.ndarray:
@@ -281,7 +289,7 @@ def _taps(x: np.ndarray, opts: dict, scale: float) -> tuple[np.ndarray, np.ndarr
 def _resize_axis(imp: _Importer, v: Run, axis: int, out: int, scale: float, opts: dict,
                  roi: tuple[float, float] | None) -> Run:
     size = v.type.shape[axis]
-    x = _source_coords(opts["coord"], out, size, scale, roi)
+    x = _source_coords(opts["coord"], out, size, scale, roi).astype(np.float64)
     outside = (x < 0) | (x > size - 1) if opts["coord"] == "tf_crop_and_resize" else None
     if opts["mode"] == "nearest":
         idx = _nearest_index(x, opts["nearest"], scale)[:, None]
@@ -334,7 +342,7 @@ def _resize(imp: _Importer, x: Run, scales: np.ndarray | None, sizes: np.ndarray
     if opts["mode"] != "nearest":
         _need_float(imp, x, f"{opts['mode']} Resize")
     coords = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",
-              "asymmetric", "tf_crop_and_resize")
+              "asymmetric", "tf_crop_and_resize", "tf_half_pixel_for_nn")
     if opts["coord"] not in coords:
         raise imp.error(f"coordinate_transformation_mode '{opts['coord']}' is not an ONNX value "
                         f"({', '.join(coords)})")
@@ -348,23 +356,26 @@ def _resize(imp: _Importer, x: Run, scales: np.ndarray | None, sizes: np.ndarray
         what = "scales" if scales is not None else "sizes"
         raise imp.error(f"Resize needs scales or sizes with one value per resized axis "
                         f"({len(axes)}); got {what} {None if given is None else list(given)}")
+    # Scale factors and sizes in float32 arithmetic, as onnxruntime and ONNX's shape inference
+    # take them.
+    f = np.float32
     if scales is not None:
-        factor = {ax: float(s) for ax, s in zip(axes, scales)}
+        factor = {ax: f(s) for ax, s in zip(axes, scales)}
         if min(factor.values()) <= 0:
             raise imp.error(f"scales {list(map(float, scales))} must be > 0")
-        out = {ax: math.floor(shape[ax] * factor[ax]) for ax in axes}
+        out = {ax: math.floor(f(shape[ax]) * factor[ax]) for ax in axes}
     else:
         want = {ax: int(s) for ax, s in zip(axes, sizes)}
         if min(want.values()) <= 0 or any(shape[ax] == 0 for ax in axes):
             raise imp.error(f"sizes {list(map(int, sizes))} must be > 0 for a non-empty input")
-        factor = {ax: want[ax] / shape[ax] for ax in axes}
+        factor = {ax: f(want[ax]) / f(shape[ax]) for ax in axes}
         policy = opts["aspect"]
         if policy not in ("stretch", "not_larger", "not_smaller"):
             raise imp.error(f"keep_aspect_ratio_policy '{policy}' is not an ONNX value")
         if policy != "stretch":
             s = (min if policy == "not_larger" else max)(factor.values())
             factor = dict.fromkeys(axes, s)
-            out = {ax: int(s * shape[ax] + 0.5) for ax in axes}
+            out = {ax: math.floor(s * f(shape[ax]) + f(0.5)) for ax in axes}
         else:
             out = want
     rois = {}
