@@ -444,3 +444,42 @@ def test_cli_imports_a_classifier_declared_with_minus_one(tmp_path, cli) -> None
     r = cli("import", path, "--input-shape", "x=64x3", "-o", tmp_path / "clf.ir")
     assert r.rc == 0, r.err
     assert "-> tensor<64x2xf32>" in (tmp_path / "clf.ir").read_text()
+
+
+def test_batch_norm_after_conv_transpose_folds_into_its_conv_and_matches_onnxruntime() -> None:
+    c = 3
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["t"], strides=[2, 2]),
+             helper.make_node("BatchNormalization", ["t", "s", "b", "m", "v"], ["y"])]
+    stats = [init(n, RNG.uniform(0.5, 1.5, c).astype(np.float32)) for n in ("s", "b", "m", "v")]
+    m = model(nodes, [vi("x", (1, 2, 4, 4))], [vi("y", None)],
+              [init("w", RNG.standard_normal((2, c, 3, 3)).astype(np.float32)), *stats])
+    assert [op for op in ops_of(m) if op not in ("mp.constant", "return")] == [
+        "mp.reshape", "mp.concat", "mp.concat", "mp.reshape", "mp.slice", "mp.conv2d"]
+    _same_as_onnxruntime(m, RNG.standard_normal((1, 2, 4, 4)).astype(np.float32))
+
+
+def test_group_normalization_gradient_matches_jax() -> None:
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    shape = (2, 6, 3, 4)
+    scale = RNG.standard_normal(6).astype(np.float32)
+    bias = RNG.standard_normal(6).astype(np.float32)
+    nodes = [helper.make_node("GroupNormalization", ["x", "s", "b"], ["g"], num_groups=3,
+                              epsilon=1e-3),
+             helper.make_node("Mul", ["g", "p"], ["m"]),
+             helper.make_node("ReduceSum", ["m"], ["loss"], keepdims=0)]
+    m = model(nodes, [vi("x", shape), vi("p", shape)], [vi("loss", [])],
+              [init("s", scale), init("b", bias)], opset=21)
+    x = RNG.standard_normal(shape).astype(np.float32)
+    p = RNG.standard_normal(shape).astype(np.float32)
+    module = import_model(m, "g.onnx", inline_weights=True).module
+    PassManager(parse_pipeline("grad{wrt=args}")).run(module)
+    _, dx, _ = Program(module).run([x, p], reference=False).outputs
+
+    def loss(x):
+        g = x.reshape(2, 3, -1)
+        z = (g - g.mean(-1, keepdims=True)) / jnp.sqrt(g.var(-1, keepdims=True) + 1e-3)
+        return jnp.sum((z.reshape(shape) * scale[:, None, None] + bias[:, None, None]) * p)
+
+    want = np.asarray(jax.grad(loss)(x))
+    assert np.linalg.norm(np.asarray(dx) - want) <= 1e-5 * np.linalg.norm(want)
