@@ -65,6 +65,13 @@ EXPLANATIONS = {
                                         "mp.quantize takes 8-bit, 4-bit and i32 codes",
     "training_dropout": "training-mode Dropout draws a random mask; mplower imports inference "
                         "graphs",
+    "scales_cubic_align_corners": "align_corners divides by the integer output length, as the "
+                                  "operator's text and onnxruntime do; the test data divides by "
+                                  "scale * length (onnxruntime fails this test too)",
+    "scales_linear_align_corners": "align_corners divides by the integer output length, as the "
+                                   "operator's text and onnxruntime do; the test data divides by "
+                                   "scale * length (onnxruntime fails this test too)",
+    "convtranspose_3d": "3-D ConvTranspose: mp.conv2d is 2-D (1-D runs as 2-D)",
 }
 
 
