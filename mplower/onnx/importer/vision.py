@@ -57,9 +57,13 @@ def _need_float(imp: _Importer, x: Run, what: str) -> None:
 
 def _transpose_pads(imp: _Importer, a: dict, spatial: Sequence[int], ek: Sequence[int],
                     strides: Sequence[int], out_pad: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(begin pads, output sizes) of a ConvTranspose, as ONNX defines them: the output is the
-    full transposed convolution (stride * (in - 1) + dilated kernel + output_padding) with
-    `begin` elements cut at the start and cut (or zero-extended) at the end to the size."""
+    """(begin pads, output sizes) of a ConvTranspose: the output is the full transposed
+    convolution (stride * (in - 1) + dilated kernel + output_padding) with `begin` elements cut
+    at the start, cut or zero-extended at the end to the size. With output_shape (whose pads are
+    ignored) or SAME auto_pad (whose target is in * stride) the total cut is full - target, at
+    least 0, split as the operator's text and onnxruntime split it: SAME_UPPER cuts the smaller
+    half at the start, NOTSET and SAME_LOWER the larger. Without output_shape a SAME output is
+    never larger than the full one (onnxruntime and ONNX's shape inference agree)."""
     r = len(spatial)
     full = [strides[k] * (spatial[k] - 1) + ek[k] + out_pad[k] for k in range(r)]
     auto = a.get("auto_pad", "NOTSET")
@@ -71,18 +75,18 @@ def _transpose_pads(imp: _Importer, a: dict, spatial: Sequence[int], ek: Sequenc
         if len(shape) != r:
             raise imp.error(f"output_shape {list(a['output_shape'])} does not give the "
                             f"{r} spatial sizes")
-    if auto in ("SAME_UPPER", "SAME_LOWER"):
-        sizes = shape or [spatial[k] * strides[k] for k in range(r)]
-        totals = [full[k] - sizes[k] for k in range(r)]
-        # ONNX: SAME_UPPER puts the odd element of padding at the end, SAME_LOWER at the start.
+    elif auto in ("SAME_UPPER", "SAME_LOWER"):
+        shape = [spatial[k] * strides[k] for k in range(r)]
+    if shape is not None:
+        totals = [max(full[k] - shape[k], 0) for k in range(r)]
         begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in totals]
-        return begin, list(sizes)
+        if a.get("output_shape") is None:
+            shape = [full[k] - totals[k] for k in range(r)]
+        return begin, list(shape)
     pads = [0] * (2 * r) if auto == "VALID" else list(a.get("pads", [0] * (2 * r)))
     if len(pads) != 2 * r:
         raise imp.error(f"pads {pads} must give a begin and an end for each of the {r} spatial "
                         f"axes")
-    if shape is not None:  # the sizes win; the pads say where the output starts
-        return pads[:r], shape
     return pads[:r], [full[k] - pads[k] - pads[k + r] for k in range(r)]
 
 
