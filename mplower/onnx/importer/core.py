@@ -43,6 +43,12 @@ from mplower.ir.opdef import OPS, OpError
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.ir.verifier import verify
 from mplower.numerics.formats import FORMATS
+from mplower.onnx.importer.declared import (
+    dim_known,
+    forget_unknown_dims,
+    symbol_values,
+    with_stand_ins,
+)
 
 MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
@@ -375,7 +381,7 @@ class _Importer:
                 raise DiagnosticError.at(self.loc, f"--input-shape names '{name}', which is not "
                                                    f"an input of the model (inputs: "
                                                    f"{', '.join(map(repr, known)) or 'none'})")
-        self.symbols = self._symbol_values()
+        self.symbols = symbol_values(g, self.input_shapes, self.loc)
         for vi in g.input:
             if vi.name in inits:
                 continue
@@ -425,14 +431,14 @@ class _Importer:
                                                    f"{len(given)} but the input has rank "
                                                    f"{len(dims)}")
             for k, (d, v) in enumerate(zip(dims, given)):
-                if _dim_known(d) and d.dim_value != v:
+                if dim_known(d) and d.dim_value != v:
                     raise DiagnosticError.at(self.loc, (
                         f"--input-shape {vi.name} sets dimension {k} to {v}, but the model "
                         f"fixes it to {d.dim_value}"))
             return tuple(given)
         shape = []
         for k, d in enumerate(dims):
-            if _dim_known(d):
+            if dim_known(d):
                 shape.append(d.dim_value)
             elif d.dim_param in self.symbols:  # named by another input's --input-shape
                 shape.append(self.symbols[d.dim_param])
@@ -443,29 +449,9 @@ class _Importer:
                 raise DiagnosticError.at(self.loc, (
                     f"input '{vi.name}' has a dynamic dimension {k} ({what}); fix it with "
                     f"--input-shape {vi.name}=" + "x".join(
-                        str(x.dim_value) if _dim_known(x) else ("1" if i == 0 else "N")
+                        str(x.dim_value) if dim_known(x) else ("1" if i == 0 else "N")
                         for i, x in enumerate(dims))))
         return tuple(shape)
-
-    def _symbol_values(self) -> dict[str, int]:
-        """The value of each symbolic dimension that an input given with --input-shape
-        names: every other input (and output) with that symbol takes the same size, as ONNX
-        means by one dim_param."""
-        values: dict[str, tuple[int, str]] = {}
-        for vi in self.model.graph.input:
-            given = self.input_shapes.get(vi.name)
-            tt = vi.type.tensor_type
-            if given is None or not tt.HasField("shape") or len(given) != len(tt.shape.dim):
-                continue  # a rank mismatch is reported with the input itself
-            for d, v in zip(tt.shape.dim, given):
-                if not d.dim_param:
-                    continue
-                seen = values.setdefault(d.dim_param, (v, vi.name))
-                if seen[0] != v:
-                    raise DiagnosticError.at(self.loc, (
-                        f"--input-shape gives the symbolic dimension '{d.dim_param}' the size "
-                        f"{seen[0]} for input '{seen[1]}' and {v} for input '{vi.name}'"))
-        return {k: v for k, (v, _) in values.items()}
 
     @staticmethod
     def _fix_input_shape(vi: onnx.ValueInfoProto, shape: tuple[int, ...]) -> None:
@@ -478,9 +464,9 @@ class _Importer:
         """ONNX's shape inference over the fixed input shapes, then ONNX's checker: both reject
         inconsistent models with ONNX's own message, and the inferred static shapes of the
         outputs are checked against ours at the end."""
-        _forget_unknown_dims(self.model.graph)
+        forget_unknown_dims(self.model.graph)
         try:
-            inferred = onnx.shape_inference.infer_shapes(_with_stand_ins(self.model),
+            inferred = onnx.shape_inference.infer_shapes(with_stand_ins(self.model),
                                                          strict_mode=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
             raise DiagnosticError.at(self.loc, f"ONNX shape inference rejects the model: "
@@ -709,45 +695,6 @@ _FOLD_OPSET = {"QuantizeLinear": 19, "DequantizeLinear": 19}
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
-
-
-# Ops whose result has the type and shape of their first input, which onnx's shape inference
-# leaves untyped (GroupNormalization at every opset, so strict inference fails on the next node)
-# or its checker refuses (GroupNormalization-18, per-group scale, which models at opsets 18 to
-# 20 hold and onnxruntime runs): inference and the checker see an Identity in their place, and
-# the importer checks the node by its own rule.
-_STAND_INS = frozenset({"GroupNormalization"})
-
-
-def _with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
-    if not any(n.op_type in _STAND_INS for n in model.graph.node):
-        return model
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    for n in copy.graph.node:
-        if n.op_type in _STAND_INS and n.domain in ("", "ai.onnx"):
-            n.op_type = "Identity"
-            del n.input[1:]
-            del n.attribute[:]
-    return copy
-
-
-def _dim_known(d: onnx.TensorShapeProto.Dimension) -> bool:
-    """A fixed size; -1 (and a dim_param, or nothing) is a dynamic one."""
-    return d.HasField("dim_value") and d.dim_value >= 0
-
-
-def _forget_unknown_dims(graph: onnx.GraphProto) -> None:
-    """Declared output and intermediate dims of -1 or 0 are how exporters write "any size"
-    (`[-1, 2]` for a batch of rows): they state nothing to check ours against, so they become
-    unknown before ONNX's strict shape inference would call them a contradiction."""
-    for vi in list(graph.output) + list(graph.value_info):
-        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if tt is None or not tt.HasField("shape"):
-            continue
-        for d in tt.shape.dim:
-            if d.HasField("dim_value") and d.dim_value <= 0:
-                d.Clear()
 
 
 def _node_inputs(node: onnx.NodeProto) -> list[str]:
