@@ -195,6 +195,20 @@ def test_resize_10_and_upsample_use_asymmetric_coordinates_as_onnxruntime(mode) 
     _same_as_onnxruntime(model([node], [vi("x", X4.shape)], [vi("y", None)], opset=7))
 
 
+def test_resize_of_rank_3_and_5_and_of_uint8_matches_onnxruntime() -> None:
+    cases = [((2, 3, 9), [1, 1, 2.5], "linear", np.float32),
+             ((1, 2, 3, 4, 5), [1, 1, 2, 1.5, 0.6], "linear", np.float32),
+             ((1, 2, 3, 4, 5), [1, 1, 2, 1.5, 0.6], "nearest", np.float32),
+             ((1, 3, 4, 5), [1, 1, 2, 0.5], "nearest", np.uint8)]
+    for shape, scales, mode, dtype in cases:
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        x = (RNG.standard_normal(shape) * 50 + 100).astype(dtype)
+        node = helper.make_node("Resize", ["x", "", "s"], ["y"], mode=mode)
+        m = model([node], [vi("x", shape, elem)], [vi("y", None, elem)],
+                  [init("s", np.array(scales, np.float32))])
+        _same_as_onnxruntime(m, x)
+
+
 def test_resize_11_tf_half_pixel_for_nn_matches_onnxruntime() -> None:
     for target in TARGETS[:3]:
         _same_as_onnxruntime(_resize_model(11, target, mode="nearest",
