@@ -1,11 +1,12 @@
 """ONNX import handlers for vision models: ConvTranspose, Resize/Upsample, InstanceNormalization
 and GroupNormalization, each lowered exactly to mp ops the precision passes already know.
 
-* ConvTranspose is the forward convolution of the input with stride - 1 zeros put between its
-  elements, padded by (dilated kernel - 1 - pad), against the flipped kernel with its channel
-  axes swapped per group: an mp.conv2d, so its products get a precision (and a cost) like any
-  convolution. The inserted zeros are multiplied too, so its FLOP count is the zero-stuffed
-  convolution's (strides^2 times the useful work), not the scatter form's.
+* ConvTranspose is split by output phase (position modulo the stride): the outputs of one
+  phase are a forward convolution of the input with the kernel taps that reach them, flipped,
+  channel axes swapped per group (sub-pixel convolution). Each is an mp.conv2d, so its products
+  get a precision (and a cost) like any convolution, and the phases together multiply exactly
+  the products of the transposed convolution, none with the zeros a stuffed input would hold;
+  reshapes and concats interleave the phases.
 * Resize is separable: each resized axis is a gather of the n taps of every output position
   and a weighted sum of them (n = 1 for nearest, 2 for linear, 4 for cubic), the weights being
   constants computed here from ONNX's coordinate transformation (antialias widens the window
@@ -90,52 +91,131 @@ def _transpose_pads(imp: _Importer, a: dict, spatial: Sequence[int], ek: Sequenc
     return pads[:r], [full[k] - pads[k] - pads[k + r] for k in range(r)]
 
 
-def _flipped_weight(imp: _Importer, w: Const | Run, groups: int, name: str) -> Run:
-    """ConvTranspose's (C, M/g, k...) weight as the (M, C/g, k...) weight of the equivalent
-    convolution, each kernel flipped along every spatial axis."""
+def _transposed_weight(imp: _Importer, w: Const | Run, groups: int) -> Const | Run:
+    """ConvTranspose's (C, M/g, k...) weight with its channel axes swapped per group: the
+    (M, C/g, k...) weight of a convolution (kernels not yet flipped)."""
     c, mg, *ks = _shape_of(w)
     if c % groups:
         raise imp.error(f"weight {list(_shape_of(w))}: its {c} input channels are not "
                         f"divisible by group {groups}")
     cg = c // groups
     if isinstance(w, Const):
-        arr = w.array.reshape(groups, cg, mg, *ks).swapaxes(1, 2)
-        arr = arr[(..., *([slice(None, None, -1)] * len(ks)))]
-        return imp.constant(np.ascontiguousarray(arr.reshape(groups * mg, cg, *ks)),
-                            f"{name}_flipped")
-    e = w.type.elem
+        return Const(np.ascontiguousarray(
+            w.array.reshape(groups, cg, mg, *ks).swapaxes(1, 2).reshape(groups * mg, cg, *ks)))
     v = _reshape_to(imp, w, (groups, cg, mg, *ks))
     v = imp.emit("mp.transpose", [v], {"perm": (0, 2, 1, *range(3, 3 + len(ks)))},
                  onnx_type=w.onnx_type)
-    v = imp.emit("mp.reshape", [v], declared=tensor((groups * mg, cg, *ks), e),
-                 onnx_type=w.onnx_type)
+    return _reshape_to(imp, v, (groups * mg, cg, *ks))
+
+
+def _phase(kernel: int, stride: int, dilation: int, phase: int) -> tuple[int, int, int, int]:
+    """The kernel taps k that reach full positions f = stride * q + phase (those with
+    k * dilation = phase mod stride): (first tap, tap spacing, tap count, input offset of the
+    first tap); the output at q reads input q - offset - j * (spacing * dilation / stride)."""
+    first = next((k for k in range(kernel) if (k * dilation - phase) % stride == 0), None)
+    if first is None:
+        return 0, 1, 0, 0
+    spacing = stride // math.gcd(stride, dilation)
+    return first, spacing, (kernel - 1 - first) // spacing + 1, (first * dilation - phase) // stride
+
+
+def _phase_weight(imp: _Importer, wt: Const | Run, taps: Sequence[tuple[int, int, int]],
+                  name: str) -> Run:
+    """The taps (first, spacing, count) of each spatial axis of `wt`, in reverse order: the
+    kernel of the forward correlation that computes one output phase."""
+    if isinstance(wt, Const):
+        picked = wt.array[(..., *(slice(f + (c - 1) * s, None if f == 0 else f - 1, -s)
+                                  for f, s, c in taps))]
+        return imp.constant(np.ascontiguousarray(picked), f"{name}_phase")
     big = -(2 ** 31)  # ONNX Slice's "to the start" for a negative step
-    return imp.emit("mp.slice", [v], {"starts": (0, 0, *(k - 1 for k in ks)),
-                                      "ends": (groups * mg, cg, *([big] * len(ks))),
-                                      "steps": (1, 1, *([-1] * len(ks)))},
-                    hint=f"{name}_flipped", onnx_type=w.onnx_type)
+    m, cg = wt.type.shape[:2]
+    return imp.emit("mp.slice", [wt], {
+        "starts": (0, 0, *(f + (c - 1) * s for f, s, c in taps)),
+        "ends": (m, cg, *(f - 1 if f else big for f, s, c in taps)),
+        "steps": (1, 1, *(-s for f, s, c in taps))}, hint=f"{name}_phase", onnx_type=wt.onnx_type)
 
 
-def _stuff_zeros(imp: _Importer, x: Run, strides: tuple[int, int]) -> Run:
-    """(N, C, H, W) with stride - 1 zeros between neighbouring rows and columns: (N, C,
-    sh (H - 1) + 1, sw (W - 1) + 1), built from reshapes, a concat with zeros and a slice."""
-    sh, sw = strides
-    if (sh, sw) == (1, 1):
-        return x
-    n, c, h, w = x.type.shape
-    e, dt = x.type.elem, _np_dtype(x)
-    v = imp.emit("mp.reshape", [x], declared=tensor((n, c, h, 1, w, 1), e), onnx_type=x.onnx_type)
-    if sh > 1:
-        zeros = imp.constant(np.zeros((n, c, h, sh - 1, w, 1), dt), "zeros")
-        v = imp.emit("mp.concat", [v, zeros], {"axis": 3}, onnx_type=x.onnx_type)
-    if sw > 1:
-        zeros = imp.constant(np.zeros((n, c, h, sh, w, sw - 1), dt), "zeros")
-        v = imp.emit("mp.concat", [v, zeros], {"axis": 5}, onnx_type=x.onnx_type)
-    v = imp.emit("mp.reshape", [v], declared=tensor((n, c, h * sh, w * sw), e),
-                 onnx_type=x.onnx_type)
-    return imp.emit("mp.slice", [v], {"starts": (0, 0, 0, 0),
-                                      "ends": (n, c, (h - 1) * sh + 1, (w - 1) * sw + 1)},
-                    hint=f"{imp.node.output[0]}_stuffed", onnx_type=x.onnx_type)
+def _zero_border(imp: _Importer, x: Run, before: Sequence[int], after: Sequence[int]) -> Run:
+    """(N, C, H, W) with zero rows and columns joined before and after its spatial axes."""
+    for k in range(2):
+        if before[k] == after[k] == 0:
+            continue
+        shape = x.type.shape
+        parts = [x]
+        for count, at in ((before[k], 0), (after[k], 1)):
+            if count:
+                zeros = imp.constant(np.zeros(shape[:2 + k] + (count,) + shape[3 + k:],
+                                              _np_dtype(x)), "zeros")
+                parts.insert(at * len(parts), zeros)
+        x = imp.emit("mp.concat", parts, {"axis": 2 + k}, onnx_type=x.onnx_type)
+    return x
+
+
+def _sub_pixel(imp: _Importer, x: Run, wt: Const | Run, geometry: dict, bias: Run | None,
+               name: str) -> Run:
+    """ConvTranspose (2-D) as one forward convolution per output phase (position mod stride),
+    each with the kernel taps that reach that phase, interleaved: the scatter form's products
+    and no others, so FLOPs and memory are those of the transposed convolution itself."""
+    (n, _, *spatial), m = x.type.shape, _shape_of(wt)[0]
+    kernel = _shape_of(wt)[2:]
+    strides, dilations, begin, sizes = (geometry[k] for k in ("strides", "dilations", "begin",
+                                                              "sizes"))
+    groups, e, dt = geometry["groups"], x.type.elem, _np_dtype(x)
+    # Output o is full position f = o + begin = stride * q + phase; every phase is computed for
+    # the same q0 <= q < q0 + span, which covers f in [begin, begin + size).
+    q0 = [begin[k] // strides[k] for k in range(2)]
+    span = [-(-(begin[k] + sizes[k]) // strides[k]) - q0[k] for k in range(2)]
+    single = strides == [1, 1]
+    rows = []
+    for ph in range(strides[0]):
+        row = []
+        for pw in range(strides[1]):
+            taps = [_phase(kernel[k], strides[k], dilations[k], (ph, pw)[k]) for k in range(2)]
+            if not taps[0][2] or not taps[1][2]:  # no tap reaches this phase: zeros
+                row.append(imp.constant(np.zeros((n, m, *span), dt), "zeros"))
+                continue
+            sub = _phase_weight(imp, wt, [t[:3] for t in taps], name)
+            step = [taps[k][1] * dilations[k] // strides[k] for k in range(2)]
+            lo = [taps[k][3] + (taps[k][2] - 1) * step[k] - q0[k] for k in range(2)]
+            hi = [span[k] - spatial[k] - lo[k] + (taps[k][2] - 1) * step[k] for k in range(2)]
+            # Padding the size of the kernel or more, which mp.conv2d's gradient rule does not
+            # take, is zeros joined to the input instead.
+            extent = [(taps[k][2] - 1) * step[k] + 1 for k in range(2)]
+            inner = [[min(max(p[k], 0), extent[k] - 1) for k in range(2)] for p in (lo, hi)]
+            xp = _zero_border(imp, x, [max(lo[k], 0) - inner[0][k] for k in range(2)],
+                              [max(hi[k], 0) - inner[1][k] for k in range(2)])
+            operands = [xp, sub] + ([bias] if single and bias is not None else [])
+            y = imp.emit("mp.conv2d", operands, {
+                "padding": (inner[0][0], inner[0][1], inner[1][0], inner[1][1]),
+                "dilations": tuple(step), "groups": groups}, onnx_type=x.onnx_type,
+                hint=name if single and min(lo + hi) >= 0 else f"{name}_phase")
+            if min(lo + hi) < 0:  # a pad past the kernel cuts the input instead
+                starts = (0, 0, max(-lo[0], 0), max(-lo[1], 0))
+                y = imp.emit("mp.slice", [y], {"starts": starts, "ends": (
+                    n, m, starts[2] + span[0], starts[3] + span[1])}, onnx_type=x.onnx_type)
+            row.append(y)
+        rows.append(row)
+    if single:
+        y = rows[0][0]
+    else:
+        parts = []
+        for row in rows:
+            cells = [imp.emit("mp.reshape", [v], declared=tensor((n, m, span[0], 1, span[1], 1),
+                                                                  e), onnx_type=x.onnx_type)
+                     for v in row]
+            parts.append(imp.emit("mp.concat", cells, {"axis": 5}, onnx_type=x.onnx_type)
+                         if len(cells) > 1 else cells[0])
+        y = imp.emit("mp.concat", parts, {"axis": 3}, onnx_type=x.onnx_type) \
+            if len(parts) > 1 else parts[0]
+        y = imp.emit("mp.reshape", [y], declared=tensor(
+            (n, m, span[0] * strides[0], span[1] * strides[1]), e), onnx_type=x.onnx_type)
+    starts = [begin[k] - strides[k] * q0[k] for k in range(2)]
+    if y.type.shape[2:] != tuple(sizes):
+        y = imp.emit("mp.slice", [y], {"starts": (0, 0, *starts), "ends": (
+            n, m, starts[0] + sizes[0], starts[1] + sizes[1])}, onnx_type=x.onnx_type)
+    if bias is not None and not single:
+        y = imp.emit("mp.add", [y, _reshape_to(imp, bias, (m, 1, 1))], onnx_type=x.onnx_type)
+    return y
 
 
 @handler("ConvTranspose")
@@ -171,40 +251,22 @@ def _conv_transpose(imp: _Importer, node: onnx.NodeProto) -> list:
     begin, sizes = _transpose_pads(imp, a, spatial, ek, strides, out_pad)
     if min(sizes) < 1:
         raise imp.error(f"the output would have spatial size {sizes}")
-    wf = _flipped_weight(imp, w, groups, node.input[1])
+    wt = _transposed_weight(imp, w, groups)
     if r == 1:  # as 2-D with height 1
         x = _to_2d(imp, x, f"{node.input[0]}_2d")
-        wf = _reshape_to(imp, wf, (wf.type.shape[0], wf.type.shape[1], 1, kernel[0]))
-        strides, dilations, ek = [1] + strides, [1] + dilations, [1] + ek
-        begin, sizes, spatial = [0] + begin, [1] + sizes, [1] + spatial
-    stuffed = _stuff_zeros(imp, x, (strides[0], strides[1]))
-    # Correlating the stuffed input, padded by ek - 1 - begin, with the flipped kernel gives
-    # output o = full[o + begin]; a negative pad crops instead (the conv pads by 0 and the
-    # result is sliced), and the end pad makes exactly `sizes` outputs.
-    lo = [ek[k] - 1 - begin[k] for k in range(2)]
-    hi = [sizes[k] - 1 - strides[k] * (spatial[k] - 1) + begin[k] for k in range(2)]
-    operands = [stuffed, wf]
-    if imp.input(2) is not None:
-        operands.append(imp.run_input(2))
-    for o in operands[1:]:
+        wt = Const(wt.array[:, :, None, :]) if isinstance(wt, Const) else _reshape_to(
+            imp, wt, (wt.type.shape[0], wt.type.shape[1], 1, kernel[0]))
+        strides, dilations = [1] + strides, [1] + dilations
+        begin, sizes = [0] + begin, [1] + sizes
+    bias = imp.run_input(2) if imp.input(2) is not None else None
+    for o in ([wt] if isinstance(wt, Run) else []) + ([bias] if bias is not None else []):
         _same_onnx(imp, x, o)
-    crop = any(p < 0 for p in lo + hi)
-    if crop and len(operands) == 3:  # the bias goes on after the crop, on the outputs only
-        bias = operands.pop()
-    else:
-        bias = None
-    attrs = {"padding": (max(lo[0], 0), max(lo[1], 0), max(hi[0], 0), max(hi[1], 0)),
-             "dilations": (dilations[0], dilations[1]), "groups": groups}
-    y = imp.emit("mp.conv2d", operands, attrs, onnx_type=x.onnx_type,
-                 hint=f"{node.output[0]}_conv" if crop or r == 1 else "")
-    if crop:
-        n, m = y.type.shape[:2]
-        starts = (0, 0, max(-lo[0], 0), max(-lo[1], 0))
-        y = imp.emit("mp.slice", [y], {"starts": starts, "ends": (
-            n, m, starts[2] + sizes[0], starts[3] + sizes[1])}, onnx_type=x.onnx_type)
-        if bias is not None:
-            b = _reshape_to(imp, bias, (m, 1, 1))
-            y = imp.emit("mp.add", [y, b], onnx_type=x.onnx_type)
+    if isinstance(wt, Const) and wt.array.dtype != _np_dtype(x):
+        raise imp.error(f"weight element type {wt.array.dtype} differs from the input's "
+                        f"{onnx_type_name(x.onnx_type)}")
+    geometry = {"strides": strides, "dilations": dilations, "begin": begin, "sizes": sizes,
+                "groups": groups}
+    y = _sub_pixel(imp, x, wt, geometry, bias, node.output[0] if r == 2 else f"{node.output[0]}_2d")
     return [_from_2d(imp, y) if r == 1 else y]
 
 
