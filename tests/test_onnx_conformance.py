@@ -68,6 +68,13 @@ EXPLANATIONS = {
     "attention_4d_causal_fp16": "f16 rounding order: onnx's reference rounds each numpy step to "
                                 "f16, mplower's f16 ops round elsewhere; 1 ulp (4.9e-4) apart, "
                                 "ours nearer the f32 result (3.96e-4 from it, the data 4.9e-4)",
+    "scales_cubic_align_corners": "align_corners divides by the integer output length, as the "
+                                  "operator's text and onnxruntime do; the test data divides by "
+                                  "scale * length (onnxruntime fails this test too)",
+    "scales_linear_align_corners": "align_corners divides by the integer output length, as the "
+                                   "operator's text and onnxruntime do; the test data divides by "
+                                   "scale * length (onnxruntime fails this test too)",
+    "convtranspose_3d": "3-D ConvTranspose: mp.conv2d is 2-D (1-D runs as 2-D)",
 }
 
 

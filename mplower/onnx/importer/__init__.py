@@ -14,6 +14,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     reduce,
     shape,
     transformer_ops,
+    vision,
 )
 from mplower.onnx.importer.core import (
     ELEM_OF_ONNX,

@@ -43,6 +43,12 @@ from mplower.ir.opdef import OPS, OpError
 from mplower.ir.types import DenseAttr, TensorType, tensor, value_dtype
 from mplower.ir.verifier import verify
 from mplower.numerics.formats import FORMATS
+from mplower.onnx.importer.declared import (
+    dim_known,
+    forget_unknown_dims,
+    symbol_values,
+    with_stand_ins,
+)
 
 MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
@@ -427,6 +433,7 @@ class _Importer:
                 raise DiagnosticError.at(self.loc, f"--input-shape names '{name}', which is not "
                                                    f"an input of the model (inputs: "
                                                    f"{', '.join(map(repr, known)) or 'none'})")
+        self.symbols = symbol_values(g, self.input_shapes, self.loc)
         for vi in g.input:
             if vi.name in inits:
                 continue
@@ -466,7 +473,7 @@ class _Importer:
             return tuple(given)
         dims = list(tt.shape.dim)
         for k, d in enumerate(dims):
-            if d.HasField("dim_value") and d.dim_value < 0:
+            if d.HasField("dim_value") and d.dim_value < -1:  # -1: exporters' "dynamic"
                 raise DiagnosticError.at(self.loc, f"input '{vi.name}' has a negative dimension "
                                                    f"{k} ({d.dim_value}); ONNX dimensions are "
                                                    f">= 0")
@@ -476,15 +483,17 @@ class _Importer:
                                                    f"{len(given)} but the input has rank "
                                                    f"{len(dims)}")
             for k, (d, v) in enumerate(zip(dims, given)):
-                if d.HasField("dim_value") and d.dim_value != v:
+                if dim_known(d) and d.dim_value != v:
                     raise DiagnosticError.at(self.loc, (
                         f"--input-shape {vi.name} sets dimension {k} to {v}, but the model "
                         f"fixes it to {d.dim_value}"))
             return tuple(given)
         shape = []
         for k, d in enumerate(dims):
-            if d.HasField("dim_value"):
+            if dim_known(d):
                 shape.append(d.dim_value)
+            elif d.dim_param in self.symbols:  # named by another input's --input-shape
+                shape.append(self.symbols[d.dim_param])
             elif k == 0:
                 shape.append(1)  # a dynamic batch dimension
             else:
@@ -492,7 +501,7 @@ class _Importer:
                 raise DiagnosticError.at(self.loc, (
                     f"input '{vi.name}' has a dynamic dimension {k} ({what}); fix it with "
                     f"--input-shape {vi.name}=" + "x".join(
-                        str(x.dim_value) if x.HasField("dim_value") else ("1" if i == 0 else "N")
+                        str(x.dim_value) if dim_known(x) else ("1" if i == 0 else "N")
                         for i, x in enumerate(dims))))
         return tuple(shape)
 
@@ -507,8 +516,10 @@ class _Importer:
         """ONNX's shape inference over the fixed input shapes, then ONNX's checker: both reject
         inconsistent models with ONNX's own message, and the inferred static shapes of the
         outputs are checked against ours at the end."""
+        forget_unknown_dims(self.model.graph)
         try:
-            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=True)
+            inferred = onnx.shape_inference.infer_shapes(with_stand_ins(self.model),
+                                                         strict_mode=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
             raise DiagnosticError.at(self.loc, f"ONNX shape inference rejects the model: "
                                                f"{_first_line(e)}") from None
