@@ -10,6 +10,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     linalg,
     pooling,
     quantization,
+    recurrent,
     reduce,
     shape,
 )
