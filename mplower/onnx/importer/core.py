@@ -265,14 +265,14 @@ class _Importer:
             raise DiagnosticError.at(self.loc, f"the model uses {len(bad)} op type(s) that "
                                                f"mplower cannot import: {listing}")
         inits = {t.name: t for t in g.initializer}
-        needed = {i for n in nodes for i in n.input if i}
+        needed = {i for n in nodes for i in _node_inputs(n) if i}  # subgraphs read outer values
         needed.update(self.out_names)
         for t in g.initializer:
             if t.name in needed:
                 self.env[t.name] = Const(self._tensor_array(t))
         args, arg_types = self._arguments(inits, needed)
         self._shape_inference()
-        self.consumers = Counter(i for n in nodes for i in n.input if i)
+        self.consumers = Counter(i for n in nodes for i in _node_inputs(n) if i)
         for name in self.out_names:
             self.consumers[name] += 1
         for node in nodes:
@@ -725,7 +725,8 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
 
 Handler = Callable[[_Importer, onnx.NodeProto], list]
 HANDLERS: dict[str, Handler] = {}
-_NO_FOLD = {"Dropout", "LRN"}  # identity at inference / onnx's reference gets LRN wrong
+# Identity at inference / onnx's reference gets LRN wrong / subgraphs read outer values.
+_NO_FOLD = {"Dropout", "LRN", "If", "Loop", "Scan"}
 
 
 def handler(*names: str):
