@@ -11,7 +11,8 @@ Semantics are ONNX's (docs/Operators.md, LSTM/GRU/RNN) where they are written do
 onnxruntime's where the spec is silent: activation_alpha/beta are consumed, in order, only by
 the activations that take a parameter (a missing one takes the default of the ONNX op of that
 name); `clip` bounds the input of every gate activation and of LSTM's h(C); the steps of a
-sequence past its `sequence_lens` entry leave the state unchanged and write zeros to Y;
+sequence past its `sequence_lens` entry leave the state unchanged and write zeros to Y, and a
+sequence of length 0 ends in zero states (not its initial ones);
 `input_forget` makes the forget gate 1 - i. A state known to be zero (no initial_h/initial_c)
 is `None` here, which drops the terms it would multiply from the first step exactly.
 """
@@ -256,7 +257,8 @@ def _recurrent(imp: _Importer, node: onnx.NodeProto) -> list:
     result: list = [None] * len(outputs)
     if len(outputs) > 0 and outputs[0]:
         parts = []
-        for y in ys:  # each (steps, batch, hidden), to (steps, 1, batch, hidden)
+        for per_step in ys:  # each step's (1, batch, hidden), to (steps, 1, batch, hidden)
+            y = _stack(ops, per_step, masks)
             parts.append(imp.emit("mp.reshape", [y], declared=tensor(
                 (steps, 1, batch, hidden), y.type.elem), hint="Y", onnx_type=y.onnx_type))
         y = parts[0] if dirs == 1 else ops.emit("mp.concat", parts, {"axis": 1}, hint="Y")
@@ -266,6 +268,9 @@ def _recurrent(imp: _Importer, node: onnx.NodeProto) -> list:
             if kind != "LSTM" and k == 2:
                 raise imp.error(f"{kind} has no output #2")
             finals = [f if f is not None else ops.zeros((1, batch, hidden)) for f in finals]
+            if lens is not None and not np.asarray(lens).all():  # onnxruntime: zero, not h0
+                ran = imp.constant(np.asarray(lens).reshape(1, batch, 1) > 0, "nonempty")
+                finals = [ops.emit("mp.where", [ran, f, ops.scalar(0.0)]) for f in finals]
             v = finals[0] if dirs == 1 else ops.emit("mp.concat", finals, {"axis": 0})
             result[k] = ops.emit("mp.transpose", [v], {"perm": (1, 0, 2)}) if layout else v
     return result
@@ -300,20 +305,20 @@ def _step_input(ops: _Ops, xw: Run, t: int) -> Run:
                     hint=f"xw_{t}")
 
 
-def _advance(ops: _Ops, masks: list[Run] | None, t: int, new: Run,
-             old: Run | None) -> tuple[Run, Run]:
-    """(the state after step t, what Y holds for step t) under the sequence masks."""
+def _advance(ops: _Ops, masks: list[Run] | None, t: int, new: Run, old: Run | None) -> Run:
+    """The state after step t: `new` where the sequence still runs, else `old`."""
     if masks is None:
-        return new, new
+        return new
     old = old if old is not None else ops.zeros(new.type.shape)
-    kept = ops.emit("mp.where", [masks[t], new, old], hint="state")
-    shown = ops.emit("mp.where", [masks[t], new, ops.scalar(0.0)], hint="y")
-    return kept, shown
+    return ops.emit("mp.where", [masks[t], new, old], hint="state")
 
 
-def _stack(ops: _Ops, per_step: dict[int, Run]) -> Run:
-    """The states of every step in time order, (steps, batch, hidden)."""
-    parts = [per_step[t] for t in sorted(per_step)]
+def _stack(ops: _Ops, per_step: dict[int, Run], masks: list[Run] | None) -> Run:
+    """Y of one direction, (steps, batch, hidden): each step's new state in time order, zero
+    where the sequence has ended."""
+    parts = [per_step[t] if masks is None else
+             ops.emit("mp.where", [masks[t], per_step[t], ops.scalar(0.0)], hint="y")
+             for t in sorted(per_step)]
     return parts[0] if len(parts) == 1 else ops.emit("mp.concat", parts, {"axis": 0}, hint="y")
 
 
@@ -336,7 +341,7 @@ def _bias_sum(ops: _Ops, operands: _Operands, d: int, rows: int, rb_rows: int) -
 
 def _lstm_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run, d: int,
                     hidden: int, order: list[int], masks: list[Run] | None, clip: float | None,
-                    fns: list[tuple]) -> tuple[Run, Run | None, Run | None]:
+                    fns: list[tuple]) -> tuple[dict[int, Run], Run | None, Run | None]:
     f, g, h = fns
     _, batch, _ = x.type.shape
     rows = 4 * hidden
@@ -360,14 +365,14 @@ def _lstm_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run
         o = ops.activation(f, ops.clip(ops.add(ops.gate(pre, 1, hidden), ops.mul(p_o, c_new)),
                                        clip))
         h_new = ops.mul(o, ops.activation(h, c_new))
-        state_c, _ = _advance(ops, masks, t, c_new, state_c)
-        state_h, ys[t] = _advance(ops, masks, t, h_new, state_h)
-    return _stack(ops, ys), state_h, state_c
+        state_c = _advance(ops, masks, t, c_new, state_c)
+        state_h, ys[t] = _advance(ops, masks, t, h_new, state_h), h_new
+    return ys, state_h, state_c
 
 
 def _gru_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run, d: int,
                    hidden: int, order: list[int], masks: list[Run] | None, clip: float | None,
-                   fns: list[tuple]) -> tuple[Run, Run | None, None]:
+                   fns: list[tuple]) -> tuple[dict[int, Run], Run | None, None]:
     f, g = fns
     _, batch, _ = x.type.shape
     rows = 3 * hidden
@@ -403,13 +408,13 @@ def _gru_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run,
         cand = ops.activation(g, ops.clip(ops.add(ops.gate(xt, 2, hidden), reset), clip))
         keep = ops.emit("mp.sub", [one, z], hint="update")
         h_new = ops.add(ops.mul(keep, cand), ops.mul(z, state))
-        state, ys[t] = _advance(ops, masks, t, h_new, state)
-    return _stack(ops, ys), state, None
+        state, ys[t] = _advance(ops, masks, t, h_new, state), h_new
+    return ys, state, None
 
 
 def _rnn_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run, d: int,
                    hidden: int, order: list[int], masks: list[Run] | None, clip: float | None,
-                   fns: list[tuple]) -> tuple[Run, Run | None, None]:
+                   fns: list[tuple]) -> tuple[dict[int, Run], Run | None, None]:
     _, batch, _ = x.type.shape
     xw = _projection(ops, operands, x, d, hidden, _bias_sum(ops, operands, d, hidden, hidden))
     r = operands.matrix(2, d, 0, hidden)
@@ -417,6 +422,6 @@ def _rnn_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run,
     ys: dict[int, Run] = {}
     for t in order:
         pre = ops.add(_step_input(ops, xw, t), ops.matmul(state, r))
-        state, ys[t] = _advance(ops, masks, t, ops.activation(fns[0], ops.clip(pre, clip)),
-                                state)
-    return _stack(ops, ys), state, None
+        ys[t] = ops.activation(fns[0], ops.clip(pre, clip))
+        state = _advance(ops, masks, t, ys[t], state)
+    return ys, state, None
