@@ -50,10 +50,12 @@ class _Ops:
         self.onnx_type = like.onnx_type
         self.dtype = helper.tensor_dtype_to_np_dtype(like.onnx_type)
         self.elem = like.type.elem
+        self.hint = ""  # names the values after the direction and step they belong to
 
     def emit(self, op: str, operands: Sequence[Run], attrs: dict | None = None,
              hint: str = "") -> Run:
-        return self.imp.emit(op, operands, attrs, hint=hint, onnx_type=self.onnx_type)
+        return self.imp.emit(op, operands, attrs, hint=hint or self.hint,
+                             onnx_type=self.onnx_type)
 
     def scalar(self, value: float, hint: str = "scalar") -> Run:
         return self.imp.constant(np.array(value, self.dtype), hint)
@@ -77,7 +79,7 @@ class _Ops:
             return None
         _, b, _ = x.type.shape
         return self.emit("mp.slice", [x], {"starts": (0, 0, k * size),
-                                           "ends": (1, b, (k + 1) * size)}, hint="gate")
+                                           "ends": (1, b, (k + 1) * size)})
 
     def zeros(self, shape: tuple[int, ...]) -> Run:
         return self.imp.constant(np.zeros(shape, self.dtype), "zeros")
@@ -249,7 +251,9 @@ def _recurrent(imp: _Importer, node: onnx.NodeProto) -> list:
     for d in range(dirs):
         reverse = direction == "reverse" or d == 1
         order = range(steps - 1, -1, -1) if reverse else range(steps)
+        ops.hint = f"{node.name or kind.lower()}_{'rev' if reverse else 'fwd'}"
         y, h, c = cell(ops, operands, node, x, d, hidden, list(order), masks, clip, fns[d])
+        ops.hint = ""
         ys.append(y)
         hs.append(h)
         cs.append(c)
@@ -351,7 +355,9 @@ def _lstm_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run
     coupled = bool(_attrs(node).get("input_forget", 0))
     state_h, state_c = operands.state(5, d, batch, hidden), operands.state(6, d, batch, hidden)
     ys: dict[int, Run] = {}
+    stem = ops.hint
     for t in order:
+        ops.hint = f"{stem}_t{t}"
         pre = ops.add(_step_input(ops, xw, t), ops.matmul(state_h, r))
         i = ops.activation(f, ops.clip(ops.add(ops.gate(pre, 0, hidden),
                                                ops.mul(p_i, state_c)), clip))
@@ -389,7 +395,9 @@ def _gru_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run,
     state = operands.state(5, d, batch, hidden)
     one = ops.scalar(1.0)
     ys: dict[int, Run] = {}
+    stem = ops.hint
     for t in order:
+        ops.hint = f"{stem}_t{t}"
         xt = _step_input(ops, xw, t)
         if before_reset:
             rec = ops.matmul(state, r_all)
@@ -420,7 +428,9 @@ def _rnn_direction(ops: _Ops, operands: _Operands, node: onnx.NodeProto, x: Run,
     r = operands.matrix(2, d, 0, hidden)
     state = operands.state(5, d, batch, hidden)
     ys: dict[int, Run] = {}
+    stem = ops.hint
     for t in order:
+        ops.hint = f"{stem}_t{t}"
         pre = ops.add(_step_input(ops, xw, t), ops.matmul(state, r))
         ys[t] = ops.activation(fns[0], ops.clip(pre, clip))
         state = _advance(ops, masks, t, ys[t], state)
