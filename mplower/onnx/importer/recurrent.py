@@ -239,6 +239,8 @@ def _recurrent(imp: _Importer, node: onnx.NodeProto) -> list:
     if layout:
         x = ops.emit("mp.transpose", [x], {"perm": (1, 0, 2)}, hint=f"{node.input[0]}_tbi")
     steps, batch, _ = x.type.shape
+    if steps == 0:
+        raise imp.error("X has no time steps; mplower has no empty sequence to unroll")
     lens = imp.const(4, "sequence_lens") if len(node.input) > 4 and node.input[4] else None
     masks = _masks(imp, lens, steps, batch)
     clip = float(a["clip"]) if "clip" in a else None
