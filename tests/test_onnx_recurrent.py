@@ -230,6 +230,41 @@ def test_if_on_runtime_data_with_branches_of_different_shapes_is_refused() -> No
         import_model(model)
 
 
+@pytest.mark.parametrize("cond", [True, False])
+def test_if_with_unequal_branches_runs_once_its_condition_input_is_bound(cond: bool) -> None:
+    """The ONNX backend binds the graph input the refusal names, and the If then folds."""
+    model = _if_model(None, else_shape=(1, 3))
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "cond": np.array(cond)}
+    with pytest.raises(StaticInputsNeeded) as e:
+        import_model(model)
+    assert e.value.names == ["cond"]
+    assert_close(MplowerBackend.prepare(model).run(feeds), ort_run(model, feeds))
+
+
+def test_value_inside_a_branch_that_must_be_constant_names_the_graph_input() -> None:
+    """A Reshape target computed inside a branch from a graph input: the refusal names that
+    input (the subgraph's nodes are searched too), so the backend can bind it."""
+    then = helper.make_graph(
+        [helper.make_node("Identity", ["target"], ["t2"]),
+         helper.make_node("Reshape", ["x", "t2"], ["then_out"])],
+        "then", [], [_vi("then_out", [3, 2])])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["else_out"])], "else", [],
+                              [_vi("else_out", [2, 3])])
+    on = numpy_helper.from_array(np.array(True), "on")
+    node = helper.make_node("If", ["on"], ["y"], name="maybe_reshape", then_branch=then,
+                            else_branch=other)
+    model = _model([node], [_vi("x", [2, 3]), _vi("target", [2], TensorProto.INT64)],
+                   [_vi("y", [3, 2])], [on])
+    with pytest.raises(StaticInputsNeeded, match=r"'maybe_reshape' \(If\): in then_branch: "
+                                                 r"node 'then_out' \(Reshape\): the target "
+                                                 r"shape \('t2'\) must be a constant") as e:
+        import_model(model)
+    assert e.value.names == ["target"]
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3),
+             "target": np.array([3, 2], np.int64)}
+    assert_close(MplowerBackend.prepare(model).run(feeds), ort_run(model, feeds))
+
+
 def test_if_error_inside_a_branch_names_the_if_and_the_branch() -> None:
     model = _if_model(True)
     then = next(a.g for a in model.graph.node[0].attribute if a.name == "then_branch")
@@ -338,14 +373,18 @@ def test_scan_unrolls_with_directions_and_axes() -> None:
 
 def test_torch_exported_lstm_matches_torch() -> None:
     torch = pytest.importorskip("torch")
+    import inspect
     import io
 
     torch.manual_seed(0)
     net = torch.nn.LSTM(input_size=I, hidden_size=H, num_layers=2, bidirectional=True)
     x = torch.randn(T, B, I)
     buf = io.BytesIO()
+    # The TorchScript exporter, which writes LSTM nodes (newer torch defaults to dynamo).
+    legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters \
+        else {}
     torch.onnx.export(net, (x,), buf, input_names=["x"], output_names=["y", "h", "c"],
-                      dynamo=False)
+                      **legacy)
     model = onnx.load_from_string(buf.getvalue())
     with torch.no_grad():
         want = [t.numpy() for t in (net(x)[0], *net(x)[1])]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -53,10 +54,13 @@ def import_subgraph(imp: _Importer, graph: onnx.GraphProto, bindings: Mapping[st
     """The values of `graph`'s outputs, its nodes imported in place with its inputs bound to
     `bindings`; a failure inside names `where` (the subgraph) and the inner node."""
     outer_env, outer_cache, outer_node = imp.env, imp.materialized, imp.node
+    outer_producer = imp.producer
     scope = ChainMap(dict(bindings), outer_env)
     for t in graph.initializer:
         scope[t.name] = Const(imp._tensor_array(t))
     imp.env, imp.materialized = scope, ChainMap({}, outer_cache)
+    # So that a value the IR needs constant names the graph inputs it comes from.
+    imp.producer = ChainMap({o: n for n in graph.node for o in n.output if o}, outer_producer)
     imp.consumers.update(i for n in graph.node for i in _node_inputs(n) if i)
     imp.consumers.update(o.name for o in graph.output)
     try:
@@ -82,6 +86,7 @@ def import_subgraph(imp: _Importer, graph: onnx.GraphProto, bindings: Mapping[st
         raise DiagnosticError(_within(imp, outer_node, where, e)) from None
     finally:
         imp.env, imp.materialized, imp.node = outer_env, outer_cache, outer_node
+        imp.producer = outer_producer
 
 
 def _within(imp: _Importer, outer: onnx.NodeProto, where: str, e: DiagnosticError):
@@ -140,8 +145,27 @@ def _if(imp: _Importer, node: onnx.NodeProto) -> list:
     if isinstance(cond, Const):
         taken = "then_branch" if bool(cond.array.reshape(-1)[0]) else "else_branch"
         return import_subgraph(imp, a[taken], {}, taken)
-    then = import_subgraph(imp, a["then_branch"], {}, "then_branch")
-    other = import_subgraph(imp, a["else_branch"], {}, "else_branch")
+    try:
+        return _select(imp, node, cond, import_subgraph(imp, a["then_branch"], {}, "then_branch"),
+                       import_subgraph(imp, a["else_branch"], {}, "else_branch"))
+    except StaticInputsNeeded:
+        raise
+    except DiagnosticError as e:
+        # What both branches cannot do together, the taken one alone may: where the
+        # condition comes from graph inputs, say so, which lets the ONNX backend bind them.
+        roots = imp._graph_inputs_under(node.input[0])
+        if not roots:
+            raise
+        why = e.diagnostics[0]
+        raise StaticInputsNeeded(roots, replace(why, message=(
+            f"{why.message}; the condition depends on graph input(s) "
+            f"{', '.join(map(repr, roots))}, and with them fixed the If imports its taken "
+            f"branch alone"))) from None
+
+
+def _select(imp: _Importer, node: onnx.NodeProto, cond: Run, then: list[Value],
+            other: list[Value]) -> list[Value]:
+    """Each output of an If on a run-time condition: mp.where over the two branches'."""
     if cond.type.shape:
         cond = imp.emit("mp.reshape", [cond], declared=tensor((), cond.type.elem),
                         onnx_type=cond.onnx_type)

@@ -363,7 +363,7 @@ class _Importer:
         g.output.extend(outputs[o] for o in self.out_names)
         del g.node[:]
         g.node.extend(kept)
-        self.producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+        self.producer = {o: n for n in g.node for o in n.output if o}
         return list(g.node)
 
     def _arguments(self, inits: dict, needed: set[str]) -> tuple[list[str], list[int]]:
@@ -549,7 +549,7 @@ class _Importer:
             if v in inputs and isinstance(self.env.get(v), (Run, Unbound)):
                 roots.append(v)
             elif v in self.producer:
-                stack.extend(x for x in _node_inputs(g.node[self.producer[v]]) if x)
+                stack.extend(x for x in _node_inputs(self.producer[v]) if x)
         return sorted(roots)
 
     def as_run(self, v: Const | Run, name: str = "") -> Run:
