@@ -230,6 +230,17 @@ def test_if_on_runtime_data_with_branches_of_different_shapes_is_refused() -> No
         import_model(model)
 
 
+def test_if_on_runtime_data_selects_between_a_constant_and_a_computed_branch() -> None:
+    model = _if_model(None)
+    then = next(a.g for a in model.graph.node[0].attribute if a.name == "then_branch")
+    then.node[1].CopyFrom(helper.make_node("Identity", ["then_c"], ["then_out"]))
+    f = import_model(model).module.function()  # selects, without binding the condition
+    assert "mp.where" in {f.op(n) for n in f.ops()}
+    for cond in (True, False):
+        feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "cond": np.array(cond)}
+        assert_close(MplowerBackend.prepare(model).run(feeds), ort_run(model, feeds))
+
+
 @pytest.mark.parametrize("cond", [True, False])
 def test_if_with_unequal_branches_runs_once_its_condition_input_is_bound(cond: bool) -> None:
     """The ONNX backend binds the graph input the refusal names, and the If then folds."""

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 import onnx
+from onnx import helper
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.diagnostics import DiagnosticError
@@ -95,8 +96,9 @@ def _within(imp: _Importer, outer: onnx.NodeProto, where: str, e: DiagnosticErro
 
 
 def _type_of(v: Value) -> tuple[tuple[int, ...], str]:
-    dtype = v.array.dtype.name if isinstance(v, Const) else onnx_type_name(v.onnx_type)
-    return _shape_of(v), dtype
+    """(shape, ONNX element type name), alike for constants and run-time values."""
+    t = helper.np_dtype_to_tensor_dtype(v.array.dtype) if isinstance(v, Const) else v.onnx_type
+    return _shape_of(v), onnx_type_name(t)
 
 
 def _index(imp: _Importer, v: Value, axis: int, i: int) -> Value:
