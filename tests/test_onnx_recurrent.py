@@ -401,3 +401,27 @@ def test_torch_exported_lstm_matches_torch() -> None:
         want = [t.numpy() for t in (net(x)[0], *net(x)[1])]
     got = MplowerBackend.prepare(model).run({"x": x.numpy()})
     assert_close(got, want, rtol=1e-5)
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def test_import_cli_writes_the_unrolled_lstm_and_refuses_a_runtime_loop(tmp_path, cli) -> None:
+    model, _ = recurrent("LSTM", direction="bidirectional")
+    onnx.save(model, tmp_path / "lstm.onnx")
+    r = cli("import", tmp_path / "lstm.onnx", "-o", tmp_path / "lstm.ir")
+    assert r.rc == 0, r.err
+    text = (tmp_path / "lstm.ir").read_text()
+    # Per direction: the projection, and a recurrent matmul per step but the first (its state
+    # is the zero default, which multiplies to nothing).
+    assert text.count("mp.matmul") == 2 * (1 + T - 1) and "LSTM" not in text
+    inits = [numpy_helper.from_array(np.zeros(2, np.float32), "acc0")]
+    node = helper.make_node("Loop", ["M", "", "acc0"], ["acc", "steps"], name="n_times",
+                            body=_loop_body("keep"))
+    model = _model([node], [_vi("x", [2]), _vi("M", [], TensorProto.INT64)],
+                   [_vi("acc", [2])], inits)
+    onnx.save(model, tmp_path / "loop.onnx")
+    r = cli("import", tmp_path / "loop.onnx", "-o", tmp_path / "loop.ir")
+    assert r.rc == 1 and "Traceback" not in r.err
+    assert "node 'n_times' (Loop): the trip count M ('M') must be a constant" in r.err
+    assert not (tmp_path / "loop.ir").exists()
