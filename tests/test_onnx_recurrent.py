@@ -179,6 +179,14 @@ def test_unknown_activation_is_refused_naming_the_node() -> None:
         import_model(model)
 
 
+def test_bidirectional_node_with_one_direction_of_activations_is_refused() -> None:
+    """onnxruntime refuses it too: the spec lists the functions of both directions."""
+    model, _ = recurrent("GRU", direction="bidirectional", activations=["Sigmoid", "Relu"])
+    with pytest.raises(DiagnosticError, match=r"'activations' lists 2 function\(s\); GRU "
+                                              r"with 2 direction\(s\) takes 4"):
+        import_model(model)
+
+
 # ---- If --------------------------------------------------------------------------------------
 
 

@@ -135,11 +135,9 @@ def _activations(imp: _Importer, node: onnx.NodeProto, dirs: int) -> list[list[t
     per_dir = len(_DEFAULTS[node.op_type])
     names = [n.decode() if isinstance(n, bytes) else str(n)
              for n in a.get("activations", _DEFAULTS[node.op_type] * dirs)]
-    if dirs == 2 and len(names) == per_dir:
-        names = names * 2  # one list for both directions
     if len(names) != per_dir * dirs:
         raise imp.error(f"'activations' lists {len(names)} function(s); {node.op_type} with "
-                        f"{dirs} direction(s) takes {per_dir * dirs}")
+                        f"{dirs} direction(s) takes {per_dir * dirs} (per direction, in order)")
     alphas = list(a.get("activation_alpha", []))
     betas = list(a.get("activation_beta", []))
     out = []
