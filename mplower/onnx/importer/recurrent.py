@@ -10,11 +10,13 @@ hidden) tensor, so Y is the steps' states concatenated on axis 0 with no reshape
 Semantics are ONNX's (docs/Operators.md, LSTM/GRU/RNN) where they are written down and
 onnxruntime's where the spec is silent: activation_alpha/beta are consumed, in order, only by
 the activations that take a parameter (a missing one takes the default of the ONNX op of that
-name); `clip` bounds the input of every gate activation and of LSTM's h(C); the steps of a
-sequence past its `sequence_lens` entry leave the state unchanged and write zeros to Y, and a
-sequence of length 0 ends in zero states (not its initial ones);
-`input_forget` makes the forget gate 1 - i. A state known to be zero (no initial_h/initial_c)
-is `None` here, which drops the terms it would multiply from the first step exactly.
+name, as the spec says; onnxruntime reads uninitialized values for Affine and ScaledTanh and
+uses a smaller threshold for ThresholdedRelu, so the tests give these parameters); `clip`
+bounds the input of every gate activation, not that of LSTM's h(C); the steps of a sequence
+past its `sequence_lens` entry leave the state unchanged and write zeros to Y, and a sequence
+of length 0 ends in zero states (not its initial ones); `input_forget` makes the forget gate
+1 - i. A state known to be zero (no initial_h/initial_c) is `None` here, which drops the terms
+it would multiply from the first step exactly.
 """
 
 from __future__ import annotations
