@@ -433,3 +433,30 @@ def test_import_cli_writes_the_unrolled_lstm_and_refuses_a_runtime_loop(tmp_path
     assert r.rc == 1 and "Traceback" not in r.err
     assert "node 'n_times' (Loop): the trip count M ('M') must be a constant" in r.err
     assert not (tmp_path / "loop.ir").exists()
+
+
+def test_if_inside_a_loop_folds_per_iteration_on_the_iteration_number() -> None:
+    """acc <- acc + x for the first two iterations, acc * x after: the If's condition is
+    computed from the iteration number, so each unrolled copy takes one branch."""
+    two = numpy_helper.from_array(np.array(2, np.int64), "two")
+    branch = {name: helper.make_graph([helper.make_node(op, ["acc", "x"], [f"{name}_out"])],
+                                      name, [], [_vi(f"{name}_out", [2])])
+              for name, op in (("early", "Add"), ("late", "Mul"))}
+    body = helper.make_graph(
+        [helper.make_node("Constant", [], ["two"], value=two),
+         helper.make_node("Less", ["i", "two"], ["is_early"]),
+         helper.make_node("If", ["is_early"], ["acc_out"], then_branch=branch["early"],
+                          else_branch=branch["late"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body", [_vi("i", [], TensorProto.INT64), _vi("cond_in", [], TensorProto.BOOL),
+                 _vi("acc", [2])],
+        [_vi("cond_out", [], TensorProto.BOOL), _vi("acc_out", [2])])
+    inits = [numpy_helper.from_array(np.array(4, np.int64), "M"),
+             numpy_helper.from_array(np.ones(2, np.float32), "acc0")]
+    node = helper.make_node("Loop", ["M", "", "acc0"], ["acc"], body=body)
+    model = _model([node], [_vi("x", [2])], [_vi("acc", [2])], inits)
+    feeds = {"x": np.array([1.5, -2.0], np.float32)}
+    assert_close(MplowerBackend.prepare(model).run(feeds), ort_run(model, feeds))
+    f = import_model(model).module.function()
+    ops = [f.op(n) for n in f.ops()]
+    assert ops.count("mp.add") == 2 and ops.count("mp.mul") == 2 and "mp.where" not in ops
