@@ -161,8 +161,8 @@ def _if(imp: _Importer, node: onnx.NodeProto) -> list:
         why = e.diagnostics[0]
         raise StaticInputsNeeded(roots, replace(why, message=(
             f"{why.message}; the condition depends on graph input(s) "
-            f"{', '.join(map(repr, roots))}, and with them fixed the If imports its taken "
-            f"branch alone"))) from None
+            f"{', '.join(map(repr, roots))}, and with their values known at import (as the "
+            f"ONNX backend binds them) the If imports its taken branch alone"))) from None
 
 
 def _select(imp: _Importer, node: onnx.NodeProto, cond: Run, then: list[Value],
