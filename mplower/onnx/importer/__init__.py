@@ -5,12 +5,14 @@ all in `HANDLERS`. A new ONNX op is one `@handler` function in its family's modu
 """
 
 from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
+    control_flow,
     elementwise,
     indexing,
     linalg,
     msft,
     pooling,
     quantization,
+    recurrent,
     reduce,
     shape,
     transformer_ops,

@@ -302,14 +302,14 @@ class _Importer:
                                                f"mplower cannot import: {listing}"
                                                f"{_sklearn_hint(bad, g)}")
         inits = {t.name: t for t in g.initializer}
-        needed = {i for n in nodes for i in n.input if i}
+        needed = {i for n in nodes for i in _node_inputs(n) if i}  # subgraphs read outer values
         needed.update(self.out_names)
         for t in g.initializer:
             if t.name in needed:
                 self.env[t.name] = Const(self._tensor_array(t))
         args, arg_types = self._arguments(inits, needed)
         self._shape_inference()
-        self.consumers = Counter(i for n in nodes for i in n.input if i)
+        self.consumers = Counter(i for n in nodes for i in _node_inputs(n) if i)
         for name in self.out_names:
             self.consumers[name] += 1
         for node in nodes:
@@ -401,7 +401,7 @@ class _Importer:
         g.output.extend(outputs[o] for o in self.out_names)
         del g.node[:]
         g.node.extend(kept)
-        self.producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+        self.producer = {o: n for n in g.node for o in n.output if o}
         return list(g.node)
 
     def _arguments(self, inits: dict, needed: set[str]) -> tuple[list[str], list[int]]:
@@ -592,7 +592,7 @@ class _Importer:
             if v in inputs and isinstance(self.env.get(v), (Run, Unbound)):
                 roots.append(v)
             elif v in self.producer:
-                stack.extend(x for x in _node_inputs(g.node[self.producer[v]]) if x)
+                stack.extend(x for x in _node_inputs(self.producer[v]) if x)
         return sorted(roots)
 
     def as_run(self, v: Const | Run, name: str = "") -> Run:
@@ -768,7 +768,8 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
 
 Handler = Callable[[_Importer, onnx.NodeProto], list]
 HANDLERS: dict[str, Handler] = {}
-_NO_FOLD = {"Dropout", "LRN"}  # identity at inference / onnx's reference gets LRN wrong
+# Identity at inference / onnx's reference gets LRN wrong / subgraphs read outer values.
+_NO_FOLD = {"Dropout", "LRN", "If", "Loop", "Scan"}
 
 
 def handler(*names: str):
