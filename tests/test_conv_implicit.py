@@ -15,7 +15,7 @@ import pytest
 from conftest import sequential_matmul
 from numba import njit
 
-from mplower.numerics import conv, gemm
+from mplower.numerics import conv, conv_gemm, gemm
 from mplower.numerics.conv import conv2d
 from mplower.numerics.workers import claim, run_units
 
@@ -102,14 +102,14 @@ def test_implicit_gemm_conv_equals_the_sequential_numpy_sum_bit_for_bit(monkeypa
 @pytest.mark.parametrize("case", [c for c in CASES if c[1][1:] == (1, 1)],
                          ids=lambda c: "x".join(map(str, c[0] + c[1])))
 def test_wide_1x1_convs_pack_their_panels_with_the_same_bits(monkeypatch, case) -> None:
-    # Convs of gemm._PACK_1X1_ROWS output channels or more copy their 1x1 panels instead of
+    # Convs of conv_gemm._PACK_1X1_ROWS output channels or more copy their 1x1 panels instead of
     # reading them in place: the threshold lowered to 1 here, so that every 1x1 case does.
     xs, (o, kh, kw), strides, padding, dilations, groups = case
     rng = np.random.default_rng(sum(xs) + o + 2)
     x = rng.standard_normal(xs).astype(np.float32)
     w = rng.standard_normal((o, xs[1] // groups, kh, kw)).astype(np.float32)
     expect = sequential_conv(x, w, strides, padding, dilations, groups)
-    monkeypatch.setattr(gemm, "_PACK_1X1_ROWS", 1)
+    monkeypatch.setattr(conv_gemm, "_PACK_1X1_ROWS", 1)
     for serial_below in (gemm.SERIAL_BELOW, 0):
         monkeypatch.setattr(gemm, "SERIAL_BELOW", serial_below)
         assert bits(conv2d(x, w, strides, padding, dilations, groups)) == bits(expect)
@@ -123,7 +123,7 @@ SPAN_CASES = [((1, 8, 64, 64), 16, 1), ((2, 6, 45, 45), 24, 1), ((3, 12, 40, 40)
 
 @pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: "x".join(map(str, c[0])))
 def test_deep_1x1_convs_pack_whole_spans_with_the_same_bits(monkeypatch, case) -> None:
-    # A deep 1x1 conv whose input is beyond the caches (gemm._PACK_1X1_DEEP, _PACK_1X1_BYTES;
+    # A deep 1x1 conv whose input is beyond the caches (conv_gemm._PACK_1X1_DEEP, _PACK_1X1_BYTES;
     # both lowered here) copies each span's panels a plane at a time (`_convert_span`), as an
     # 8-bit input always does: the same sums as read in place.
     xs, o, groups = case
@@ -136,8 +136,8 @@ def test_deep_1x1_convs_pack_whole_spans_with_the_same_bits(monkeypatch, case) -
     wq = rng.integers(-128, 128, w.shape).astype(np.int8)
     exact = integer_conv(xq, wq, (1, 1), (0, 0, 0, 0), (1, 1), groups)
     for deep, size in ((1 << 30, 1 << 62), (1, 0)):  # in place, then packed
-        monkeypatch.setattr(gemm, "_PACK_1X1_DEEP", deep)
-        monkeypatch.setattr(gemm, "_PACK_1X1_BYTES", size)
+        monkeypatch.setattr(conv_gemm, "_PACK_1X1_DEEP", deep)
+        monkeypatch.setattr(conv_gemm, "_PACK_1X1_BYTES", size)
         for _ in _schedules(monkeypatch):
             got = conv2d(x, w, (1, 1), (0, 0, 0, 0), (1, 1), groups, bias=bias, relu=True)
             assert bits(got) == bits(expect)
@@ -359,15 +359,15 @@ def test_int8_conv_dequantize_epilogue_in_the_register_store_is_numpys_float32_a
 @pytest.mark.parametrize("kernel", [1, 3])
 def test_units_spanning_several_panels_give_the_sequential_sum(monkeypatch, kernel) -> None:
     # 4 images of 41x41 pixels: 53 panels each (the last one partial), 212 in all, enough for
-    # work units of 6 consecutive panels (gemm._SPAN, at least gemm._UNITS units), the last
-    # span of each image 5 panels long; 1x1 panels read in place, 3x3 panels packed.
+    # work units of 6 consecutive panels (conv_gemm._SPAN, at least conv_gemm._UNITS units), the
+    # last span of each image 5 panels long; 1x1 panels read in place, 3x3 panels packed.
     rng = np.random.default_rng(12)
     x = rng.standard_normal((4, 4, 41, 41)).astype(np.float32)
     w = rng.standard_normal((20, 4, kernel, kernel)).astype(np.float32)
     bias = rng.standard_normal(20).astype(np.float32)
     pad = (kernel // 2,) * 4
     expect = sequential_conv(x, w, (1, 1), pad, (1, 1), 1, bias, relu=True)
-    assert 212 // gemm._UNITS == 6 < gemm._SPAN
+    assert 212 // conv_gemm._UNITS == 6 < conv_gemm._SPAN
     for _ in _schedules(monkeypatch):
         got = conv2d(x, w, (1, 1), pad, (1, 1), 1, bias=bias, relu=True)
         assert bits(got) == bits(expect)

@@ -25,7 +25,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from mplower.numerics import gemm
+from mplower.numerics import gemm_kernel
 from mplower.numerics.conv import conv2d
 from mplower.numerics.cpu import Target, compile_target, probe
 from mplower.numerics.gemm import integer_matmul, matmul
@@ -261,32 +261,32 @@ def _through(transform, x: np.ndarray) -> np.ndarray:
 
 
 def test_portable_f16_round_trip_is_numpys_and_the_cpus() -> None:
-    """gemm._half_round_trip without the float16 conversion instructions: numpy's float16
+    """gemm_kernel._half_round_trip without the float16 conversion instructions: numpy's float16
     cast there and back on every non-NaN, quiet NaNs keeping sign and payload top bits; and,
     where this machine's target has the instructions, their bits on every input, signalling
     NaNs included."""
     x = _float32_sample()
-    portable = _through(lambda b, v: gemm._half_round_trip(b, v, False), x)
+    portable = _through(lambda b, v: gemm_kernel._half_round_trip(b, v, False), x)
     quiet = ~np.isnan(x) | ((x.view(np.uint32) & np.uint32(0x00400000)) != 0)
     with np.errstate(over="ignore"):
         expect = x.astype(np.float16).astype(np.float32)
     assert np.array_equal(portable[quiet].view(np.uint32), expect[quiet].view(np.uint32))
     if compile_target().half:
-        native = _through(lambda b, v: gemm._half_round_trip(b, v, True), x)
+        native = _through(lambda b, v: gemm_kernel._half_round_trip(b, v, True), x)
         assert np.array_equal(portable.view(np.uint32), native.view(np.uint32))
 
 
 def test_portable_rint_is_numpys() -> None:
-    """gemm._rint without a rounding instruction: np.rint's bits on every number (ties to
+    """gemm_kernel._rint without a rounding instruction: np.rint's bits on every number (ties to
     even, -0.0 and the sign of results that round to zero, inf kept), and NaN for NaN (its
     payload does not matter: the quantize makes a NaN the zero point)."""
     x = _float32_sample()
-    portable = _through(lambda b, v: gemm._rint(b, v, False), x)
+    portable = _through(lambda b, v: gemm_kernel._rint(b, v, False), x)
     number = ~np.isnan(x)
     assert np.array_equal(portable[number].view(np.uint32), np.rint(x[number]).view(np.uint32))
     assert np.isnan(portable[~number]).all()
     if compile_target().rint:
-        native = _through(lambda b, v: gemm._rint(b, v, True), x)
+        native = _through(lambda b, v: gemm_kernel._rint(b, v, True), x)
         assert np.array_equal(portable[number].view(np.uint32),
                               native[number].view(np.uint32))
 

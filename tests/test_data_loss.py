@@ -212,7 +212,8 @@ def test_sigterm_before_trains_commit_leaves_the_old_set_and_no_stage_file(tmp_p
     assert _stage_files(tmp_path) == []
 
 
-def test_sigkill_before_trains_commit_leaves_the_old_set_and_the_next_run_cleans_up(tmp_path):
+def test_sigkill_before_trains_commit_leaves_the_old_set_and_the_next_run_cleans_up(cli,
+                                                                                   tmp_path):
     args = _train_args(tmp_path)
     old = _old_files(tmp_path, TRAIN_OUTPUTS)
     proc = _paused(*args)
@@ -221,8 +222,9 @@ def test_sigkill_before_trains_commit_leaves_the_old_set_and_the_next_run_cleans
     assert _contents(tmp_path, TRAIN_OUTPUTS) == old
     left = _stage_files(tmp_path)
     assert len(left) == 4 and all(n.startswith(".") and n.endswith(".tmp") for n in left)
-    r = _mplower(*args)
-    assert r.returncode == 0, r.stderr
+    # Only the killed run needs a process of its own; the next one runs in this one.
+    r = cli(*args)
+    assert r.rc == 0, r.err
     new = _contents(tmp_path, TRAIN_OUTPUTS)
     assert all(new[n] != old[n] for n in TRAIN_OUTPUTS) and new["p.png"].startswith(PNG)
     assert _stage_files(tmp_path) == []
@@ -240,11 +242,13 @@ def _release(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-def test_killed_tune_leaves_the_old_release_whole_and_the_next_run_swaps_in_a_new_one(tmp_path):
+def test_killed_tune_leaves_the_old_release_whole_and_the_next_run_swaps_in_a_new_one(cli,
+                                                                                     tmp_path):
     out = tmp_path / "rel"
     args = _tune_args(tmp_path, out, "--budget", "5")
-    first = _mplower(*args)
-    assert first.returncode == 0, first.stderr
+    # Only the killed runs need processes of their own; the others run in this one.
+    first = cli(*args)
+    assert first.rc == 0, first.err
     old = _release(out)
     assert sorted(old) == ["lowered.ir", "lowered.npz", "pareto.png", "policy.toml", "tune.json"]
     for kill in (lambda p: p.send_signal(signal.SIGTERM), lambda p: p.kill()):
@@ -253,8 +257,8 @@ def test_killed_tune_leaves_the_old_release_whole_and_the_next_run_swaps_in_a_ne
         proc.communicate(timeout=120)
         assert _release(out) == old
     assert len(_stage_files(tmp_path)) == 1  # the SIGKILLed run's stage folder
-    again = _mplower(*_tune_args(tmp_path, out, *FAILING))
-    assert again.returncode == 3, again.stderr
+    again = cli(*_tune_args(tmp_path, out, *FAILING))
+    assert again.rc == 3, again.err
     assert _stage_files(tmp_path) == []
     assert sorted(_release(out)) == ["pareto.png", "tune.json"]
 

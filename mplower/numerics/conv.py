@@ -10,8 +10,8 @@ The im2col is never built: a work unit (image and group, a span of consecutive p
 output pixels as wide as the register tile, a block of output channels) packs its panels of
 `cols` straight from the padded input into a small buffer of its thread (L2-resident, reused
 by every row tile of the unit) and runs the GEMM's tiles on them
-(mplower.numerics.gemm.conv_product): the same k order, the same bits as the product of the
-materialized im2col, without writing and reading back K times the input. Threads claim units
+(mplower.numerics.conv_gemm.conv_product): the same k order, the same bits as the product of
+the materialized im2col, without writing and reading back K times the input. Threads claim units
 with an atomic counter (mplower.numerics.workers.run_units). With one group the panels run
 over the pixels of all the images in turn, so that an image's last panel is filled with the
 next image's first pixels rather than with lanes that compute nothing (a 7x7 output filled 49
@@ -40,15 +40,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mplower.numerics.conv_gemm import conv_product
 from mplower.numerics.depthwise import depthwise_conv2d, is_depthwise
-from mplower.numerics.gemm import (
-    F32_EXACT,
-    TILE_ROWS,
-    conv_product,
-    int_magnitude,
-    integer_matmul,
-    matmul,
-)
+from mplower.numerics.gemm import F32_EXACT, TILE_ROWS, int_magnitude, integer_matmul, matmul
 from mplower.numerics.quant import quantize as quant_quantize
 from mplower.numerics.quant import store_table
 from mplower.numerics.rounding import MX_ROUNDING_FORMATS, round_to

@@ -3,7 +3,7 @@
 numba compiles for this machine unless NUMBA_CPU_NAME names another CPU (`generic` for a cache
 that any x86-64 can load), with NUMBA_CPU_FEATURES's features where that is set (numba sets it
 to "" for `generic`: the named CPU's own features) and this machine's otherwise. The kernels
-written as LLVM IR by hand (gemm's micro-kernel and its epilogue) pick their instructions for
+written as LLVM IR by hand (gemm_kernel's micro-kernel and its epilogue) pick their instructions for
 that target, never for the host: an operation the target has no instruction for becomes a
 call into a compiler runtime library, and numba's JIT does not link the ones that float16
 conversions need (`__truncsfhf2`, `__extendhfsf2`), which left every relocation of the
@@ -12,7 +12,7 @@ to address 0. Each question below is answered by LLVM itself, from the assembly 
 function compiled for the target machine numba uses, so a CPU name implies what LLVM says it
 implies (x86-64-v2 has SSE4.1's rounding but no F16C; AArch64 has both) and nothing is
 assumed from the host. The answers choose between a fast path and a portable one that
-computes the same bits (gemm.py), never between results.
+computes the same bits (gemm_kernel.py), never between results.
 """
 
 from __future__ import annotations

@@ -43,8 +43,10 @@ import functools
 import numpy as np
 from numba import njit
 
+from mplower.numerics import jitcache  # noqa: F401  (before the first jitted function)
 from mplower.numerics.formats import FORMATS
-from mplower.numerics.gemm import F32_EXACT, amax_of_bits, int_magnitude, prefetch_read
+from mplower.numerics.gemm import F32_EXACT, amax_of_bits, int_magnitude
+from mplower.numerics.gemm_kernel import prefetch_read
 from mplower.numerics.quant import _fake_one
 from mplower.numerics.rounding import (
     MX_ROUNDING_FORMATS,

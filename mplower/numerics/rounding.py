@@ -178,7 +178,7 @@ def plain_bf16(p):
 def plain_f16(p):
     """Whether rounding parameters p (`_params`) are non-saturating f16's (13 dropped bits,
     ±inf on overflow, numpy's NaN payload), which the conv tiles round with the CPU's float16
-    conversion, or its twin where the compile target has none (gemm._half_round_trip)."""
+    conversion, or its twin where the compile target has none (gemm_kernel._half_round_trip)."""
     return p[0] == _U32(13) and p[7] == _U32(_F32_INF) and p[9] == _U32(0x007FE000)
 
 
