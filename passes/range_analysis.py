@@ -128,7 +128,7 @@ _UNARY: dict[str, Callable[[Interval], Interval]] = {
 # Ops whose result holds values of their first operand only (or a subset of them), besides
 # those that move elements (Trait.DATA_MOVEMENT, asked of the op: a new one needs no entry).
 _PASS_THROUGH = frozenset({"mp.reduce_max", "mp.cast", "mp.dequantize", "mp.fake_quant",
-                           "mp.max_pool2d"})
+                           "mp.max_pool2d", "mp.reduce_min", "mp.topk"})
 _AVERAGING = frozenset({"mp.reduce_mean", "mp.avg_pool2d", "mp.global_avg_pool"})
 
 

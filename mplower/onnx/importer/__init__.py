@@ -11,6 +11,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     pooling,
     quantization,
     reduce,
+    reductions,
     shape,
 )
 from mplower.onnx.importer.core import (

@@ -1,0 +1,314 @@
+"""Reductions, TopK, the norm-based normalizations and the indexing ops, imported from ONNX and
+checked against onnxruntime (an independent implementation) on values; their mp ops export
+back to ONNX that onnxruntime runs; and constant folding of what exporters write (the
+HuggingFace BERT token-type GatherElements) works where onnx's reference evaluator fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mplower.backend.executor import Program
+from mplower.ir.diagnostics import DiagnosticError, Location
+from mplower.onnx import exporter
+from mplower.onnx.backend import MplowerBackend
+from mplower.onnx.importer import import_model
+
+ort = pytest.importorskip("onnxruntime")
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+_rng = np.random.default_rng(7)
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=18) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=8)
+
+
+def _vi(name, shape, t=F):
+    return helper.make_tensor_value_info(name, t, shape)
+
+
+def _ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+def _mplower(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    return MplowerBackend.prepare(model).run(feeds)
+
+
+def _ops(module) -> list[str]:
+    f = module.function()
+    return [f.op(n) for n in f.ops()]
+
+
+def _check(model: onnx.ModelProto, feeds: dict, rtol=1e-6, atol=1e-6) -> list[np.ndarray]:
+    want = _ort(model, feeds)
+    got = _mplower(model, feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+    return got
+
+
+# ---- reductions -------------------------------------------------------------------------------
+
+_REDUCES = ["ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+            "ReduceLogSumExp", "ReduceSumSquare"]
+
+
+def _reduce_model(op: str, axes, keepdims: int, opset: int, noop: int = 0,
+                  shape=(2, 3, 4)) -> onnx.ModelProto:
+    attrs = {"keepdims": keepdims}
+    inputs, inits = ["x"], []
+    if opset < 18:
+        if axes is not None:
+            attrs["axes"] = axes
+    else:
+        attrs["noop_with_empty_axes"] = noop
+        if axes is not None:
+            inputs.append("axes")
+            inits.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+    node = helper.make_node(op, inputs, ["y"], **attrs)
+    return _model([node], [_vi("x", list(shape))], [_vi("y", None)], inits, opset)
+
+
+@pytest.mark.parametrize("op", _REDUCES)
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("axes,keepdims", [([1], 1), ([0, 2], 0), ([-1], 0), (None, 1),
+                                           (None, 0)])
+def test_reductions_match_onnxruntime_in_every_axes_form(op, opset, axes, keepdims) -> None:
+    # Positive values keep the logarithms finite; a 0.5 offset keeps products away from zero.
+    x = (_rng.random((2, 3, 4)) + 0.5).astype(np.float32)
+    if op in ("ReduceMin", "ReduceL1", "ReduceSumSquare", "ReduceLogSumExp"):
+        x -= 1.0  # signs matter to these
+    _check(_reduce_model(op, axes, keepdims, opset), {"x": x}, rtol=2e-6)
+
+
+@pytest.mark.parametrize("op", _REDUCES)
+def test_noop_with_empty_axes_leaves_the_tensor_unreduced(op) -> None:
+    x = (_rng.random((2, 3)) + 0.5).astype(np.float32)
+    model = _reduce_model(op, [], 1, 18, noop=1, shape=(2, 3))
+    got = _mplower(model, {"x": x})[0]
+    # ONNX's reference: the elementwise part alone (|x|, x^2, log x, ...), no reduction.
+    want = {"ReduceMin": x, "ReduceProd": x, "ReduceL1": np.abs(x), "ReduceL2": np.abs(x),
+            "ReduceLogSum": np.log(x), "ReduceLogSumExp": x,
+            "ReduceSumSquare": x * x}[op]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_reduce_min_and_prod_of_integers_and_over_no_elements() -> None:
+    x = np.array([[3, -7, 2], [5, 1, -2]], np.int64)
+    for op in ("ReduceMin", "ReduceProd"):
+        node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=0)
+        model = _model([node], [_vi("x", [2, 3], I64)], [_vi("y", None, I64)],
+                       [numpy_helper.from_array(np.array([1], np.int64), "axes")])
+        got = _check(model, {"x": x})[0]
+        assert got.tolist() == ([-7, -2] if op == "ReduceMin" else [-42, -10])
+    empty = np.zeros((2, 0), np.float32)
+    for op, want in (("ReduceMin", np.inf), ("ReduceProd", 1.0), ("ReduceLogSumExp", -np.inf),
+                     ("ReduceL2", 0.0)):
+        model = _reduce_model(op, [1], 1, 18, shape=(2, 0))
+        assert _mplower(model, {"x": empty})[0].tolist() == [[want], [want]]
+
+
+def test_log_sum_exp_of_large_logits_does_not_overflow() -> None:
+    x = np.array([[1000.0, 1000.0, 990.0]], np.float32)
+    got = _check(_reduce_model("ReduceLogSumExp", [1], 0, 18, shape=(1, 3)), {"x": x})[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, [1000.0 + np.log(2 + np.exp(-10))], rtol=1e-7)
+
+
+def test_reduce_l2_of_integers_is_refused_with_the_node_named() -> None:
+    node = helper.make_node("ReduceL2", ["x"], ["y"], name="norm_node")
+    model = _model([node], [_vi("x", [2, 3], I64)], [_vi("y", None, I64)])
+    with pytest.raises(DiagnosticError) as info:
+        import_model(model, "m.onnx")
+    message = info.value.diagnostics[0].message
+    assert "norm_node" in message and "float tensors only" in message
+
+
+@pytest.mark.parametrize("op", ["ArgMin", "ArgMax"])
+@pytest.mark.parametrize("last", [0, 1])
+def test_argmin_with_ties_and_select_last_index(op, last) -> None:
+    x = np.array([[2.0, -1.0, 5.0, -1.0, 5.0], [0.0, 0.0, 0.0, 3.0, 3.0]], np.float32)
+    node = helper.make_node(op, ["x"], ["y"], axis=1, keepdims=0, select_last_index=last)
+    got = _check(_model([node], [_vi("x", [2, 5])], [_vi("y", None, I64)]), {"x": x})[0]
+    want = {("ArgMin", 0): [1, 0], ("ArgMin", 1): [3, 2], ("ArgMax", 0): [2, 3],
+            ("ArgMax", 1): [4, 4]}[op, last]
+    assert got.tolist() == want
+
+
+# ---- TopK -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_topk_values_and_indices_match_onnxruntime_with_ties(largest, axis) -> None:
+    x = np.array([[3.0, 1.0, 3.0, 2.0], [0.5, 0.5, -1.0, 4.0], [3.0, 1.0, -2.0, 2.0]],
+                 np.float32)
+    node = helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=axis, largest=largest)
+    model = _model([node], [_vi("x", [3, 4])], [_vi("v", None), _vi("i", None, I64)],
+                   [numpy_helper.from_array(np.array([2], np.int64), "k")])
+    values, indices = _check(model, {"x": x})
+    if (largest, axis) == (1, -1):  # ties: the lower index first
+        assert indices.tolist() == [[0, 2], [3, 0], [0, 3]]
+        assert values.tolist() == [[3.0, 3.0], [4.0, 0.5], [3.0, 2.0]]
+
+
+def test_topk_at_opset_1_takes_k_as_an_attribute() -> None:
+    x = _rng.standard_normal((2, 6)).astype(np.float32)
+    node = helper.make_node("TopK", ["x"], ["v", "i"], k=3)
+    _check(_model([node], [_vi("x", [2, 6])], [_vi("v", None), _vi("i", None, I64)], opset=1),
+           {"x": x})
+
+
+# ---- normalizations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("axis", [1, -1])
+def test_lp_normalization_matches_onnxruntime(p, axis) -> None:
+    x = _rng.standard_normal((3, 4, 5)).astype(np.float32)
+    node = helper.make_node("LpNormalization", ["x"], ["y"], p=p, axis=axis)
+    _check(_model([node], [_vi("x", [3, 4, 5])], [_vi("y", None)], opset=17), {"x": x})
+
+
+def test_mean_variance_normalization_matches_onnxruntime() -> None:
+    x = _rng.standard_normal((2, 3, 4, 5)).astype(np.float32) * 3 + 1
+    # (Without `axes`, onnx 1.23's shape inference of the function body rejects the model.)
+    for axes in ([1], [0, 2, 3], [-1, 2]):
+        node = helper.make_node("MeanVarianceNormalization", ["x"], ["y"], axes=axes)
+        _check(_model([node], [_vi("x", [2, 3, 4, 5])], [_vi("y", None)], opset=13), {"x": x},
+               rtol=1e-5, atol=1e-5)
+
+
+# ---- the mp ops: export, ranges, gradients ------------------------------------------------------
+
+
+def test_reduction_ops_export_to_onnx_that_onnxruntime_runs() -> None:
+    from mplower.ir.parser import parse
+
+    text = """func.func @main(%x: tensor<3x4xf32>) -> (tensor<3xf32>, tensor<4xf32>,
+        tensor<1x4xi32>, tensor<3x2xf32>, tensor<3x2xi64>) {
+  %a = mp.reduce_min %x {axes = [1], keepdims = false} : (tensor<3x4xf32>) -> tensor<3xf32>
+  %b = mp.reduce_prod %x {axes = [0], keepdims = false} : (tensor<3x4xf32>) -> tensor<4xf32>
+  %c = mp.argmin %x {axis = 0} : (tensor<3x4xf32>) -> tensor<1x4xi32>
+  %d = mp.topk %x {k = 2, axis = 1, largest = false} : (tensor<3x4xf32>) -> tensor<3x2xf32>
+  %e = mp.topk_indices %x {k = 2, axis = 1} : (tensor<3x4xf32>) -> tensor<3x2xi64>
+  return %a, %b, %c, %d, %e : tensor<3xf32>, tensor<4xf32>, tensor<1x4xi32>, tensor<3x2xf32>,
+    tensor<3x2xi64>
+}
+"""
+    module = parse(text, "r.ir")
+    x = _rng.standard_normal((3, 4)).astype(np.float32)
+    ours = Program(module).run([x], reference=False).outputs
+    want = [x.min(1), x.prod(0), x.argmin(0)[None], np.sort(x, 1)[:, :2],
+            np.argsort(-x, 1, kind="stable")[:, :2]]
+    for o, w in zip(ours, want):
+        np.testing.assert_allclose(np.asarray(o), w, rtol=1e-6)
+    data = exporter.check_and_serialize(exporter.export_module(module).model,
+                                        Location("r.ir", 0, 0))
+    s = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    theirs = s.run(None, {s.get_inputs()[0].name: x})
+    for o, t in zip(ours, theirs):
+        np.testing.assert_allclose(np.asarray(o), t, rtol=1e-6)
+
+
+def test_range_analysis_passes_min_and_topk_through() -> None:
+    from mplower.ir.types import tensor
+    from mplower.passes.range_analysis import Interval, propagate
+
+    t = [tensor((3, 4), "f32")]
+    for op, attrs, out in (("mp.reduce_min", {"axes": (1,), "keepdims": False}, (3,)),
+                           ("mp.topk", {"k": 2, "axis": 1}, (3, 2))):
+        got = propagate(op, [Interval(-3.0, 7.5)], attrs, t, tensor(out, "f32"), [None])
+        assert (got.lo, got.hi) == (-3.0, 7.5)
+
+
+def test_reduce_min_and_topk_gradients_go_to_the_picked_elements() -> None:
+    from mplower.ir.opdef import OPS
+
+    x = np.array([[3.0, 1.0, 2.0], [0.0, 5.0, 4.0]], np.float32)
+    got = OPS["mp.topk"].reference([x], {"k": 2, "axis": 1, "largest": True})[0]
+    assert got.tolist() == [[3.0, 2.0], [5.0, 4.0]]
+    idx = OPS["mp.topk_indices"].reference([x], {"k": 2, "axis": 1, "largest": True})[0]
+    dy = np.array([[10.0, 20.0], [30.0, 40.0]], np.float32)
+    grad = OPS["mp.scatter_elements_add"].reference([np.zeros_like(x), idx, dy], {"axis": 1})[0]
+    assert grad.tolist() == [[10.0, 0.0, 20.0], [0.0, 30.0, 40.0]]
+    assert OPS["mp.reduce_min"].vjp is not None and OPS["mp.reduce_prod"].vjp is None
+
+
+# ---- what exporters write: HuggingFace BERT's token-type ids --------------------------------------
+
+
+def _bert_token_types(max_positions: int = 512, seq: int = 16) -> onnx.ModelProto:
+    """What the TorchScript exporter writes for BertEmbeddings' buffered token-type ids:
+    `buffered.expand(batch, -1)` then `torch.gather(..., dim=1, index=position_ids)`, all over
+    constants once the batch is fixed."""
+    buf = (np.arange(max_positions) % 2).astype(np.int64).reshape(1, max_positions)
+    pos = np.arange(seq, dtype=np.int64).reshape(1, seq)[:, ::-1].copy()
+    nodes = [
+        helper.make_node("Shape", ["input_ids"], ["shape"]),
+        helper.make_node("Gather", ["shape", "zero"], ["batch"], axis=0),
+        helper.make_node("Unsqueeze", ["batch", "axis0"], ["batch1"]),
+        helper.make_node("Concat", ["batch1", "width"], ["target"], axis=0),
+        helper.make_node("Expand", ["buffered", "target"], ["expanded"]),
+        helper.make_node("GatherElements", ["expanded", "position_ids"], ["token_type_ids"],
+                         axis=1),
+        helper.make_node("Add", ["input_ids", "token_type_ids"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(buf, "buffered"),
+             numpy_helper.from_array(pos, "position_ids"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+             numpy_helper.from_array(np.array([max_positions], np.int64), "width")]
+    return _model(nodes, [_vi("input_ids", [1, seq], I64)], [_vi("y", [1, seq], I64)], inits,
+                  opset=17)
+
+
+def test_bert_token_type_gather_elements_folds_past_64_positions() -> None:
+    # onnx's ReferenceEvaluator breaks here (np.choose takes at most 64 choices, and its
+    # fallback reshapes one element into (1, 16)); the fold must not depend on it.
+    model = _bert_token_types()
+    ids = np.arange(16, dtype=np.int64).reshape(1, 16) * 10
+    got = _check(model, {"input_ids": ids})[0]
+    assert got.tolist() == [[10 * k + (15 - k) % 2 for k in range(16)]]
+    imported = import_model(model, "bert.onnx")
+    assert _ops(imported.module) == ["mp.constant", "mp.add", "return"]
+
+
+def test_a_node_the_reference_evaluator_cannot_fold_imports_as_ops(monkeypatch) -> None:
+    from onnx.reference import ReferenceEvaluator
+
+    def broken(self, *args, **kwargs):
+        raise ValueError("cannot reshape array of size 1 into shape (1,16)")
+
+    monkeypatch.setattr(ReferenceEvaluator, "run", broken)
+    a = numpy_helper.from_array(np.array([[1.0, 2.0]], np.float32), "a")
+    nodes = [helper.make_node("Tanh", ["a"], ["t"]), helper.make_node("Add", ["x", "t"], ["y"])]
+    model = _model(nodes, [_vi("x", [1, 2])], [_vi("y", [1, 2])], [a], opset=17)
+    imported = import_model(model, "m.onnx")
+    assert "mp.tanh" in _ops(imported.module)  # not a Python exception as the reason
+    x = np.array([[0.5, -0.5]], np.float32)
+    (y,) = Program(imported.module).run([x], reference=False).outputs
+    np.testing.assert_allclose(y, x + np.tanh([[1.0, 2.0]]), rtol=1e-6)
+
+
+def test_gather_elements_fold_with_an_index_out_of_range_is_a_located_diagnostic() -> None:
+    data = numpy_helper.from_array(np.zeros((1, 100), np.float32), "d")
+    idx = numpy_helper.from_array(np.array([[100]], np.int64), "i")
+    nodes = [helper.make_node("GatherElements", ["d", "i"], ["g"], axis=1, name="tt"),
+             helper.make_node("Add", ["x", "g"], ["y"])]
+    model = _model(nodes, [_vi("x", [1, 1])], [_vi("y", [1, 1])], [data, idx], opset=17)
+    with pytest.raises(DiagnosticError) as info:
+        import_model(model, "m.onnx")
+    message = info.value.diagnostics[0].message
+    assert message.startswith("node 'tt' (GatherElements): index 100 is out of range")
+    assert "Error" not in message
