@@ -455,6 +455,11 @@ class _Importer:
         """ONNX's shape inference over the fixed input shapes, then ONNX's checker: both reject
         inconsistent models with ONNX's own message, and the inferred static shapes of the
         outputs are checked against ours at the end."""
+        for node in self.model.graph.node:  # defaults that inference needs written out
+            have = {a.name for a in node.attribute}
+            for name, value in SPELLED_DEFAULTS.get(op_key(node), {}).items():
+                if name not in have:
+                    node.attribute.append(helper.make_attribute(name, value))
         try:
             inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
@@ -730,6 +735,9 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
 
 Handler = Callable[[_Importer, onnx.NodeProto], list]
 HANDLERS: dict[str, Handler] = {}
+# Attribute defaults written into the nodes before ONNX's shape inference, which fails on their
+# absence (MeanVarianceNormalization's function body reads `axes` without its default).
+SPELLED_DEFAULTS: dict[str, dict[str, Any]] = {}
 _NO_FOLD = {"Dropout", "LRN"}  # identity at inference / onnx's reference gets LRN wrong
 
 

@@ -21,6 +21,7 @@ import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.types import tensor
 from mplower.numerics.formats import FLOATS
 from mplower.onnx.importer.core import (
+    SPELLED_DEFAULTS,
     Const,
     Run,
     _attrs,
@@ -182,6 +183,9 @@ def _lp_normalization(imp: _Importer, node: onnx.NodeProto) -> list:
     is_zero = imp.emit("mp.equal", [norm, zero])
     return [imp.emit("mp.where", [is_zero, zero, imp.emit("mp.div", [x, norm])],
                      onnx_type=x.onnx_type)]
+
+
+SPELLED_DEFAULTS["MeanVarianceNormalization"] = {"axes": [0, 2, 3]}
 
 
 @handler("MeanVarianceNormalization")
