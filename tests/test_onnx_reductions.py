@@ -314,3 +314,129 @@ def test_gather_elements_fold_with_an_index_out_of_range_is_a_located_diagnostic
     message = info.value.diagnostics[0].message
     assert message.startswith("node 'tt' (GatherElements): index 100 is out of range")
     assert "Error" not in message
+
+
+# ---- indexing and data ops ----------------------------------------------------------------------
+
+
+def test_tile_matches_onnxruntime_and_computes_nothing() -> None:
+    x = _rng.standard_normal((2, 3)).astype(np.float32)
+    node = helper.make_node("Tile", ["x", "reps"], ["y"])
+    model = _model([node], [_vi("x", [2, 3])], [_vi("y", None)],
+                   [numpy_helper.from_array(np.array([3, 2], np.int64), "reps")], opset=13)
+    got = _check(model, {"x": x})[0]
+    assert np.array_equal(got, np.tile(x, (3, 2)))
+    ops = set(_ops(import_model(model, "t.onnx").module))
+    assert ops <= {"mp.reshape", "mp.expand", "return"}
+
+
+@pytest.mark.parametrize("op,mode", [("DepthToSpace", "DCR"), ("DepthToSpace", "CRD"),
+                                     ("SpaceToDepth", None)])
+def test_depth_to_space_and_back_match_onnxruntime(op, mode) -> None:
+    shape = [2, 8, 3, 2] if op == "DepthToSpace" else [2, 2, 6, 4]
+    x = _rng.standard_normal(shape).astype(np.float32)
+    kw = {"mode": mode} if mode else {}
+    node = helper.make_node(op, ["x"], ["y"], blocksize=2, **kw)
+    got = _check(_model([node], [_vi("x", shape)], [_vi("y", None)], opset=13), {"x": x})[0]
+    assert sorted(got.reshape(-1).tolist()) == sorted(x.reshape(-1).tolist())
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_one_hot_with_negative_and_out_of_range_indices(axis) -> None:
+    idx = np.array([[0, 3, -1], [-4, 4, 2]], np.int64)  # -4 is 0, 4 and -5 would be all off
+    node = helper.make_node("OneHot", ["i", "depth", "values"], ["y"], axis=axis)
+    model = _model([node], [_vi("i", [2, 3], I64)], [_vi("y", None)],
+                   [numpy_helper.from_array(np.array(4, np.int64), "depth"),
+                    numpy_helper.from_array(np.array([-1.0, 5.0], np.float32), "values")],
+                   opset=11)
+    got = _check(model, {"i": idx})[0]
+    assert (got == 5.0).sum() == 5 and (got == -1.0).sum() == got.size - 5
+
+
+def test_compress_with_a_constant_condition_is_a_gather() -> None:
+    x = _rng.standard_normal((3, 4)).astype(np.float32)
+    for axis in (1, None):
+        kw = {} if axis is None else {"axis": axis}
+        node = helper.make_node("Compress", ["x", "c"], ["y"], **kw)
+        model = _model([node], [_vi("x", [3, 4])], [_vi("y", None)],
+                       [numpy_helper.from_array(np.array([True, False, True]), "c")], opset=11)
+        got = _check(model, {"x": x})[0]
+        assert np.array_equal(got, np.compress([True, False, True], x, axis=axis))
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("bhid,bhjd->bhij", [(2, 3, 4, 5), (2, 3, 6, 5)]),  # attention scores
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    ("ij,jk", [(3, 4), (4, 5)]),  # implicit result
+    ("i,i->", [(5,), (5,)]),
+    ("ij->ji", [(3, 4)]),
+    ("ij->i", [(3, 4)]),
+    ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 5)]),
+    ("bn,anm,bm->ba", [(2, 3), (4, 3, 5), (2, 5)]),  # bilinear, three operands
+    ("i,j->ij", [(3,), (4,)]),
+    ("ii->i", [(4, 4)]),
+])
+def test_einsum_common_equations_match_onnxruntime(equation, shapes) -> None:
+    names = [f"x{k}" for k in range(len(shapes))]
+    feeds = {n: _rng.standard_normal(s).astype(np.float32) for n, s in zip(names, shapes)}
+    node = helper.make_node("Einsum", names, ["y"], equation=equation)
+    model = _model([node], [_vi(n, list(s)) for n, s in zip(names, shapes)], [_vi("y", None)],
+                   opset=12)
+    got = _check(model, feeds, rtol=1e-5, atol=1e-5)[0]
+    np.testing.assert_allclose(got, np.einsum(equation, *feeds.values()), rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_that_broadcasts_a_letter_is_refused_with_the_reason() -> None:
+    node = helper.make_node("Einsum", ["a", "b"], ["y"], equation="ij,ij->i", name="ein")
+    model = _model([node], [_vi("a", [3, 4]), _vi("b", [1, 4])], [_vi("y", None)], opset=12)
+    with pytest.raises(DiagnosticError) as info:
+        import_model(model, "e.onnx")
+    assert "node 'ein' (Einsum)" in info.value.diagnostics[0].message
+    assert "letter 'i' stands for dimensions 3 and 1" in info.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+def test_scatter_elements_and_nd_every_reduction_match_onnxruntime(reduction) -> None:
+    data = _rng.standard_normal((3, 4)).astype(np.float32)
+    idx = np.array([[1, 0, 2, 2], [1, 2, 1, -1]], np.int64)  # two updates to (1, 0), (2, 3)
+    if reduction == "none":
+        idx = np.array([[1, 0, 2, 0], [0, 2, 1, -1]], np.int64)  # no element written twice
+    upd = _rng.standard_normal((2, 4)).astype(np.float32)
+    node = helper.make_node("ScatterElements", ["d", "i", "u"], ["y"], axis=0,
+                            reduction=reduction)
+    model = _model([node], [_vi("d", [3, 4]), _vi("i", [2, 4], I64), _vi("u", [2, 4])],
+                   [_vi("y", None)], opset=18)
+    _check(model, {"d": data, "i": idx, "u": upd})
+    nd_idx = np.array([[2], [0]] if reduction == "none" else [[2], [0], [2]], np.int64)
+    nd_upd = _rng.standard_normal((len(nd_idx), 4)).astype(np.float32)
+    node = helper.make_node("ScatterND", ["d", "i", "u"], ["y"], reduction=reduction)
+    model = _model([node], [_vi("d", [3, 4]), _vi("i", list(nd_idx.shape), I64),
+                            _vi("u", list(nd_upd.shape))], [_vi("y", None)], opset=18)
+    _check(model, {"d": data, "i": nd_idx, "u": nd_upd})
+
+
+def test_scatter_ops_export_and_their_gradients_read_back_the_updates() -> None:
+    from mplower.ir.opdef import OPS
+    from mplower.ir.parser import parse
+
+    text = """func.func @main(%d: tensor<3x4xf32>, %i: tensor<2x1xi64>, %u: tensor<2x4xf32>)
+        -> tensor<3x4xf32> {
+  %y = mp.scatter_nd %d, %i, %u {reduction = "max"} : (tensor<3x4xf32>, tensor<2x1xi64>,
+    tensor<2x4xf32>) -> tensor<3x4xf32>
+  return %y : tensor<3x4xf32>
+}
+"""
+    module = parse(text, "s.ir")
+    d = _rng.standard_normal((3, 4)).astype(np.float32)
+    i = np.array([[2], [2]], np.int64)
+    u = _rng.standard_normal((2, 4)).astype(np.float32)
+    (ours,) = Program(module).run([d, i, u], reference=False).outputs
+    want = d.copy()
+    want[2] = np.maximum(np.maximum(d[2], u[0]), u[1])
+    assert np.array_equal(ours, want)
+    data = exporter.check_and_serialize(exporter.export_module(module).model,
+                                        Location("s.ir", 0, 0))
+    s = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    (theirs,) = s.run(None, dict(zip((x.name for x in s.get_inputs()), (d, i, u))))
+    assert np.array_equal(theirs, want)
+    assert OPS["mp.scatter_nd"].vjp is not None

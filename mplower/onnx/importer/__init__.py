@@ -7,6 +7,7 @@ all in `HANDLERS`. A new ONNX op is one `@handler` function in its family's modu
 from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     elementwise,
     indexing,
+    indexing_ops,
     linalg,
     pooling,
     quantization,
