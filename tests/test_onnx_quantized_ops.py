@@ -50,6 +50,12 @@ def _codes(shape, signed: bool, span: int = 256) -> np.ndarray:
     return _rng.integers(lo, hi, shape).astype(np.int8 if signed else np.uint8)
 
 
+def _ops(module) -> list[tuple[str, tuple[str, ...], str]]:
+    f = module.function()
+    return [(f.op(n), tuple(t.elem for t in f.operand_types(n)), f.types(n)[0].elem)
+            for n in f.ops() if f.op(n) != "return"]
+
+
 def _contractions(model: onnx.ModelProto) -> list[tuple[str, tuple[str, ...], str]]:
     f = import_model(model, "q.onnx").module.function()
     return [(f.op(n), tuple(t.elem for t in f.operand_types(n)), f.types(n)[0].elem)
@@ -155,6 +161,21 @@ def test_dynamic_quantize_linear_feeding_matmul_integer() -> None:
                                                   _vi("s", None, F), _vi("z", None, U8)],
                    [_init("w", w), _init("sw", np.float32(0.01))], opset=13)
     _same_as_onnxruntime(model, {"x": x})
+    # The zero point is a runtime value: the module computes it, nothing was bound to x.
+    ops = {op for op, _, _ in _ops(import_model(model, "d.onnx").module)}
+    assert {"mp.dynamic_quantize", "mp.dynamic_quantize_zero_point", "mp.matmul"} <= ops
+
+
+def test_dynamic_quantize_linear_feeding_a_padded_conv_integer() -> None:
+    x = (_rng.standard_normal((1, 2, 5, 5)) - 0.7).astype(np.float32)  # zero point > 0
+    w = _codes((3, 2, 3, 3), False)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"]),
+             helper.make_node("ConvInteger", ["q", "w", "z", "zw"], ["y"], pads=[1, 1, 1, 1])]
+    model = _model(nodes, [_vi("x", [1, 2, 5, 5], F)], [_vi("y", None, I32)],
+                   [_init("w", w), _init("zw", np.uint8(9))], opset=13)
+    _same_as_onnxruntime(model, {"x": x})
+    ops = {op for op, _, _ in _ops(import_model(model, "d.onnx").module)}
+    assert {"mp.dynamic_quantize_zero_point", "mp.expand", "mp.conv2d"} <= ops
 
 
 @pytest.mark.parametrize("t,zp", [(TensorProto.INT16, np.int16(-300)),

@@ -25,6 +25,7 @@ from mplower.onnx.importer.core import (
     Run,
     _attrs,
     _Importer,
+    _reshape_to,
     _window_attrs,
     handler,
 )
@@ -35,15 +36,41 @@ _CODES = ("i8", "ui8")
 _I32 = tensor((), "i32")
 
 
-def _zero_point(imp: _Importer, i: int, what: str) -> np.ndarray | None:
-    """A zero point input as int64 (None if absent or all zero)."""
-    zp = imp.const(i, what)
-    if zp is None:
+def _zero_point(imp: _Importer, i: int, what: str) -> np.ndarray | Run | None:
+    """A zero point input: a constant as int64 (None if absent or all zero), or a runtime
+    value in its own code type (DynamicQuantizeLinear's, in dynamically quantized models)."""
+    v = imp.input(i)
+    if v is None:
         return None
-    zp = np.asarray(zp).astype(np.int64)
+    if isinstance(v, Run):
+        if v.type.elem not in _CODES or v.type.rank > 1:
+            raise imp.error(f"{what} must be INT8 or UINT8, a scalar or 1-D, got {v.type}")
+        return v
+    zp = np.asarray(imp.const(i, what)).astype(np.int64)
     if zp.ndim > 1:
         raise imp.error(f"{what} must be a scalar or 1-D, got shape {list(zp.shape)}")
     return zp if np.any(zp != 0) else None
+
+
+def _zp_i32(imp: _Importer, zp: np.ndarray | Run, shape: tuple[int, ...], hint: str) -> Run:
+    """A zero point as i32, shaped `shape` to broadcast against the sums when it has one
+    entry per row or channel, else a scalar."""
+    if isinstance(zp, np.ndarray):
+        return _i32(imp, zp.reshape(shape) if zp.size > 1 else zp.reshape(()), hint)
+    wide = imp.emit("mp.cast", [zp], declared=zp.type.with_elem("i32"), hint=f"{hint}_i32")
+    return _reshape_to(imp, wide, shape if zp.type.size > 1 else ())
+
+
+def _both(imp: _Importer, k: int, za: np.ndarray | Run, zb: np.ndarray | Run,
+          shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> Run:
+    """k * za * zb, the term both zero points add back (folded where both are constants)."""
+    if isinstance(za, np.ndarray) and isinstance(zb, np.ndarray):
+        a = za.reshape(shapes[0]) if za.size > 1 else za.reshape(())
+        b = zb.reshape(shapes[1]) if zb.size > 1 else zb.reshape(())
+        return _i32(imp, k * a * b, "zero_points")
+    prod = imp.emit("mp.mul", [_zp_i32(imp, za, shapes[0], "za"),
+                               _zp_i32(imp, zb, shapes[1], "zb")])
+    return imp.emit("mp.mul", [prod, _i32(imp, np.array(k), "k")])
 
 
 def _codes(imp: _Importer, i: int) -> Run:
@@ -67,36 +94,45 @@ def _sum_i32(imp: _Importer, v: Run, axes: tuple[int, ...], hint: str) -> Run:
     return imp.emit("mp.reduce_sum", [wide], {"axes": axes, "keepdims": True}, hint=hint)
 
 
-def _integer_matmul(imp: _Importer, a: Run, b: Run, za: np.ndarray | None,
-                    zb: np.ndarray | None) -> Run:
+def _integer_matmul(imp: _Importer, a: Run, b: Run, za: np.ndarray | Run | None,
+                    zb: np.ndarray | Run | None) -> Run:
     if a.type.rank < 2 or b.type.rank < 2:
         raise imp.error(f"integer matmul of {a.type} and {b.type}: mplower takes operands of "
                         f"rank 2 or more")
     k = a.type.shape[-1]
     y = imp.emit("mp.matmul", [a, b], declared=_I32)
+    rows_of_a, cols_of_b = (a.type.shape[-2], 1), (b.type.shape[-1],)
     if za is not None:  # per row of a, or one for all
-        za = za.reshape(-1, 1) if za.size > 1 else za.reshape(())
         cols = _sum_i32(imp, b, (b.type.rank - 2,), "colsum")
-        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [cols, _i32(imp, za, "a_zero_point")])])
+        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [
+            cols, _zp_i32(imp, za, rows_of_a, "a_zero_point")])])
     if zb is not None:  # per column of b, or one for all
-        zb = zb.reshape(-1) if zb.size > 1 else zb.reshape(())
         rows = _sum_i32(imp, a, (a.type.rank - 1,), "rowsum")
-        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [rows, _i32(imp, zb, "b_zero_point")])])
+        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [
+            rows, _zp_i32(imp, zb, cols_of_b, "b_zero_point")])])
     if za is not None and zb is not None:
-        y = imp.emit("mp.add", [y, _i32(imp, k * za * zb, "zero_points")])
+        y = imp.emit("mp.add", [y, _both(imp, k, za, zb, (rows_of_a, cols_of_b))])
     return y
 
 
-def _pad_with(imp: _Importer, x: Run, pads: list[int], value: int) -> Run:
+def _pad_with(imp: _Importer, x: Run, pads: list[int], value: np.ndarray | Run) -> Run:
     """x (NCHW) with `value` around it: the zero point, which the shifted codes read as 0."""
     top, left, bottom, right = pads
     dtype = helper.tensor_dtype_to_np_dtype(x.onnx_type)
+
+    def slab(shape: list[int]) -> Run:
+        if isinstance(value, np.ndarray):
+            return imp.constant(np.full(shape, value.reshape(-1)[0], dtype), "pad")
+        one = _reshape_to(imp, value, (1, 1, 1, 1))
+        return imp.emit("mp.expand", [one], declared=tensor(tuple(shape), x.type.elem),
+                        onnx_type=x.onnx_type)
+
     for axis, before, after in ((2, top, bottom), (3, left, right)):
         shape = list(x.type.shape)
         parts = []
         for size in (before, after):
             shape[axis] = size
-            parts.append(imp.constant(np.full(shape, value, dtype), "pad") if size else None)
+            parts.append(slab(shape) if size else None)
         pieces = [p for p in (parts[0], x, parts[1]) if p is not None]
         if len(pieces) > 1:
             x = imp.emit("mp.concat", pieces, {"axis": axis}, onnx_type=x.onnx_type)
@@ -104,7 +140,7 @@ def _pad_with(imp: _Importer, x: Run, pads: list[int], value: int) -> Run:
 
 
 def _integer_conv(imp: _Importer, node: onnx.NodeProto, x: Run, w: Run,
-                  zx: np.ndarray | None, zw: np.ndarray | None) -> Run:
+                  zx: np.ndarray | Run | None, zw: np.ndarray | Run | None) -> Run:
     if x.type.rank != 4 or w.type.rank != 4:
         raise imp.error(f"integer convolution of {x.type}: mplower takes 2-D (NCHW) ones")
     oc, cg, kh, kw = w.type.shape
@@ -112,10 +148,12 @@ def _integer_conv(imp: _Importer, node: onnx.NodeProto, x: Run, w: Run,
     groups = int(_attrs(node).get("group", 1))
     padding = (pads[0], pads[1], pads[2], pads[3])
     if zx is not None:
-        if zx.size != 1:
+        if (zx.size if isinstance(zx, np.ndarray) else zx.type.size) != 1:
             raise imp.error("the input zero point of an integer convolution is one number")
+        if isinstance(zx, Run) and zx.type.elem != x.type.elem:
+            raise imp.error(f"x_zero_point {zx.type} and x {x.type} differ in type")
         if any(padding):
-            x = _pad_with(imp, x, list(padding), int(zx.reshape(-1)[0]))
+            x = _pad_with(imp, x, list(padding), zx)
             padding = (0, 0, 0, 0)
     attrs = {"strides": tuple(strides), "padding": padding, "dilations": tuple(dilations),
              "groups": groups}
@@ -128,17 +166,15 @@ def _integer_conv(imp: _Importer, node: onnx.NodeProto, x: Run, w: Run,
     if zx is not None:
         sums = _sum_i32(imp, w, (1, 2, 3), "weight_sums")  # (oc, 1, 1, 1)
         sums = imp.emit("mp.reshape", [sums], declared=tensor(per_channel, "i32"))
-        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [sums, _i32(imp, zx.reshape(()),
-                                                                   "x_zero_point")])])
+        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [
+            sums, _zp_i32(imp, zx, (), "x_zero_point")])])
     if zw is not None:
-        zw_c = zw.reshape(per_channel) if zw.size > 1 else zw.reshape(())
         ones = imp.constant(np.ones(w.type.shape, np.int8), "ones")
         windows = conv(ones)  # the sum of the codes each output reads (its group's channels)
-        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [windows, _i32(imp, zw_c,
-                                                                     "w_zero_point")])])
+        y = imp.emit("mp.sub", [y, imp.emit("mp.mul", [
+            windows, _zp_i32(imp, zw, per_channel, "w_zero_point")])])
         if zx is not None:
-            k = cg * kh * kw
-            y = imp.emit("mp.add", [y, _i32(imp, k * zx.reshape(()) * zw_c, "zero_points")])
+            y = imp.emit("mp.add", [y, _both(imp, cg * kh * kw, zx, zw, ((), per_channel))])
     return y
 
 
