@@ -440,3 +440,30 @@ def test_scatter_ops_export_and_their_gradients_read_back_the_updates() -> None:
     (theirs,) = s.run(None, dict(zip((x.name for x in s.get_inputs()), (d, i, u))))
     assert np.array_equal(theirs, want)
     assert OPS["mp.scatter_nd"].vjp is not None
+
+
+# ---- gradients, against jax ---------------------------------------------------------------------
+
+
+def test_reduce_min_topk_and_scatter_gradients_match_jax() -> None:
+    jax = pytest.importorskip("jax")
+    from test_grad import check, op, t
+
+    jnp = jax.numpy
+    check({"x": (2, 3, 4)}, op(f"%y = mp.reduce_min %x {{axes = [0, 2], keepdims = false}} : "
+                               f"({t((2, 3, 4))}) -> {t((3,))}"), (3,), lambda x: x.min((0, 2)))
+    check({"x": (3, 5)}, op(f"%y = mp.topk %x {{k = 2, axis = 1}} : ({t((3, 5))}) -> "
+                            f"{t((3, 2))}"), (3, 2), lambda x: jax.lax.top_k(x, 2)[0])
+    idx = np.array([[2, 0, 1], [0, 2, 2]], np.int64)
+    const = (f"  %i = mp.constant {{value = dense<{idx.tolist()}> : tensor<2x3xi64>}} : () -> "
+             f"tensor<2x3xi64>\n")
+    cols = np.arange(3)[None, :].repeat(2, 0)
+    for reduction in ("add", "none"):
+        rows = idx if reduction == "add" else np.array([[2, 0, 1], [0, 2, 0]])
+        body = const.replace(str(idx.tolist()), str(rows.tolist())) + op(
+            f'%y = mp.scatter_elements %d, %i, %u {{axis = 0, reduction = "{reduction}"}} : '
+            f"({t((3, 3))}, tensor<2x3xi64>, {t((2, 3))}) -> {t((3, 3))}")
+        def ref(d, u, rows=rows, reduction=reduction):
+            at = jnp.asarray(d).at[rows, cols]
+            return at.add(u) if reduction == "add" else at.set(u)
+        check({"d": (3, 3), "u": (2, 3)}, body, (3, 3), ref)
