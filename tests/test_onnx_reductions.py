@@ -467,3 +467,24 @@ def test_reduce_min_topk_and_scatter_gradients_match_jax() -> None:
             at = jnp.asarray(d).at[rows, cols]
             return at.add(u) if reduction == "add" else at.set(u)
         check({"d": (3, 3), "u": (2, 3)}, body, (3, 3), ref)
+
+
+def test_range_over_bounds_computed_from_shapes_is_a_constant_and_runtime_ones_are_named() -> None:
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["n"], axis=0),
+             helper.make_node("Add", ["n", "one"], ["limit"]),
+             helper.make_node("Range", ["one", "limit", "one"], ["r"], name="positions"),
+             helper.make_node("Cast", ["r"], ["rf"], to=F),
+             helper.make_node("Add", ["x", "rf"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(1, np.int64), "one")]
+    model = _model(nodes, [_vi("x", [2, 4])], [_vi("y", None)], inits, opset=13)
+    got = _check(model, {"x": np.zeros((2, 4), np.float32)})[0]
+    assert got.tolist() == [[1.0, 2.0, 3.0, 4.0]] * 2
+    assert _ops(import_model(model, "r.onnx").module) == ["mp.constant", "mp.add", "return"]
+    nodes[3] = helper.make_node("Range", ["one", "k", "one"], ["r"], name="positions")
+    model = _model(nodes, [_vi("x", [2, 4]), _vi("k", [], I64)], [_vi("y", None)], inits,
+                   opset=13)
+    with pytest.raises(DiagnosticError) as info:
+        import_model(model, "r.onnx")
+    message = info.value.diagnostics[0].message
+    assert "node 'positions' (Range)" in message and "'k'" in message
