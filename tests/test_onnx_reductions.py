@@ -223,7 +223,7 @@ def test_reduction_ops_export_to_onnx_that_onnxruntime_runs() -> None:
         np.testing.assert_allclose(np.asarray(o), t, rtol=1e-6)
 
 
-def test_range_analysis_passes_min_and_topk_through() -> None:
+def test_range_analysis_passes_min_topk_and_written_scatters_through() -> None:
     from mplower.ir.types import tensor
     from mplower.passes.range_analysis import Interval, propagate
 
@@ -232,6 +232,12 @@ def test_range_analysis_passes_min_and_topk_through() -> None:
                            ("mp.topk", {"k": 2, "axis": 1}, (3, 2))):
         got = propagate(op, [Interval(-3.0, 7.5)], attrs, t, tensor(out, "f32"), [None])
         assert (got.lo, got.hi) == (-3.0, 7.5)
+    ins = [Interval(-3.0, 7.5), Interval(0.0, 2.0), Interval(-9.0, 1.0)]
+    types = [tensor((3, 4), "f32"), tensor((2, 4), "i64"), tensor((2, 4), "f32")]
+    for reduction, want in (("none", (-9.0, 7.5)), ("max", (-9.0, 7.5)), ("add", None)):
+        got = propagate("mp.scatter_elements", ins, {"axis": 0, "reduction": reduction}, types,
+                        tensor((3, 4), "f32"), [None, None, None])
+        assert (got.lo, got.hi) == want if want else not got.bounded
 
 
 def test_reduce_min_and_topk_gradients_go_to_the_picked_elements() -> None:
