@@ -4,10 +4,11 @@
 graph outputs asked for and only the nodes that feed them, fixes every dynamic input dimension
 (`input_shapes`, else a dynamic leading batch dimension becomes 1), runs ONNX's own checker and
 shape inference, and then walks the nodes in order. A node whose inputs are all known at import
-time is folded (onnx's ReferenceEvaluator computes it), so the shape subgraphs of exporters
+time is folded (onnx's ReferenceEvaluator computes it, or the mp op's reference where that is
+wrong; where the evaluator fails the node is imported as ops), so the shape subgraphs of exporters
 (Shape, Gather on shapes, Unsqueeze, Concat, ConstantOfShape, Range, Trilu of a constant, Where
 and Equal on constants), Reshape targets, Slice bounds and weight generators become plain
-constants, and the module holds no op whose operands are all constants. Index tensors (INT64
+constants, and the module holds no op whose operands are all constants but those. Index tensors (INT64
 token ids, an attention mask) that are graph inputs stay real i64 values. Every other node
 becomes mp ops whose result types come from the op definitions themselves, so the module
 verifies by construction. Large constants are named weights (written to an .npz by the
