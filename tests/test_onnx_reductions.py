@@ -399,6 +399,12 @@ def test_einsum_that_broadcasts_a_letter_is_refused_with_the_reason() -> None:
         import_model(model, "e.onnx")
     assert "node 'ein' (Einsum)" in info.value.diagnostics[0].message
     assert "letter 'i' stands for dimensions 3 and 1" in info.value.diagnostics[0].message
+    node = helper.make_node("Einsum", ["a", "b"], ["y"], equation="...ij,...jk->...ik")
+    model = _model([node], [_vi("a", [2, 3, 4]), _vi("b", [1, 4, 5])], [_vi("y", None)],
+                   opset=12)
+    with pytest.raises(DiagnosticError) as info:
+        import_model(model, "e.onnx")
+    assert "'...' stands for dimensions 2 and 1" in info.value.diagnostics[0].message
 
 
 @pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])

@@ -221,7 +221,8 @@ def _einsum(imp: _Importer, node: onnx.NodeProto) -> list:
     for t, x in zip(terms, xs):
         for c, d in zip(t, x.type.shape):
             if size.setdefault(c, d) != d:
-                raise imp.error(f"equation '{equation}': letter '{c}' stands for dimensions "
+                what = f"letter '{c}'" if c in equation else "'...'"  # '...' became capitals
+                raise imp.error(f"equation '{equation}': {what} stands for dimensions "
                                 f"{size[c]} and {d} (mplower does not broadcast them)")
     if set(out) - set(size):
         raise imp.error(f"equation '{equation}': the result names a letter no operand has")
