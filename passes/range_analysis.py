@@ -128,7 +128,7 @@ _UNARY: dict[str, Callable[[Interval], Interval]] = {
 # Ops whose result holds values of their first operand only (or a subset of them), besides
 # those that move elements (Trait.DATA_MOVEMENT, asked of the op: a new one needs no entry).
 _PASS_THROUGH = frozenset({"mp.reduce_max", "mp.cast", "mp.dequantize", "mp.fake_quant",
-                           "mp.max_pool2d"})
+                           "mp.max_pool2d", "mp.reduce_min", "mp.topk"})
 _AVERAGING = frozenset({"mp.reduce_mean", "mp.avg_pool2d", "mp.global_avg_pool"})
 
 
@@ -165,6 +165,9 @@ def propagate(op: str, ins: list[Interval], attrs: dict, in_types: list[TensorTy
         return _union(ins)
     if op == "mp.where":  # either branch, whatever the mask
         return _union(ins[1:])
+    if op in ("mp.scatter_elements", "mp.scatter_nd") and attrs["reduction"] in (
+            "none", "max", "min"):  # data's values and the updates' (sums are unbounded)
+        return _union([ins[0], ins[2]])
     if op == "mp.trilu":  # the operand's values and the zeros it writes
         return Interval(min(ins[0].lo, 0.0), max(ins[0].hi, 0.0), ins[0].tiny)
     opdef = OPS.get(op)

@@ -92,12 +92,14 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
     assert mp.WEIGHTED == ("mp.matmul", "mp.conv2d")
     assert {OPS[n].weight_operand for n in mp.WEIGHTED} == {mp.WEIGHT_OPERAND} == {1}
     assert mp.ACCUMULATING == {"mp.matmul", "mp.conv2d", "mp.reduce_sum", "mp.reduce_mean",
-                               "mp.cumsum", "mp.scatter_elements_add", "mp.scatter_nd_add"}
+                               "mp.cumsum", "mp.scatter_elements_add", "mp.scatter_nd_add",
+                               "mp.scatter_elements", "mp.scatter_nd"}
     # Comparisons and predicates carry their i1 result: the precision passes never lower them.
     assert mp.TYPE_CARRYING == {"mp.constant", "mp.cast", "mp.quantize", "mp.dequantize",
                                 "mp.fake_quant", "mp.scaled_quant", "mp.sparse_encode", "mp.equal",
                                 "mp.less", "mp.less_equal", "mp.greater", "mp.greater_equal",
-                                "mp.isnan", "mp.isinf"}
+                                "mp.isnan", "mp.isinf", "mp.dynamic_quantize",
+                                "mp.dynamic_quantize_scale", "mp.dynamic_quantize_zero_point"}
     assert mp.CONVERSIONS == {"mp.cast", "mp.quantize", "mp.dequantize", "mp.fake_quant",
                               "mp.scaled_quant"}
     assert mp.DATA_MOVEMENT == {"mp.reshape", "mp.transpose", "mp.concat", "mp.slice",
@@ -111,7 +113,8 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
                                    "mp.neg", "mp.reduce_max", "mp.gather",
                                    "mp.gather_elements", "mp.gather_nd", "mp.expand",
                                    "mp.trilu", "mp.where", "mp.split",
-                                   "mp.relu_grad", "mp.fake_quant_grad"}
+                                   "mp.relu_grad", "mp.fake_quant_grad", "mp.reduce_min",
+                                   "mp.topk"}
     assert "mp.max_pool2d" not in mp.VALUE_PRESERVING
     assert ops_with(Trait.PURE) == set(OPS)
 

@@ -56,13 +56,7 @@ EXPLANATIONS = {
     "INT4": "ONNX's Cast leaves a float outside an integer type's range undefined; mp.cast "
             "saturates (-9 -> -8), and the test data holds whatever the numpy and ml_dtypes "
             "that generated it made of such values",
-    "quantizelinear_int16": "mp.quantize/mp.dequantize take 8-bit, 4-bit and i32 codes; i16 "
-                            "is an index type of the IR",
-    "quantizelinear_uint16": "mp.quantize/mp.dequantize take 8-bit, 4-bit and i32 codes; ui16 "
-                             "is an index type of the IR",
     "with_argmax": "MaxPool's second output (Indices) has no mp op",
-    "quantizelinear_blocked_symmetric": "its codes are INT16, an index type of the IR; "
-                                        "mp.quantize takes 8-bit, 4-bit and i32 codes",
     "training_dropout": "training-mode Dropout draws a random mask; mplower imports inference "
                         "graphs",
     "attention_4d_causal_fp16": "f16 rounding order: onnx's reference rounds each numpy step to "

@@ -37,6 +37,9 @@ ALL_OPS = [
     "gather", "gather_elements", "gather_nd", "where", "equal", "less", "less_equal",
     "greater", "greater_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
     "isnan", "isinf", "expand", "split", "trilu", "pow", "cumsum",
+    # ONNX's further reductions, scatters and dynamic quantization (issue 32)
+    "reduce_min", "reduce_prod", "argmin", "topk", "topk_indices", "scatter_elements",
+    "scatter_nd", "dynamic_quantize", "dynamic_quantize_scale", "dynamic_quantize_zero_point",
     # the backward ops of the gradient rules (passes/grad.py)
     "relu_grad", "max_pool2d_grad", "avg_pool2d_grad", "fake_quant_grad", "reduce_max_grad",
     "fake_quant_lsq", "lsq_grad", "scatter_elements_add", "scatter_nd_add",
@@ -339,8 +342,8 @@ INVALID = [
     ("global-pool-rank", "global_avg_pool", ["2x3xf32"], {}, [],
      "operand #0 must have rank >= 3", 0),
     ("quantize-result", "quantize", ["4xf32"], {"scale": 0.1}, ["4xf32"],
-     ("mp.quantize result element type must be one of i8, ui8, i4, i32, f8E4M3FN, f8E5M2, "
-     "f4E2M1FN, got f32"), None),
+     ("mp.quantize result element type must be one of i8, ui8, i4, i32, i16, ui16, "
+      "f8E4M3FN, f8E5M2, f4E2M1FN, got f32"), None),
     ("quantize-scale", "quantize", ["4xf32"], {"scale": -0.1}, ["4xi8"],
      "attribute 'scale' must be positive, got -0.1", None),
     ("quantize-zero-point", "quantize", ["4xf32"], {"scale": 0.1, "zero_point": 300}, ["4xi8"],
@@ -351,8 +354,8 @@ INVALID = [
     ("quantize-int-input", "quantize", ["4xi8"], {"scale": 0.1}, ["4xi8"],
      "operand #0 must have a float element type", 0),
     ("dequantize-float-input", "dequantize", ["4xf32"], {"scale": 0.1}, ["4xf32"],
-     ("operand #0 must have a quantized type (i8, ui8, i4, i32, f8E4M3FN, f8E5M2, f4E2M1FN) "
-     "element type"), 0),
+     ("operand #0 must have a quantized type (i8, ui8, i4, i32, i16, ui16, f8E4M3FN, f8E5M2, "
+      "f4E2M1FN) element type"), 0),
     ("dequantize-result", "dequantize", ["4xi8"], {"scale": 0.1}, ["4xi32"],
      "mp.dequantize result element type must be a float type, got i32", None),
     ("sparse-encode-plain", "sparse_encode", ["4x4xf32"], {}, ["4x4xf32"],

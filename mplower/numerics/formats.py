@@ -136,6 +136,9 @@ QUANT_INTS = tuple(n for n in INT_FORMATS
 # Integer formats that hold quantized values: those, and the i32 accumulator of an integer
 # matmul or conv, which is dequantized too (ONNX DequantizeLinear reads INT32).
 QUANT_STORAGE = QUANT_INTS + ("i32",)
+# The 16-bit codes of models quantized elsewhere (ONNX INT16/UINT16 QDQ): mp.quantize and
+# mp.dequantize hold them, so such models import, run and export; no sheet or pass picks them.
+QUANT_WIDE = ("i16", "ui16")
 
 
 def width_rank(name: str) -> tuple[int, int]:

@@ -28,7 +28,13 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit
 
-from mplower.numerics.formats import FORMATS, QUANT_FLOATS, QUANT_INTS, QUANT_STORAGE
+from mplower.numerics.formats import (
+    FORMATS,
+    QUANT_FLOATS,
+    QUANT_INTS,
+    QUANT_STORAGE,
+    QUANT_WIDE,
+)
 from mplower.numerics.rounding import SERIAL_BELOW, Counts, decode, encode_counted
 from mplower.numerics.workers import run_blocks
 
@@ -36,6 +42,7 @@ from mplower.numerics.workers import run_blocks
 # integers only (QUANT_STORAGE).
 QUANT_FORMATS = QUANT_INTS + QUANT_FLOATS
 DEQUANT_FORMATS = QUANT_STORAGE + QUANT_FLOATS
+
 
 _CHUNK = 1 << 16
 # Channel runs shorter than this (per-axis on a trailing axis) switch channel every few
@@ -262,9 +269,9 @@ def quantize(x: np.ndarray, scale: np.ndarray | float, zero_point: np.ndarray | 
     patterns). `saturate` only matters for the float formats, as in ONNX: integers always
     saturate.
     """
-    if dtype not in QUANT_FORMATS:
+    if dtype not in QUANT_FORMATS + QUANT_WIDE:
         raise ValueError(f"quantize: unsupported dtype '{dtype}'; "
-                         f"supported: {', '.join(QUANT_FORMATS)}")
+                         f"supported: {', '.join(QUANT_FORMATS + QUANT_WIDE)}")
     x = np.asarray(x, order="C")
     if x.dtype != np.float32:
         raise TypeError(f"quantize expects float32 data, got {x.dtype}")
@@ -381,9 +388,9 @@ def dequantize(q: np.ndarray, scale: np.ndarray | float,
             q.shape, zero_point, axis or 0, block_size, "zero_point", "dequantize")
         axis = None
     s, zp, post, broadcast = _channels(q.shape, scale, zero_point, axis, "dequantize")
-    if dtype is not None and dtype not in DEQUANT_FORMATS:
+    if dtype is not None and dtype not in DEQUANT_FORMATS + QUANT_WIDE:
         raise ValueError(f"dequantize: unsupported dtype '{dtype}'; "
-                         f"supported: {', '.join(DEQUANT_FORMATS)}")
+                         f"supported: {', '.join(DEQUANT_FORMATS + QUANT_WIDE)}")
     values = dtype is not None and FORMATS[dtype].is_float and q.dtype == np.float32
     if dtype is not None and q.dtype != FORMATS[dtype].storage and not values:
         raise TypeError(f"dequantize: {dtype} values are stored as {FORMATS[dtype].storage}, "
@@ -392,8 +399,9 @@ def dequantize(q: np.ndarray, scale: np.ndarray | float,
         if np.any(zp != 0):
             raise ValueError(f"dequantize: the zero point of {dtype} must be 0 (ONNX)")
         return (q if values else decode(q, dtype)) * s.reshape(broadcast)
-    if q.dtype not in (np.int8, np.uint8, np.int32):
-        raise TypeError(f"dequantize expects int8, uint8 or int32 values, got {q.dtype}")
+    if q.dtype not in (np.int8, np.uint8, np.int16, np.uint16, np.int32):
+        raise TypeError(f"dequantize expects int8, uint8, int16, uint16 or int32 values, got "
+                        f"{q.dtype}")
     if q.dtype == np.int32 and np.any(zp != 0):
         raise ValueError("dequantize: int32 values (biases) need a zero zero_point (ONNX)")
     info = np.iinfo(q.dtype)

@@ -23,7 +23,13 @@ from mplower.ir.opdef import (
     define,
 )
 from mplower.ir.types import ELEMENT_TYPES, TensorType, tensor, value_dtype
-from mplower.numerics.formats import COMPUTE_FORMATS, FLOATS, QUANT_FLOATS, QUANT_STORAGE
+from mplower.numerics.formats import (
+    COMPUTE_FORMATS,
+    FLOATS,
+    QUANT_FLOATS,
+    QUANT_STORAGE,
+    QUANT_WIDE,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Type rules shared by several ops
@@ -35,7 +41,7 @@ _ANY = frozenset(ELEMENT_TYPES)
 _INT8 = frozenset({"i8", "ui8"})
 _QUANT_TYPES = QUANT_STORAGE
 # What mp.quantize produces and mp.dequantize reads: the integers, and the scaled floats.
-_QUANTIZED = QUANT_STORAGE + QUANT_FLOATS
+_QUANTIZED = QUANT_STORAGE + QUANT_WIDE + QUANT_FLOATS
 
 
 def _elem_of(ins: Sequence[TensorType], allowed: frozenset[str], what: str) -> str:

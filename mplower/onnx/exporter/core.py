@@ -39,6 +39,7 @@ from mplower.numerics.formats import (
     QUANT_FLOATS,
     QUANT_INTS,
     QUANT_STORAGE,
+    QUANT_WIDE,
 )
 
 OPSET = 21  # INT4 (21), Gelu (20), Cast saturate and float8 (19)
@@ -358,7 +359,8 @@ class _Exporter:
             q_elem = out_t.elem
         else:
             q_elem = attr_type(a["dtype"])
-        if q_elem not in (QUANT_STORAGE if op == "mp.dequantize" else QUANT_INTS) + QUANT_FLOATS:
+        codes = QUANT_STORAGE if op == "mp.dequantize" else QUANT_INTS
+        if q_elem not in codes + QUANT_WIDE + QUANT_FLOATS:
             raise self.error(n, f"{op} to {q_elem} has no ONNX QuantizeLinear form")
         return self._qdq(op, x, in_t, out_t, scale, zp, q_elem, axis, hint)
 

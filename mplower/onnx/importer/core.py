@@ -4,10 +4,11 @@
 graph outputs asked for and only the nodes that feed them, fixes every dynamic input dimension
 (`input_shapes`, else a dynamic leading batch dimension becomes 1), runs ONNX's own checker and
 shape inference, and then walks the nodes in order. A node whose inputs are all known at import
-time is folded (onnx's ReferenceEvaluator computes it), so the shape subgraphs of exporters
+time is folded (onnx's ReferenceEvaluator computes it, or the mp op's reference where that is
+wrong; where the evaluator fails the node is imported as ops), so the shape subgraphs of exporters
 (Shape, Gather on shapes, Unsqueeze, Concat, ConstantOfShape, Range, Trilu of a constant, Where
 and Equal on constants), Reshape targets, Slice bounds and weight generators become plain
-constants, and the module holds no op whose operands are all constants. Index tensors (INT64
+constants, and the module holds no op whose operands are all constants but those. Index tensors (INT64
 token ids, an attention mask) that are graph inputs stay real i64 values. Every other node
 becomes mp ops whose result types come from the op definitions themselves, so the module
 verifies by construction. Large constants are named weights (written to an .npz by the
@@ -26,13 +27,10 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from stat import S_ISREG
 from typing import Any
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
@@ -54,6 +52,7 @@ from mplower.onnx.importer.declared import (
     symbol_values,
     with_stand_ins,
 )
+from mplower.onnx.importer.loading import load_model  # noqa: F401  (the package's API)
 
 MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
@@ -126,56 +125,6 @@ class StaticInputsNeeded(DiagnosticError):
 # Entry points
 
 
-def load_model(path: str | Path) -> onnx.ModelProto:
-    """Read an ONNX file; external data only from inside the model's folder."""
-    path = Path(path)
-    loc = Location(str(path), 0, 0)
-    try:
-        if not S_ISREG(path.stat().st_mode):  # a FIFO would block the read, a device never end
-            raise DiagnosticError.at(loc, "cannot read model: not a regular file")
-        model = onnx.load(str(path), load_external_data=False)
-    except FileNotFoundError:
-        raise DiagnosticError.at(loc, "cannot read model: no such file") from None
-    except OSError as e:
-        raise DiagnosticError.at(loc, f"cannot read model: {e.strerror or e}") from None
-    except (DecodeError, ValueError, RuntimeError, TypeError) as e:  # not an ONNX file
-        raise DiagnosticError.at(loc, f"not a valid ONNX model: {type(e).__name__}: "
-                                      f"{str(e)[:200]}") from None
-    _load_external_data(model, path.resolve().parent, loc)
-    return model
-
-
-def _load_external_data(model: onnx.ModelProto, base: Path, loc: Location) -> None:
-    from onnx.external_data_helper import _get_all_tensors, load_external_data_for_tensor
-
-    for t in _get_all_tensors(model):
-        if t.data_location != TensorProto.EXTERNAL:
-            continue
-        info = {e.key: e.value for e in t.external_data}
-        rel = info.get("location", "")
-        if "\0" in rel:  # no path can hold one; the OS would refuse it with a bare ValueError
-            raise DiagnosticError.at(loc, f"tensor '{t.name}' keeps its data in {rel!r}, whose "
-                                          f"name holds a NUL byte; refusing to read it")
-        target = (base / rel).resolve()
-        if not rel or Path(rel).is_absolute() or not target.is_relative_to(base):
-            raise DiagnosticError.at(loc, f"tensor '{t.name}' keeps its data in '{rel}', "
-                                          f"outside the model's folder {base}; refusing to read it")
-        if not target.exists():
-            raise DiagnosticError.at(loc, f"tensor '{t.name}': external data file '{rel}' "
-                                          f"does not exist")
-        if not target.is_file():  # a FIFO or a device would block the read or never end
-            raise DiagnosticError.at(loc, f"tensor '{t.name}': external data file '{rel}' "
-                                          f"is not a regular file")
-        try:
-            load_external_data_for_tensor(t, str(base))
-        except (OSError, ValueError) as e:
-            raise DiagnosticError.at(loc, f"tensor '{t.name}': cannot read external data "
-                                          f"'{rel}': {e}") from None
-        except MemoryError:
-            raise DiagnosticError.at(loc, f"tensor '{t.name}': not enough memory to read its "
-                                          f"external data '{rel}'") from None
-        t.data_location = TensorProto.DEFAULT
-        del t.external_data[:]
 
 
 def import_model(model: onnx.ModelProto, file: str = "<model>", *,
@@ -497,6 +446,11 @@ class _Importer:
         inconsistent models with ONNX's own message, and the inferred static shapes of the
         outputs are checked against ours at the end."""
         forget_unknown_dims(self.model.graph)
+        for node in self.model.graph.node:  # defaults that inference needs written out
+            have = {a.name for a in node.attribute}
+            for name, value in SPELLED_DEFAULTS.get(op_key(node), {}).items():
+                if name not in have:
+                    node.attribute.append(helper.make_attribute(name, value))
         try:
             inferred = onnx.shape_inference.infer_shapes(with_stand_ins(self.model),
                                                          strict_mode=True)
@@ -670,6 +624,8 @@ class _Importer:
         if node.op_type not in _NO_FOLD and all(isinstance(v, Const) for v in present) \
                 and present:
             outs = self._fold(node, ins)
+            if outs is None:  # onnx's reference cannot compute it: import it as mp ops
+                outs = HANDLERS[op_key(node)](self, node)
         else:
             outs = HANDLERS[op_key(node)](self, node)
         for name, v in zip(node.output, outs):
@@ -679,7 +635,11 @@ class _Importer:
             if name and self.consumers.get(name) and (k >= len(outs) or outs[k] is None):
                 raise self.error(f"output #{k} ('{name}') is not supported")
 
-    def _fold(self, node: onnx.NodeProto, ins: list) -> list[Const]:
+    def _fold(self, node: onnx.NodeProto, ins: list) -> list[Const] | None:
+        """The node's outputs computed at import, or None where onnx's ReferenceEvaluator
+        fails on these inputs (its GatherElements, for one, breaks past 64 choices along the
+        axis); the caller then imports the node as ops, whose errors are located diagnostics
+        rather than the evaluator's Python exception."""
         if node.op_type in _FAST_FOLD:
             return [Const(a) for a in _FAST_FOLD[node.op_type](self, node, ins)]
         from onnx.reference import ReferenceEvaluator
@@ -710,9 +670,8 @@ class _Importer:
                                   ir_version=self.model.ir_version or 8)
         try:
             results = ReferenceEvaluator(model).run(None, feeds)
-        except Exception as e:  # noqa: BLE001  (any op implementation may raise anything)
-            raise self.error(f"cannot fold this node over its constant inputs: "
-                             f"{type(e).__name__}: {str(e)[:200]}") from None
+        except Exception:  # noqa: BLE001  (any op implementation may raise anything)
+            return None
         it = iter(results)
         return [Const(np.asarray(next(it))) if o else None for o in outs]
 
@@ -768,6 +727,9 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
 
 Handler = Callable[[_Importer, onnx.NodeProto], list]
 HANDLERS: dict[str, Handler] = {}
+# Attribute defaults written into the nodes before ONNX's shape inference, which fails on their
+# absence (MeanVarianceNormalization's function body reads `axes` without its default).
+SPELLED_DEFAULTS: dict[str, dict[str, Any]] = {}
 # Identity at inference / onnx's reference gets LRN wrong / subgraphs read outer values.
 _NO_FOLD = {"Dropout", "LRN", "If", "Loop", "Scan"}
 
@@ -816,7 +778,21 @@ def _fill(imp: _Importer, node: onnx.NodeProto, shape: np.ndarray) -> np.ndarray
 _FAST_FOLD: dict[str, Callable[[_Importer, onnx.NodeProto, list], list[np.ndarray]]] = {
     "Identity": lambda imp, node, ins: [ins[0].array],
     "ConstantOfShape": lambda imp, node, ins: [_fill(imp, node, ins[0].array)],
+    "GatherElements": lambda imp, node, ins: _fold_as(imp, "mp.gather_elements", ins, {
+        "axis": int(_attrs(node).get("axis", 0))}),
 }
+
+
+def _fold_as(imp: _Importer, op: str, ins: list, attrs: dict) -> list[np.ndarray]:
+    """A node folded with the reference of the mp op it imports as (one definition of what
+    it computes, which numpy evaluates at any size)."""
+    arrays = [v.array for v in ins]
+    try:
+        OPS[op].infer([tensor(a.shape, ELEM_OF_ONNX.get(helper.np_dtype_to_tensor_dtype(
+            a.dtype), "f32")) for a in arrays], attrs)
+        return OPS[op].reference(arrays, attrs)
+    except OpError as e:
+        raise imp.error(e.message) from None
 
 
 def _scalar(imp: _Importer, value: float, like: Run) -> Run:

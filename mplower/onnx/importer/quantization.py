@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.ir.types import DenseAttr, tensor, value_dtype
-from mplower.numerics.formats import FORMATS, QUANT_STORAGE
+from mplower.numerics.formats import FORMATS, QUANT_STORAGE, QUANT_WIDE
 from mplower.onnx.importer.core import (
     ELEM_OF_ONNX,
     Run,
@@ -78,7 +78,7 @@ def _quantize(imp: _Importer, node: onnx.NodeProto) -> list:
     elem = ELEM_OF_ONNX.get(qtype)
     if elem is None or elem in ("f32", "f64", "f16", "bf16", "i32", "i1"):
         raise imp.error(f"quantization to {onnx_type_name(qtype)}: mplower quantizes to "
-                        f"INT8, UINT8, INT4, FLOAT8E4M3FN and FLOAT8E5M2")
+                        f"INT8, UINT8, INT4, INT16, UINT16, FLOAT8E4M3FN and FLOAT8E5M2")
     if elem.startswith("f8"):
         if zp is not None and np.any(zp.astype(np.float32) != 0):
             raise imp.error("a float8 zero point must be 0")
@@ -151,7 +151,7 @@ def _dequantize(imp: _Importer, node: onnx.NodeProto) -> list:
         s = imp.constant(_along(scale, x.type.rank, axis).astype(
             helper.tensor_dtype_to_np_dtype(out_type)), f"{node.input[1]}")
         return [imp.emit("mp.mul", [wide, s], onnx_type=out_type)]
-    if x.type.elem not in QUANT_STORAGE:
+    if x.type.elem not in QUANT_STORAGE + QUANT_WIDE:
         raise imp.error(f"dequantization of {onnx_type_name(x.onnx_type)} is not supported")
     attrs = {"scale": _number_attr(scale.astype(np.float32), "f32")}
     if zp is not None:

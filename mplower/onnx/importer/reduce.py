@@ -50,9 +50,10 @@ def _reduce(imp: _Importer, node: onnx.NodeProto) -> list:
     return [imp.emit(op, [x], attrs, onnx_type=x.onnx_type)]
 
 
-@handler("ArgMax")
+@handler("ArgMax", "ArgMin")
 def _argmax(imp: _Importer, node: onnx.NodeProto) -> list:
     x = imp.run_input(0)
+    op = "mp.argmax" if node.op_type == "ArgMax" else "mp.argmin"
     a = _attrs(node)
     axis = int(a.get("axis", 0))
     keep = bool(a.get("keepdims", 1))
@@ -60,9 +61,9 @@ def _argmax(imp: _Importer, node: onnx.NodeProto) -> list:
         raise imp.error(f"axis {axis} is out of range for {x.type}")
     axis %= x.type.rank
     if not a.get("select_last_index", 0):
-        idx = imp.emit("mp.argmax", [x], {"axis": axis, "keepdims": keep})
+        idx = imp.emit(op, [x], {"axis": axis, "keepdims": keep})
         return [_as_int64(imp, idx)]
-    # The last maximum is the first one of the reversed axis, counted from the end.
+    # The last maximum (minimum) is the first one of the reversed axis, counted from the end.
     n = x.type.shape[axis]
     starts = [0] * x.type.rank
     ends = list(x.type.shape)
@@ -70,6 +71,6 @@ def _argmax(imp: _Importer, node: onnx.NodeProto) -> list:
     starts[axis], ends[axis], steps[axis] = -1, -(n + 1), -1
     rev = imp.emit("mp.slice", [x], {"starts": tuple(starts), "ends": tuple(ends),
                                      "steps": tuple(steps)}, hint=f"{node.input[0]}_reversed")
-    idx = imp.emit("mp.argmax", [rev], {"axis": axis, "keepdims": keep})
+    idx = imp.emit(op, [rev], {"axis": axis, "keepdims": keep})
     last = imp.constant(np.array(n - 1, np.int32), "last_index")
     return [_as_int64(imp, imp.emit("mp.sub", [last, idx]))]
