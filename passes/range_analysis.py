@@ -168,6 +168,8 @@ def propagate(op: str, ins: list[Interval], attrs: dict, in_types: list[TensorTy
     if op == "mp.trilu":  # the operand's values and the zeros it writes
         return Interval(min(ins[0].lo, 0.0), max(ins[0].hi, 0.0), ins[0].tiny)
     opdef = OPS.get(op)
+    if opdef is not None and opdef.bounds is not None:  # the op's own rule (OpDef.bounds)
+        return _from(*opdef.bounds([(i.lo, i.hi) for i in ins], attrs))
     if op in _PASS_THROUGH or (opdef is not None and Trait.DATA_MOVEMENT in opdef.traits):
         return ins[0]
     if op == "mp.cumsum":  # a partial sum of 1 to n elements
