@@ -167,7 +167,12 @@ def _hard_swish(x: np.ndarray, a: Mapping) -> np.ndarray:
 
 
 def _elu(x: np.ndarray, alpha: float) -> np.ndarray:
-    return np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0.0)))
+    return np.where(x < 0, alpha * np.expm1(x), x)  # -0 is x itself, as ONNX writes it
+
+
+def _selu(x: np.ndarray, a: Mapping) -> np.ndarray:
+    # x <= 0 takes the exp branch (ONNX Selu), whose value at -0 is +0.
+    return np.where(x > 0, a["gamma"] * x, a["gamma"] * a["alpha"] * np.expm1(x) + 0.0)
 
 
 def _celu(x: np.ndarray, a: Mapping) -> np.ndarray:
@@ -186,8 +191,8 @@ def _swish(x: np.ndarray, a: Mapping) -> np.ndarray:
 
 # The minima of the non-monotone smooth activations, where their derivative is zero: mish at
 # x* with tanh(sp) + x* sech^2(sp) sigmoid(x*) = 0, swish (alpha = 1) at 1 + x*(1 - sigmoid(x*))
-# = 0 (solved by Newton's method in float64; checked in tests/test_onnx_activations.py).
-_MISH_MIN_AT = -1.1924136692
+# = 0 (roots found in float64 to 1e-10; checked in tests/test_onnx_activations.py).
+_MISH_MIN_AT = -1.1924312145
 _SWISH_MIN_AT = -1.2784645428
 
 
@@ -298,10 +303,14 @@ def _shrink_bounds(ins: Sequence[Interval], a: Mapping[str, Any]) -> Interval:
     """Shrink jumps at -lambd (from x + bias to 0) and at lambd (from 0 to x - bias)."""
     lo, hi = ins[0]
     lam, bias = a["lambd"], a["bias"]
-    ys = [float(_shrink(np.array(v, np.float64), a)) for v in (lo, hi) if math.isfinite(v)]
-    ys += [-INF] * (lo == -INF) + [INF] * (hi == INF)
-    ys += [0.0] * (lo <= lam and hi >= -lam)
-    ys += [-lam + bias] * (lo < -lam <= hi) + [lam - bias] * (lo <= lam < hi)
+    ys = [float(_shrink(np.array(v, np.float64), a)) if math.isfinite(v) else v
+          for v in (lo, hi)]
+    if lo <= lam and hi >= -lam:  # the flat middle
+        ys.append(0.0)
+    if lo < -lam <= hi:  # the left branch's end
+        ys.append(-lam + bias)
+    if lo <= lam < hi:  # the right branch's start
+        ys.append(lam - bias)
     return min(ys), max(ys)
 
 
@@ -331,11 +340,11 @@ _UNARY: list[tuple[str, Fn, dict, str, frozenset, int, Callable]] = [
     ("elu", lambda x, a: _elu(x, a["alpha"]), _ALPHA,
      "x for x > 0, else alpha (exp(x) - 1) (ONNX Elu)", _ACTIVATION, 4,
      _image(lambda x, a: _elu(x, a["alpha"]), lambda a: (0.0,))),
-    ("selu", lambda x, a: a["gamma"] * _elu(x, a["alpha"]),
+    ("selu", _selu,
      {"alpha": _A("float", default=1.67326319217681884765625),
       "gamma": _A("float", default=1.05070102214813232421875)},
      "gamma x for x > 0, else gamma alpha (exp(x) - 1) (ONNX Selu)", _ACTIVATION, 5,
-     _image(lambda x, a: a["gamma"] * _elu(x, a["alpha"]), lambda a: (0.0,))),
+     _image(_selu, lambda a: (0.0,))),
     ("celu", _celu, _ALPHA, "max(0, x) + min(0, alpha (exp(x / alpha) - 1)) (ONNX Celu)",
      _ACTIVATION, 5, _image(_celu, lambda a: (0.0,))),
     ("mish", lambda x, a: x * np.tanh(_softplus(x)), {}, "x tanh(softplus(x)) (ONNX Mish)",
@@ -402,6 +411,18 @@ for _name, _fn, _attrs, _doc, _traits, _k_flops, _bounds in _UNARY:
          traits=_traits,
          bounds=_bounds)
 
+
+# Integers are held as their int64 values; ops that wrap at the type's width (abs of the most
+# negative value, NOT, shifts) compute in the integer type itself.
+
+
+def _storage_of(x: np.ndarray, rt: tuple | None) -> np.ndarray:
+    """`x` (integers held as int64) in the storage type of the result's element type."""
+    if not rt:
+        return x
+    return x.astype(FORMATS[rt[0].elem].storage, copy=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # abs and sign: floats and integers
 
@@ -411,12 +432,19 @@ def _abs_bounds(ins: Sequence[Interval], a: Mapping[str, Any]) -> Interval:
     return (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
 
 
+def _abs_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
+    x = xs[0]
+    if x.dtype.kind in "iu":  # in the integer type itself: |-128| wraps to -128 in i8
+        return [np.abs(_storage_of(x, rt))]
+    return [np.abs(_fl(x))]
+
+
 _def("abs",
      vjp=_derivative(lambda g, x, y, a: g.emit("mp.sign", [x])),
      operands=("x",),
      attrs={},
      infer=_unary_infer(_NUMERIC, "a numeric"),
-     reference=lambda xs, a, rt: [np.abs(_num(xs[0]))],
+     reference=_abs_reference,
      flops=_per_element(1),
      precisions=_VECTOR,
      doc="Elementwise |x| (ONNX Abs).",
@@ -612,15 +640,7 @@ _def("hardmax",
 
 
 # ---------------------------------------------------------------------------------------------
-# Bitwise integer ops: computed in the integer type itself, so that NOT and shifts wrap at
-# its width
-
-
-def _storage_of(x: np.ndarray, rt: tuple | None) -> np.ndarray:
-    """`x` (integers held as int64) in the storage type of the result's element type."""
-    if not rt:
-        return x
-    return x.astype(FORMATS[rt[0].elem].storage, copy=False)
+# Bitwise integer ops
 
 
 def _bitwise_reference(fn: Callable[..., np.ndarray]) -> Callable:
