@@ -65,6 +65,13 @@ EXPLANATIONS = {
                                         "mp.quantize takes 8-bit, 4-bit and i32 codes",
     "training_dropout": "training-mode Dropout draws a random mask; mplower imports inference "
                         "graphs",
+    "attention_4d_causal_fp16_expanded": "float16 arithmetic: the expected output is onnx's "
+                                         "numpy reference, whose Softmax rounds its "
+                                         "exponentials and their sum to float16; mplower "
+                                         "computes each op in f32 and rounds its result once, "
+                                         "and 2 of 192 outputs land one float16 ulp beyond "
+                                         "rtol 1e-3 (Mod, which made the test claimed, acts on "
+                                         "integer positions)",
 }
 
 
@@ -372,7 +379,7 @@ def test_precision_plan_option_runs_the_lowered_model() -> None:
 
 def test_is_compatible_names_models_with_unclaimed_ops() -> None:
     g = onnx.helper.make_graph(
-        [onnx.helper.make_node("Hardmax", ["x"], ["y"])], "g",
+        [onnx.helper.make_node("Bernoulli", ["x"], ["y"])], "g",
         [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     assert not MplowerBackend.is_compatible(onnx.helper.make_model(g))

@@ -132,18 +132,12 @@ def _flat(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
     return [_zeros_like(g, x) if need else None for x, need in zip(xs, needs)]
 
 
-def _piecewise(g: GradBuilder, x: Value, below: float, inside: Value | float, above: float,
+def _piecewise(g: GradBuilder, x: Value, below: float, inside: Value, above: float,
                lo: float, hi: float) -> Value:
     """`below` for x < lo, `inside` on [lo, hi], `above` for x > hi."""
     elem = g.type_of(x).elem
-    inner = inside if not isinstance(inside, float) else g.splat(inside, (), elem)
-    inner = g.emit("mp.add", [inner, _zeros_like(g, x)])  # to x's shape
-    y = _where(g, _cmp(g, "mp.less", x, lo), g.splat(below, (), elem), inner)
+    y = _where(g, _cmp(g, "mp.less", x, lo), g.splat(below, (), elem), inside)
     return _where(g, _cmp(g, "mp.greater", x, hi), g.splat(above, (), elem), y)
-
-
-def _rsqrt_of(g: GradBuilder, v: Value) -> Value:
-    return g.emit("mp.rsqrt", [v])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +192,6 @@ _SWISH_MIN_AT = -1.2784645428
 
 def _swish_critical(a: Mapping) -> tuple[float, ...]:
     return (_SWISH_MIN_AT / a["alpha"],) if a["alpha"] else ()
-
 
 
 # ---------------------------------------------------------------------------------------------
