@@ -453,3 +453,13 @@ def test_clip_with_only_an_upper_bound_clips_nothing_below(tmp_path: Path) -> No
         opset_imports=[helper.make_opsetid("", 13)])
     (y,) = _ours(model, [x])
     np.testing.assert_array_equal(y, np.array([-np.inf, -5.0, 0.5, 1.0], F32))
+
+
+def test_bitwise_ops_refuse_4_bit_codes_and_masks_which_onnx_has_no_bitwise_op_for() -> None:
+    from mplower.ir.opdef import OpError
+    from mplower.ir.types import tensor
+
+    for elem in ("i4", "i1"):
+        with pytest.raises(OpError, match="must have an integer element type"):
+            OPS["mp.bitwise_not"].infer([tensor((3,), elem)], {})
+    assert OPS["mp.bitwise_not"].infer([tensor((3,), "ui16")], {}) == [tensor((3,), "ui16")]

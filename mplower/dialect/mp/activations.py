@@ -50,7 +50,8 @@ from mplower.ir.types import TensorType, tensor
 from mplower.numerics.formats import FORMATS
 
 _ACTIVATION = _ELEMENTWISE | {Trait.ACTIVATION}
-_INTS = frozenset(e for e in _NUMERIC if FORMATS[e].is_int)
+# The integer types bitwise ops take: ONNX's (no 4-bit codes, no masks).
+_BITS = frozenset(e for e in _NUMERIC if FORMATS[e].is_int) - {"i1", "i4"}
 _BIG = 1e300  # a stand-in for an infinite interval end that every function here can take
 INF = math.inf
 
@@ -646,7 +647,7 @@ for _name, _fn, _onnx in (("bitwise_and", np.bitwise_and, "BitwiseAnd"),
     _def(_name,
          operands=("a", "b"),
          attrs={},
-         infer=_binary_infer(_INTS - {"i1"}, "an integer"),
+         infer=_binary_infer(_BITS, "an integer"),
          reference=_bitwise_reference(_fn),
          flops=_per_element(1),
          precisions=_VECTOR,
@@ -657,7 +658,7 @@ for _name, _fn, _onnx in (("bitwise_and", np.bitwise_and, "BitwiseAnd"),
 _def("bitwise_not",
      operands=("x",),
      attrs={},
-     infer=_unary_infer(_INTS - {"i1"}, "an integer"),
+     infer=_unary_infer(_BITS, "an integer"),
      reference=_bitwise_reference(np.invert),
      flops=_per_element(1),
      precisions=_VECTOR,
@@ -687,7 +688,7 @@ def _shift_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
 _def("bit_shift",
      operands=("x", "shift"),
      attrs={"direction": AttrSpec("str", required=True, choices=("LEFT", "RIGHT"))},
-     infer=_binary_infer(_INTS - {"i1"}, "an integer"),
+     infer=_binary_infer(_BITS, "an integer"),
      reference=_shift_reference,
      flops=_per_element(1),
      precisions=_VECTOR,
