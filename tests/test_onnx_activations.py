@@ -67,7 +67,7 @@ def _theirs(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray
 
 
 def _ours(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    module = importer.import_model(model, "case.onnx").module
+    module = importer.import_model(model, "case.onnx", inline_weights=True).module
     with np.errstate(all="ignore"):
         return [np.asarray(o) for o in Program(module).run(inputs, reference=False).outputs]
 
@@ -131,6 +131,8 @@ CASES = [
      {"direction": "RIGHT"}, 21),
     ("BitShift", [np.array([-16, 16, -1], np.int8), np.array([2, 9, 1], np.int8)],
      {"direction": "RIGHT"}, 28),
+    ("EyeLike", [np.zeros((3, 5), F32)], {"k": 1}, 21),
+    ("EyeLike", [np.zeros((4, 2), F32)], {"k": -1, "dtype": TensorProto.INT32}, 21),
 ]
 
 
@@ -239,7 +241,8 @@ def test_each_op_exports_to_onnx_that_onnxruntime_runs_with_the_executors_result
     op, inputs, attrs, opset = case
     if opset == 28:
         pytest.skip("onnxruntime has no kernel for this op at opset 28")
-    module = importer.import_model(_model(op, inputs, opset, **attrs), "m.onnx").module
+    module = importer.import_model(_model(op, inputs, opset, **attrs), "m.onnx",
+                                   inline_weights=True).module
     with np.errstate(all="ignore"):
         ours = [np.asarray(o) for o in Program(module).run(inputs, reference=False).outputs]
     data = exporter.check_and_serialize(exporter.export_module(module).model,

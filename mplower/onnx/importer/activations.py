@@ -1,9 +1,9 @@
 """ONNX import handlers: activations (Clip, HardSwish, Elu, ...), rounding, trigonometric and
-hyperbolic functions, Mod, Hardmax, Mean, SwiGLU and the bitwise integer ops.
+hyperbolic functions, Mod, Hardmax, Mean, SwiGLU, the bitwise integer ops and EyeLike.
 
 Each ONNX op is its mp op of mplower.dialect.mp.activations with the attributes that op
 declares; Mean is the sum divided by the count and SwiGLU is Swish of the gate times the
-value, as the ONNX definitions write them.
+value, as the ONNX definitions write them; EyeLike is a constant of the input's (static) shape.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from mplower.ir.opdef import OPS
 from mplower.ir.types import tensor
 from mplower.numerics.formats import FORMATS
 from mplower.onnx.importer.core import (
+    Const,
     _attrs,
     _Importer,
     _same_onnx,
+    _shape_of,
     handler,
 )
 
@@ -161,3 +163,19 @@ def _swiglu(imp: _Importer, node: onnx.NodeProto) -> list:
     s = imp.emit("mp.swish", [gate], attrs, hint=f"{node.output[0]}_gate")
     return [imp.emit("mp.mul", [s, value], onnx_type=gate.onnx_type)]
 
+
+
+@handler("EyeLike")
+def _eye_like(imp: _Importer, node: onnx.NodeProto) -> list:
+    """Ones on the k-th diagonal of a matrix of the input's shape: a constant, since shapes
+    are static (the input's values are never read)."""
+    shape = _shape_of(imp.need(0))
+    if len(shape) != 2:
+        raise imp.error(f"EyeLike takes a matrix, got an input of shape {list(shape)}")
+    a = _attrs(node)
+    src = imp.need(0)
+    onnx_type = a.get("dtype", src.array.dtype if isinstance(src, Const) else src.onnx_type)
+    if isinstance(onnx_type, np.dtype):
+        onnx_type = helper.np_dtype_to_tensor_dtype(onnx_type)
+    dtype = helper.tensor_dtype_to_np_dtype(onnx_type)
+    return [Const(np.eye(shape[0], shape[1], k=int(a.get("k", 0)), dtype=dtype))]
