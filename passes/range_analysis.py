@@ -17,6 +17,7 @@ propagated from its operands':
   (n [lo, hi]), cumsum (1 to n times [lo, hi]), reduce_mean and the pools ([lo, hi]), softmax ((0, 1], with tiny =
   exp(lo - hi) / n), layer_norm and rms_norm (|z| <= sqrt(n - 1) resp. sqrt(n), times gamma,
   plus beta);
+* an op that declares its own rule (`OpDef.bounds`: clip, the activations, sin, ...) takes it;
 * anything else is unbounded, which flags nothing.
 
 Flags, per format (option `formats`): a float format overflows where max |x| exceeds its
