@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,6 +79,14 @@ def _image(fn: Fn, critical: Callable[[Mapping[str, Any]], Iterable[float]] | No
         y_lo, y_hi = float(ys.min()), float(ys.max())
         return (-INF if y_lo <= -_BIG else y_lo), (INF if y_hi >= _BIG else y_hi)
     return bounds
+
+
+class _Image(NamedTuple):
+    """A range rule `_image` builds from the op's own function: its critical points and
+    domain."""
+
+    critical: Callable[[Mapping[str, Any]], Iterable[float]] | None = None
+    domain: Interval = (-_BIG, _BIG)
 
 
 def _periodic(critical_phase: float) -> Callable[[Sequence[Interval], Mapping], Interval]:
@@ -159,6 +167,10 @@ def _hard_sigmoid(x: np.ndarray, a: Mapping) -> np.ndarray:
 
 def _hard_swish(x: np.ndarray, a: Mapping) -> np.ndarray:
     return x * np.clip(x / 6.0 + 0.5, 0.0, 1.0)  # ONNX: alpha = 1/6, beta = 0.5
+
+
+def _leaky_relu(x: np.ndarray, a: Mapping) -> np.ndarray:
+    return np.where(x < 0, a["alpha"] * x, x)
 
 
 def _elu(x: np.ndarray, alpha: float) -> np.ndarray:
@@ -320,66 +332,67 @@ def _thresholded_bounds(ins: Sequence[Interval], a: Mapping[str, Any]) -> Interv
 _A = AttrSpec  # the attribute tables below are long
 _ALPHA = {"alpha": _A("float", default=1.0)}
 
-# name, fn (float64 -> float64), attrs, doc, traits, flops per element, range rule
-_UNARY: list[tuple[str, Fn, dict, str, frozenset, int, Callable]] = [
+# name, fn (float64 -> float64), attrs, doc, traits, flops per element, range rule (an _Image
+# of fn, or a rule of its own)
+_UNARY: list[tuple[str, Fn, dict, str, frozenset, int, _Image | Callable]] = [
     ("hard_sigmoid", _hard_sigmoid,
      {"alpha": _A("float", default=0.2), "beta": _A("float", default=0.5)},
      "max(0, min(1, alpha x + beta)) (ONNX HardSigmoid)", _ACTIVATION, 3,
-     _image(_hard_sigmoid)),
+     _Image()),
     ("hard_swish", _hard_swish, {}, "x max(0, min(1, x / 6 + 1 / 2)) (ONNX HardSwish)",
-     _ACTIVATION, 4, _image(_hard_swish, lambda a: (-1.5,))),
-    ("leaky_relu", lambda x, a: np.where(x < 0, a["alpha"] * x, x),
+     _ACTIVATION, 4, _Image(lambda a: (-1.5,))),
+    ("leaky_relu", _leaky_relu,
      {"alpha": _A("float", default=0.01)}, "x for x >= 0, else alpha x (ONNX LeakyRelu)",
-     _ACTIVATION, 2, _image(lambda x, a: np.where(x < 0, a["alpha"] * x, x), lambda a: (0.0,))),
+     _ACTIVATION, 2, _Image(lambda a: (0.0,))),
     ("elu", lambda x, a: _elu(x, a["alpha"]), _ALPHA,
      "x for x > 0, else alpha (exp(x) - 1) (ONNX Elu)", _ACTIVATION, 4,
-     _image(lambda x, a: _elu(x, a["alpha"]), lambda a: (0.0,))),
+     _Image(lambda a: (0.0,))),
     ("selu", _selu,
      {"alpha": _A("float", default=1.67326319217681884765625),
       "gamma": _A("float", default=1.05070102214813232421875)},
      "gamma x for x > 0, else gamma alpha (exp(x) - 1) (ONNX Selu)", _ACTIVATION, 5,
-     _image(_selu, lambda a: (0.0,))),
+     _Image(lambda a: (0.0,))),
     ("celu", _celu, _ALPHA, "max(0, x) + min(0, alpha (exp(x / alpha) - 1)) (ONNX Celu)",
-     _ACTIVATION, 5, _image(_celu, lambda a: (0.0,))),
+     _ACTIVATION, 5, _Image(lambda a: (0.0,))),
     ("mish", lambda x, a: x * np.tanh(_softplus(x)), {}, "x tanh(softplus(x)) (ONNX Mish)",
-     _ACTIVATION, 8, _image(lambda x, a: x * np.tanh(_softplus(x)), lambda a: (_MISH_MIN_AT,))),
+     _ACTIVATION, 8, _Image(lambda a: (_MISH_MIN_AT,))),
     ("softplus", lambda x, a: _softplus(x), {}, "log(exp(x) + 1) (ONNX Softplus)",
-     _ACTIVATION, 4, _image(lambda x, a: _softplus(x))),
+     _ACTIVATION, 4, _Image()),
     ("softsign", lambda x, a: x / (1.0 + np.abs(x)), {}, "x / (1 + |x|) (ONNX Softsign)",
-     _ACTIVATION, 3, _image(lambda x, a: x / (1.0 + np.abs(x)))),
+     _ACTIVATION, 3, _Image()),
     ("thresholded_relu", lambda x, a: np.where(x > a["alpha"], x, 0.0), _ALPHA,
      "x for x > alpha, else 0 (ONNX ThresholdedRelu)", _PICKS, 1, _thresholded_bounds),
     ("swish", _swish, _ALPHA, "x sigmoid(alpha x) (ONNX Swish)", _ACTIVATION, 5,
-     _image(_swish, _swish_critical)),
+     _Image(_swish_critical)),
     ("shrink", _shrink, {"bias": _A("float", default=0.0), "lambd": _A("float", default=0.5)},
      "x + bias for x < -lambd, x - bias for x > lambd, else 0 (ONNX Shrink)", _ACTIVATION, 2,
      _shrink_bounds),
     ("floor", lambda x, a: np.floor(x), {}, "round toward -inf (ONNX Floor)", _ACTIVATION, 1,
-     _image(lambda x, a: np.floor(x))),
+     _Image()),
     ("ceil", lambda x, a: np.ceil(x), {}, "round toward +inf (ONNX Ceil)", _ACTIVATION, 1,
-     _image(lambda x, a: np.ceil(x))),
+     _Image()),
     ("round", lambda x, a: np.round(x), {}, "round to nearest, ties to even (ONNX Round)",
-     _ACTIVATION, 1, _image(lambda x, a: np.round(x))),
+     _ACTIVATION, 1, _Image()),
     ("sin", lambda x, a: np.sin(x), {}, "sine (ONNX Sin)", _ELEMENTWISE, 4,
      _periodic(math.pi / 2)),
     ("cos", lambda x, a: np.cos(x), {}, "cosine (ONNX Cos)", _ELEMENTWISE, 4, _periodic(0.0)),
     ("tan", lambda x, a: np.tan(x), {}, "tangent (ONNX Tan)", _ELEMENTWISE, 4, _tan_bounds),
     ("asin", lambda x, a: np.arcsin(x), {}, "arcsine (ONNX Asin)", _ELEMENTWISE, 4,
-     _image(lambda x, a: np.arcsin(x), domain=(-1.0, 1.0))),
+     _Image(domain=(-1.0, 1.0))),
     ("acos", lambda x, a: np.arccos(x), {}, "arccosine (ONNX Acos)", _ELEMENTWISE, 4,
-     _image(lambda x, a: np.arccos(x), domain=(-1.0, 1.0))),
+     _Image(domain=(-1.0, 1.0))),
     ("atan", lambda x, a: np.arctan(x), {}, "arctangent (ONNX Atan)", _ELEMENTWISE, 4,
-     _image(lambda x, a: np.arctan(x))),
+     _Image()),
     ("sinh", lambda x, a: np.sinh(x), {}, "hyperbolic sine (ONNX Sinh)", _ELEMENTWISE, 4,
-     _image(lambda x, a: np.sinh(x))),
+     _Image()),
     ("cosh", lambda x, a: np.cosh(x), {}, "hyperbolic cosine (ONNX Cosh)", _ELEMENTWISE, 4,
-     _image(lambda x, a: np.cosh(x), lambda a: (0.0,))),
+     _Image(lambda a: (0.0,))),
     ("asinh", lambda x, a: np.arcsinh(x), {}, "inverse hyperbolic sine (ONNX Asinh)",
-     _ELEMENTWISE, 4, _image(lambda x, a: np.arcsinh(x))),
+     _ELEMENTWISE, 4, _Image()),
     ("acosh", lambda x, a: np.arccosh(x), {}, "inverse hyperbolic cosine (ONNX Acosh)",
-     _ELEMENTWISE, 4, _image(lambda x, a: np.arccosh(x), domain=(1.0, _BIG))),
+     _ELEMENTWISE, 4, _Image(domain=(1.0, _BIG))),
     ("atanh", lambda x, a: np.arctanh(x), {}, "inverse hyperbolic tangent (ONNX Atanh)",
-     _ELEMENTWISE, 4, _image(lambda x, a: np.arctanh(x), domain=(-1.0, 1.0))),
+     _ELEMENTWISE, 4, _Image(domain=(-1.0, 1.0))),
 ]
 
 
@@ -391,8 +404,9 @@ def _float_reference(fn: Fn) -> Callable:
     return reference
 
 
-for _name, _fn, _attrs, _doc, _traits, _k_flops, _bounds in _UNARY:
+for _name, _fn, _attrs, _doc, _traits, _k_flops, _range in _UNARY:
     _rule = _DERIVATIVE[_name]
+    _bounds = _image(_fn, *_range) if isinstance(_range, _Image) else _range
     _def(_name,
          vjp=_derivative(_rule) if _rule is not None else _flat,
          operands=("x",),
