@@ -17,6 +17,7 @@ propagated from its operands':
   (n [lo, hi]), cumsum (1 to n times [lo, hi]), reduce_mean and the pools ([lo, hi]), softmax ((0, 1], with tiny =
   exp(lo - hi) / n), layer_norm and rms_norm (|z| <= sqrt(n - 1) resp. sqrt(n), times gamma,
   plus beta);
+* an op that declares its own rule (`OpDef.bounds`: clip, the activations, sin, ...) takes it;
 * anything else is unbounded, which flags nothing.
 
 Flags, per format (option `formats`): a float format overflows where max |x| exceeds its
@@ -171,6 +172,8 @@ def propagate(op: str, ins: list[Interval], attrs: dict, in_types: list[TensorTy
     if op == "mp.trilu":  # the operand's values and the zeros it writes
         return Interval(min(ins[0].lo, 0.0), max(ins[0].hi, 0.0), ins[0].tiny)
     opdef = OPS.get(op)
+    if opdef is not None and opdef.bounds is not None:  # the op's own rule (OpDef.bounds)
+        return _from(*opdef.bounds([(i.lo, i.hi) for i in ins], attrs))
     if op in _PASS_THROUGH or (opdef is not None and Trait.DATA_MOVEMENT in opdef.traits):
         return ins[0]
     if op == "mp.cumsum":  # a partial sum of 1 to n elements

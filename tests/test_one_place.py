@@ -114,7 +114,8 @@ def test_op_categories_are_the_traits_they_were_written_as() -> None:
                                    "mp.gather_elements", "mp.gather_nd", "mp.expand",
                                    "mp.trilu", "mp.where", "mp.split",
                                    "mp.relu_grad", "mp.fake_quant_grad", "mp.reduce_min",
-                                   "mp.topk"}
+                                   "mp.topk", "mp.abs", "mp.clip",
+                                   "mp.thresholded_relu"}
     assert "mp.max_pool2d" not in mp.VALUE_PRESERVING
     assert ops_with(Trait.PURE) == set(OPS)
 

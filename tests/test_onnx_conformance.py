@@ -69,6 +69,13 @@ EXPLANATIONS = {
                                    "operator's text and onnxruntime do; the test data divides by "
                                    "scale * length (onnxruntime fails this test too)",
     "convtranspose_3d": "3-D ConvTranspose: mp.conv2d is 2-D (1-D runs as 2-D)",
+    "attention_4d_causal_fp16_expanded": "float16 arithmetic: the expected output is onnx's "
+                                         "numpy reference, whose Softmax rounds its "
+                                         "exponentials and their sum to float16; mplower "
+                                         "computes each op in f32 and rounds its result once, "
+                                         "and 2 of 192 outputs land one float16 ulp beyond "
+                                         "rtol 1e-3 (Mod, which made the test claimed, acts on "
+                                         "integer positions)",
 }
 
 
@@ -378,7 +385,7 @@ def test_precision_plan_option_runs_the_lowered_model() -> None:
 
 def test_is_compatible_names_models_with_unclaimed_ops() -> None:
     g = onnx.helper.make_graph(
-        [onnx.helper.make_node("Hardmax", ["x"], ["y"])], "g",
+        [onnx.helper.make_node("Bernoulli", ["x"], ["y"])], "g",
         [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     assert not MplowerBackend.is_compatible(onnx.helper.make_model(g))

@@ -194,14 +194,16 @@ def test_outputs_keeps_only_what_feeds_them():
 
 
 def test_two_unsupported_op_types_get_one_diagnostic_naming_both(tmp_path, cli):
-    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Mod", ["a", "a"], ["b"]),
-             helper.make_node("Mod", ["b", "a"], ["c"]), helper.make_node("Hardmax", ["c"], ["y"])]
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("RandomUniformLike", ["a"], ["b"]),
+             helper.make_node("RandomUniformLike", ["b"], ["c"]),
+             helper.make_node("Bernoulli", ["c"], ["y"])]
     model = make_model(nodes, [vi("x", [2, 3])], [vi("y", [2, 3])])
     path = save(model, tmp_path / "bad.onnx")
     r = cli("import", path, "-o", tmp_path / "bad.ir")
     assert r.rc == 1 and "Traceback" not in r.err
     assert r.err.count("error:") == 1
-    assert "2 op type(s) that mplower cannot import: Hardmax (1), Mod (2)" in r.err
+    assert "2 op type(s) that mplower cannot import: Bernoulli (1), RandomUniformLike (2)" in r.err
     assert not list(tmp_path.glob("bad.ir*")) and not list(tmp_path.glob("bad.npz"))
 
 

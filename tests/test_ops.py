@@ -46,6 +46,12 @@ ALL_OPS = [
     "scaled_quant",
     # the fused ops of the `fuse` pass (mplower.dialect.fused)
     "add_relu", "fused_matmul",
+    # activations and elementwise math (mplower.dialect.mp.activations)
+    "hard_sigmoid", "hard_swish", "leaky_relu", "elu", "selu", "celu", "mish", "softplus",
+    "softsign", "thresholded_relu", "swish", "shrink", "floor", "ceil", "round", "sin", "cos",
+    "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "abs", "sign",
+    "clip", "prelu", "mod", "hardmax", "bitwise_and", "bitwise_or", "bitwise_xor",
+    "bitwise_not", "bit_shift",
 ]
 
 

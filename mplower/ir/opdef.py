@@ -88,6 +88,7 @@ class GradBuilder(Protocol):
 # An op with several results gets its first result and a tuple of their cotangents.
 # Rules build the backward graph from ops of the same dialect, so every pass, the executor and
 # the report apply to it as to the forward graph.
+Bounds = Callable[[Sequence[tuple[float, float]], Mapping[str, Any]], tuple[float, float]]
 Vjp = Callable[[GradBuilder, Sequence[Value], Value, "Value | tuple[Value, ...]", dict,
                 Sequence[bool]],
                list["Value | None"]]
@@ -114,6 +115,9 @@ class Trait(enum.Enum):
     VALUE_PRESERVING = "value-preserving"
     CONVERSION = "conversion"  # changes its operand's element type (cast, quantize, ...)
     DATA_MOVEMENT = "data-movement"  # rearranges elements of any type, no arithmetic
+    # A bounded-gain function of its operand (an activation): computed in f32 and rounded once,
+    # it costs one rounding in the format its inputs arrive in, so sheets let it follow them.
+    ACTIVATION = "activation"
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,9 @@ class OpDef:
     # Operand names for docs and diagnostics; "bias?" is optional, "inputs..." variadic.
     operand_names: tuple[str, ...] = ()
     vjp: Vjp | None = None  # None: the op has no gradient rule (grad reports it)
+    # The interval (lo, hi) of the result from the operands' intervals and the checked attrs,
+    # for range-analysis (infinite ends: unbounded). None: range-analysis's own rule, if any.
+    bounds: Bounds | None = None
     # `reference` for attrs that check_attrs returned and a caller that holds np.errstate
     # itself (the executor's steps): the same results without checking the attributes again
     # on every call (8-30 us of a batch-1 conv). None: call `reference`.

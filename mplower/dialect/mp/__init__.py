@@ -10,7 +10,7 @@ at the end of this module. The machinery (`OpDef`, the registry, attribute check
 layer's (mplower.ir.opdef); importing this module registers the mp ops there.
 
 One module per op family (DESIGN.md §2): linalg, elementwise, normalization, data_movement,
-pooling, quantization, indexing, reductions, scatter, qlinear; the rules they share in common.
+pooling, quantization, indexing, reductions, scatter, qlinear, activations; the rules they share in common.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from mplower.dialect.mp import data_movement  # noqa: F401
 from mplower.dialect.mp import pooling  # noqa: F401
 from mplower.dialect.mp import quantization  # noqa: F401
 from mplower.dialect.mp import indexing  # noqa: F401
+from mplower.dialect.mp import activations  # noqa: F401
+from mplower.dialect.mp import qlinear  # noqa: F401
 from mplower.dialect.mp import reductions  # noqa: F401
 from mplower.dialect.mp import scatter  # noqa: F401
-from mplower.dialect.mp import qlinear  # noqa: F401
 # isort: on
 from mplower.dialect.mp.quantization import SCALE_FORMATS, SCALE_RECIPES
 from mplower.ir.opdef import OPS, OpError, Trait, ops_with

@@ -13,6 +13,7 @@ import numpy as np
 
 from mplower.ir.opdef import (
     AttrSpec,
+    Bounds,
     GradBuilder,
     OpDef,
     OpError,
@@ -150,7 +151,7 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
          precisions: frozenset[str], doc: str, traits: frozenset[Trait] = frozenset(),
          weight_operand: int | None = None,
          encoded_operands: frozenset[int] = frozenset(), vjp: Vjp | None = None,
-         num_results: int | None = 1) -> OpDef:
+         num_results: int | None = 1, bounds: Bounds | None = None) -> OpDef:
     op = f"mp.{name}"
     specs = dict(attrs)
     # `name?` is optional, `name...` a list of one or more, `name*` a list of zero or more.
@@ -196,7 +197,7 @@ def _def(name: str, *, operands: tuple[str, ...], attrs: Mapping[str, AttrSpec],
         flops=checked_flops, precisions=precisions,
         # Every mp op is a function of its operands and attributes.
         traits=traits | {Trait.PURE}, weight_operand=weight_operand, doc=doc,
-        operand_names=operands, vjp=vjp, num_results=num_results,
+        operand_names=operands, vjp=vjp, num_results=num_results, bounds=bounds,
     ))
 
 

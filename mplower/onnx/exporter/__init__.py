@@ -5,6 +5,7 @@ all in `EMITTERS`. A new op is one `@emitter` function in its family's module.
 """
 
 from mplower.onnx.exporter import (  # noqa: F401  (registers the emitters)
+    activations,
     emitters,
     indexing_ops,
     qlinear,

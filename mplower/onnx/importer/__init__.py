@@ -5,6 +5,7 @@ all in `HANDLERS`. A new ONNX op is one `@handler` function in its family's modu
 """
 
 from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
+    activations,
     control_flow,
     elementwise,
     indexing,
