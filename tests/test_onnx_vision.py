@@ -506,3 +506,18 @@ def test_group_normalization_gradient_matches_jax() -> None:
 
     want = np.asarray(jax.grad(loss)(x))
     assert np.linalg.norm(np.asarray(dx) - want) <= 1e-5 * np.linalg.norm(want)
+
+
+def test_question_mark_dims_are_each_their_own_unknown(tmp_path) -> None:
+    """Paddle2ONNX writes '?' for every size it knows nothing about (a text-line classifier
+    declares x as [batch, 3, '?', '?']): '?' is no symbol that ties the dims together."""
+    from mplower.onnx.importer import import_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "?", "?"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3, "?", "?"])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                                                [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    module = import_model(model, "m.onnx", input_shapes={"x": (2, 3, 48, 192)}).module
+    f = module.function(None)
+    assert f.types(f.args[0])[0].shape == (2, 3, 48, 192)

@@ -33,6 +33,12 @@ def forget_unknown_dims(graph: onnx.GraphProto) -> None:
                 d.Clear()
 
 
+def named(dim_param: str) -> bool:
+    """A symbol shared by the dimensions that carry it: not empty, and not '?', which
+    exporters (Paddle2ONNX's p2o, for one) write for each size they know nothing about."""
+    return any(c.isalnum() for c in dim_param)
+
+
 def symbol_values(graph: onnx.GraphProto, input_shapes: Mapping[str, tuple[int, ...]],
                   loc: Location) -> dict[str, int]:
     """The size of each symbolic dimension that an input given with --input-shape names; two
@@ -44,7 +50,7 @@ def symbol_values(graph: onnx.GraphProto, input_shapes: Mapping[str, tuple[int, 
         if given is None or not tt.HasField("shape") or len(given) != len(tt.shape.dim):
             continue  # a rank mismatch is reported with the input itself
         for d, v in zip(tt.shape.dim, given):
-            if not d.dim_param:
+            if not named(d.dim_param):
                 continue
             seen = values.setdefault(d.dim_param, (v, vi.name))
             if seen[0] != v:
