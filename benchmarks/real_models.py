@@ -178,8 +178,9 @@ def evaluate(model: Model, work: Path) -> Result:
     if rc in (0, 3) and (work / "tuned" / "tune.json").exists():
         tj = json.loads((work / "tuned" / "tune.json").read_text())
         chosen = tj.get("chosen") or {}
-        res.tuned = chosen.get("label", "") or chosen.get("name", "")
-        res.tuned_speedup = float(chosen.get("speedup", float("nan")))
+        res.tuned = chosen.get("label", "")
+        res.tuned_speedup = float((chosen.get("modeled") or {}).get("speedup_vs_fp32")
+                                  or float("nan"))
         res.tuned_metric = float((chosen.get("quality") or {}).get("metric", float("nan")))
     else:
         res.errors.append(f"tune: {err.strip().splitlines()[-1][:200] if err else rc}")
