@@ -358,12 +358,17 @@ class OpToRun:
 class Chosen:
     """An op's kernel; `reference` replaces its fp32 reference where the f32 plan has no such
     op (a cast, a quantize); `scale_stats` is mp.scaled_quant's account, `amax_kernel` the
-    kernel built to also leave its result's amax in a box (run_lowered's amax fusion)."""
+    kernel built to also leave its result's amax in a box (run_lowered's amax sharing)."""
 
     run: Kernel
     reference: Callable[[list[np.ndarray]], Any] | None = None
     scale_stats: list[ScaleStats] | None = None
     amax_kernel: Callable[[Any], Kernel] | None = None
+    # The same op's kernel without the counts that only `run` reports, where that saves a
+    # pass (run_lowered runs it), and a conv's epilogue (mplower.backend.fused.ConvEpilogue),
+    # from which run_lowered rebuilds its kernel to write into a concatenation.
+    fast: Kernel | None = None
+    conv: Any = None
 
 
 def _cast(o: OpToRun) -> Chosen:

@@ -4,7 +4,7 @@ The emitters live by op family in the sibling modules; importing this package re
 all in `EMITTERS`. A new op is one `@emitter` function in its family's module.
 """
 
-from mplower.onnx.exporter import emitters  # noqa: F401  (registers the emitters)
+from mplower.onnx.exporter import emitters, fused  # noqa: F401  (registers the emitters)
 from mplower.onnx.exporter.core import (
     EMITTERS,
     NARROW_FLOATS,
