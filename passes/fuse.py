@@ -1,10 +1,14 @@
 """`fuse`: chains of ops that one kernel runs in one pass over memory become one fused op.
 
 Patterns (mplower.ir.rewrite), each applied only where the fused kernel gives the separate
-ops' bits: a residual add and its relu (`mp.add_relu`), an 8-bit integer matmul with the
-dequantize of its exact sums and the adds of vectors along its columns, and a float matmul
-with the bias adds that follow it in its own format (`mp.fused_matmul`). The fused ops are
-declared in mplower.dialect.fused; what the pass printed is what `run` and `bench` execute.
+ops' bits: a residual add and its relu (`mp.add_relu`); an integer quantize read only by its
+dequantize (`mp.fake_quant`); a conv with the dequantize of its exact integer sums, a
+per-channel bias add, a relu, and a quantize or QDQ pair of its result, and a channel shuffle
+read by a depthwise conv (`mp.fused_conv2d`); an 8-bit integer matmul with the dequantize of
+its exact sums and the adds of vectors along its columns, and a float matmul with the bias
+adds that follow it in its own format (`mp.fused_matmul`); a bf16/fp16 add, sub or mul and the
+cast of its result (`mp.fused_binary`). The fused ops are declared in mplower.dialect.fused and
+fused_conv; what the pass printed is what `run` and `bench` execute.
 """
 
 from __future__ import annotations
@@ -426,11 +430,16 @@ class Fuse(Pass):
     """Fuse chains of ops that one kernel runs in one pass over memory into fused ops, where
     the fused kernel gives the separate ops' bits.
 
-    A residual add and its relu become `mp.add_relu`; an 8-bit integer matmul, the dequantize
-    of its sums and the adds of vectors along its columns, or a float matmul and the bias
-    adds in its format that follow it, become `mp.fused_matmul`. Run it last: the result
-    prints, parses and runs (`mplower run`, `mplower bench`) like any other module, and the
-    unfused module gives the same bits, more slowly.
+    A residual add and its relu become `mp.add_relu`; an integer quantize -> dequantize pair
+    `mp.fake_quant`; a conv and the dequantize of its integer sums, a per-channel bias add, a
+    relu and a quantize (or, for a depthwise conv, a QDQ pair) of its result, or a channel
+    shuffle (reshape, transpose, reshape) that a depthwise conv reads, `mp.fused_conv2d`; an
+    8-bit integer matmul, the dequantize of its sums and the adds of vectors along its
+    columns, or a float matmul and the bias adds in its format that follow it,
+    `mp.fused_matmul`; a bf16/fp16 add, sub or mul and the cast of its result
+    `mp.fused_binary`. Run it last: the result prints, parses and runs (`mplower run`,
+    `mplower bench`) like any other module, and the unfused module gives the same bits, more
+    slowly.
     """
 
     name: ClassVar[str] = "fuse"
