@@ -19,25 +19,22 @@ import numpy as np
 from mplower.backend.kernels import (
     KERNELS,
     Chosen,
-    Counts,
     Kernel,
     OpToRun,
-    _conv,
-    _generic,
-    _quantize,
+    conv_f16_chosen,
     f32,
     finish,
+    generic_chosen,
+    matmul_chosen,
+    quantize_chosen,
     rounded_matmul_kernel,
-)
-from mplower.backend.kernels import (
-    _matmul as _plain_matmul,
 )
 from mplower.dialect.fused import PLAIN_FLOATS, RELU_BEFORE_ROUNDING, along_last_axis
 from mplower.dialect.fused_conv import fused_conv_stages
 from mplower.ir.opdef import attr_array, attr_type
 from mplower.ir.types import TensorType
 from mplower.numerics.formats import FORMATS
-from mplower.numerics.rounding import ROUNDING_FORMATS
+from mplower.numerics.rounding import ROUNDING_FORMATS, Counts
 
 
 @dataclass(frozen=True)
@@ -105,13 +102,13 @@ def _conv2d(o: OpToRun) -> Chosen | None:
     """A float conv with an f32 accumulator: its op's kernel (counted) for `run`, the conv
     rounding its result as it stores it for run_lowered."""
     if o.accum == "f16":
-        return _conv(o)
+        return conv_f16_chosen(o)
     out = o.out_t.elem
     if not _float_operands(o.in_types) or out != "f32" and out not in ROUNDING_FORMATS:
         return None
     conv = ConvEpilogue(_geometry(o.attrs), len(o.in_types) == 3, o.out_t.shape[1],
                         rounded=None if out == "f32" else out)
-    chosen = _generic(o)
+    chosen = generic_chosen(o)
     chosen.conv = conv
     # A rounded result alone (ShuffleNet's second grouped 1x1 conv of a unit, its bias an
     # operand) is rounded as the conv stores its tiles, not in a pass after it.
@@ -141,9 +138,9 @@ def _fused_conv2d(o: OpToRun) -> Chosen | None:
         elif out == q and q_scale.size == 1 and zp.size == 1:
             quantize = q_scale.astype(np.float32).reshape(()), zp.reshape(()), q
         else:
-            return _fused_conv_reference(o, _generic(o))
+            return _fused_conv_reference(o, generic_chosen(o))
     if order is not None and not depthwise:
-        return _fused_conv_reference(o, _generic(o))  # numerics.conv reorders depthwise only
+        return _fused_conv_reference(o, generic_chosen(o))  # numerics.conv reorders depthwise only
     conv = ConvEpilogue(_geometry(a), len(o.in_types) == 3, channels, scale, bool(a["relu"]),
                         out if out != "f32" and "out_dtype" not in a else None, order,
                         requantize, quantize)
@@ -206,7 +203,7 @@ def _fused_binary(o: OpToRun) -> Chosen:
 
 def _binary(o: OpToRun) -> Chosen:
     """mp.add, mp.sub, mp.mul: the op's kernel, and for run_lowered the one-pass rounding."""
-    chosen = _generic(o)
+    chosen = generic_chosen(o)
     if o.out_t.elem != "f32":
         chosen.fast = binary_kernel(o.opdef.name[3:], o.in_types, o.out_t, (o.out_t.elem,))
     return chosen
@@ -217,7 +214,7 @@ def _fake_quant(o: OpToRun) -> Chosen:
     stores the integers (quant.fake_quantizer: the same float32 bits)."""
     from mplower.numerics.quant import fake_quantizer
 
-    chosen = _quantize(o)
+    chosen = quantize_chosen(o)
     a = o.attrs
     scale, zp = attr_array(a["scale"]), attr_array(a["zero_point"])
     if o.out_t.elem == "f32" and o.in_types[0].elem == "f32" and not a["block_size"]:
@@ -230,7 +227,7 @@ def _fake_quant(o: OpToRun) -> Chosen:
 
 def _matmul(o: OpToRun) -> Chosen:
     """mp.matmul; for run_lowered a float product rounded in place (round_to's bits)."""
-    chosen = _plain_matmul(o)
+    chosen = matmul_chosen(o)
     if len(o.in_types) == 2 and o.out_t.elem != "f32" \
             and getattr(chosen.run, "weight_dtype", None) == np.float32 \
             and all(t.elem in PLAIN_FLOATS for t in (*o.in_types, o.out_t)):
