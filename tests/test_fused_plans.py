@@ -1244,3 +1244,26 @@ def test_a_quantize_read_only_by_the_next_conv_is_done_by_the_conv_that_computes
     d = np.einsum("nchw,oc->nohw", q, np.full((16, 16), -3, np.int64))
     assert got.tobytes() == (d.astype(np.int32).astype(np.float32)
                              * np.float32(0.125)).tobytes()
+
+
+@pytest.mark.parametrize("case", ["fp8 conv", "depthwise qdq", "conv quantize conv"])
+def test_fused_convs_are_checked_against_the_fp32_reference_of_the_unfused_ops(case) -> None:
+    """`run` of the fused module: the fp32 reference of each fused conv is its ops' (a
+    quantize and a dequantize of a float are no-ops there), so the outputs' reference is the
+    unfused module's, bit for bit; an integer conv whose weight never was a float has none,
+    fused or not, and that is no error."""
+    rng = np.random.default_rng(31)
+    text, shape = {
+        "fp8 conv": (_FP8_CONV, (2, 8, 7, 7)),
+        "depthwise qdq": (_DW_QDQ.replace("WEIGHTS", str(
+            rng.standard_normal((4, 1, 3, 3)).astype(np.float32).tolist())), (2, 4, 6, 6)),
+        "conv quantize conv": (_CONV_Q_CONV, (2, 8, 7, 7))}[case]
+    x = rng.standard_normal(shape).astype(np.float32)
+    ours, theirs = Program(_fused(text)).run([x]), Program(parse(text, "m.ir")).run([x])
+    assert "mp.fused_conv2d" in [r.step.op for r in ours.ops]
+    assert ours.outputs[0].tobytes() == theirs.outputs[0].tobytes()
+    if case == "conv quantize conv":
+        assert ours.reference[0] is None and theirs.reference[0] is None
+    else:
+        assert ours.reference[0].tobytes() == theirs.reference[0].tobytes()
+        assert ours.ops[-1].rel_l2 is not None
