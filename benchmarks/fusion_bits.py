@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime
 
 
-def dump(path: Path, models: list[str], sheets: list[str], fused: bool, reps: int) -> None:
+def dump(path: Path, models: list[str], sheets: list[str], fused: bool, reps: int,
+         ran: bool = True) -> None:
     from mplower.backend.executor import Program, reference_runner
     from mplower.ir.parser import parse_file
     from mplower.pass_manager import PassContext, PassManager, parse_pipeline
@@ -52,7 +53,7 @@ def dump(path: Path, models: list[str], sheets: list[str], fused: bool, reps: in
             program = Program(module)
             prepared = program.prepare_inputs([x])
             lowered = program.run_lowered(prepared)
-            ran = program.run([x], reference=False).outputs
+            outputs = program.run([x], reference=False).outputs if ran else lowered
             if reps:
                 times = []
                 for _ in range(reps):
@@ -60,9 +61,10 @@ def dump(path: Path, models: list[str], sheets: list[str], fused: bool, reps: in
                     program.run_lowered(prepared)
                     times.append(time.perf_counter() - start)
                 out[f"{name}/{sheet}/seconds"] = np.array(statistics.median(times))
-            for k, (a, b) in enumerate(zip(lowered, ran, strict=True)):
+            for k, (a, b) in enumerate(zip(lowered, outputs, strict=True)):
                 out[f"{name}/{sheet}/lowered/{k}"] = a
-                out[f"{name}/{sheet}/run/{k}"] = b
+                if ran:
+                    out[f"{name}/{sheet}/run/{k}"] = b
             print(name, sheet, flush=True)
     np.savez(path, **out)
 
@@ -87,6 +89,7 @@ def main() -> int:
     p.add_argument("--dump", type=Path)
     p.add_argument("--compare", type=Path, nargs=2)
     p.add_argument("--unfused", action="store_true", help="lower without the fuse pass")
+    p.add_argument("--no-run", action="store_true", help="run_lowered only, not `run`")
     p.add_argument("--time", type=int, default=0, metavar="N",
                    help="also the median of N timed run_lowered calls per configuration")
     p.add_argument("--models", default=",".join(runtime.MODELS))
@@ -94,7 +97,8 @@ def main() -> int:
     args = p.parse_args()
     if args.compare:
         return compare(*args.compare)
-    dump(args.dump, args.models.split(","), args.sheets.split(","), not args.unfused, args.time)
+    dump(args.dump, args.models.split(","), args.sheets.split(","), not args.unfused, args.time,
+         not args.no_run)
     return 0
 
 
