@@ -140,9 +140,9 @@ def add_relu_kernel(rounded: str | None, box: Any = None,
                      quantize: tuple | None = None) -> Kernel:
     """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
     result takes its relu before the rounding (see RELU_BEFORE_ROUNDING: the same bits).
-    With a `box` (_fuse_amax), box.amax is set to the result's amax, from the same pass; with
-    `quantize` (scale, zero point, format; _fuse_quantized_outputs) box.q to the result's
-    integers."""
+    With a `box` (lowered._amax_shared), box.amax is set to the result's amax, from the same
+    pass; with `quantize` (scale, zero point, format; lowered._quantize_shared) box.q to the
+    result's integers."""
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         found = None if box is None or quantize is not None else []
         q: list = []
