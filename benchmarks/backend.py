@@ -9,8 +9,8 @@
    ml_dtypes type, on 16M standard-normal float32 (allocation included on both sides), plus
    `encode` against `x.astype(T)` and the cost of first touching a fresh result array, which
    both round trips pay and which bounds what the kernel's speed can show.
-3. The transformer example under the bf16 plan against the fp32 plan: `Program.run_lowered`,
-   what `mplower run` executes for the lowered side (and `mplower bench` times).
+3. The transformer example under the bf16 plan against the fp32 plan, each put through the
+   `fuse` pass: `Program.run_lowered`, what `mplower bench` times.
 4. Start-up: wall time of a fresh `mplower run ir_examples/mlp.ir` process, after one run that
    warms the numba cache (median of 3).
 5. The cost of determinism: mplower's fixed-order GEMM (mplower.numerics.gemm, what every f32
@@ -187,6 +187,7 @@ def transformer(repeat: int, inner: int) -> list[tuple[str, float, float, str, f
         module.path = str(path)
         load_passes()["assign-precision"](policy=policy).run(module, PassContext())
         materialize(module)  # the plan's casts, as `mplower bench` adds them
+        load_passes()["fuse"]().run(module, PassContext())  # bench runs what fuse printed
         progs[policy] = Program(module)
     prepared = {k: p.prepare_inputs([x]) for k, p in progs.items()}
     fns = {k: lambda p=p, xs=prepared[k]: p.run_lowered(xs) for k, p in progs.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -264,3 +265,47 @@ def test_no_backend_module_imports_a_pass() -> None:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}: {n}" for n in names if n.startswith("mplower.passes")]
     assert found == []
+
+
+@pytest.mark.parametrize("pipeline", [
+    "canonicalize",
+    "assign-precision{policy=bf16},insert-casts",
+    "assign-precision{policy=fp8},insert-casts",
+    "assign-precision{policy=int8},calibrate{data=CALIB},quantize",
+])
+def test_what_bench_runs_is_the_printed_fused_program_with_the_unfused_bits(pipeline,
+                                                                           tmp_path) -> None:
+    """The example CNN lowered, then fused and printed to a file: run_lowered (what `mplower
+    bench` times) runs exactly the ops of that file, no others, with the bits of `run` and of
+    the unfused plan's run_lowered, which runs its own ops unfused."""
+    from mplower.backend.executor import reference_runner
+
+    examples = Path(__file__).resolve().parent.parent / "ir_examples"
+    x = np.load(examples / "cnn_inputs.npz")["x"]
+    np.savez(tmp_path / "calib.npz", x=np.stack([x, x * 0.5, -x]))
+    pipeline = pipeline.replace("CALIB", str(tmp_path / "calib.npz"))
+    lowered = parse((examples / "cnn.ir").read_text(), str(examples / "cnn.ir"))
+    PassManager(parse_pipeline(pipeline)).run(lowered, PassContext(runner=reference_runner))
+    text = print_module(lowered)
+    fused = parse(text, str(examples / "cnn.ir"))
+    pm = PassManager(parse_pipeline("fuse"))
+    pm.run(fused, PassContext())
+    printed = print_module(fused)
+    assert sum(pm.statistics["fuse"].values()) > 0
+    program = Program(parse(printed, str(examples / "cnn.ir")))
+    unfused = Program(parse(text, str(examples / "cnn.ir")))
+    got = program.run_lowered(program.prepare_inputs([x]))[0]
+    f = program.function
+    ran = [(s.node, s.op) for s in program._live]
+    assert all(f.op(node) == op for node, op in ran)  # each step is the printed op it runs
+    assert {op for _, op in ran} & {"mp.fused_conv2d", "mp.fused_matmul", "mp.add_relu",
+                                    "mp.fake_quant"}
+    # Every op of the file that does not fold into a constant runs, once, in its order.
+    runtime = [(s.node, s.op) for s in program._runtime
+               if s.node in {node for node, _ in ran}]
+    assert ran == runtime
+    expect = unfused.run_lowered(unfused.prepare_inputs([x]))[0]
+    assert got.tobytes() == expect.tobytes()
+    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    assert got.tobytes() == unfused.run([x], reference=False).outputs[0].tobytes()
+    assert [s.op for s in unfused._live if s.op.startswith("mp.fused")] == []

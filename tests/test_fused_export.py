@@ -212,3 +212,87 @@ def test_cli_exports_a_fused_plan(tmp_path, cli):
         None, {"x": x})[0]
     plain = load_example("mlp", "assign-precision{policy=bf16},insert-casts")
     assert got.tobytes() == run_both(plain, [x])[1][0].tobytes()
+
+
+_CONV_BIAS_RELU = """func.func @main(%x: tensor<2x8x7x7xf32>) -> tensor<2x4x7x7xf32> {
+  %w = mp.constant {value = dense<WEIGHT> : tensor<4x8x3x3xf32>} : () -> tensor<4x8x3x3xf32>
+  %b = mp.constant {value = dense<BIAS> : tensor<1x4x1x1xf32>} : () -> tensor<1x4x1x1xf32>
+  %c = mp.conv2d %x, %w {padding = [1, 1, 1, 1]} : (tensor<2x8x7x7xf32>, tensor<4x8x3x3xf32>) -> tensor<2x4x7x7xf32>
+  %a = mp.add %c, %b : (tensor<2x4x7x7xf32>, tensor<1x4x1x1xf32>) -> tensor<2x4x7x7xf32>
+  %r = mp.relu %a : (tensor<2x4x7x7xf32>) -> tensor<2x4x7x7xf32>
+  return %r : tensor<2x4x7x7xf32>
+}
+"""
+
+
+def test_a_fused_conv_exports_as_conv_bias_add_and_relu_with_the_unfused_bits():
+    w = _rng.standard_normal((4, 8, 3, 3)).astype(np.float32)
+    b = _rng.standard_normal((1, 4, 1, 1)).astype(np.float32)
+    plain = parse(_CONV_BIAS_RELU.replace("WEIGHT", str(w.tolist())).replace(
+        "BIAS", str(b.tolist())), "conv.ir")
+    verify(plain)
+    fused = _fused(plain)
+    printed = print_module(fused)
+    assert "mp.fused_conv2d" in printed and "mp.relu" not in printed
+    x = _rng.standard_normal((2, 8, 7, 7)).astype(np.float32)
+    ours_plain, theirs_plain = _export_and_run(plain, [x], optimize=False)
+    ours, theirs = _export_and_run(fused, [x], optimize=False)
+    assert {"Conv", "Add", "Relu"} <= set(_ops(fused))
+    assert theirs[0].tobytes() == theirs_plain[0].tobytes()
+    assert ours[0].tobytes() == ours_plain[0].tobytes()
+    # Sums of 72 products in another order: near zero, cancellation leaves an absolute error.
+    np.testing.assert_allclose(theirs[0], ours[0], rtol=1e-5, atol=1e-5)
+
+
+_SHUFFLED_INT8 = """func.func @main(%x: tensor<2x12x7x7xf32>) -> tensor<2x12x7x7xui8> {
+  %w = mp.constant {value = dense<WEIGHT> : tensor<12x1x3x3xi8>} : () -> tensor<12x1x3x3xi8>
+  %s = mp.reshape %x : (tensor<2x12x7x7xf32>) -> tensor<2x3x4x7x7xf32>
+  %t = mp.transpose %s {perm = [0, 2, 1, 3, 4]} : (tensor<2x3x4x7x7xf32>) -> tensor<2x4x3x7x7xf32>
+  %u = mp.reshape %t : (tensor<2x4x3x7x7xf32>) -> tensor<2x12x7x7xf32>
+  %q = mp.quantize %u {scale = 0.05 : f32, zero_point = 3 : ui8} : (tensor<2x12x7x7xf32>) -> tensor<2x12x7x7xui8>
+  %c = mp.conv2d %q, %w {padding = [1, 1, 1, 1], groups = 12} : (tensor<2x12x7x7xui8>, tensor<12x1x3x3xi8>) -> tensor<2x12x7x7xi32>
+  %y = mp.dequantize %c {scale = 0.001 : f32} : (tensor<2x12x7x7xi32>) -> tensor<2x12x7x7xf32>
+  %r = mp.relu %y : (tensor<2x12x7x7xf32>) -> tensor<2x12x7x7xf32>
+  %o = mp.quantize %r {scale = 0.02 : f32, zero_point = 0 : ui8} : (tensor<2x12x7x7xf32>) -> tensor<2x12x7x7xui8>
+  return %o : tensor<2x12x7x7xui8>
+}
+"""
+
+
+def test_a_shuffled_int8_conv_with_its_epilogue_exports_with_the_unfused_exports_bits():
+    """Shuffle, ConvInteger, dequantize, relu and quantize: onnxruntime gives the unfused
+    export's integers, and mplower's (exact sums, the same float32 operations)."""
+    w = _rng.integers(-128, 128, (12, 1, 3, 3)).astype(np.int8)
+    plain = parse(_SHUFFLED_INT8.replace("WEIGHT", str(w.tolist())), "shuffled.ir")
+    verify(plain)
+    fused = _fused(plain)
+    printed = print_module(fused)
+    assert "mp.fused_conv2d" in printed and "shuffle = 3" in printed
+    assert "mp.transpose" not in printed and "mp.dequantize" not in printed
+    x = (_rng.standard_normal((2, 12, 7, 7)) * 4).astype(np.float32)
+    _, theirs_plain = _export_and_run(plain, [x], optimize=False)
+    ours, theirs = _export_and_run(fused, [x], optimize=False)
+    assert {"ConvInteger", "Transpose", "QuantizeLinear"} <= set(_ops(fused))
+    assert theirs[0].tobytes() == theirs_plain[0].tobytes()
+    assert np.asarray(theirs[0]).astype(np.float32).tobytes() == ours[0].tobytes()
+
+
+def test_a_fused_binary_exports_as_the_op_and_both_roundings_with_numpys_bits():
+    text = """func.func @main(%x: tensor<4x6xbf16>, %y: tensor<6xbf16>) -> tensor<4x6xf16> {
+  %m = mp.mul %x, %y : (tensor<4x6xbf16>, tensor<6xbf16>) -> tensor<4x6xbf16>
+  %c = mp.cast %m : (tensor<4x6xbf16>) -> tensor<4x6xf16>
+  return %c : tensor<4x6xf16>
+}"""
+    plain = parse(text, "binary.ir")
+    verify(plain)
+    fused = _fused(plain)
+    assert "mp.fused_binary" in print_module(fused) and "mp.cast" not in print_module(fused)
+    bf = ml_dtypes.bfloat16
+    x = (_rng.standard_normal((4, 6)) * 300).astype(bf).astype(np.float32)
+    y = (_rng.standard_normal(6) * 300).astype(bf).astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond f16's range: inf, as both roundings give
+        want = (x * y).astype(bf).astype(np.float16)
+    ours, theirs = _export_and_run(fused, [x, y])
+    _, theirs_plain = _export_and_run(plain, [x, y])
+    assert theirs[0].tobytes() == theirs_plain[0].tobytes() == want.tobytes()
+    assert ours[0].tobytes() == want.astype(np.float32).tobytes()

@@ -212,13 +212,16 @@ def _inputs(seed: int, scale: float) -> np.ndarray:
 
 
 def test_fp8_conv_runs_its_bias_add_and_relu_as_it_stores_with_the_same_bits() -> None:
-    program = Program(parse(_FP8_CONV, "m.ir"))
+    program, unfused = Program(_fused(_FP8_CONV)), Program(parse(_FP8_CONV, "m.ir"))
     x = _inputs(3, 2.0)
     x[0, 0, 0, :3] = [3.0, -2.0, 1.0]  # current scaling: a non-finite amax keeps the scale 1
-    expect = program.run([x], reference=False).outputs[0]
+    expect = unfused.run([x], reference=False).outputs[0]
     got = program.run_lowered(program.prepare_inputs([x]))[0]
     assert got.tobytes() == expect.tobytes()
-    assert [s.op for s in program._live] == ["mp.scaled_quant", "mp.conv2d"]
+    assert [s.op for s in program._live] == ["mp.scaled_quant", "mp.fused_conv2d"]
+    # Unfused, run_lowered runs the ops as they are, with the same bits.
+    assert unfused.run_lowered(unfused.prepare_inputs([x]))[0].tobytes() == expect.tobytes()
+    assert [s.op for s in unfused._live] == ["mp.scaled_quant", "mp.conv2d", "mp.add", "mp.relu"]
     assert (got == 0).any() and (got > 0).any()
 
 
@@ -227,12 +230,14 @@ def test_fp8_conv_runs_its_bias_add_and_relu_as_it_stores_with_the_same_bits() -
 def test_rounded_conv_takes_its_relu_before_rounding_with_the_same_bits(elem, scale) -> None:
     """Large inputs overflow f16 to +-inf, tiny ones underflow: the relu before the rounding
     gives what the relu after it gives, for every value."""
-    program = Program(parse(_ROUNDED_CONV.replace("ELEM", elem), "m.ir"))
+    text = _ROUNDED_CONV.replace("ELEM", elem)
+    program, unfused = Program(_fused(text)), Program(parse(text, "m.ir"))
     x = _inputs(4, scale)
-    expect = program.run([x], reference=False).outputs[0]
+    expect = unfused.run([x], reference=False).outputs[0]
     got = program.run_lowered(program.prepare_inputs([x]))[0]
     assert got.tobytes() == expect.tobytes()
-    assert [s.op for s in program._live] == ["mp.cast", "mp.conv2d"]
+    assert [s.op for s in program._live] == ["mp.cast", "mp.fused_conv2d"]
+    assert unfused.run_lowered(unfused.prepare_inputs([x]))[0].tobytes() == expect.tobytes()
     assert np.isnan(got).any() and (got == 0).any() and (got > 0).any()
     if scale > 1:
         assert np.isinf(got).any()
@@ -262,8 +267,9 @@ def test_rounded_grouped_conv_with_nothing_to_fuse_rounds_as_it_stores(elem, sca
     expect = program.run([x], reference=False).outputs[0]
     got = program.run_lowered(program.prepare_inputs([x]))[0]
     assert got.tobytes() == expect.tobytes()
-    conv = program._live[-1]
-    assert conv.op == "mp.conv2d" and conv.epilogue == (None, None, False, elem)
+    conv = program._live[-1]  # the op as it is, on the kernel that rounds as it stores
+    assert conv.op == "mp.conv2d" and conv.run is conv.fast and conv.conv.rounded == elem
+    assert _fused(text).functions["main"].op(conv.node) == "mp.conv2d"  # nothing to fuse
     assert np.isnan(got).any() and (got < 0).any() and (got > 0).any()
     if scale > 1:
         assert np.isinf(got).any()
@@ -374,10 +380,11 @@ def test_fp8_conv_relu_fuses_only_where_the_format_keeps_a_negative_overflow_neg
     it keeps; a relu before the rounding would make it 0. So that relu stays an op of its own.
     f8E5M2 overflows to -inf, which the relu makes 0 either way: fused."""
     text = _ROUNDED_CONV.replace("mp.precision = ELEM, ", "").replace(" {mp.precision = ELEM}", "")
-    program = Program(parse(text.replace("ELEM", elem), "m.ir"))
+    text = text.replace("ELEM", elem)
+    program = Program(_fused(text))
     x = _inputs(4, 1.0)
     x[1] = -100.0  # every output of image 1 is -100 * 72 * 0.25 - bias: beyond fp8's range
-    expect = program.run([x], reference=False).outputs[0]
+    expect = Program(parse(text, "m.ir")).run([x], reference=False).outputs[0]
     got = program.run_lowered(program.prepare_inputs([x]))[0]
     assert got.tobytes() == expect.tobytes()
     if elem == "f8E4M3FN":
@@ -385,7 +392,7 @@ def test_fp8_conv_relu_fuses_only_where_the_format_keeps_a_negative_overflow_neg
         assert [s.op for s in program._live] == ["mp.cast", "mp.conv2d", "mp.relu"]
     else:
         assert (got[1] == 0).all()
-        assert [s.op for s in program._live] == ["mp.cast", "mp.conv2d"]
+        assert [s.op for s in program._live] == ["mp.cast", "mp.fused_conv2d"]
 
 
 _WEIGHTED = """func.func @main(%x: tensor<2x24x40xf32>) -> tensor<2x24x48xf32> {
@@ -454,13 +461,13 @@ def test_a_channel_shuffle_read_by_a_depthwise_conv_is_read_in_place(shared) -> 
     else:
         text = text.replace(", OUTPUTS)", ")").replace("RETURNED", ": tensor<3x12x5x5xf32>")
         text = text.replace("return %y, :", "return %y :")
-    program = Program(parse(text, "m.ir"))
+    program = Program(_fused(text))
     x = rng.standard_normal((3, 12, 9, 10)).astype(np.float32)
     x[0, 5, 2, 3] = np.nan
     got = program.run_lowered(program.prepare_inputs([x]))[0]
     ops = [s.op for s in program._live]
     assert ops == (["mp.reshape", "mp.transpose", "mp.reshape", "mp.conv2d"] if shared
-                   else ["mp.conv2d"])
+                   else ["mp.fused_conv2d"])
     u = x.reshape(3, 4, 3, 9, 10).transpose(0, 2, 1, 3, 4).reshape(3, 12, 9, 10)
     padded = np.pad(u, ((0, 0), (0, 0), (1, 1), (1, 0)))
     expect = np.zeros((3, 12, 5, 5), np.float32)
@@ -470,7 +477,9 @@ def test_a_channel_shuffle_read_by_a_depthwise_conv_is_read_in_place(shared) -> 
                 None, :, None, None]
     expect += b[None, :, None, None]
     assert got.tobytes() == expect.tobytes()
-    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    unfused = Program(parse(text, "m.ir"))
+    assert got.tobytes() == unfused.run([x], reference=False).outputs[0].tobytes()
+    assert got.tobytes() == unfused.run_lowered(unfused.prepare_inputs([x]))[0].tobytes()
 
 
 _SHUFFLE_INT8 = """func.func @main(%x: tensor<2x12x7x7xf32>) -> tensor<2x12x7x7xf32> {
@@ -493,11 +502,12 @@ def test_a_shuffle_quantized_per_tensor_for_an_int8_depthwise_conv_is_read_in_pl
     rng = np.random.default_rng(13)
     w = rng.integers(-128, 128, (12, 1, 3, 3)).astype(np.int8)
     text = _SHUFFLE_INT8.replace("WEIGHTS", np.array2string(w, separator=", "))
-    program = Program(parse(text, "m.ir"))
+    program = Program(_fused(text))
     x = (rng.standard_normal((2, 12, 7, 7)) * 4).astype(np.float32)
     got = program.run_lowered(program.prepare_inputs([x]))[0]
-    assert [s.op for s in program._live] == ["mp.quantize", "mp.conv2d"]
-    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    assert [s.op for s in program._live] == ["mp.quantize", "mp.fused_conv2d"]
+    unfused = Program(parse(text, "m.ir"))
+    assert got.tobytes() == unfused.run([x], reference=False).outputs[0].tobytes()
     u = x.reshape(2, 3, 4, 7, 7).transpose(0, 2, 1, 3, 4).reshape(2, 12, 7, 7)
     # The conv multiplies the stored codes (the zero point is the plan's business).
     codes = np.clip(np.round(u / np.float32(0.05)) + 3, 0, 255).astype(np.int64)
@@ -534,12 +544,16 @@ def test_convs_concatenated_along_channels_write_their_channels_in_place() -> No
     b1, b3 = rng.standard_normal(16).astype(np.float32), rng.standard_normal(24).astype(np.float32)
     text = _FIRE.replace("W1", dense(w1)).replace("W3", dense(w3)).replace(
         "B1", dense(b1)).replace("B3", dense(b3))
-    program = Program(parse(text, "m.ir"))
+    program = Program(_fused(text))
     x = rng.standard_normal((2, 16, 9, 9)).astype(np.float32)
     x[1, 3, 4, 4] = np.nan
     got = program.run_lowered(program.prepare_inputs([x]))[0]
-    assert [s.op for s in program._live] == ["mp.conv2d", "mp.conv2d"]
-    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    # The concat still runs: the convs wrote their channels into its buffer (their slots hold
+    # it), and it returns that.
+    assert [s.op for s in program._live] == ["mp.fused_conv2d", "mp.conv2d", "mp.concat"]
+    assert program._live[1].inputs[-1] == program._live[0].output
+    unfused = Program(parse(text, "m.ir"))
+    assert got.tobytes() == unfused.run([x], reference=False).outputs[0].tobytes()
     from conftest import sequential_matmul
 
     e1 = np.stack([sequential_matmul(w1.reshape(16, 16), v.reshape(16, 81)) for v in x])
@@ -727,12 +741,14 @@ def test_a_quantize_read_only_by_its_dequantize_runs_as_one_pass_with_numpys_bit
     else:
         text = text.replace("SCALE", f"{float(s[0])} : f32").replace(
             "ZP", f"{int(zp[0])} : {elem}").replace(", axis = 1", "")
-    program = Program(parse(text, "m.ir"))
+    program = Program(_fused(text))
     x = (rng.standard_normal((2, 4, 5, 6)) * 20).astype(np.float32)
     x[0, 0, 0, :3] = [np.inf, -np.inf, 1e30]
     x[1, 2, 3, :2] = [-0.0, s[-1] * np.float32(2.5)]  # a tie: half to even
     got = program.run_lowered(program.prepare_inputs([x]))[0]
-    assert [st.op for st in program._live] == ["mp.quantize", "mp.relu"]
+    assert [st.op for st in program._live] == ["mp.fake_quant", "mp.relu"]
+    unfused = Program(parse(text, "m.ir"))
+    assert got.tobytes() == unfused.run([x], reference=False).outputs[0].tobytes()
     assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
     info = np.iinfo(np.int8 if elem == "i8" else np.uint8)
     shape = (1, -1, 1, 1)
@@ -859,13 +875,14 @@ def test_a_depthwise_conv_read_only_by_a_qdq_pair_requantizes_as_it_stores() -> 
     formulas in numpy on the conv's result."""
     rng = np.random.default_rng(29)
     w = (rng.standard_normal((4, 1, 3, 3)) * 2).astype(np.float32)
-    program = Program(parse(_DW_QDQ.replace("WEIGHTS", np.array2string(
-        w, separator=", ", floatmode="unique")), "m.ir"))
+    text = _DW_QDQ.replace("WEIGHTS", np.array2string(w, separator=", ", floatmode="unique"))
+    program = Program(_fused(text))
     x = (rng.standard_normal((2, 4, 6, 6)) * 3).astype(np.float32)
     x[0, 0, 0, 0] = np.inf
     got = program.run_lowered(program.prepare_inputs([x]))[0]
-    assert [st.op for st in program._live] == ["mp.conv2d"]
-    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    assert [st.op for st in program._live] == ["mp.fused_conv2d"]
+    unfused = Program(parse(text, "m.ir"))
+    assert got.tobytes() == unfused.run([x], reference=False).outputs[0].tobytes()
     from mplower.numerics.conv import conv2d
 
     bias = np.array([0.5, -1.0, 0.25, 2.0], np.float32)
@@ -1097,7 +1114,8 @@ def test_bf16_and_fp16_elementwise_ops_round_in_the_same_pass(monkeypatch) -> No
 
     rng = np.random.default_rng(25)
     vector = (rng.standard_normal(48) * 1e4).astype(np.float32)
-    program = Program(parse(_BINARY_CHAIN.replace("VECTOR", str(vector.tolist())), "m.ir"))
+    text = _BINARY_CHAIN.replace("VECTOR", str(vector.tolist()))
+    program = Program(_fused(text))
     bf = ml_dtypes.bfloat16
     x, z = ((rng.standard_normal((2, 40, 48)) * 1e3).astype(bf).astype(np.float32)
             for _ in range(2))
@@ -1110,10 +1128,10 @@ def test_bf16_and_fp16_elementwise_ops_round_in_the_same_pass(monkeypatch) -> No
     for serial_below in (elementwise.SERIAL_BELOW, 0):
         monkeypatch.setattr(elementwise, "SERIAL_BELOW", serial_below)
         got_p, got_h = program.run_lowered(program.prepare_inputs([x, z]))
-        assert [s.op for s in program._live] == ["mp.mul", "mp.sub", "mp.add"]
+        assert [s.op for s in program._live] == ["mp.fused_binary", "mp.fused_binary", "mp.add"]
         assert got_p.tobytes() == p.tobytes()
         assert got_h.astype(np.float16).tobytes() == h.tobytes()
-    ran = program.run([x, z], reference=False).outputs
+    ran = Program(parse(text, "m.ir")).run([x, z], reference=False).outputs
     assert got_p.tobytes() == ran[0].tobytes() and got_h.tobytes() == ran[1].tobytes()
     assert np.isinf(got_h).any() and np.isinf(got_p).any() and np.isnan(got_p).any()
 
@@ -1208,20 +1226,44 @@ def test_a_quantize_read_only_by_the_next_conv_is_done_by_the_conv_that_computes
     """A static int8 plan's conv -> quantize -> integer conv: run_lowered has the first conv
     quantize its tiles (no quantize step left), with the bits of the ops run one at a time
     and of numpy's integer conv of numpy's quantize."""
-    program = Program(parse(_CONV_Q_CONV, "m.ir"))
+    program = Program(_fused(_CONV_Q_CONV))
     rng = np.random.default_rng(29)
     x = (rng.standard_normal((2, 8, 7, 7)) * 3).astype(np.float32)
     got = program.run_lowered(program.prepare_inputs([x]))[0]
-    assert [st.op for st in program._live] == ["mp.conv2d", "mp.conv2d"]
+    assert [st.op for st in program._live] == ["mp.fused_conv2d", "mp.fused_conv2d"]
     # The integer conv reads its constant weight's float32 copy, made once.
     from mplower.numerics.conv import IntegerWeights, conv2d
 
     weight = program._live[1].run.args[1]
     assert isinstance(weight, IntegerWeights) and weight.bound == 3 and weight.float32 is not None
-    assert got.tobytes() == program.run([x], reference=False).outputs[0].tobytes()
+    unfused = Program(parse(_CONV_Q_CONV, "m.ir"))
+    assert got.tobytes() == unfused.run([x], reference=False).outputs[0].tobytes()
 
     c = conv2d(x, np.full((16, 8, 3, 3), 0.75, np.float32), (1, 1), (1, 1, 1, 1), (1, 1), 1)
     q = np.clip(np.rint(c / np.float32(0.5)) + 7, 0, 255).astype(np.int64)
     d = np.einsum("nchw,oc->nohw", q, np.full((16, 16), -3, np.int64))
     assert got.tobytes() == (d.astype(np.int32).astype(np.float32)
                              * np.float32(0.125)).tobytes()
+
+
+@pytest.mark.parametrize("case", ["fp8 conv", "depthwise qdq", "conv quantize conv"])
+def test_fused_convs_are_checked_against_the_fp32_reference_of_the_unfused_ops(case) -> None:
+    """`run` of the fused module: the fp32 reference of each fused conv is its ops' (a
+    quantize and a dequantize of a float are no-ops there), so the outputs' reference is the
+    unfused module's, bit for bit; an integer conv whose weight never was a float has none,
+    fused or not, and that is no error."""
+    rng = np.random.default_rng(31)
+    text, shape = {
+        "fp8 conv": (_FP8_CONV, (2, 8, 7, 7)),
+        "depthwise qdq": (_DW_QDQ.replace("WEIGHTS", str(
+            rng.standard_normal((4, 1, 3, 3)).astype(np.float32).tolist())), (2, 4, 6, 6)),
+        "conv quantize conv": (_CONV_Q_CONV, (2, 8, 7, 7))}[case]
+    x = rng.standard_normal(shape).astype(np.float32)
+    ours, theirs = Program(_fused(text)).run([x]), Program(parse(text, "m.ir")).run([x])
+    assert "mp.fused_conv2d" in [r.step.op for r in ours.ops]
+    assert ours.outputs[0].tobytes() == theirs.outputs[0].tobytes()
+    if case == "conv quantize conv":
+        assert ours.reference[0] is None and theirs.reference[0] is None
+    else:
+        assert ours.reference[0].tobytes() == theirs.reference[0].tobytes()
+        assert ours.ops[-1].rel_l2 is not None

@@ -361,6 +361,14 @@ def test_run_lowered_runs_dequantize_bias_and_relu_in_the_conv_with_the_same_bit
     from mplower.backend.executor import Program
     from mplower.ir.parser import parse
 
+    def _fused(text: str):
+        from mplower.pass_manager import PassContext
+        from mplower.passes.fuse import Fuse
+
+        module = parse(text, "m.ir")
+        Fuse().run(module, PassContext())
+        return module
+
     text = """func.func @main(%x: tensor<2x16x6x6xf32>) -> (tensor<2x8x6x6xf32>, tensor<2x8x6x6xf32>) {
   %w = mp.constant {value = dense<0.125> : tensor<8x16x3x3xf32>} : () -> tensor<8x16x3x3xf32>
   %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0, 0.0, -1.0, 0.5, -0.25]> : tensor<8xf32>} : () -> tensor<8xf32>
@@ -378,10 +386,13 @@ def test_run_lowered_runs_dequantize_bias_and_relu_in_the_conv_with_the_same_bit
 """
     program = Program(parse(text, "m.ir"))
     x = np.random.default_rng(10).standard_normal((2, 16, 6, 6)).astype(np.float32)
-    expect = program.run([x], reference=False).outputs  # every op on its own
+    # The separate ops (`run` of the unfused module), the fused ones in run_lowered.
+    expect = program.run([x], reference=False).outputs
+    program = Program(_fused(text))
     got = program.run_lowered(program.prepare_inputs([x]))
     assert [y.tobytes() for y in got] == [y.tobytes() for y in expect]
-    assert [s.op for s in program._live] == ["mp.quantize", "mp.conv2d", "mp.conv2d"]
+    assert [s.op for s in program._live] == ["mp.quantize", "mp.fused_conv2d",
+                                              "mp.fused_conv2d"]
     assert (got[0] == 0).any() and (got[0] > 0).any()
 
 

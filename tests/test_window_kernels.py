@@ -346,10 +346,18 @@ def test_integer_depthwise_conv_is_exact_and_its_epilogue_is_dequantize_add_relu
 
 
 def test_run_lowered_fuses_dequantize_bias_relu_into_depthwise_convs_with_the_same_bits() -> None:
-    """The direct kernel's epilogue (run_lowered) against the separate ops (run): an int8
+    """The fused ops of the fuse pass (run_lowered) against the separate ops (run): an int8
     depthwise conv's dequantize, bias add and relu, and a float one's bias and relu."""
     from mplower.backend.executor import Program
     from mplower.ir.parser import parse
+
+    def _fused(text: str):
+        from mplower.pass_manager import PassContext
+        from mplower.passes.fuse import Fuse
+
+        module = parse(text, "m.ir")
+        Fuse().run(module, PassContext())
+        return module
 
     text = """func.func @main(%x: tensor<2x8x7x7xf32>, %w: tensor<16x1x3x3xf32>) -> (tensor<2x16x7x7xf32>, tensor<2x16x4x4xf32>) {
   %b = mp.constant {value = dense<[-0.5, 0.25, -2.0, 1.0, 0.0, -1.0, 0.5, -0.25, -0.5, 0.25, -2.0, 1.0, 0.0, -1.0, 0.5, -0.0]> : tensor<16xf32>} : () -> tensor<16xf32>
@@ -369,11 +377,13 @@ def test_run_lowered_fuses_dequantize_bias_relu_into_depthwise_convs_with_the_sa
     rng = np.random.default_rng(18)
     x = rng.random((2, 8, 7, 7)).astype(np.float32) * 5
     w = rng.standard_normal((16, 1, 3, 3)).astype(np.float32)
-    expect = program.run([x, w], reference=False).outputs  # every op on its own
+    # The separate ops (`run` of the unfused module), the fused ones in run_lowered.
+    expect = program.run([x, w], reference=False).outputs
+    program = Program(_fused(text))
     got = program.run_lowered(program.prepare_inputs([x, w]))
     assert [y.tobytes() for y in got] == [y.tobytes() for y in expect]
-    assert [s.op for s in program._live] == ["mp.quantize", "mp.quantize", "mp.conv2d",
-                                              "mp.conv2d"]
+    assert [s.op for s in program._live] == ["mp.quantize", "mp.quantize", "mp.fused_conv2d",
+                                              "mp.fused_conv2d"]
     assert all((y == 0).any() and (y > 0).any() for y in got)
 
 

@@ -18,10 +18,10 @@ pass included.
 
 The fp32 reference is the same schedule with every cast and quantize/dequantize removed and
 nothing rounded; `run` executes both side by side and keeps per-op statistics, `run_lowered`
-only the lowered plan (what `mplower bench` times), with its constant-only ops run once and
-the kernel fusions that mplower.backend.lowered still makes on its own (a conv's epilogue, a
-channel shuffle or concatenation written in place, ...), which give the same bits as the
-separate ops (which `run` keeps for its statistics). An op/format pair the
+only the lowered plan (what `mplower bench` times): the same ops, with its constant-only ops
+run once, on kernels that keep no counts and with buffers shared where that saves a pass
+(mplower.backend.lowered), the same bits; fusing ops is the `fuse` pass's, never the
+executor's. An op/format pair the
 backend has no kernel for runs on the nearest wider path and is reported as a fallback with its
 reason code: a sparse kernel (`no-sparse-kernel`: run densely), an integer plan that was never
 quantized (`not-quantized`: its float operands run in their own format), an fp16 accumulator
@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from mplower.backend.fused import KERNELS  # noqa: F401  (adds the fused ops' kernels)
 from mplower.backend.kernels import (
     NO_COUNTS,
     Chosen,
@@ -47,7 +48,7 @@ from mplower.backend.kernels import (
     nan_counts,
     reference_kernel,
 )
-from mplower.backend.lowered import Step, fuse_steps
+from mplower.backend.lowered import Step, lowered_steps
 from mplower.backend.memory import keep_freed_memory
 from mplower.backend.scaled import ScaleStats
 from mplower.backend.sparse import sparse_runner
@@ -170,7 +171,7 @@ class Program:
         return Step(n, f.value_name((n, k)), op, inputs, out, chosen.run,
                     chosen.reference or reference, plan.requested, plan.executed, plan.reason,
                     flops, out_t, loc, constant, counts, chosen.scale_stats, attrs, in_types,
-                    amax_kernel=chosen.amax_kernel)
+                    amax_kernel=chosen.amax_kernel, fast=chosen.fast, conv=chosen.conv)
 
     def _constant(self, attrs: dict, t: TensorType,
                   loc: Location) -> tuple[np.ndarray, Counts, np.ndarray]:
@@ -294,9 +295,9 @@ class Program:
         Ops whose operands are all constants (a weight's quantize, a bias reshape) give the
         same value every run: they run once, on the first call, as a deployed plan holds its
         quantized weights; the kernels are deterministic, so the results are the same bits.
-        A conv's dequantize, bias add and relu run as the conv stores each output
-        (mplower.backend.lowered), with the bits the separate ops give; the fused ops of the `fuse`
-        pass (mp.add_relu, mp.fused_matmul) run as the module has them."""
+        The ops are the module's, fused only where the `fuse` pass fused them; each runs on
+        its uncounted kernel where it has one, and results share buffers where that saves a
+        pass (mplower.backend.lowered)."""
         keep_freed_memory()
         if self._folded is None:
             folded, live = list(self._initial), []
@@ -309,7 +310,7 @@ class Program:
                     live.append(step)
             self._folded = folded
             constants = {i: folded[i] for i in known}
-            self._live = fuse_steps(live, constants, self.outputs)
+            self._live = lowered_steps(live, constants, self.outputs)
         values = list(self._folded)
         values[:len(prepared)] = prepared
         self._run_steps(self._live, values)
@@ -401,8 +402,9 @@ class _Plan:
 
 
 def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:
-    """The drift of one op's result against the fp32 reference (float results only)."""
-    if y.dtype.kind != "f" or ref.dtype.kind != "f" or y.shape != ref.shape:
+    """The drift of one op's result against the fp32 reference (float results that have one:
+    a fused op whose integer operand never was a float has none)."""
+    if ref is None or y.dtype.kind != "f" or ref.dtype.kind != "f" or y.shape != ref.shape:
         return
     d = drift(y, ref)
     res.rel_l2, res.sqnr_db, res.max_abs = d.rel_l2, d.sqnr_db, d.max_abs

@@ -140,9 +140,9 @@ def add_relu_kernel(rounded: str | None, box: Any = None,
                      quantize: tuple | None = None) -> Kernel:
     """mp.add of two operands of the result's shape, then mp.relu, in one pass; a rounded
     result takes its relu before the rounding (see RELU_BEFORE_ROUNDING: the same bits).
-    With a `box` (_fuse_amax), box.amax is set to the result's amax, from the same pass; with
-    `quantize` (scale, zero point, format; _fuse_quantized_outputs) box.q to the result's
-    integers."""
+    With a `box` (lowered._amax_shared), box.amax is set to the result's amax, from the same
+    pass; with `quantize` (scale, zero point, format; lowered._quantize_shared) box.q to the
+    result's integers."""
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
         found = None if box is None or quantize is not None else []
         q: list = []
@@ -200,7 +200,6 @@ def generic_kernel(opdef: OpDef, attrs: dict, out_types: list[TensorType], k: in
         y = reference([f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x
                        for x in xs], attrs, rt)[k]
         return (y, None) if exact else finish(y, elem)
-    run.generic = True  # type: ignore[attr-defined]  # the op's own reference: _rebuildable
     return run
 
 
@@ -358,12 +357,17 @@ class OpToRun:
 class Chosen:
     """An op's kernel; `reference` replaces its fp32 reference where the f32 plan has no such
     op (a cast, a quantize); `scale_stats` is mp.scaled_quant's account, `amax_kernel` the
-    kernel built to also leave its result's amax in a box (run_lowered's amax fusion)."""
+    kernel built to also leave its result's amax in a box (run_lowered's amax sharing)."""
 
     run: Kernel
     reference: Callable[[list[np.ndarray]], Any] | None = None
     scale_stats: list[ScaleStats] | None = None
     amax_kernel: Callable[[Any], Kernel] | None = None
+    # The same op's kernel without the counts that only `run` reports, where that saves a
+    # pass (run_lowered runs it), and a conv's epilogue (mplower.backend.fused.ConvEpilogue),
+    # from which run_lowered rebuilds its kernel to write into a concatenation.
+    fast: Kernel | None = None
+    conv: Any = None
 
 
 def _cast(o: OpToRun) -> Chosen:
@@ -372,7 +376,7 @@ def _cast(o: OpToRun) -> Chosen:
                   (lambda xs: xs[0]) if floats else None)  # the f32 plan has no casts
 
 
-def _quantize(o: OpToRun) -> Chosen:
+def quantize_chosen(o: OpToRun) -> Chosen:
     return Chosen(quant_kernel(o.opdef.name, o.attrs, o.in_types[0], o.out_t),
                   lambda xs: f32(xs[0]) if xs[0].dtype.kind == "f" else xs[0])
 
@@ -389,7 +393,7 @@ def _scaled_quant(o: OpToRun) -> Chosen:
     return Chosen(run, lambda xs: f32(xs[0]), stats)  # the f32 plan has no scaling
 
 
-def _matmul(o: OpToRun) -> Chosen:
+def matmul_chosen(o: OpToRun) -> Chosen:
     if o.raw.get(ACCUM_BITS):
         gemm = limited_accum_matmul(attr_int(o.raw[ACCUM_BITS]),
                                     attr_int(o.raw.get(PROMOTE_EVERY, 128)))
@@ -398,7 +402,7 @@ def _matmul(o: OpToRun) -> Chosen:
     return Chosen(matmul_kernel(o.accum, o.sparse, o.in_types, o.out_t))
 
 
-def _conv(o: OpToRun) -> Chosen | None:
+def conv_f16_chosen(o: OpToRun) -> Chosen | None:
     return Chosen(conv_f16_kernel(o.attrs, o.out_t)) if o.accum == "f16" else None
 
 
@@ -409,22 +413,21 @@ def _add_relu(o: OpToRun) -> Chosen | None:
     return Chosen(add_relu_kernel(rounded[0]), amax_kernel=partial(add_relu_kernel, rounded[0]))
 
 
-def _generic(o: OpToRun) -> Chosen:
+def generic_chosen(o: OpToRun) -> Chosen:
     exact = o.opdef.name in VALUE_PRESERVING and all(
         t.elem == o.out_t.elem for t in o.in_types if FORMATS[t.elem].is_float)
     return Chosen(generic_kernel(o.opdef, o.attrs, o.out_types, o.k, exact))
 
 
 # op -> its kernel (None: the generic one, the op's reference rounded to its result type).
-# mp.constant is the executor's: its value comes from the module's weights.
+# mp.constant is the executor's: its value comes from the module's weights. The fused conv and
+# binary ops, and the ops with an uncounted kernel for run_lowered (matmul, conv2d, add, sub,
+# mul, fake_quant), are added by mplower.backend.fused.
 KERNELS: dict[str, Callable[[OpToRun], Chosen | None]] = {
     "mp.cast": _cast,
-    "mp.quantize": _quantize,
-    "mp.fake_quant": _quantize,
+    "mp.quantize": quantize_chosen,
     "mp.dequantize": _dequantize,
     "mp.scaled_quant": _scaled_quant,
-    "mp.matmul": _matmul,
-    "mp.conv2d": _conv,
     "mp.fused_matmul": lambda o: Chosen(fused_matmul_kernel(o.opdef, o.attrs, o.in_types,
                                                             o.out_t)),
     "mp.add_relu": _add_relu,
@@ -434,4 +437,4 @@ KERNELS: dict[str, Callable[[OpToRun], Chosen | None]] = {
 def choose_kernel(o: OpToRun) -> Chosen:
     """The kernel of `o` from the table, or the generic one."""
     chosen = KERNELS[o.opdef.name](o) if o.opdef.name in KERNELS else None
-    return chosen if chosen is not None else _generic(o)
+    return chosen if chosen is not None else generic_chosen(o)

@@ -6,4 +6,4 @@ the backend, the frontends, the CLI commands) imports `mplower.dialect` first.
 
 # fused imports mp first: the mp ops, then the fused ops of the `fuse` pass; plan declares the
 # values of the mp.* plan annotations.
-from mplower.dialect import fused, mp, plan  # noqa: F401  (registers their ops)
+from mplower.dialect import fused, fused_conv, mp, plan  # noqa: F401  (registers their ops)

@@ -45,7 +45,7 @@ F32_EXACT = 2.0 ** 24
 RELU_BEFORE_ROUNDING = tuple(f for f in ROUNDING_FORMATS if f != "f32" and FORMATS[f].has_inf)
 
 
-def _apply(op: str, xs: list[np.ndarray], attrs: dict | None = None,
+def apply_reference(op: str, xs: list[np.ndarray], attrs: dict | None = None,
            rt: Sequence[TensorType] | None = None) -> np.ndarray:
     return OPS[op].reference(xs, attrs or {}, rt)[0]
 
@@ -54,7 +54,7 @@ def _apply(op: str, xs: list[np.ndarray], attrs: dict | None = None,
 
 
 def _add_relu_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
-    return [_apply("mp.relu", [_apply("mp.add", xs)])]
+    return [apply_reference("mp.relu", [apply_reference("mp.add", xs)])]
 
 
 _def("add_relu",
@@ -110,12 +110,12 @@ def _fused_matmul_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType
 
 
 def _fused_matmul_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
-    y = _apply("mp.matmul", xs[:2])
+    y = apply_reference("mp.matmul", xs[:2])
     if "scale" in a and y.dtype.kind in "iu":
-        y = _apply("mp.dequantize", [y], {"scale": a["scale"], "zero_point": 0, "axis": -1},
+        y = apply_reference("mp.dequantize", [y], {"scale": a["scale"], "zero_point": 0, "axis": -1},
                    [tensor(y.shape, "f32")])
     for addend in xs[2:]:
-        y = _apply("mp.add", [y, addend])
+        y = apply_reference("mp.add", [y, addend])
     return [y]
 
 

@@ -7,6 +7,7 @@ all in `EMITTERS`. A new op is one `@emitter` function in its family's module.
 from mplower.onnx.exporter import (  # noqa: F401  (registers the emitters)
     activations,
     emitters,
+    fused,
     indexing_ops,
     qlinear,
     reductions,

@@ -9,7 +9,6 @@ from mplower.ir.types import TensorType
 from mplower.onnx.exporter.core import (
     _SIMPLE,
     _Exporter,
-    _quant_params,
     emitter,
 )
 
@@ -126,42 +125,6 @@ def _max_pool2d(self: _Exporter, op: str, a: dict, ins: list[str],
 def _matmul(self: _Exporter, op: str, a: dict, ins: list[str],
             in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
     return self.node("MatMul", ins, hint)
-
-
-# Fused ops (mplower.dialect.fused) export as the nodes of the ops they fuse, each rounded to
-# its format as the unfused export rounds it, so the graph computes each fused op's reference:
-# the composition of those ops' references.
-
-
-@emitter("mp.add_relu")
-def _add_relu(self: _Exporter, op: str, a: dict, ins: list[str],
-              in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
-    s = self._emit("mp.add", {}, ins, in_types, out_t, f"{hint}_add_f32")
-    s = self.rounded_wide(s, out_t, f"{hint}_add")
-    return self._emit("mp.relu", {}, [s], [out_t], out_t, hint)
-
-
-@emitter("mp.fused_matmul")
-def _fused_matmul(self: _Exporter, op: str, a: dict, ins: list[str],
-                  in_types: list[TensorType], out_t: TensorType, hint: str) -> str:
-    addends = list(zip(ins[2:], in_types[2:]))
-    last = hint if not addends else f"{hint}_mm"
-    if "scale" in a:  # i8 x i8 -> exact i32 sums, dequantized to f32 (zero point 0)
-        acc = self.node("MatMulInteger", ins[:2], f"{hint}_acc")
-        scale, zp, axis = _quant_params({"scale": a["scale"], "zero_point": 0, "axis": -1})
-        y = self._qdq("mp.dequantize", acc, out_t.with_elem("i32"), out_t, scale,
-                      zp, "i32", axis, last)
-    else:
-        y = self._emit("mp.matmul", {}, ins[:2], in_types[:2], out_t, f"{last}_f32")
-    # What the product and each add round to; _op rounds the last add, to the result type.
-    steps = [out_t.with_elem(e) for e in a.get("formats") or (out_t.elem,) * len(addends)]
-    steps.append(out_t)
-    for i, (b, b_t) in enumerate(addends):
-        self._note_type(steps[i])
-        y = self.rounded_wide(y, steps[i], last if i == 0 else f"{hint}_add{i}")
-        y = self._emit("mp.add", {}, [y, b], [steps[i], b_t], steps[i + 1],
-                       hint if i == len(addends) - 1 else f"{hint}_add{i + 1}_f32")
-    return y
 
 
 @emitter("mp.conv2d")
