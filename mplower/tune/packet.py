@@ -50,16 +50,42 @@ def _figures(r: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any
     """An evaluation as the packet shows it, its speedup against the fp32 plan `baseline`."""
     out = {"key": r["key"], "label": r["label"], "plan": r["plan"], "verdict": r["verdict"]}
     if r["verdict"] == "error":
-        return {**out, "error": r["error"]}
+        return {**out, "error": r["error"], "why": failure(r)}
     s = r["summary"]
     modeled = {**r["modeled"], "speedup_vs_fp32": _speedup(r, baseline)}
     return {**out, "lowered_ops": r["lowered_ops"], "modeled": modeled,
             "quality": {k: s[k] for k in ("output_rel_l2", "sqnr_db", "output_max_abs",
-                                          "top1_agreement", *METRIC_FIGURES, "metric_detail")
+                                          "top1_agreement", "nonfinite_mismatch",
+                                          *METRIC_FIGURES, "metric_detail")
                         if k in s},
             "overflow": s["overflow"], "underflow": s["underflow"], "nan": s["nan"],
             "overflow_rate": s["overflow_rate"], "guardrails": r["guardrails"],
-            "failed": r["failed"]}
+            "failed": r["failed"], "why": why(r)}
+
+
+def _baseline_why(baseline: Mapping[str, Any], chosen: Mapping[str, Any] | None) -> str | None:
+    """The fp32 row's verdict beside the search's: a baseline that meets the guardrails is still
+    no release (it lowers nothing), so it does not make a search that found nothing pass."""
+    if baseline["verdict"] != "pass":
+        return f"{failure(baseline)}: the guardrails fail even without lowering anything"
+    if chosen is None:
+        return "the reference, not a plan: it lowers nothing, so it does not count as a release"
+    return None
+
+
+def why(r: Mapping[str, Any]) -> str | None:
+    """A row's reason in words: the guardrails it broke with their values, or that it lowers
+    nothing and why (a plan equal to fp32 is no result); None for a passing plan that lowers
+    something."""
+    if r["verdict"] != "pass":
+        return failure(r)
+    if r.get("lowered_ops", 1) == 0 and r["plan"].get("sheet") is not None:
+        kept = r.get("kept_f32", {})
+        reasons = ", ".join(f"{reason} {n}" for reason, n in
+                            sorted(kept.items(), key=lambda kv: (-kv[1], kv[0])))
+        return (f"0 ops lowered: the {r['plan']['sheet']} sheet leaves every op of this model "
+                f"f32" + (f" ({reasons})" if reasons else ""))
+    return None
 
 
 def _speedup(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> float | None:
@@ -93,7 +119,8 @@ def validation(chosen: Mapping[str, Any]) -> dict[str, Any]:
 def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: str,
                  guardrails: Mapping[str, float], provenance: dict[str, Any],
                  reproduce: dict[str, str] | None, evaluations: dict[str, int],
-                 slices: bool, metric: Metric | None = None) -> dict[str, Any]:
+                 slices: bool, metric: Metric | None = None,
+                 min_gain: float = 0.0) -> dict[str, Any]:
     chosen, baseline = outcome.chosen, outcome.baseline
     passing_uniform = [r for r in outcome.uniform if r["verdict"] == "pass"]
     best_uniform = max(passing_uniform, key=lambda r: objective_value(r, objective),
@@ -103,15 +130,18 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
         released = {"formats": chosen["plan"]["formats"], "sparse": chosen["plan"]["sparse"]}
         chosen_json = {**_figures(chosen, baseline), "plan": released, "sheet": "policy.toml",
                        "best_uniform": best_uniform["plan"]["sheet"] if best_uniform else None,
-                       "speedup_vs_best_uniform": _speedup(chosen, best_uniform)}
+                       "speedup_vs_best_uniform": _speedup(chosen, best_uniform),
+                       "is_best_uniform_plan": chosen["key"] == outcome.uniform_plan_key,
+                       "min_gain_note": outcome.note}
         if slices:
             chosen_json["validation"] = validation(chosen)
             if "slice_metric" in chosen:
                 chosen_json["validation"]["metric"] = chosen["slice_metric"]
-    rejected = None
+    rejected = fastest = None
     if outcome.best_rejected is not None:
-        rejected = {**_figures(outcome.best_rejected, baseline),
-                    "why": failure(outcome.best_rejected)}
+        rejected = _figures(outcome.best_rejected, baseline)
+    if outcome.fastest_rejected is not None:
+        fastest = _figures(outcome.fastest_rejected, baseline)
     chosen_key = chosen["key"] if chosen else None
     candidates = []
     for r in results:
@@ -119,9 +149,11 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
         if r["key"] == chosen_key:
             entry["rejected"] = None
         elif r["verdict"] != "pass":
-                entry["rejected"] = f"fails: {failure(r)}"
+            entry["rejected"] = f"fails: {failure(r)}"
         elif "sheet" in r["plan"]:
             entry["rejected"] = "uniform comparator"
+        elif outcome.note and objective_value(r, objective) > objective_value(chosen, objective):
+            entry["rejected"] = "faster, but by less than --min-gain over a more accurate plan"
         else:
             entry["rejected"] = f"lower {OBJECTIVES[objective].replace('_', ' ')} than chosen"
         candidates.append(entry)
@@ -129,10 +161,12 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
         "packet": "mplower-tune/1",
         "objective": objective,
         "guardrails": dict(guardrails),
+        "min_gain": min_gain,
         "metric": metric.to_json() if metric is not None else None,
-        "baseline": _figures(baseline, baseline),
+        "baseline": {**_figures(baseline, baseline), "why": _baseline_why(baseline, chosen)},
         "chosen": chosen_json,
         "best_rejected": rejected,
+        "fastest_rejected": fastest,
         "uniform": [_figures(r, baseline) for r in outcome.uniform],
         "items": [it.to_json() for it in outcome.items],
         "candidates": candidates,
