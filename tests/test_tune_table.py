@@ -150,3 +150,40 @@ def test_tokens_per_s_with_a_sequence_axis(cli, tmp_path):
     assert header[:4] == ["plan", "inferences/s", "samples/s", "tokens/s"]
     base = packet["baseline"]["modeled"]
     assert f"{base['tokens_per_s']:.4g}" in _row(r.out, "fp32 (baseline)")
+
+
+def test_pareto_png_plots_every_plan_labelled_with_the_guardrail_line(cli, tmp_path,
+                                                                      monkeypatch):
+    from matplotlib.axes import Axes
+
+    drawn: dict[str, list] = {"scatter": [], "vline": [], "text": []}
+    scatter, axvline, annotate = Axes.scatter, Axes.axvline, Axes.annotate
+    monkeypatch.setattr(Axes, "scatter", lambda ax, x, y, **k: drawn["scatter"].append(
+        (k["label"], list(x), list(y))) or scatter(ax, x, y, **k))
+    monkeypatch.setattr(Axes, "axvline", lambda ax, x, **k: drawn["vline"].append(x)
+                        or axvline(ax, x, **k))
+    monkeypatch.setattr(Axes, "annotate", lambda ax, text, xy, **k: drawn["text"].append(
+        (text, xy)) or annotate(ax, text, xy, **k))
+    r, packet = _tune(cli, tmp_path, "--guardrail", "max_rel_l2=0.01")
+    assert r.rc == 0
+    assert drawn["vline"] == [0.01]
+    plotted = sorted((x, y) for _, xs, ys in drawn["scatter"] for x, y in zip(xs, ys))
+    rels = [c["quality"]["output_rel_l2"] for c in packet["candidates"]]
+    edge = min([v for v in rels if v] + [0.01]) / 10
+    expected = sorted((c["quality"]["output_rel_l2"] or edge, c["modeled"]["inferences_per_s"])
+                      for c in packet["candidates"])
+    assert plotted == pytest.approx(expected)
+    by_kind = {label: list(zip(xs, ys)) for label, xs, ys in drawn["scatter"]}
+    chosen = packet["chosen"]
+    assert by_kind["chosen (released)"] == [
+        pytest.approx((chosen["quality"]["output_rel_l2"], chosen["modeled"]["inferences_per_s"]))]
+    texts = " | ".join(t for t, _ in drawn["text"])
+    for u in packet["uniform"]:  # every uniform sheet is labelled by name at its point
+        sheet = u["plan"]["sheet"]
+        at = (u["quality"]["output_rel_l2"] or edge, u["modeled"]["inferences_per_s"])
+        assert any(sheet in t and xy == pytest.approx(at) for t, xy in drawn["text"]), sheet
+    assert f"chosen: {chosen['label']}" in texts and "fp32" in texts
+    numbered = [i for i, c in enumerate(packet["candidates"]) if c["plan"].get("formats")
+                and c["key"] != chosen["key"]]
+    assert all(f"#{i}" in texts for i in numbered)
+    assert (tmp_path / "out/pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -234,8 +234,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                             "evaluator": evaluator_text}
         text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
         write_atomic(stage / "tune.json", lambda fh: fh.write(text), "w")
-        pareto_png(stage / "pareto.png", results,
-                   outcome.chosen["key"] if outcome.chosen else None, args.objective)
+        pareto_png(stage / "pareto.png", packet["candidates"],
+                   outcome.chosen["key"] if outcome.chosen else None, args.objective,
+                   guardrails)
     sys.stdout.write(_table(packet))
     return EXIT_OK if outcome.chosen is not None else EXIT_GUARDRAIL
 

@@ -8,7 +8,8 @@ built-in sheet, every guardrail with value and limit, overflow/underflow/NaN, th
 matrix (guardrail x slice) and rollback triggers, every evaluated candidate and why it lost,
 the evaluation counts and the provenance (versions, hashes, seed). Everything in it but the
 `timing` table is a function of the inputs and the seed. `pareto.png` plots the modeled
-objective of every evaluated plan against its output rel-L2, the chosen plan marked.
+objective of every evaluated plan against its output rel-L2, each labelled, the chosen plan
+marked and the rel-L2 guardrail as a line.
 """
 
 from __future__ import annotations
@@ -176,48 +177,94 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
     }
 
 
-def pareto_png(path: Path, results: list[dict[str, Any]], chosen_key: str | None,
-               objective: str) -> None:
-    """Modeled objective against output rel-L2 of every evaluated plan, the chosen one
-    marked (matplotlib's Agg backend: no display needed)."""
+def pareto_points(candidates: list[dict[str, Any]], chosen_key: str | None,
+                  objective: str) -> list[dict[str, Any]]:
+    """What pareto.png plots, one entry per evaluated plan of tune.json's `candidates` with a
+    modeled objective: `x` its
+    output rel-L2 (None for an exact plan), `y` the objective in the table's unit, `kind`
+    (`chosen`, `baseline`, `pass`, `fail`, `uniform pass`, `uniform fail`) and `label`: a
+    uniform sheet's name, `fp32`, `chosen: ...`, or for another per-op plan `#i`, its index
+    in tune.json's `candidates` (a plan's own label is too long for a crowded plot)."""
+    key = OBJECTIVES[objective]
+    out = []
+    for i, r in enumerate(candidates):
+        if "modeled" not in r or r["modeled"][key] is None:
+            continue
+        verdict = "pass" if r["verdict"] == "pass" else "fail"
+        sheet = r["plan"].get("sheet")
+        if r["key"] == chosen_key:
+            kind, label = "chosen", f"chosen: {r['label']}"
+        elif sheet is not None:
+            kind, label = f"uniform {verdict}", sheet + (" (0 ops)" if not r["lowered_ops"]
+                                                        else "")
+        elif not r["plan"].get("formats"):
+            kind, label = "baseline", "fp32"
+        else:
+            kind, label = verdict, f"#{i}"
+        out.append({"x": r["quality"]["output_rel_l2"] or None, "y": r["modeled"][key],
+                    "kind": kind, "label": label})
+    return out
+
+
+def pareto_png(path: Path, candidates: list[dict[str, Any]], chosen_key: str | None,
+               objective: str, guardrails: Mapping[str, float] | None = None) -> None:
+    """Modeled objective (the table's unit) against output rel-L2 of every evaluated plan
+    (pareto_points), each labelled, the chosen one circled, the `max_rel_l2` guardrail as a
+    line (matplotlib's Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = OBJECTIVES[objective]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    points = [(r, r["summary"]["output_rel_l2"], r["modeled"][key]) for r in results
-              if "modeled" in r and r["modeled"][key] is not None]
-    nonzero = [x for _, x, _ in points if x]
+    points = pareto_points(candidates, chosen_key, objective)
+    limit = (guardrails or {}).get("max_rel_l2")
+    nonzero = [p["x"] for p in points if p["x"]] + ([limit] if limit else [])
     # Exact plans (rel-L2 0: fp32, a sheet that lowers nothing) sit at the left edge.
     edge = min(nonzero) / 10 if nonzero else 1e-6
-    groups: dict[str, list[tuple[float, float]]] = {
-        "pass": [], "fail": [], "uniform pass": [], "uniform fail": []}
-    chosen_pt = None
-    for r, x, y in points:
-        pt = (x if x else edge, y)
-        if r["key"] == chosen_key:
-            chosen_pt = pt
-        verdict = "pass" if r["verdict"] == "pass" else "fail"
-        groups[("uniform " if "sheet" in r["plan"] else "") + verdict].append(pt)
-    styles = {"pass": {"c": "tab:blue", "marker": "o", "label": "meets guardrails"},
-              "fail": {"c": "tab:gray", "marker": "x", "label": "rejected"},
+    fig, ax = plt.subplots(figsize=(12, 6.5), dpi=100)
+    styles = {"pass": {"c": "tab:blue", "marker": "o", "label": "per-op plan, meets guardrails"},
+              "fail": {"c": "tab:gray", "marker": "x", "label": "per-op plan, rejected"},
               "uniform pass": {"c": "tab:orange", "marker": "s",
-                                   "label": "uniform built-in sheet, meets guardrails"},
+                               "label": "uniform built-in sheet, meets guardrails"},
               "uniform fail": {"facecolors": "none", "edgecolors": "tab:orange", "marker": "s",
-                                   "label": "uniform built-in sheet, rejected"}}
-    for kind, pts in groups.items():
+                               "label": "uniform built-in sheet, rejected"},
+              "baseline": {"c": "black", "marker": "D", "label": "fp32 baseline"},
+              "chosen": {"c": "tab:red", "marker": "*", "s": 260, "zorder": 3,
+                         "label": "chosen (released)"}}
+    for kind, style in styles.items():
+        pts = [p for p in points if p["kind"] == kind]
         if pts:
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], **styles[kind])
-    if chosen_pt is not None:
-        ax.scatter([chosen_pt[0]], [chosen_pt[1]], s=220, facecolors="none",
-                   edgecolors="tab:red", linewidths=2, label="chosen")
+            ax.scatter([p["x"] or edge for p in pts], [p["y"] for p in pts], **style)
+    # One label per spot: plans that land on the same point (fp32 and the sheets that lower
+    # nothing, the chosen plan and the sheet it equals) share it; per-op plans by their index
+    # in tune.json's candidates, smaller.
+    spots: dict[tuple[float, float], list[dict[str, Any]]] = {}
+    for p in points:
+        spots.setdefault((p["x"] or edge, p["y"]), []).append(p)
+    for (x, y), ps in spots.items():
+        named = [p["label"] for p in ps if p["kind"] not in ("pass", "fail")]
+        numbered = [p["label"] for p in ps if p["kind"] in ("pass", "fail")]
+        chosen = any(p["kind"] == "chosen" for p in ps)
+        if named:
+            ax.annotate(", ".join(dict.fromkeys(named)), (x, y), xytext=(7, 6),
+                        textcoords="offset points", fontsize=8,
+                        color="tab:red" if chosen else "black")
+        if numbered:
+            ax.annotate(" ".join(numbered), (x, y), xytext=(5, -10),
+                        textcoords="offset points", fontsize=6, color="dimgray")
+    if limit:
+        ax.axvline(limit, color="tab:green", linestyle="--",
+                   label=f"guardrail max_rel_l2 = {limit:g}")
     ax.set_xscale("log")
-    ax.set_xlabel("output rel-L2 against fp32 (exact plans at the left edge)")
-    ax.set_ylabel("modeled " + key.replace("_", " ").replace(" per ", "/"))
-    ax.set_title("mplower tune: every evaluated plan")
-    ax.legend(loc="best", fontsize="small")
+    ax.margins(x=0.12)  # room for the labels of the rightmost points
+    ax.set_xlabel("output rel_l2 against fp32 (log; exact plans at the left edge)")
+    unit = "inferences/J" if objective == "energy" else "inferences/s"
+    ax.set_ylabel(f"modeled {unit}")
+    others = [f"{k} {v:g}" for k, v in (guardrails or {}).items() if k != "max_rel_l2"]
+    ax.set_title("mplower tune: every evaluated plan (#i: tune.json candidates[i])" +
+                 (f" (also held: {', '.join(others)})" if others else ""), fontsize=10)
+    # Beside the axes, where it hides no point.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     import io
 
