@@ -437,8 +437,8 @@ def test_evaluation_data_of_the_wrong_shape_is_a_located_error_that_says_evaluat
             "-o", tmp_path / "o")
     assert r.rc == 1
     assert r.err.splitlines()[0] == (f"{tmp_path / 'eval.npz'}: error: evaluation array 'x' has "
-                                     f"shape [32, 63]; expected one batch [32, 64] or a stack "
-                                     f"[N, 32, 64]")
+                                     f"shape [32, 63]; expected one batch [32, 64], a stack "
+                                     f"[N, 32, 64] or samples [N, 64]")
     assert not (tmp_path / "o").exists()
 
 

@@ -143,7 +143,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from mplower.lowering.metrics import eval_samples
     from mplower.lowering.target import load_target
     from mplower.lowering.throughput import SeqAxisError, units
-    from mplower.passes.calibrate import split_batches
+    from mplower.passes.calibrate import check_partial_batch, split_batches, split_samples
     from mplower.tune.evaluation import Problem, sheet_text
     from mplower.tune.packet import build_packet, candidate_of, pareto_png, sha256_file, versions
 
@@ -161,7 +161,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                  f"--objective energy needs the target's board power: target "
                                  f"'{target.name}' has no board_power_w")
     calib = read_npz(Path(args.data), Location(args.data, 0, 0), "calibration data")
-    split_batches(f, calib, Location(args.data, 0, 0))  # located errors before any work
+    # Located errors before any work; calibration takes any sample count where it can pad.
+    if split_samples(f, calib, Location(args.data, 0, 0))[1] is not None:
+        check_partial_batch(module, args.func, Location(args.data, 0, 0))
     eval_path = args.eval or args.data
     eval_arrays = read_npz(Path(eval_path), Location(eval_path, 0, 0), "evaluation data")
     batches = split_batches(f, eval_arrays, Location(eval_path, 0, 0), "evaluation")
