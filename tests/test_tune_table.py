@@ -187,3 +187,21 @@ def test_pareto_png_plots_every_plan_labelled_with_the_guardrail_line(cli, tmp_p
                 and c["key"] != chosen["key"]]
     assert all(f"#{i}" in texts for i in numbered)
     assert (tmp_path / "out/pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pareto_png_marks_the_closest_and_fastest_rejected_plans(cli, tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    texts: list = []
+    annotate = Axes.annotate
+    monkeypatch.setattr(Axes, "annotate", lambda ax, text, xy, **k: texts.append((text, xy))
+                        or annotate(ax, text, xy, **k))
+    r, packet = _tune(cli, tmp_path, "--guardrail", "max_rel_l2=1e-7")
+    assert r.rc == 3
+    index = {c["key"]: i for i, c in enumerate(packet["candidates"])}
+    for field, word in (("best_rejected", "closest rejected"),
+                        ("fastest_rejected", "fastest rejected")):
+        plan = packet[field]
+        at = (plan["quality"]["output_rel_l2"], plan["modeled"]["inferences_per_s"])
+        assert any(f"#{index[plan['key']]} " in t and word in t and xy == pytest.approx(at)
+                   for t, xy in texts), word

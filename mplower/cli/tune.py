@@ -238,9 +238,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
         write_atomic(stage / "tune.json", lambda fh: fh.write(text), "w")
         pareto_png(stage / "pareto.png", packet["candidates"],
                    outcome.chosen["key"] if outcome.chosen else None, args.objective,
-                   guardrails)
+                   guardrails, _rejected_marks(packet))
     sys.stdout.write(_table(packet))
     return EXIT_OK if outcome.chosen is not None else EXIT_GUARDRAIL
+
+
+def _rejected_marks(packet: dict[str, Any]) -> dict[str, str]:
+    """The rejected plans the table shows, by key, as pareto.png marks them."""
+    marks = {}
+    for field, word in (("fastest_rejected", "fastest rejected"),
+                        ("best_rejected", "closest rejected")):
+        if packet[field] is not None:
+            key = packet[field]["key"]
+            marks[key] = f"{marks[key]}, {word}" if key in marks else word
+    return marks
 
 
 def _check_out_dir(out_dir: Path, inputs: list[str | None]) -> None:

@@ -178,13 +178,15 @@ def build_packet(outcome: Outcome, results: list[dict[str, Any]], *, objective: 
 
 
 def pareto_points(candidates: list[dict[str, Any]], chosen_key: str | None,
-                  objective: str) -> list[dict[str, Any]]:
+                  objective: str, rejected: Mapping[str, str] | None = None
+                  ) -> list[dict[str, Any]]:
     """What pareto.png plots, one entry per evaluated plan of tune.json's `candidates` with a
     modeled objective: `x` its
     output rel-L2 (None for an exact plan), `y` the objective in the table's unit, `kind`
     (`chosen`, `baseline`, `pass`, `fail`, `uniform pass`, `uniform fail`) and `label`: a
     uniform sheet's name, `fp32`, `chosen: ...`, or for another per-op plan `#i`, its index
-    in tune.json's `candidates` (a plan's own label is too long for a crowded plot)."""
+    in tune.json's `candidates` (a plan's own label is too long for a crowded plot), with
+    `rejected`'s word for it where given (`closest rejected`, `fastest rejected`)."""
     key = OBJECTIVES[objective]
     out = []
     for i, r in enumerate(candidates):
@@ -201,13 +203,16 @@ def pareto_points(candidates: list[dict[str, Any]], chosen_key: str | None,
             kind, label = "baseline", "fp32"
         else:
             kind, label = verdict, f"#{i}"
+            if r["key"] in (rejected or {}):
+                kind, label = "rejected", f"#{i} {rejected[r['key']]}"
         out.append({"x": r["quality"]["output_rel_l2"] or None, "y": r["modeled"][key],
                     "kind": kind, "label": label})
     return out
 
 
 def pareto_png(path: Path, candidates: list[dict[str, Any]], chosen_key: str | None,
-               objective: str, guardrails: Mapping[str, float] | None = None) -> None:
+               objective: str, guardrails: Mapping[str, float] | None = None,
+               rejected: Mapping[str, str] | None = None) -> None:
     """Modeled objective (the table's unit) against output rel-L2 of every evaluated plan
     (pareto_points), each labelled, the chosen one circled, the `max_rel_l2` guardrail as a
     line (matplotlib's Agg backend: no display needed)."""
@@ -216,7 +221,7 @@ def pareto_png(path: Path, candidates: list[dict[str, Any]], chosen_key: str | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = pareto_points(candidates, chosen_key, objective)
+    points = pareto_points(candidates, chosen_key, objective, rejected)
     limit = (guardrails or {}).get("max_rel_l2")
     nonzero = [p["x"] for p in points if p["x"]] + ([limit] if limit else [])
     # Exact plans (rel-L2 0: fp32, a sheet that lowers nothing) sit at the left edge.
@@ -229,6 +234,8 @@ def pareto_png(path: Path, candidates: list[dict[str, Any]], chosen_key: str | N
               "uniform fail": {"facecolors": "none", "edgecolors": "tab:orange", "marker": "s",
                                "label": "uniform built-in sheet, rejected"},
               "baseline": {"c": "black", "marker": "D", "label": "fp32 baseline"},
+              "rejected": {"c": "tab:purple", "marker": "X", "s": 80,
+                           "label": "closest / fastest rejected"},
               "chosen": {"c": "tab:red", "marker": "*", "s": 260, "zorder": 3,
                          "label": "chosen (released)"}}
     for kind, style in styles.items():
@@ -242,13 +249,17 @@ def pareto_png(path: Path, candidates: list[dict[str, Any]], chosen_key: str | N
     for p in points:
         spots.setdefault((p["x"] or edge, p["y"]), []).append(p)
     for (x, y), ps in spots.items():
-        named = [p["label"] for p in ps if p["kind"] not in ("pass", "fail")]
+        named = [p["label"] for p in ps if p["kind"] not in ("pass", "fail", "rejected")]
         numbered = [p["label"] for p in ps if p["kind"] in ("pass", "fail")]
+        marked = [p["label"] for p in ps if p["kind"] == "rejected"]
         chosen = any(p["kind"] == "chosen" for p in ps)
         if named:
             ax.annotate(", ".join(dict.fromkeys(named)), (x, y), xytext=(7, 6),
                         textcoords="offset points", fontsize=8,
                         color="tab:red" if chosen else "black")
+        if marked:  # below the point: a rejected plan often sits on a uniform sheet's
+            ax.annotate(", ".join(marked), (x, y), xytext=(-10, -22), textcoords="offset points",
+                        fontsize=8, color="tab:purple")
         if numbered:
             ax.annotate(" ".join(numbered), (x, y), xytext=(5, -10),
                         textcoords="offset points", fontsize=6, color="dimgray")
@@ -256,7 +267,7 @@ def pareto_png(path: Path, candidates: list[dict[str, Any]], chosen_key: str | N
         ax.axvline(limit, color="tab:green", linestyle="--",
                    label=f"guardrail max_rel_l2 = {limit:g}")
     ax.set_xscale("log")
-    ax.margins(x=0.12)  # room for the labels of the rightmost points
+    ax.margins(x=0.15, y=0.1)  # room for the labels of the outermost points
     ax.set_xlabel("output rel_l2 against fp32 (log; exact plans at the left edge)")
     unit = "inferences/J" if objective == "energy" else "inferences/s"
     ax.set_ylabel(f"modeled {unit}")
