@@ -7,8 +7,9 @@ fill with mplower.backend.executor.reference_runner. A calibration driver in a l
 passes instead would make `calibrate` the only step of a pipeline that cannot be written in
 `--pass-pipeline`, which is worse for users.
 
-The data file is an .npz keyed by argument name; each array is one batch of the argument's shape
-or a stack of such batches (leading axis), and every argument has the same number of batches.
+The data file is an .npz keyed by argument name; each array is one batch of the argument's shape,
+a stack of such batches (leading axis), or any number of samples along the batch axis (the last
+batch padded, its padding left out of every statistic), and every argument has as many.
 Batches run through the module's fp32 reference (the module is not changed), several at a time
 stacked along the batch axis where the model keeps the rows of a batch apart (a copy retyped by
 set-batch), and each value's statistics are gathered as it is computed, with
@@ -65,35 +66,82 @@ def channel_axes(f: Function, constants: set[int]) -> dict[Value, int]:
 
 def split_batches(f: Function, arrays: dict[str, np.ndarray], loc: Location,
                   what: str = "calibration") -> list[list[np.ndarray]]:
-    """Per batch, the arrays of every argument in order (one batch or a stack of batches);
-    `what` names the data in messages (`mplower tune` reads evaluation data too)."""
+    """Per batch, the arrays of every argument in order (one batch, a stack of batches, or
+    samples that fill whole batches); `what` names the data in messages (`mplower tune` reads
+    evaluation data too). A partial last batch is refused: see `split_samples`."""
+    batches, rows = split_samples(f, arrays, loc, what)
+    if rows is not None:
+        batch = f.type_of((f.args[0], 0)).shape[0]
+        n = (len(batches) - 1) * batch + rows
+        raise DiagnosticError.at(loc, (
+            f"{what} data holds {n} samples, not a whole number of batches of {batch}; give "
+            f"a multiple of {batch} samples, or retype the model with set-batch"))
+    return batches
+
+
+def split_samples(f: Function, arrays: dict[str, np.ndarray], loc: Location,
+                  what: str = "calibration") -> tuple[list[list[np.ndarray]], int | None]:
+    """Per batch, the arrays of every argument in order, and how many rows of the last batch
+    are samples (None: all of them). Each array is one batch of the argument's shape, a stack
+    [N, *shape] of batches, or N samples [N, *shape[1:]] along the batch axis (every argument
+    with the same batch): any N, the last batch padded with copies of its last sample."""
     names = [f.data(a)["name"] for a in f.args]
     missing = [n for n in names if n not in arrays]
     if missing:
         have = ", ".join(sorted(arrays)) or "none"
         raise DiagnosticError.at(loc, f"{what} data lacks argument(s) "
                                       f"{', '.join(missing)} (it has: {have})")
+    shapes = [f.type_of((a, 0)).shape for a in f.args]
     per_arg = []
-    for a, name in zip(f.args, names):
-        shape = f.type_of((a, 0)).shape
+    samples: dict[str, int] = {}
+    for name, shape in zip(names, shapes):
         arr = np.asarray(arrays[name])
         if tuple(arr.shape) == shape:
             per_arg.append([arr])
         elif arr.ndim == len(shape) + 1 and tuple(arr.shape[1:]) == shape:
             per_arg.append(list(arr))
+        elif shape and arr.ndim == len(shape) and tuple(arr.shape[1:]) == shape[1:] \
+                and len({s[0] for s in shapes if s}) == 1:
+            samples[name] = arr.shape[0]
+            per_arg.append(arr)
         else:
             raise DiagnosticError.at(loc, (
                 f"{what} array '{name}' has shape {list(arr.shape)}; expected one batch "
-                f"{list(shape)} or a stack [N, {', '.join(map(str, shape))}]"))
+                f"{list(shape)}, a stack [N, {', '.join(map(str, shape))}] or samples "
+                f"[N, {', '.join(map(str, shape[1:]))}]"))
+    rows = None
+    if samples:
+        if len(samples) != len(names) or len(set(samples.values())) != 1:
+            raise DiagnosticError.at(loc, (
+                f"{what} arrays must all be batches or all be samples of one count, got "
+                f"{ {n: list(np.shape(arrays[n])) for n in names} }"))
+        n, batch = next(iter(samples.values())), shapes[0][0]
+        rows = n % batch
+        for i, arr in enumerate(per_arg):
+            if rows:  # padded by its last sample: real values, which the statistics drop
+                pad = np.repeat(arr[-1:], batch - rows, axis=0)
+                arr = np.concatenate([arr, pad])
+            per_arg[i] = list(arr.reshape(-1, batch, *arr.shape[1:]))
+        rows = rows or None
     counts = {len(b) for b in per_arg}
     if len(counts) != 1:
         raise DiagnosticError.at(loc, f"{what} arrays hold different numbers of batches: "
                                       f"{dict(zip(names, (len(b) for b in per_arg)))}")
     if counts == {0}:  # statistics, references and drift of no batch at all mean nothing
-        shapes = ", ".join(f"'{n}' {list(np.shape(arrays[n]))}" for n in names)
+        shapes_text = ", ".join(f"'{n}' {list(np.shape(arrays[n]))}" for n in names)
         raise DiagnosticError.at(loc, f"{what} data {loc.file} holds no batch (a stack of "
-                                      f"zero: {shapes}); give at least one")
-    return [list(batch) for batch in zip(*per_arg)]
+                                      f"zero: {shapes_text}); give at least one")
+    return [list(batch) for batch in zip(*per_arg)], rows
+
+
+def check_partial_batch(module: Module, func: str | None, loc: Location) -> None:
+    """A padded last batch gives the statistics of its samples alone only where every row of
+    a batch is computed from that row alone (`grouped_module` says so); refuse it elsewhere."""
+    if grouped_module(module, func, 2) is None:
+        raise DiagnosticError.at(loc, (
+            "calibration data does not fill its last batch, and this model mixes the rows of "
+            "a batch (an op works along the batch axis, or set-batch cannot retype it), so "
+            "padding would change the statistics; give a whole number of batches"))
 
 
 # Ops whose every row of the batch (axis 0) is computed from that row alone, whatever their
@@ -183,12 +231,15 @@ def auto_group(f: Function, count: int = 0) -> int:
 def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
                        runner: ReferenceRunner, weights: str | None, bins: int,
                        progress: Progress | None = None, histogram: bool = True,
-                       group: int = 1) -> dict[Value, TensorStats]:
+                       group: int = 1, last_rows: int | None = None) -> dict[Value, TensorStats]:
     """Statistics of every float, non-constant value of the function over all batches
     (`histogram=False`: without the magnitude histograms, which only the clipping methods
     read). Up to `group` batches run through the reference at once, stacked along the batch
     axis, where the model keeps their rows apart (`grouped_module`); the statistics are the
-    same for any group. A relu's come from its operand's (TensorStats.relu), uncounted."""
+    same for any group. A relu's come from its operand's (TensorStats.relu), uncounted. With
+    `last_rows`, only that many leading rows of the last batch are samples (the rest padding,
+    `split_samples`): every value's statistics take those rows alone, which is exact where the
+    model keeps rows apart (`check_partial_batch`)."""
     f = module.function(func)
     constants = constant_nodes(f)
     axes = channel_axes(f, constants)
@@ -220,10 +271,14 @@ def calibrate_function(module: Module, func: str | None, batches: list[list[np.n
             constant_values.append(ConstantValues(module, f, weights))
         return not np.all(np.isfinite(constant_values[0].get(u)))
 
+    rows: list[int] = []  # set while the padded last batch runs: its samples' rows
+
     def observe(v: Value, y: np.ndarray | None) -> None:
         s = counted.get(v)
         if s is None or y is None:  # None: no fp32 counterpart (an integer input)
             return
+        if rows:  # every value carries the batch on axis 0 (check_partial_batch)
+            y = y[:rows[0]]
         before = s.nonfinite.copy()
         s.add(y, channel.get(v))
         if np.array_equal(s.nonfinite, before):
@@ -246,14 +301,15 @@ def calibrate_function(module: Module, func: str | None, batches: list[list[np.n
                 f"values are NaN or infinite from finite operands (the op overflows f32 on "
                 f"this data)"))
 
+    whole = len(batches) - (last_rows is not None)
     start = 0
-    while start < len(batches):
-        size = min(group, len(batches) - start)
+    while start < whole:
+        size = min(group, whole - start)
         grown = grouped_module(module, func, size) if size > 1 else module
         if grown is None:
             grown, size = module, 1
         reference = runner(grown, func, weights)  # one at a time: each holds the weights
-        while len(batches) - start >= size:
+        while whole - start >= size:
             chunk = batches[start:start + size]
             reference([np.concatenate(arrays) for arrays in zip(*chunk)] if size > 1
                       else chunk[0], observe)
@@ -261,6 +317,11 @@ def calibrate_function(module: Module, func: str | None, batches: list[list[np.n
             if progress is not None:
                 progress.update(size)
         del reference
+    if last_rows is not None:
+        rows.append(last_rows)
+        runner(module, func, weights)(batches[-1], observe)
+        if progress is not None:
+            progress.update(1)
     stats = {}
     for v in tracked:
         stats[v] = stats[derived[v]].relu() if v in derived else counted[v]
@@ -273,7 +334,9 @@ class Calibrate(Pass):
     """Run the fp32 reference over a calibration set and record each tensor's range.
 
     `data` is an .npz keyed by argument name (`x` for `%x`); each array is one batch of the
-    argument's shape or a stack of such batches. Statistics use a fixed, mergeable
+    argument's shape, a stack of such batches, or any number of samples along the batch axis
+    (a partial last batch is padded, and its padding counts in no statistic; refused where
+    the model mixes the rows of a batch). Statistics use a fixed, mergeable
     power-of-two histogram grid, so the ranges are bit-identical however the same samples are
     split into batches or ordered. Records `mp.range` (and `mp.calib`, `mp.observed`,
     `mp.tiny`, `mp.channel_absmax` where useful) on each value's producer; function arguments
@@ -329,7 +392,9 @@ class Calibrate(Pass):
             f = module.function(func)
         except KeyError as e:
             raise DiagnosticError(Diagnostic(loc, f"calibrate: {e.args[0]}")) from None
-        batches = split_batches(f, arrays, data_loc)
+        batches, last_rows = split_samples(f, arrays, data_loc)
+        if last_rows is not None:
+            check_partial_batch(module, func, data_loc)
         if ctx.runner is None:
             raise DiagnosticError.at(loc, "calibrate runs the model: its caller must give "
                                           "PassContext a runner (mplower.backend.executor."
@@ -338,7 +403,8 @@ class Calibrate(Pass):
         try:
             stats = calibrate_function(module, func, batches, ctx.runner, ctx.weights_path,
                                        self.bins, progress, histogram=self.method != "minmax",
-                                       group=self.group or auto_group(f, len(batches)))
+                                       group=self.group or auto_group(f, len(batches)),
+                                       last_rows=last_rows)
         finally:
             progress.close()
         axes = channel_axes(f, constant_nodes(f))

@@ -231,13 +231,14 @@ def test_calibrate_clipping_keeps_the_observed_extremes(tmp_path):
     ("data=DATA method=kl", "unknown method 'kl'"),
     ("data=DATA bins=1000", "bins must be a power of two"),
     ("data=DATA group=-1", "group must be 0 (automatic) or more, got -1"),
-    ("data=WRONG", "expected one batch [2, 4] or a stack [N, 2, 4]"),
+    # (3, 4) would be three samples, padded (issue 33); (3, 5) fits no reading.
+    ("data=WRONG", "expected one batch [2, 4], a stack [N, 2, 4] or samples [N, 4]"),
     ("data=MISSING", "does not exist"),
 ])
 def test_calibrate_reports_bad_options_and_data(tmp_path, cli, options, message):
     (tmp_path / "m.ir").write_text(MODEL.format(b=2))
     np.savez(tmp_path / "d.npz", x=np.ones((2, 4), np.float32))
-    np.savez(tmp_path / "w.npz", x=np.ones((3, 4), np.float32))
+    np.savez(tmp_path / "w.npz", x=np.ones((3, 5), np.float32))
     options = (options.replace("DATA", str(tmp_path / "d.npz"))
                .replace("WRONG", str(tmp_path / "w.npz"))
                .replace("MISSING", str(tmp_path / "none.npz")))

@@ -69,6 +69,10 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="DRIFT.png",
                    help="write a bar chart of each op's drift (rel_l2) and overflow count "
                         "(PNG; '-': stdout, through a pipe)")
+    p.add_argument("--batch-inputs", action="store_true",
+                   help="--inputs holds more rows than the function's batch: run them batch by "
+                        "batch (the last, partial one at its own size) and report, save and "
+                        "check over all rows; refused where an op mixes the batch axis")
     p.add_argument("--check", action="store_true", help="exit 3 if a guardrail fails")
     p.add_argument("--bisect", action="store_true",
                    help="name the smallest set of ops whose return to f32 meets the guardrails")
@@ -162,7 +166,9 @@ def _load(args: argparse.Namespace, command: str):
     # The pipeline's first step: a plan still only annotations gets casts, and the user is told.
     materialize_and_say(module, args, command)
     program = Program(module, args.func, args.weights)
-    if args.inputs:
+    if getattr(args, "batch_inputs", False):  # run's rows are read batch by batch (cli.batches)
+        arrays = None
+    elif args.inputs:
         arrays = load_inputs(args.inputs, program.arg_names, program.arg_types,
                              program.arg_locs)
     else:
@@ -223,6 +229,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--metric needs --inputs: the metric reads its arrays (labels, "
                          "targets) from that file")
     metric = metric_flag(args, flags)
+    if args.batch_inputs and not args.inputs:
+        raise UsageError("--batch-inputs needs --inputs: it runs that file's rows batch by batch")
+    if args.batch_inputs and args.bisect:
+        raise UsageError("--bisect runs one batch: give --inputs one batch without "
+                         "--batch-inputs")
     outputs = {"--save-outputs": args.save_outputs, "--report": args.report,
                "--plot": args.plot}
     check_outputs(outputs, {"input": args.input, "--inputs": args.inputs,
@@ -250,7 +261,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         eval_arrays = read_npz(Path(args.inputs), Location(args.inputs, 0, 0), "inputs")
         metric.check_eval(eval_arrays)
-    result = program.run(arrays)
+    if args.batch_inputs:
+        from mplower.cli.batches import run_batches, split_rows
+
+        batches, _ = split_rows(program, args.inputs)
+        result = run_batches(module, program, batches, args.func, args.weights)
+        arrays = batches[0]  # the per-op quantization table below is of the first batch
+    else:
+        result = program.run(arrays)
     report = build_report(result, limits, module.attrs.get(POLICY),
                           program.function.name, metric, eval_arrays,
                           recorded_output_names(program.function))

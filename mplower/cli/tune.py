@@ -68,6 +68,14 @@ def add_tune(sub, name: str) -> argparse.ArgumentParser:
                    help="one slice id per evaluation sample; every guardrail holds per slice")
     p.add_argument("--objective", choices=("throughput", "energy"), default="throughput",
                    help="rank plans by modeled inferences/s or inferences/joule")
+    p.add_argument("--min-gain", type=float, default=1.0, metavar="PCT",
+                   help="release a faster plan only when it gains at least PCT percent modeled "
+                        "objective over the most accurate passing plan within reach (the best "
+                        "passing uniform sheet's among them); below it, the more accurate plan "
+                        "is released (default 1; 0 releases the fastest)")
+    p.add_argument("--seq-axis", type=int, default=None, metavar="AXIS",
+                   help="axis of the first argument that holds the sequence: tokens/s counts "
+                        "its dimensions up to this one (default: found from attention)")
     add_metric_flags(p, "the --eval file")
     p.add_argument("--func", default=None, help="function to tune (default: main or the only one)")
     p.add_argument("-o", dest="output", required=True, metavar="OUT_DIR", help="output folder")
@@ -117,6 +125,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--budget must be at least 1 evaluation")
     if args.workers < 0:
         raise UsageError("--workers must be 0 (this process) or more")
+    if not 0 <= args.min_gain < 1000:
+        raise UsageError(f"--min-gain is a percentage in [0, 1000), got {args.min_gain:g}")
     if args.input == "-":  # its weights are found beside it, and its hash goes in the packet
         raise UsageError("tune reads the model from a file, not from stdin")
     if args.output == "-":
@@ -132,12 +142,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from mplower.ir.opdef import OPS
     from mplower.lowering.metrics import eval_samples
     from mplower.lowering.target import load_target
-    from mplower.passes.calibrate import split_batches
+    from mplower.lowering.throughput import SeqAxisError, units
+    from mplower.passes.calibrate import check_partial_batch, split_batches, split_samples
     from mplower.tune.evaluation import Problem, sheet_text
     from mplower.tune.packet import build_packet, candidate_of, pareto_png, sha256_file, versions
 
     module = read_module(args)
     f = module.function(args.func)
+    try:  # before any work: a bad axis is a usage error
+        units(f, args.seq_axis)
+    except SeqAxisError as e:
+        raise UsageError(str(e)) from None
     target = load_target(args.target, known_ops=OPS)
     builtin = target.source.startswith("builtin:")
     target_file = Path(target.source) if not builtin else builtin_sheet(target)
@@ -146,7 +161,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                  f"--objective energy needs the target's board power: target "
                                  f"'{target.name}' has no board_power_w")
     calib = read_npz(Path(args.data), Location(args.data, 0, 0), "calibration data")
-    split_batches(f, calib, Location(args.data, 0, 0))  # located errors before any work
+    # Located errors before any work; calibration takes any sample count where it can pad.
+    if split_samples(f, calib, Location(args.data, 0, 0))[1] is not None:
+        check_partial_batch(module, args.func, Location(args.data, 0, 0))
     eval_path = args.eval or args.data
     eval_arrays = read_npz(Path(eval_path), Location(eval_path, 0, 0), "evaluation data")
     batches = split_batches(f, eval_arrays, Location(eval_path, 0, 0), "evaluation")
@@ -177,6 +194,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         calib=Path(args.data).read_bytes(), target=args.target,
         target_text=None if builtin else Path(target.source).read_text(encoding="utf-8"),
         batches=batches, slices=slices, guardrails=guardrails, func=args.func, metric=metric,
+        seq_axis=args.seq_axis,
         eval=None if metric is None else eval_samples(
             eval_arrays, len(batches), next(iter(rows)) if len(rows) == 1 else None))
     outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
@@ -213,15 +231,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
         packet = build_packet(outcome, results, objective=args.objective,
                               guardrails=guardrails, provenance=provenance, reproduce=reproduce,
                               evaluations=evaluations, slices=slices is not None,
-                              metric=metric)
+                              metric=metric, min_gain=args.min_gain / 100)
         packet["timing"] = {"wall_s": time.perf_counter() - started,
                             "evaluator": evaluator_text}
         text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
         write_atomic(stage / "tune.json", lambda fh: fh.write(text), "w")
-        pareto_png(stage / "pareto.png", results,
-                   outcome.chosen["key"] if outcome.chosen else None, args.objective)
+        pareto_png(stage / "pareto.png", packet["candidates"],
+                   outcome.chosen["key"] if outcome.chosen else None, args.objective,
+                   guardrails, _rejected_marks(packet))
     sys.stdout.write(_table(packet))
     return EXIT_OK if outcome.chosen is not None else EXIT_GUARDRAIL
+
+
+def _rejected_marks(packet: dict[str, Any]) -> dict[str, str]:
+    """The rejected plans the table shows, by key, as pareto.png marks them."""
+    marks = {}
+    for field, word in (("fastest_rejected", "fastest rejected"),
+                        ("best_rejected", "closest rejected")):
+        if packet[field] is not None:
+            key = packet[field]["key"]
+            marks[key] = f"{marks[key]}, {word}" if key in marks else word
+    return marks
 
 
 def _check_out_dir(out_dir: Path, inputs: list[str | None]) -> None:
@@ -293,7 +323,8 @@ def _search(problem, args: argparse.Namespace, formats: list[str]):
                           progress=bar.update)
     try:
         outcome = search(workspace(problem), evaluator, formats=formats, sparse=args.sparse,
-                         seed=args.seed, objective=args.objective)
+                         seed=args.seed, objective=args.objective,
+                         min_gain=args.min_gain / 100)
     finally:
         evaluator.close()
         bar.close()
@@ -305,35 +336,71 @@ def _search(problem, args: argparse.Namespace, formats: list[str]):
 
 
 def _table(packet: dict[str, Any]) -> str:
+    """The stdout summary: one row per plan (fp32, the uniform sheets, the chosen plan or the
+    rejected ones closest to the guardrails and fastest), each with why it failed or what it
+    is; then what the chosen plan buys over the best passing uniform sheet."""
     from mplower.report.table import table
 
     metric = packet["metric"]
+    tokens = any(r.get("modeled", {}).get("tokens_per_s") is not None
+                 for r in [packet["baseline"], *packet["uniform"]])
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4g}"
 
     def row(label: str, r: dict[str, Any] | None) -> list[str]:
+        cols = 4 + tokens + bool(metric)
         if r is None or "modeled" not in r:
-            return [label, "-", "-", "-", *(["-"] if metric else []), r["verdict"] if r else "-"]
+            return [label, *["-"] * cols, r["verdict"] if r else "-",
+                    (r or {}).get("why") or ""]
         m, q = r["modeled"], r["quality"]
-        rel = q["output_rel_l2"]
-        value = [] if not metric else ["-" if q["metric"] is None else f"{q['metric']:.4g}"]
-        return [label, f"{m['inferences_per_s']:.4g}", f"{m['speedup_vs_fp32']:.3f}x",
-                "-" if rel is None else f"{rel:.3g}", *value, r["verdict"]]
+        value = [] if not metric else [num(q["metric"])]
+        return [label, num(m["inferences_per_s"]), num(m.get("samples_per_s")),
+                *([num(m.get("tokens_per_s"))] if tokens else []),
+                f"{m['speedup_vs_fp32']:.3f}x",
+                "-" if q["output_rel_l2"] is None else f"{q['output_rel_l2']:.3g}", *value,
+                r["verdict"], r.get("why") or ""]
 
     rows = [row("fp32 (baseline)", packet["baseline"])]
     rows += [row(r["label"], r) for r in packet["uniform"]]
     chosen = packet["chosen"]
     if chosen is not None:
-        rows.append(row("chosen: " + chosen["label"], chosen))
-    elif packet["best_rejected"] is not None:
-        rows.append(row("best rejected: " + packet["best_rejected"]["label"],
-                        packet["best_rejected"]))
-    header = ["plan", "inferences/s", "vs fp32", "rel_l2",
-              *([f"metric ({metric['spec']})"] if metric else []), "verdict"]
+        mark = f" (the {chosen['best_uniform']} sheet's)" if chosen["is_best_uniform_plan"] else ""
+        rows.append(row("chosen: " + chosen["label"] + mark, chosen))
+    closest, fastest = packet["best_rejected"], packet["fastest_rejected"]
+    if closest is not None:
+        rows.append(row("closest rejected: " + closest["label"], closest))
+    if fastest is not None and (closest is None or fastest["key"] != closest["key"]):
+        rows.append(row("fastest rejected: " + fastest["label"], fastest))
+    header = ["plan", "inferences/s", "samples/s", *(["tokens/s"] if tokens else []),
+              "vs fp32", "rel_l2", *([f"metric ({metric['spec']})"] if metric else []),
+              "verdict", "why"]
     lines = table(header, rows, "table", rule=True)
     ev = packet["evaluations"]
     lines.append(f"{ev['count']} evaluations ({ev['cache_hits']} cache hits), budget "
                  f"{ev['budget']}")
-    if chosen is None:
-        why = (packet["best_rejected"]["why"] if packet["best_rejected"] else
+    objective = "inferences/J" if packet["objective"] == "energy" else "inferences/s"
+    if chosen is not None:
+        best = next((u for u in packet["uniform"] if u["plan"]["sheet"]
+                     == chosen["best_uniform"]), None)
+        if best is None:
+            lines.append("no uniform sheet meets the guardrails: the chosen plan is the only "
+                         "way to lower this model within them")
+        else:
+            gain = chosen["speedup_vs_best_uniform"] - 1.0
+            rel = best["quality"]["output_rel_l2"]
+            plan = ("the chosen plan is that sheet's own" if chosen["is_best_uniform_plan"]
+                    else f"the chosen plan buys {gain:+.2%} modeled {objective}")
+            lines.append(f"best passing uniform sheet: {chosen['best_uniform']} "
+                         f"({num(best['modeled']['inferences_per_s'])} inferences/s, rel_l2 "
+                         f"{num(rel)}); {plan}")
+        if chosen["min_gain_note"]:
+            lines.append(chosen["min_gain_note"])
+    else:
+        why = (closest["why"] if closest else
                f"the budget of {ev['budget']} evaluations ran out before a per-op plan was tried")
         lines.append(f"no plan meets the guardrails: {why}")
+        if packet["baseline"]["verdict"] == "pass":
+            lines.append("(fp32 meets them, but it lowers nothing: it is the reference, not a "
+                         "release)")
     return "\n".join(lines) + "\n"

@@ -57,8 +57,12 @@ def load_inputs(path: str, names: list[str], types: list[TensorType],
                 raise _error(loc, f"input '{name}' is missing from {path} (it has: {have})")
             shape, _ = archive.header(name, loc)
             if shape != t.shape:
+                hint = (f"; `mplower run --batch-inputs` runs its rows batch by batch, or retype "
+                        f"the model with set-batch{{size={shape[0]}}}"
+                        if len(shape) == t.rank and t.rank and shape[0] > t.shape[0]
+                        and shape[1:] == t.shape[1:] else "")
                 raise _error(loc, f"input '{name}' in {path} has shape {list(shape)} but the "
-                                  f"function takes {list(t.shape)}")
+                                  f"function takes {list(t.shape)}{hint}")
             arr = archive.read(name, loc)
             check_values(f"input '{name}' in {path}", arr, t.elem, loc)
             out.append(arr)

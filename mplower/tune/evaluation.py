@@ -46,6 +46,7 @@ from mplower.lowering.metrics import (
 )
 from mplower.lowering.policy import load_policy
 from mplower.lowering.target import Target, load_target
+from mplower.lowering.throughput import units
 from mplower.lowering.tomlsheet import toml_string
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.metrics import allclose_ratio, drift, finite_or_none
@@ -178,6 +179,7 @@ class Problem:
     # it itself.
     metric: Metric | None = None
     eval: dict[str, np.ndarray] | None = None
+    seq_axis: int | None = None  # the first argument's sequence axis (tokens/s), `--seq-axis`
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -191,7 +193,7 @@ class Problem:
                           *(self.weights or ("", b"")), self.calib, self.target,
                           self.target_text or "", json.dumps(self.guardrails, sort_keys=True),
                           self.func or "",
-                          json.dumps(repr(self.metric)),
+                          json.dumps(repr(self.metric)), repr(self.seq_axis),
                           *(f"{a.dtype.str}{a.shape}".encode() + np.ascontiguousarray(a).tobytes()
                             for a in arrays))
 
@@ -315,6 +317,7 @@ class Workspace:
                         | {k for g in slices.values() for k, v in g.items() if not v["ok"]})
         out = {"plan": candidate.to_json(), "label": candidate.label,
                "lowered_ops": lowered_ops(f), "modeled": self._modeled(f),
+               "kept_f32": kept_reasons(f),
                "summary": summary, "guardrails": guardrails, "slices": slices,
                "failed": failed,
                "verdict": "fail" if failed else verdict(guardrails) if guardrails else "pass"}
@@ -339,12 +342,11 @@ class Workspace:
     def _modeled(self, f: Function) -> dict[str, float | None]:
         cost = plan_cost(f, self.target)
         joules = self.target.joules(cost.time_s)
-        tokens = tokens_per_inference(f)
+        per_s = 1.0 / cost.time_s if cost.time_s else None
         # Speedups are taken against the evaluated fp32 plan (mplower.tune.packet), not the
         # cost model's in-plan baseline, which prices a quantized graph's extra ops in f32.
-        return {"time_s": cost.time_s,
-                "inferences_per_s": 1.0 / cost.time_s if cost.time_s else None,
-                "tokens_per_s": tokens / cost.time_s if tokens and cost.time_s else None,
+        return {"time_s": cost.time_s, "inferences_per_s": per_s,
+                **units(f, self.problem.seq_axis).rates(per_s),
                 "joules_per_inference": joules,
                 "inferences_per_joule": 1.0 / joules if joules else None}
 
@@ -417,25 +419,24 @@ def _output_figures(ys: list[np.ndarray], refs: list[np.ndarray],
             "top1_agreement": top1_agreement(ys[0], refs[0]), **close}
 
 
+def kept_reasons(f: Function) -> dict[str, int]:
+    """Why the ops left in f32 stayed there (assign-precision's and legalize's `mp.reason`),
+    with how many ops each: what a plan that lowers nothing tells its user."""
+    from mplower.dialect.plan import Plan
+
+    out: dict[str, int] = {}
+    for n in f.ops():
+        plan = Plan.at(f, n)
+        if plan.precision in (None, F32) and plan.reason:
+            out[plan.reason] = out.get(plan.reason, 0) + 1
+    return out
+
+
 def lowered_ops(f: Function) -> int:
     """Ops that compute in a format narrower than f32 (the count `assign-precision` reports)."""
     from mplower.dialect.plan import Plan
 
     return sum(1 for n in f.ops() if Plan.at(f, n).precision not in (None, F32, "f64"))
-
-
-def tokens_per_inference(f: Function) -> int | None:
-    """Tokens one call processes, where the model says: a function with attention (an
-    mp.softmax over a square seq x seq block) takes tokens along every axis of its first
-    argument but the last (features): (tokens, hidden) or (batch, seq, hidden); integer token
-    ids (batch, seq) count every axis. None for other models."""
-    attention = any(f.op(n) == "mp.softmax" and len(t := f.types(n)[0].shape) >= 2
-                    and t[-1] == t[-2] for n in f.ops() if f.types(n))
-    if not attention or not f.args:
-        return None
-    t = f.types(f.args[0])[0]
-    dims = t.shape[:-1] if FORMATS[t.elem].is_float else t.shape
-    return math.prod(dims) if dims else None
 
 
 _WORKSPACES: dict[str, Workspace] = {}

@@ -21,7 +21,9 @@
    that sheet's plan.
 6. With `sparse`, the best plan is tried with 2:4-pruned weights as well.
 The chosen plan is the best passing per-op plan of all those evaluated (ties: the smaller
-output rel-L2).
+output rel-L2), unless a more accurate passing plan (the best passing uniform sheet's own
+per-op plan among them) comes within `min_gain` of it: a gain that small is not worth the
+extra error, and the more accurate plan is released, saying so (`Outcome.note`).
 """
 
 from __future__ import annotations
@@ -78,10 +80,15 @@ class Item:
 @dataclass
 class Outcome:
     chosen: dict[str, Any] | None
-    best_rejected: dict[str, Any] | None
+    best_rejected: dict[str, Any] | None  # the rejected plan closest to the guardrails
     baseline: dict[str, Any]
     uniform: list[dict[str, Any]]
     items: list[Item] = field(default_factory=list)
+    fastest_rejected: dict[str, Any] | None = None
+    # Why a faster plan than the chosen one was not released (`min_gain`), in words.
+    note: str | None = None
+    # The best passing uniform sheet's plan as per-op formats, where it was evaluated.
+    uniform_plan_key: str | None = None
 
 
 def names_in_order(f: Function) -> dict[str, int]:
@@ -138,7 +145,8 @@ def objective_value(result: dict[str, Any] | None, objective: str) -> float:
 
 
 def failure(result: dict[str, Any]) -> str:
-    """Which guardrails a result broke, with value and limit (`max_rel_l2 0.031 > 0.02`)."""
+    """Which guardrails a result broke, with value and limit, overall or on the worst slice
+    (`max_rel_l2 0.031 vs limit 0.02; min_top1_agreement 0.983 on slice 4 vs limit 0.99`)."""
     if result["verdict"] == "error":
         return f"error: {result['error']}"
     parts = []
@@ -146,10 +154,39 @@ def failure(result: dict[str, Any]) -> str:
         g = result["guardrails"].get(key)
         if g is not None and not g["ok"]:
             parts.append(f"{key} {_num(g['value'])} vs limit {_num(g['limit'])}")
-        else:
-            bad = [s for s, gs in result["slices"].items() if not gs[key]["ok"]]
-            parts.append(f"{key} on slice {', '.join(bad)}")
+            continue
+        bad = {s: gs[key] for s, gs in result.get("slices", {}).items()
+               if key in gs and not gs[key]["ok"]}
+        if not bad:
+            parts.append(key)
+            continue
+        s, worst = max(bad.items(), key=lambda kv: _excess(key, kv[1]))
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        parts.append(f"{key} {_num(worst['value'])} on slice {s}{more} vs limit "
+                     f"{_num(worst['limit'])}")
     return "; ".join(parts)
+
+
+def _excess(key: str, g: dict[str, Any]) -> float:
+    """How far one guardrail's value lies beyond its limit, relative to the limit (0 when met;
+    inf when there is no value)."""
+    value, limit = g.get("value"), g["limit"]
+    if g.get("ok", False):
+        return 0.0
+    if value is None or not np.isfinite(value):
+        return np.inf
+    over = value - limit if key.startswith("max_") else limit - value
+    return max(over, 0.0) / abs(limit) if limit else over
+
+
+def distance(result: dict[str, Any]) -> float:
+    """How far a result is from passing: the largest relative excess over its guardrails, on
+    all samples or on any slice (0 for a passing plan, inf for one that failed to run)."""
+    if result["verdict"] == "error":
+        return np.inf
+    cells = [(k, g) for k, g in result["guardrails"].items()]
+    cells += [(k, g) for gs in result.get("slices", {}).values() for k, g in gs.items()]
+    return max((_excess(k, g) for k, g in cells), default=0.0)
 
 
 def _num(x: float | None) -> str:
@@ -173,7 +210,7 @@ def uniform_plan(ws: Workspace, sheet: str, order: dict[str, int]) -> Candidate 
 
 
 def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], sparse: bool,
-           seed: int, objective: str) -> Outcome:
+           seed: int, objective: str, min_gain: float = 0.0) -> Outcome:
     f = ws.module.function(ws.problem.func)
     order = names_in_order(f)
 
@@ -236,24 +273,55 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
         # Only a plan in the formats asked for: `--formats i8` never releases a bf16 op.
         if seed_plan is not None and {fmt for _, fmt in seed_plan.formats} <= set(formats):
             _grow(dict(seed_plan.formats), ranked, evaluator, order)
+    # The best passing uniform sheet as a per-op plan: the simple alternative a small gain
+    # is weighed against (the same formats, released as a tuned sheet).
+    uniform_key = None
+    if best_uniform is not None and min_gain > 0:
+        plan = uniform_plan(ws, best_uniform["plan"]["sheet"], order)
+        if plan is not None and plan.formats and {fmt for _, fmt in plan.formats} <= set(formats):
+            r = evaluator.evaluate([plan])[0]
+            uniform_key = r["key"] if r is not None else None
     per_op = [r for r in evaluator.cache.results.values()
               if "formats" in r["plan"] and r["plan"]["formats"]]
     passing = [r for r in per_op if r["verdict"] == "pass"]
+
+    def rel(r: dict[str, Any]) -> float:
+        return r["summary"]["output_rel_l2"] or 0.0
+
     # Ties in the objective (ops whose lowering the model does not price: a transpose on a
     # launch-bound kernel) go to the smaller output error, then to the first evaluated.
-    chosen = max(passing, key=lambda r: (value(r), -(r["summary"]["output_rel_l2"] or 0.0)),
-                 default=None)
+    chosen = max(passing, key=lambda r: (value(r), -rel(r)), default=None)
     if sparse and chosen is not None:
         trial = Candidate(tuple(chosen["plan"]["formats"].items()), sparse=True)
         r = evaluator.evaluate([trial])[0]
         if r is not None and r["verdict"] == "pass" and value(r) > value(chosen):
             chosen = r
-    best_rejected = None
+    note = None
+    if chosen is not None and min_gain > 0:
+        # A plan whose gain over a more accurate passing one is below min_gain is not worth
+        # its extra error: release the most accurate plan within min_gain of the fastest
+        # (ties: the uniform sheet's plan, the simpler one).
+        near = [r for r in passing if value(chosen) <= value(r) * (1 + min_gain)]
+        safest = min(near, key=lambda r: (rel(r), r["key"] != uniform_key, -value(r)))
+        if safest["key"] != chosen["key"]:
+            what = (f"the {best_uniform['plan']['sheet']} sheet's plan"
+                    if safest["key"] == uniform_key else safest["label"])
+            note = (f"released {what} (rel-L2 {_num(rel(safest))}): the faster "
+                    f"{chosen['label']} gains only {(value(chosen) / value(safest) - 1) * 100:.2g}% "
+                    f"modeled {objective} over it, below --min-gain {min_gain * 100:g}%, at rel-L2 "
+                    f"{_num(rel(chosen))}")
+            chosen = safest
+    best_rejected = fastest_rejected = None
     if chosen is None:
         failed = [r for r in per_op if r["verdict"] != "pass"]
-        # The rejected plan closest to passing: fewest guardrails broken, then fastest.
-        best_rejected = min(failed, key=lambda r: (len(r["failed"]), -value(r)), default=None)
-    return Outcome(chosen, best_rejected, baseline, uniform, items)
+        # The rejected plan closest to passing (the smallest relative excess over its
+        # guardrails, then the fewest broken, then the fastest), and the fastest rejected.
+        best_rejected = min(failed, key=lambda r: (distance(r), len(r["failed"]), -value(r)),
+                            default=None)
+        fastest_rejected = max((r for r in failed if r["verdict"] != "error"), key=value,
+                               default=None)
+    return Outcome(chosen, best_rejected, baseline, uniform, items, fastest_rejected, note,
+                   uniform_key)
 
 
 def uniform_sheets(formats: Sequence[str]) -> list[str]:
