@@ -46,7 +46,7 @@ def llama_tensors(cfg: dict, rng: np.random.Generator, dtype=np.float32) -> dict
     h, i_, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", h // nh)
-    qwen = cfg["architectures"] == ["Qwen2ForCausalLM"]
+    qkv_bias, o_bias, mlp_bias = biases(cfg)
 
     def r(*shape, scale=0.3):
         return (rng.standard_normal(shape) * scale).astype(dtype)
@@ -58,15 +58,26 @@ def llama_tensors(cfg: dict, rng: np.random.Generator, dtype=np.float32) -> dict
         t[p + "post_attention_layernorm.weight"] = 1 + r(h)
         for name, n in (("q", nh), ("k", nkv), ("v", nkv)):
             t[p + f"self_attn.{name}_proj.weight"] = r(n * d, h)
-            if qwen:
+            if qkv_bias:
                 t[p + f"self_attn.{name}_proj.bias"] = r(n * d)
         t[p + "self_attn.o_proj.weight"] = r(h, nh * d)
-        t[p + "mlp.gate_proj.weight"] = r(i_, h)
-        t[p + "mlp.up_proj.weight"] = r(i_, h)
-        t[p + "mlp.down_proj.weight"] = r(h, i_)
+        if o_bias:
+            t[p + "self_attn.o_proj.bias"] = r(h)
+        for name, shape in (("gate", (i_, h)), ("up", (i_, h)), ("down", (h, i_))):
+            t[p + f"mlp.{name}_proj.weight"] = r(*shape)
+            if mlp_bias:
+                t[p + f"mlp.{name}_proj.bias"] = r(shape[0])
     if not cfg.get("tie_word_embeddings", False):
         t["lm_head.weight"] = r(v, h)
     return t
+
+
+def biases(cfg: dict) -> tuple[bool, bool, bool]:
+    """(q/k/v, o_proj, MLP) biases: Qwen2Attention has q/k/v biases always; LlamaAttention
+    all four with attention_bias; LlamaMLP's with mlp_bias."""
+    qwen = cfg["architectures"] == ["Qwen2ForCausalLM"]
+    attention = cfg.get("attention_bias", False)
+    return qwen or attention, attention and not qwen, cfg.get("mlp_bias", False)
 
 
 def gpt2_tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -147,7 +158,10 @@ def llama_reference(cfg: dict, w: dict, ids: np.ndarray) -> np.ndarray:
     d = cfg.get("head_dim", h // nh)
     eps = cfg["rms_norm_eps"]
     b, t = ids.shape
-    qwen = cfg["architectures"] == ["Qwen2ForCausalLM"]
+    qkv_bias, o_bias, mlp_bias = biases(cfg)
+
+    def linear(x, name, bias):
+        return x @ w[name + ".weight"].T + (w[name + ".bias"] if bias else 0)
 
     def rms(x, g):
         return g * (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps))
@@ -165,20 +179,19 @@ def llama_reference(cfg: dict, w: dict, ids: np.ndarray) -> np.ndarray:
         y = rms(x, w[p + "input_layernorm.weight"])
 
         def proj(name, n, y=y, p=p):
-            z = y @ w[p + f"self_attn.{name}_proj.weight"].T
-            if qwen:
-                z = z + w[p + f"self_attn.{name}_proj.bias"]
+            z = linear(y, p + f"self_attn.{name}_proj", qkv_bias)
             return z.reshape(b, t, n, d).transpose(0, 2, 1, 3)
 
         q, k, v = proj("q", nh), proj("k", nkv), proj("v", nkv)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
         a = softmax(q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + causal) @ v
-        x = x + a.transpose(0, 2, 1, 3).reshape(b, t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+        x = x + linear(a.transpose(0, 2, 1, 3).reshape(b, t, nh * d), p + "self_attn.o_proj",
+                       o_bias)
         y = rms(x, w[p + "post_attention_layernorm.weight"])
-        g = y @ w[p + "mlp.gate_proj.weight"].T
-        u = y @ w[p + "mlp.up_proj.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+        g = linear(y, p + "mlp.gate_proj", mlp_bias)
+        u = linear(y, p + "mlp.up_proj", mlp_bias)
+        x = x + linear(g / (1 + np.exp(-g)) * u, p + "mlp.down_proj", mlp_bias)
     x = rms(x, w["model.norm.weight"])
     head = w["model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"]
     return x @ head.T
@@ -227,6 +240,7 @@ LLAMA_TIED = {**LLAMA, "tie_word_embeddings": True, "head_dim": 16, "num_key_val
                                "original_max_position_embeddings": 8}}
 MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 32,
            "rope_scaling": {"type": "linear", "factor": 2.0}}
+LLAMA_BIAS = {**LLAMA, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}
 QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 1,
          "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 GPT2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_head": 4, "n_layer": 2,
@@ -239,8 +253,14 @@ CASES = {  # name -> (config, tensors maker, storage dtype, shards, reference)
                                llama_reference),
     "mistral_f16": (MISTRAL, llama_tensors, np.float16, 1, llama_reference),
     "qwen2_sharded": (QWEN2, llama_tensors, np.float32, 3, llama_reference),
+    "llama_bias": (LLAMA_BIAS, llama_tensors, np.float32, 1, llama_reference),
     "gpt2": (GPT2, lambda cfg, rng, dtype: gpt2_tensors(cfg, rng), np.float32, 1,
              gpt2_reference),
+    # GPT2LMHeadModel's own state dict names its tensors under `transformer.`
+    "gpt2_prefixed": (GPT2, lambda cfg, rng, dtype: {
+        "transformer." + k: v for k, v in gpt2_tensors(cfg, rng).items()}, np.float32, 1,
+        lambda cfg, w, ids: gpt2_reference(cfg, {k.removeprefix("transformer."): v
+                                                 for k, v in w.items()}, ids)),
 }
 
 

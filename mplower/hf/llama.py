@@ -143,16 +143,11 @@ def forward(b: Builder, m: Llama, ids: Value, past: list[tuple[Value, Value]] | 
                      p + "self_attn.o_proj.bias" if m.o_bias else None)
         x = b.emit("mp.add", [x, o])
         h = _norm(b, m, x, p + "post_attention_layernorm.weight")
-        mlp = p + "mlp."
-
-        def up(name: str, inp: Value = h, n_in: int = m.hidden, n_out: int = m.inter,
-               prefix: str = mlp) -> Value:
-            return b.linear(inp, f"{prefix}{name}.weight", n_in, n_out,
-                            f"{prefix}{name}.bias" if m.mlp_bias else None)
-
-        gate = up("gate_proj")
+        gate = _mlp_linear(b, m, h, p + "mlp.gate_proj", m.hidden, m.inter)
         silu = b.emit("mp.mul", [gate, b.emit("mp.sigmoid", [gate])])
-        y = up("down_proj", b.emit("mp.mul", [silu, up("up_proj")]), m.inter, m.hidden)
+        up = _mlp_linear(b, m, h, p + "mlp.up_proj", m.hidden, m.inter)
+        y = _mlp_linear(b, m, b.emit("mp.mul", [silu, up]), p + "mlp.down_proj", m.inter,
+                        m.hidden)
         x = b.emit("mp.add", [x, y])
     x = _norm(b, m, x, "model.norm.weight")
     # A tied head is the embedding table transposed, stored under the head's own name.
@@ -163,6 +158,10 @@ def forward(b: Builder, m: Llama, ids: Value, past: list[tuple[Value, Value]] | 
 def _norm(b: Builder, m: Llama, x: Value, weight: str) -> Value:
     g = b.tensor_of(weight, (m.hidden,))
     return b.emit("mp.rms_norm", [x, g], {"axis": 2, "epsilon": m.eps})
+
+
+def _mlp_linear(b: Builder, m: Llama, x: Value, name: str, n_in: int, n_out: int) -> Value:
+    return b.linear(x, name + ".weight", n_in, n_out, name + ".bias" if m.mlp_bias else None)
 
 
 def _proj(b: Builder, m: Llama, h: Value, p: str, name: str, heads: int, bias: bool) -> Value:
