@@ -404,6 +404,56 @@ def test_shape_and_offsets_that_disagree_are_refused(cli, tmp_path):
     refused(cli, folder, tmp_path / "m.ir", "model.norm.weight", "needs")
 
 
+def raw_file(header: dict, data_bytes: int) -> bytes:
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "little") + head + bytes(data_bytes)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\x01\x00", "fewer than the 8-byte header length"),
+    (raw_file({"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, 2),
+     "tensor 'w' has dtype 'F8_E4M3'"),
+    (raw_file({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, 4),
+     "tensor 'w' has shape [-1]"),
+    (raw_file({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, 8),
+     "tensor 'w' has data_offsets [8, 0]"),
+    (raw_file({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+               "v": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, 8),
+     "tensors 'w' and 'v' overlap"),
+    (raw_file([1, 2], 0), "not a JSON object"),
+])
+def test_malformed_safetensors_is_refused_naming_what_is_wrong(cli, tmp_path, content, needle):
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, GPT2, {})
+    (folder / "model.safetensors").write_bytes(content)
+    refused(cli, folder, tmp_path / "m.ir", "model.safetensors", needle)
+
+
+def test_a_tensor_in_two_files_and_a_missing_tensor_are_refused(cli, tmp_path):
+    folder, _, tensors = make(tmp_path, "gpt2")
+    write_safetensors(folder / "extra.safetensors", {"wte.weight": tensors["wte.weight"]})
+    refused(cli, folder, tmp_path / "m.ir", "tensor 'wte.weight' is also in")
+    (folder / "extra.safetensors").unlink()
+    del tensors["h.1.mlp.c_fc.bias"]
+    write_safetensors(folder / "model.safetensors", tensors)
+    refused(cli, folder, tmp_path / "m.ir", "tensor 'h.1.mlp.c_fc.bias' is missing")
+
+
+def test_a_folder_without_config_is_refused(cli, tmp_path):
+    folder, _, _ = make(tmp_path, "gpt2")
+    (folder / "config.json").unlink()
+    refused(cli, folder, tmp_path / "m.ir", "file 'config.json' is missing")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_link_to_a_file_outside_the_folder_is_refused(cli, tmp_path, name):
+    folder, _, _ = make(tmp_path, "gpt2")
+    outside = tmp_path / ("stolen-" + name)
+    (folder / name).rename(outside)
+    (folder / name).symlink_to(outside)
+    refused(cli, folder, tmp_path / "m.ir", f"'{name}' is outside the checkpoint folder")
+
+
 def test_shard_outside_the_folder_is_refused(cli, tmp_path):
     folder, _, _ = make(tmp_path, "qwen2_sharded")
     index = folder / "model.safetensors.index.json"

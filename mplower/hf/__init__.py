@@ -24,7 +24,7 @@ import numpy as np
 from mplower.hf import gpt2, llama
 from mplower.hf.build import Builder
 from mplower.hf.config import Config
-from mplower.hf.safetensors import Checkpoint
+from mplower.hf.safetensors import Checkpoint, inside
 from mplower.ir.diagnostics import Location
 from mplower.ir.graph import Module
 from mplower.ir.types import tensor
@@ -50,7 +50,7 @@ def import_checkpoint(folder: str | Path, batch: int, seq: int, context: int) ->
     and decode steps after `context` cached positions."""
     folder = Path(folder)
     loc = Location(str(folder), 0, 0)
-    cfg = Config(folder / "config.json")
+    cfg = Config(inside(folder, "config.json", "file", folder))
     arch = cfg.architecture()
     if arch not in ARCHITECTURES:
         raise cfg.error(f"architecture '{arch}' is not supported; mplower imports "

@@ -20,8 +20,6 @@ class Config:
         self.path = path
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise self.error("the checkpoint folder has no config.json") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise self.error(f"cannot read config.json: {e}") from None
         if not isinstance(data, dict):

@@ -166,9 +166,8 @@ class Checkpoint:
         self.folder = folder
         self.files: dict[Path, SafetensorsFile] = {}
         self.where: dict[str, SafetensorsFile] = {}
-        index = folder / INDEX
-        if index.exists():
-            self._read_index(index)
+        if (folder / INDEX).exists():
+            self._read_index(inside(folder, INDEX, "shard index", folder))
         else:
             paths = sorted(p for p in folder.glob("*.safetensors"))
             if not paths:
