@@ -503,3 +503,11 @@ def test_onnx_flags_on_a_folder_and_folder_flags_on_a_file_are_usage_errors(cli,
     onnx_file.write_bytes(b"")
     r = cli("import", onnx_file, "-o", tmp_path / "m.ir", "--seq", 4)
     assert r.rc == 2 and "--seq is for checkpoint folders" in r.err
+
+
+def test_import_does_not_write_over_a_file_of_the_checkpoint(cli, tmp_path):
+    folder, _, _ = make(tmp_path, "gpt2")
+    before = (folder / "config.json").read_bytes()
+    r = cli("import", folder, "-o", folder / "config.json", "--seq", 4)
+    assert r.rc == 2 and "is the input" in r.err
+    assert (folder / "config.json").read_bytes() == before

@@ -161,7 +161,10 @@ def _import_checkpoint(args: argparse.Namespace) -> int:
         raise UsageError("import writes the module and its weights beside it: -o needs a file, "
                          "not '-'")
     npz = weights_beside("-o", args.output)
-    check_outputs({"-o": args.output, "the weights beside -o": npz})
+    folder = Path(args.model)
+    inputs = {f"{args.model} file {p.name}": p for pattern in ("*.json", "*.safetensors")
+              for p in folder.glob(pattern)}
+    check_outputs({"-o": args.output, "the weights beside -o": npz}, inputs)
     seq = args.seq or 128
     imported = import_checkpoint(args.model, args.batch or 1, seq, args.context or seq)
     module = imported.module
