@@ -9,8 +9,12 @@ modeling_llama.py / modeling_qwen2.py / modeling_gpt2.py (not from mplower's cod
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -230,21 +234,23 @@ def gpt2_reference(cfg: dict, w: dict, ids: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Models under test
 
-LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 48,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+         "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 50,
          "max_position_embeddings": 64, "hidden_act": "silu", "tie_word_embeddings": False}
 LLAMA_TIED = {**LLAMA, "tie_word_embeddings": True, "head_dim": 16, "num_key_value_heads": 1,
               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8}}
-MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 32,
+MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+           "sliding_window": 32,
            "rope_scaling": {"type": "linear", "factor": 2.0}}
 LLAMA_BIAS = {**LLAMA, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}
-QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 1,
+QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+         "num_key_value_heads": 1,
          "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
-GPT2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_head": 4, "n_layer": 2,
-        "n_positions": 16, "vocab_size": 50, "layer_norm_epsilon": 1e-5,
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 32, "n_head": 4,
+        "n_layer": 2, "n_positions": 16, "vocab_size": 50, "layer_norm_epsilon": 1e-5,
         "activation_function": "gelu_new"}
 
 CASES = {  # name -> (config, tensors maker, storage dtype, shards, reference)
@@ -511,3 +517,76 @@ def test_import_does_not_write_over_a_file_of_the_checkpoint(cli, tmp_path):
     r = cli("import", folder, "-o", folder / "config.json", "--seq", 4)
     assert r.rc == 2 and "is the input" in r.err
     assert (folder / "config.json").read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Against torch: checkpoints that transformers itself writes (save_pretrained), and its logits.
+# Runs where this python has torch and transformers, or MPLOWER_TORCH_PYTHON names a python
+# that has them (they need not share mplower's environment: only files pass between them).
+
+
+def torch_python() -> str | None:
+    if os.environ.get("MPLOWER_TORCH_PYTHON"):
+        return os.environ["MPLOWER_TORCH_PYTHON"]
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+        return sys.executable
+    return None
+
+
+SAVE_WITH_TRANSFORMERS = """
+import json, sys
+import numpy as np, torch, transformers
+spec, out, ids = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+config = getattr(transformers, spec["config"])(**spec["kwargs"])
+model = getattr(transformers, spec["model"])(config).eval()
+with torch.no_grad():  # weights far from the 0.02-std init, so attention is not uniform
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.3)
+if spec.get("bf16"):
+    model = model.to(torch.bfloat16)
+model.save_pretrained(out)
+# Read back as a user would, in f32: to(bfloat16) also rounded the rotary inv_freq buffer,
+# which from_pretrained computes afresh.
+model = type(model).from_pretrained(out, dtype=torch.float32,
+                                    attn_implementation="eager").eval()
+with torch.no_grad():
+    np.save(out + "/torch_logits.npy", model(torch.from_numpy(np.load(ids))).logits.numpy())
+"""
+
+_SMALL = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50,
+          "max_position_embeddings": 64, "attn_implementation": "eager"}
+TRANSFORMERS_MODELS = {
+    "llama_llama3_rope": {"config": "LlamaConfig", "model": "LlamaForCausalLM", "kwargs": {
+        **_SMALL, "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}},
+    "llama_tied_bias": {"config": "LlamaConfig", "model": "LlamaForCausalLM", "kwargs": {
+        **_SMALL, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True,
+        "head_dim": 16}},
+    "mistral_linear_rope": {"config": "MistralConfig", "model": "MistralForCausalLM", "kwargs": {
+        **_SMALL, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 1e4}},
+    "qwen2_bf16": {"config": "Qwen2Config", "model": "Qwen2ForCausalLM", "bf16": True,
+                   "kwargs": {**_SMALL, "num_key_value_heads": 1}},
+    "gpt2": {"config": "GPT2Config", "model": "GPT2LMHeadModel", "kwargs": {
+        "n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 16, "vocab_size": 50,
+        "attn_implementation": "eager"}},
+}
+
+
+@pytest.mark.skipif(torch_python() is None, reason="needs torch and transformers (or "
+                                                   "MPLOWER_TORCH_PYTHON)")
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS_MODELS))
+def test_checkpoint_saved_by_transformers_matches_torch(cli, tmp_path, name):
+    ids = np.random.default_rng(4).integers(0, 50, (B, S)).astype(np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    folder = tmp_path / name
+    subprocess.run([torch_python(), "-c", SAVE_WITH_TRANSFORMERS,
+                    json.dumps(TRANSFORMERS_MODELS[name]), str(folder), str(tmp_path / "ids.npy")],
+                   check=True, timeout=600, capture_output=True)
+    want = np.load(folder / "torch_logits.npy")
+    module = imported(cli, folder, tmp_path / "m.ir", "--batch", B, "--seq", S)
+    logits = run(module, "prefill", [ids])[0]
+    assert logits.shape == want.shape
+    assert np.max(np.abs(logits - want)) <= 1e-4 * np.max(np.abs(want))

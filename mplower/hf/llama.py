@@ -81,33 +81,33 @@ def inverse_frequencies(cfg: Config, dim: int) -> np.ndarray:
     """RoPE's inverse frequencies in float64, after rope_scaling (transformers'
     modeling_rope_utils: _compute_default_rope_parameters, _compute_linear_scaling_rope_parameters,
     _compute_llama3_parameters)."""
-    theta = cfg.float("rope_theta", 10000.0)
-    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    scaling = cfg.get("rope_scaling")
-    if scaling is None:
-        return inv
+    # transformers 5 writes `rope_parameters` (rope_type, rope_theta and the scaling fields in
+    # one object); earlier versions `rope_theta` and `rope_scaling` apart.
+    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    scaling = cfg.get(key, {})
     if not isinstance(scaling, dict):
-        raise cfg.error(f"config.json: rope_scaling is {scaling!r}, not an object")
+        raise cfg.error(f"config.json: {key} is {scaling!r}, not an object")
+
+    def number(field: str, default: float | None = None) -> float:
+        value = scaling.get(field, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise cfg.error(f"config.json: {key} '{field}' is {value!r}, not a positive number")
+        return float(value)
+
+    theta = number("rope_theta", cfg.float("rope_theta", 10000.0))
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise cfg.error(f"config.json: rope_scaling type {kind!r} is not supported (mplower "
+        raise cfg.error(f"config.json: {key} type {kind!r} is not supported (mplower "
                         f"imports {', '.join(ROPE_TYPES)})")
     if kind == "default":
         return inv
-
-    def number(key: str, default: float | None = None) -> float:
-        value = scaling.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise cfg.error(f"config.json: rope_scaling '{key}' is {value!r}, not a positive "
-                            f"number")
-        return float(value)
-
     factor = number("factor")
     if kind == "linear":
         return inv / factor
     low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
     if high <= low:
-        raise cfg.error("config.json: rope_scaling high_freq_factor must exceed low_freq_factor")
+        raise cfg.error(f"config.json: {key} high_freq_factor must exceed low_freq_factor")
     old = number("original_max_position_embeddings", 8192)
     wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > old / low, inv / factor, inv)
