@@ -317,6 +317,24 @@ def test_decode_with_the_prefill_cache_reproduces_the_longer_prefill(cli, tmp_pa
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
+def test_precision_passes_lower_both_functions_like_any_model(cli, tmp_path):
+    folder, cfg, _ = make(tmp_path, "qwen2_sharded")
+    imported(cli, folder, tmp_path / "m.ir", "--batch", B, "--seq", S)
+    r = cli("opt", tmp_path / "m.ir", "--pass-pipeline",
+            "assign-precision{policy=bf16},insert-casts", "-o", tmp_path / "bf16.ir")
+    assert r.rc == 0, r.err
+    lowered, f32 = parse_file(tmp_path / "bf16.ir"), parse_file(tmp_path / "m.ir")
+    ids = np.random.default_rng(5).integers(0, cfg["vocab_size"], (B, S + 1)).astype(np.int64)
+    for module in (lowered, f32):
+        assert any(f.op(n) == "mp.cast" for f in module.functions.values() for n in f.ops()) \
+            == (module is lowered)
+    cache = run(f32, "prefill", [ids[:, :S]])[1:]
+    want = run(f32, "decode", [ids[:, S:]] + cache)[0]
+    got = run(lowered, "decode", [ids[:, S:]] + cache)[0]
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert 1e-4 < err < 5e-2  # bf16 matmuls: a visible, bounded drift
+
+
 def test_module_has_prefill_and_decode_with_the_cache_as_arguments(cli, tmp_path):
     folder, _, _ = make(tmp_path, "llama")
     module = imported(cli, folder, tmp_path / "m.ir", "--batch", 3, "--seq", 4, "--context", 9)
