@@ -26,7 +26,7 @@ from mplower.hf.build import Builder
 from mplower.hf.config import Config
 from mplower.hf.safetensors import Checkpoint, inside
 from mplower.ir.diagnostics import Location
-from mplower.ir.graph import Module
+from mplower.ir.graph import Module, Value
 from mplower.ir.types import tensor
 from mplower.ir.verifier import verify
 
@@ -86,7 +86,7 @@ def import_checkpoint(folder: str | Path, batch: int, seq: int, context: int) ->
     return Imported(module, b.weights, arch)
 
 
-def _results(logits, presents) -> list:
+def _results(logits: Value, presents: list[tuple[Value, Value]]) -> list[tuple[str, Value]]:
     out = [("logits", logits)]
     for i, (k, v) in enumerate(presents):
         out += [(f"present.{i}.key", k), (f"present.{i}.value", v)]
