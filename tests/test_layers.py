@@ -1,8 +1,8 @@
 """The folder layout is the architecture: no module imports a layer above its own.
 
 Layers, lowest first (docs/architecture.md, "Layers"): numerics, ir, dialect, io, lowering,
-passes (with pass_manager), backend, report, onnx, cli (with docgen and __main__). Every module
-of mplower/ and of passes/ (shipped as `mplower.passes`) is read with `ast`, and every import
+passes (with pass_manager), backend, report, onnx, hf, tune, train, cli (with docgen and
+__main__). Every module of mplower/ and of passes/ (shipped as `mplower.passes`) is read with `ast`, and every import
 in it counts, at the top or inside a function, absolute or relative, `import mplower.x` or
 `from mplower import x`. This test is the import contract that CI runs (import-linter cannot
 follow `mplower.passes` to the top-level passes/ folder of an editable install).
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = ("numerics", "ir", "dialect", "io", "lowering", "passes", "backend", "report", "onnx",
-          "tune", "train", "cli")
+          "hf", "tune", "train", "cli")
 # Modules that are not in a folder of their own name: their layer.
 MODULE_LAYER = {"mplower.pass_manager": "passes", "mplower.docgen": "cli",
                 "mplower.__main__": "cli"}

@@ -25,12 +25,26 @@ from mplower.cli.common import (
 )
 
 
+def _positive(text: str) -> int:
+    """argparse type of a count of sequences, tokens or positions: 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def add_import(sub, name: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help="import an ONNX model as IR (weights to an .npz beside it)",
+    p = sub.add_parser(name, help="import an ONNX model or a HuggingFace checkpoint folder as "
+                                  "IR (weights to an .npz beside it)",
                        description="Convert an ONNX model (opset 9 and up) to an mplower module "
                                    "with static shapes; large constants go to OUT.npz beside "
-                                   "the IR.")
-    p.add_argument("model", help="the .onnx file")
+                                   "the IR. A folder is a HuggingFace checkpoint (config.json "
+                                   "+ *.safetensors): its module has @prefill and @decode "
+                                   "functions with the KV cache as arguments (docs/hf.md).")
+    p.add_argument("model", help="the .onnx file, or a checkpoint folder")
     p.add_argument("-o", dest="output", required=True, help="the IR file to write")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=DxDx...",
                    help="fix the shape of an input with dynamic dimensions (repeatable; "
@@ -40,6 +54,13 @@ def add_import(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--eval-mode", action="store_true",
                    help="import training-mode Dropout (as the identity) and BatchNormalization "
                         "(with its running statistics) as inference, a note per node changed")
+    hf = p.add_argument_group("checkpoint folders")
+    hf.add_argument("--batch", type=_positive, metavar="B",
+                    help="sequences per call of @prefill and @decode (default 1)")
+    hf.add_argument("--seq", type=_positive, metavar="S",
+                    help="prompt tokens of @prefill (default 128)")
+    hf.add_argument("--context", type=_positive, metavar="C",
+                    help="cached positions @decode reads; its token is position C (default: S)")
     return p
 
 
@@ -76,6 +97,14 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
 
 @writes_outputs
 def cmd_import(args: argparse.Namespace) -> int:
+    from mplower.hf import is_checkpoint
+
+    if is_checkpoint(args.model):
+        return _import_checkpoint(args)
+    given = [f for f in ("batch", "seq", "context") if getattr(args, f) is not None]
+    if given:
+        raise UsageError(f"--{given[0]} is for checkpoint folders; {args.model} is a file "
+                         f"(use --input-shape for an ONNX model)")
 
     from mplower.dialect.plan import WEIGHTS
     from mplower.io.npz import save_npz
@@ -114,6 +143,37 @@ def cmd_import(args: argparse.Namespace) -> int:
     if imported.weights:
         files.insert(0, (npz, lambda fh: save_npz(fh, imported.weights), "wb"))
     write_atomic_all(files)
+    return EXIT_OK
+
+
+def _import_checkpoint(args: argparse.Namespace) -> int:
+    from mplower.dialect.plan import WEIGHTS
+    from mplower.hf import import_checkpoint
+    from mplower.io.npz import save_npz
+    from mplower.ir.printer import print_module
+
+    for flag, value in (("--input-shape", args.input_shape), ("--outputs", args.outputs),
+                        ("--eval-mode", args.eval_mode)):
+        if value:
+            raise UsageError(f"{flag} is for ONNX models; {args.model} is a checkpoint folder "
+                             f"(its shapes come from --batch, --seq and --context)")
+    if args.output == "-":
+        raise UsageError("import writes the module and its weights beside it: -o needs a file, "
+                         "not '-'")
+    npz = weights_beside("-o", args.output)
+    folder = Path(args.model)
+    inputs = {f"{args.model} file {p.name}": p for pattern in ("*.json", "*.safetensors")
+              for p in folder.glob(pattern)}
+    check_outputs({"-o": args.output, "the weights beside -o": npz}, inputs)
+    seq = args.seq or 128
+    imported = import_checkpoint(args.model, args.batch or 1, seq, args.context or seq)
+    module = imported.module
+    module.attrs[WEIGHTS] = npz.name
+    source = (f"// Imported from the {imported.architecture} checkpoint "
+              f"{Path(args.model).name} by `mplower import`.\n")
+    text = source + print_module(module)
+    write_atomic_all([(npz, lambda fh: save_npz(fh, imported.weights), "wb"),
+                      (args.output, lambda fh: fh.write(text), "w")])
     return EXIT_OK
 
 
