@@ -56,7 +56,6 @@ EXPLANATIONS = {
     "INT4": "ONNX's Cast leaves a float outside an integer type's range undefined; mp.cast "
             "saturates (-9 -> -8), and the test data holds whatever the numpy and ml_dtypes "
             "that generated it made of such values",
-    "with_argmax": "MaxPool's second output (Indices) has no mp op",
     "training_dropout": "training-mode Dropout draws a random mask; mplower imports inference "
                         "graphs",
     "attention_4d_causal_fp16": "f16 rounding order: onnx's reference rounds each numpy step to "

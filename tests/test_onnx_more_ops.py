@@ -1,0 +1,169 @@
+"""Pad, CenterCropPad, the global/Lp pools, MaxPool's Indices and MaxUnpool, the losses and
+the other ops of issue 32's second list, imported from ONNX and checked on values against
+onnxruntime (an independent implementation); refusals name the node and why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mplower.ir.diagnostics import DiagnosticError
+from mplower.onnx.backend import MplowerBackend
+from mplower.onnx.importer import import_model
+
+ort = pytest.importorskip("onnxruntime")
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+_rng = np.random.default_rng(32)
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=18) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=8)
+
+
+def _vi(name, shape, t=F):
+    return helper.make_tensor_value_info(name, t, shape)
+
+
+def _init(name, values, dtype=np.int64):
+    return numpy_helper.from_array(np.asarray(values, dtype), name)
+
+
+def _check(model: onnx.ModelProto, feeds: dict, rtol=1e-6, atol=1e-6) -> list[np.ndarray]:
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = s.run(None, feeds)
+    got = MplowerBackend.prepare(model).run(feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+    return got
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    f = import_model(model).module.function()
+    return [f.op(n) for n in f.ops()]
+
+
+# ---- Pad ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge", "wrap"])
+@pytest.mark.parametrize("pads", [[0, 1, 2, 0, 2, 1], [1, 0, 3, 1, 2, 2], [0, -1, 2, 0, 1, -1]])
+def test_pad_modes_match_onnxruntime(mode: str, pads: list[int]) -> None:
+    inputs = ["x", "pads"] + (["value"] if mode == "constant" else [])
+    inits = [_init("pads", pads)]
+    if mode == "constant":
+        inits.append(numpy_helper.from_array(np.array(1.5, np.float32), "value"))
+    node = helper.make_node("Pad", inputs, ["y"], mode=mode)
+    m = _model([node], [_vi("x", [2, 3, 4])], [_vi("y", None)], inits, opset=19)
+    x = _rng.standard_normal((2, 3, 4)).astype(np.float32)
+    got = _check(m, {"x": x})[0]
+    if min(pads) >= 0:  # numpy's own pad, where it applies (no crops)
+        width = list(zip(pads[:3], pads[3:]))
+        kw = {"constant_values": 1.5} if mode == "constant" else {}
+        np.testing.assert_array_equal(got, np.pad(x, width, mode=mode, **kw))
+
+
+def test_pad_axes_input_and_integer_data_match_onnxruntime() -> None:
+    node = helper.make_node("Pad", ["x", "pads", "", "axes"], ["y"], mode="reflect")
+    m = _model([node], [_vi("x", [2, 5, 3], TensorProto.INT32)],
+               [_vi("y", None, TensorProto.INT32)],
+               [_init("pads", [2, 1, 3, 0]), _init("axes", [-2, 0])], opset=18)
+    _check(m, {"x": _rng.integers(-9, 9, (2, 5, 3)).astype(np.int32)})
+
+
+def test_pad_before_opset_11_takes_pads_and_value_attributes() -> None:
+    node = helper.make_node("Pad", ["x"], ["y"], pads=[1, 0, 0, 2], value=-3.0)
+    m = _model([node], [_vi("x", [2, 3])], [_vi("y", None)], opset=2)
+    x = _rng.standard_normal((2, 3)).astype(np.float32)
+    got = MplowerBackend.prepare(m).run({"x": x})[0]
+    np.testing.assert_array_equal(got, np.pad(x, [(1, 0), (0, 2)], constant_values=-3.0))
+
+
+def test_pad_is_data_movement_only() -> None:
+    node = helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")
+    m = _model([node], [_vi("x", [1, 2, 8])], [_vi("y", None)], [_init("pads", [0, 0, 2,
+                                                                                  0, 0, 2])])
+    assert set(_ops(m)) <= {"mp.constant", "mp.gather", "return"}
+
+
+def test_pad_with_runtime_pads_is_refused_naming_the_node() -> None:
+    node = helper.make_node("Pad", ["x", "pads"], ["y"], name="the_pad")
+    m = _model([node], [_vi("x", [2, 3]), _vi("pads", [4], I64)], [_vi("y", None)])
+    with pytest.raises(DiagnosticError, match=r"the_pad.*Pad's pads \('pads'\) must be a "
+                                              r"constant"):
+        import_model(m)
+
+
+def test_reflect_pad_wider_than_the_axis_reflects_again_as_onnx_reference_does() -> None:
+    # onnxruntime refuses this; ONNX's reference (numpy's pad) reflects back and forth.
+    node = helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")
+    m = _model([node], [_vi("x", [1, 3])], [_vi("y", None)], [_init("pads", [0, 4, 0, 3])])
+    got = MplowerBackend.prepare(m).run({"x": np.array([[1, 2, 3]], np.float32)})[0]
+    np.testing.assert_array_equal(got, [[1, 2, 3, 2, 1, 2, 3, 2, 1, 2]])
+
+
+def test_center_crop_pad_crops_and_pads_around_the_center() -> None:
+    node = helper.make_node("CenterCropPad", ["x", "shape"], ["y"], axes=[1, 2])
+    m = _model([node], [_vi("x", [2, 5, 4])], [_vi("y", None)], [_init("shape", [2, 7])])
+    x = _rng.standard_normal((2, 5, 4)).astype(np.float32)
+    got = MplowerBackend.prepare(m).run({"x": x})[0]
+    want = np.zeros((2, 2, 7), np.float32)
+    want[:, :, 1:5] = x[:, 1:3, :]  # crop 5 -> 2 starts at 1; pad 4 -> 7 puts 1 before
+    np.testing.assert_array_equal(got, want)
+
+
+# ---- pools ----------------------------------------------------------------------------------------
+
+
+def test_global_max_pool_and_global_lp_pool_match_onnxruntime() -> None:
+    nodes = [helper.make_node("GlobalMaxPool", ["x"], ["a"]),
+             helper.make_node("GlobalLpPool", ["x"], ["b"], p=2),
+             helper.make_node("GlobalLpPool", ["x"], ["c"], p=3)]
+    m = _model(nodes, [_vi("x", [2, 3, 4, 5])], [_vi(n, None) for n in "abc"])
+    _check(m, {"x": _rng.standard_normal((2, 3, 4, 5)).astype(np.float32)}, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [3, 2], "p": 2},
+    {"kernel_shape": [2, 2], "strides": [2, 1], "pads": [1, 0, 1, 1], "p": 3},
+    {"kernel_shape": [2, 3], "dilations": [2, 1], "p": 1},
+    {"kernel_shape": [3], "p": 2},
+])
+def test_lp_pool_matches_onnxruntime(attrs: dict) -> None:
+    shape = [2, 3, 6, 7][:2 + len(attrs["kernel_shape"])]
+    node = helper.make_node("LpPool", ["x"], ["y"], **attrs)
+    m = _model([node], [_vi("x", shape)], [_vi("y", None)])
+    _check(m, {"x": _rng.standard_normal(shape).astype(np.float32)}, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("storage_order", [0, 1])
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [2, 2], "strides": [2, 2]},
+    {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 1]},
+    {"kernel_shape": [2, 2], "dilations": [2, 1]},
+])
+def test_max_pool_indices_match_onnxruntime(attrs: dict, storage_order: int) -> None:
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], storage_order=storage_order, **attrs)
+    m = _model([node], [_vi("x", [2, 3, 5, 6])], [_vi("y", None), _vi("i", None, I64)],
+               opset=12)
+    # Distinct values: ties would make the index depend on the scan order.
+    x = _rng.permutation(180).astype(np.float32).reshape(2, 3, 5, 6)
+    _check(m, {"x": x})
+
+
+def test_max_unpool_inverts_max_pool_with_indices() -> None:
+    nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2],
+                              strides=[2, 2]),
+             helper.make_node("MaxUnpool", ["y", "i"], ["z"], kernel_shape=[2, 2],
+                              strides=[2, 2])]
+    m = _model(nodes, [_vi("x", [1, 2, 4, 6])], [_vi("z", None)], opset=12)
+    x = _rng.permutation(48).astype(np.float32).reshape(1, 2, 4, 6)
+    z = _check(m, {"x": x})[0]
+    assert np.count_nonzero(z) == 12 and set(z[z != 0]) <= set(x.reshape(-1))
