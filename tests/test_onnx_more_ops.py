@@ -167,3 +167,45 @@ def test_max_unpool_inverts_max_pool_with_indices() -> None:
     x = _rng.permutation(48).astype(np.float32).reshape(1, 2, 4, 6)
     z = _check(m, {"x": x})[0]
     assert np.count_nonzero(z) == 12 and set(z[z != 0]) <= set(x.reshape(-1))
+
+
+# ---- ReverseSequence, EyeLike, CumProd ------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime_lens", [False, True])
+@pytest.mark.parametrize("time_axis,batch_axis", [(0, 1), (1, 0)])
+def test_reverse_sequence_matches_onnxruntime(time_axis: int, batch_axis: int,
+                                              runtime_lens: bool) -> None:
+    shape = [5, 3, 2] if time_axis == 0 else [3, 5, 2]
+    node = helper.make_node("ReverseSequence", ["x", "lens"], ["y"], time_axis=time_axis,
+                            batch_axis=batch_axis)
+    lens = np.array([5, 1, 3], np.int64)
+    inputs = [_vi("x", shape)] + ([_vi("lens", [3], I64)] if runtime_lens else [])
+    m = _model([node], inputs, [_vi("y", None)], [] if runtime_lens else [_init("lens", lens)])
+    feeds = {"x": _rng.standard_normal(shape).astype(np.float32)}
+    if runtime_lens:
+        feeds["lens"] = lens
+    _check(m, feeds)
+
+
+def test_eye_like_matches_onnxruntime() -> None:
+    nodes = [helper.make_node("EyeLike", ["x"], ["a"], k=1),
+             helper.make_node("EyeLike", ["x"], ["b"], k=-2, dtype=TensorProto.INT32)]
+    m = _model(nodes, [_vi("x", [3, 4])], [_vi("a", None), _vi("b", None, TensorProto.INT32)])
+    _check(m, {"x": np.zeros((3, 4), np.float32)})
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cum_prod_multiplies_in_sequence_order(exclusive: int, reverse: int) -> None:
+    node = helper.make_node("CumProd", ["x", "axis"], ["y"], exclusive=exclusive,
+                            reverse=reverse)
+    m = _model([node], [_vi("x", [2, 5])], [_vi("y", None)],
+               [_init("axis", np.array(-1))], opset=26)
+    x = _rng.uniform(0.5, 2, (2, 5)).astype(np.float32)
+    got = MplowerBackend.prepare(m).run({"x": x})[0]
+    want = x[:, ::-1] if reverse else x
+    if exclusive:
+        want = np.concatenate([np.ones((2, 1), np.float32), want[:, :-1]], axis=1)
+    want = np.cumprod(want, axis=1, dtype=np.float32)
+    np.testing.assert_array_equal(got, want[:, ::-1] if reverse else want)

@@ -19,6 +19,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     recurrent,
     reduce,
     reductions,
+    sequence_ops,
     shape,
     transformer_ops,
     vision,

@@ -1,0 +1,140 @@
+"""ONNX import handlers: ReverseSequence, EyeLike and CumProd.
+
+ReverseSequence is a gather along the time axis whose index map comes from the lengths (a
+constant map when they are constants, a few integer ops when they are not). EyeLike depends
+on its input's shape alone, so it is a constant. CumProd multiplies in sequence order, as
+onnxruntime does, so float results round exactly as there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+import mplower.dialect  # noqa: F401  (registers the mp ops)
+from mplower.ir.types import tensor
+from mplower.onnx.importer.core import (
+    Const,
+    Run,
+    _attrs,
+    _Importer,
+    _reshape_to,
+    _shape_of,
+    handler,
+    onnx_type_name,
+)
+
+
+def _axis(imp: _Importer, axis: int, rank: int, what: str) -> int:
+    if not -rank <= axis < rank:
+        raise imp.error(f"{what} {axis} is out of range for rank {rank}")
+    return axis % rank
+
+
+@handler("ReverseSequence")
+def _reverse_sequence(imp: _Importer, node: onnx.NodeProto) -> list:
+    x = imp.run_input(0)
+    a = _attrs(node)
+    rank = x.type.rank
+    b_ax = _axis(imp, int(a.get("batch_axis", 1)), rank, "batch_axis")
+    t_ax = _axis(imp, int(a.get("time_axis", 0)), rank, "time_axis")
+    if b_ax == t_ax or rank < 2:
+        raise imp.error(f"batch_axis and time_axis must be two different axes of {x.type}")
+    batch, steps = x.type.shape[b_ax], x.type.shape[t_ax]
+    lens = imp.need_tensor(1)
+    if _shape_of(lens) != (batch,):
+        raise imp.error(f"sequence_lens must have shape [{batch}] (the batch axis of "
+                        f"{x.type}), got {list(_shape_of(lens))}")
+    # The index map over (time, batch), laid out along the two axes with 1 elsewhere.
+    view = [1] * rank
+    view[t_ax], view[b_ax] = steps, batch
+    t = np.arange(steps, dtype=np.int64)[:, None]
+    if isinstance(lens, Const):
+        n = np.asarray(lens.array).astype(np.int64)[None, :]
+        if np.any((n < 1) | (n > steps)):
+            raise imp.error(f"sequence_lens {n[0].tolist()} must lie in [1, {steps}]")
+        index = np.where(t < n, n - 1 - t, t)
+        if t_ax > b_ax:
+            index = index.T
+        idx = imp.constant(index.reshape(view), "reversed_index")
+    else:
+        n = imp.emit("mp.cast", [lens], declared=lens.type.with_elem("i64"))
+        n = _reshape_to(imp, n, [batch if k == b_ax else 1 for k in range(rank)])
+        tt = imp.constant(t.reshape([steps if k == t_ax else 1 for k in range(rank)]), "time")
+        one = imp.constant(np.array(1, np.int64), "one")
+        back = imp.emit("mp.sub", [imp.emit("mp.sub", [n, one]), tt], hint="reversed_time")
+        inside = imp.emit("mp.less", [tt, n])
+        idx = imp.emit("mp.where", [inside, back, tt], hint="reversed_index")
+    full = imp.emit("mp.expand", [idx], declared=tensor(x.type.shape, "i64"), hint="index")
+    return [imp.emit("mp.gather_elements", [x, full], {"axis": t_ax}, onnx_type=x.onnx_type)]
+
+
+@handler("EyeLike")
+def _eye_like(imp: _Importer, node: onnx.NodeProto) -> list:
+    v = imp.need(0)
+    shape = _shape_of(v)
+    if len(shape) != 2:
+        raise imp.error(f"EyeLike needs a 2-D input, got shape {list(shape)}")
+    a = _attrs(node)
+    like = v.array.dtype if isinstance(v, Const) else \
+        helper.tensor_dtype_to_np_dtype(v.onnx_type)
+    t = a.get("dtype")
+    try:
+        dtype = like if t is None else helper.tensor_dtype_to_np_dtype(int(t))
+    except (KeyError, ValueError):
+        raise imp.error(f"dtype {onnx_type_name(int(t))} is not a numeric ONNX type") from None
+    return [Const(np.eye(shape[0], shape[1], k=int(a.get("k", 0)), dtype=dtype))]
+
+
+# CumProd runs sequentially (one multiply per step); a longer axis is refused rather than
+# written out as that many ops.
+MAX_CUMPROD_STEPS = 1024
+
+
+@handler("CumProd")
+def _cum_prod(imp: _Importer, node: onnx.NodeProto) -> list:
+    x = imp.run_input(0)
+    raw = imp.const(1, "CumProd's axis")
+    if raw is None or np.asarray(raw).size != 1:
+        raise imp.error("CumProd's axis must be one value")
+    axis = _axis(imp, int(np.asarray(raw).reshape(-1)[0]), x.type.rank, "axis")
+    a = _attrs(node)
+    exclusive, reverse = bool(a.get("exclusive", 0)), bool(a.get("reverse", 0))
+    n = x.type.shape[axis]
+    if n > MAX_CUMPROD_STEPS:
+        raise imp.error(f"CumProd along an axis of {n} elements is written out as one multiply "
+                        f"per element; at most {MAX_CUMPROD_STEPS} are supported")
+    if n == 0:
+        return [x]
+    rank = x.type.rank
+
+    def step(i: int) -> Run:
+        starts, ends = [0] * rank, list(x.type.shape)
+        starts[axis], ends[axis] = i, i + 1
+        return imp.emit("mp.slice", [x], {"starts": tuple(starts), "ends": tuple(ends),
+                                          "steps": (1,) * rank}, hint="step",
+                        onnx_type=x.onnx_type)
+
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    outs: list[Run] = []
+    acc = None
+    for i in order:
+        if exclusive:
+            if acc is None:
+                shape = list(x.type.shape)
+                shape[axis] = 1
+                dtype = helper.tensor_dtype_to_np_dtype(x.onnx_type)
+                outs.append(imp.constant(np.ones(shape, dtype), "ones"))
+            else:
+                outs.append(acc)
+        s = step(i)
+        acc = s if acc is None else imp.emit("mp.mul", [acc, s], hint="running_product",
+                                             onnx_type=x.onnx_type)
+        if not exclusive:
+            outs.append(acc)
+    if reverse:
+        outs.reverse()
+    if len(outs) == 1:
+        return [outs[0]]
+    return [imp.emit("mp.concat", outs, {"axis": axis}, onnx_type=x.onnx_type)]
