@@ -209,3 +209,27 @@ def test_cum_prod_multiplies_in_sequence_order(exclusive: int, reverse: int) -> 
         want = np.concatenate([np.ones((2, 1), np.float32), want[:, :-1]], axis=1)
     want = np.cumprod(want, axis=1, dtype=np.float32)
     np.testing.assert_array_equal(got, want[:, ::-1] if reverse else want)
+
+
+# ---- losses ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("ignore_index", [None, 2, -1])
+def test_losses_match_onnxruntime(op: str, reduction: str, weighted: bool,
+                                  ignore_index: int | None) -> None:
+    attrs = {"reduction": reduction}
+    if ignore_index is not None:
+        attrs["ignore_index"] = ignore_index
+    inputs = ["x", "t"] + (["w"] if weighted else [])
+    outputs = ["loss"] + (["log_prob"] if op == "SoftmaxCrossEntropyLoss" else [])
+    node = helper.make_node(op, inputs, outputs, **attrs)
+    inits = [numpy_helper.from_array(_rng.uniform(0.2, 2, 4).astype(np.float32), "w")] \
+        if weighted else []
+    m = _model([node], [_vi("x", [3, 4, 2]), _vi("t", [3, 2], I64)],
+               [_vi(o, None) for o in outputs], inits, opset=13)
+    t = np.array([[0, 2], [3, 1], [2, 2]] if ignore_index != -1 else [[0, -1], [3, 1], [2, -1]],
+                 np.int64)
+    _check(m, {"x": _rng.standard_normal((3, 4, 2)).astype(np.float32), "t": t}, rtol=1e-5)

@@ -10,6 +10,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     indexing,
     indexing_ops,
     linalg,
+    losses,
     msft,
     padding,
     pooling,
