@@ -233,3 +233,45 @@ def test_losses_match_onnxruntime(op: str, reduction: str, weighted: bool,
     t = np.array([[0, 2], [3, 1], [2, 2]] if ignore_index != -1 else [[0, -1], [3, 1], [2, -1]],
                  np.int64)
     _check(m, {"x": _rng.standard_normal((3, 4, 2)).astype(np.float32), "t": t}, rtol=1e-5)
+
+
+# ---- signal ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attrs,shape,length", [
+    ({}, [2, 8, 2], None),
+    ({"onesided": 1}, [2, 8, 1], None),
+    ({"onesided": 1}, [2, 8, 1], 10),
+    ({"inverse": 1}, [3, 6, 2], None),
+    ({"inverse": 1, "onesided": 1}, [2, 5, 2], 8),
+    ({}, [6, 4, 2], 3),
+])
+def test_dft_of_a_runtime_signal_matches_onnxruntime(attrs: dict, shape: list[int],
+                                                     length: int | None) -> None:
+    inputs = ["x", "n" if length else "", "axis"]
+    inits = [_init("axis", np.array(1))] + ([_init("n", np.array(length))] if length else [])
+    m = _model([helper.make_node("DFT", inputs, ["y"], **attrs)], [_vi("x", shape)],
+               [_vi("y", None)], inits, opset=20)
+    x = _rng.standard_normal(shape).astype(np.float32)
+    _check(m, {"x": x}, rtol=1e-4, atol=1e-5)
+    assert "mp.matmul" in _ops(m)
+
+
+def test_stft_with_a_window_matches_onnxruntime() -> None:
+    node = helper.make_node("STFT", ["x", "step", "w", "len"], ["y"], onesided=1)
+    window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(8) / 8)).astype(np.float32)
+    m = _model([node], [_vi("x", [2, 30, 1])], [_vi("y", None)],
+               [_init("step", np.array(4)), _init("len", np.array(8)),
+                numpy_helper.from_array(window, "w")], opset=17)
+    _check(m, {"x": _rng.standard_normal((2, 30, 1)).astype(np.float32)}, rtol=1e-4, atol=1e-5)
+
+
+def test_window_with_a_constant_size_folds_and_a_runtime_size_is_refused() -> None:
+    node = helper.make_node("HannWindow", ["n"], ["w"], name="win")
+    m = _model([node], [], [_vi("w", None)], [_init("n", np.array(6))], opset=17)
+    got = MplowerBackend.prepare(m).run({})[0]
+    np.testing.assert_allclose(got, np.hanning(7)[:6], atol=1e-7)  # periodic: N+1 points
+    m = _model([node], [_vi("n", [], I64)], [_vi("w", [6])], opset=17)
+    with pytest.raises(DiagnosticError, match=r"win.*HannWindow's size \('n'\) must be a "
+                                              r"constant"):
+        import_model(m)

@@ -22,6 +22,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     reductions,
     sequence_ops,
     shape,
+    signal,
     transformer_ops,
     vision,
 )
