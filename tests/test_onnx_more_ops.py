@@ -275,3 +275,40 @@ def test_window_with_a_constant_size_folds_and_a_runtime_size_is_refused() -> No
     with pytest.raises(DiagnosticError, match=r"win.*HannWindow's size \('n'\) must be a "
                                               r"constant"):
         import_model(m)
+
+
+# ---- AffineGrid, GridSample ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("align_corners", [0, 1])
+@pytest.mark.parametrize("size", [[2, 3, 4, 5], [2, 1, 3, 4, 2]])
+def test_affine_grid_matches_onnxruntime(size: list[int], align_corners: int) -> None:
+    r = len(size) - 2
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"],
+                            align_corners=align_corners)
+    m = _model([node], [_vi("theta", [2, r, r + 1])], [_vi("grid", None)],
+               [_init("size", size)], opset=20)
+    _check(m, {"theta": _rng.standard_normal((2, r, r + 1)).astype(np.float32)}, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border"])
+@pytest.mark.parametrize("align_corners", [0, 1])
+def test_grid_sample_matches_onnxruntime(mode: str, padding_mode: str,
+                                         align_corners: int) -> None:
+    node = helper.make_node("GridSample", ["x", "grid"], ["y"], mode=mode,
+                            padding_mode=padding_mode, align_corners=align_corners)
+    m = _model([node], [_vi("x", [2, 3, 5, 6]), _vi("grid", [2, 4, 7, 2])], [_vi("y", None)],
+               opset=20)
+    # Points past the edges exercise the padding; none on a rounding tie.
+    grid = _rng.uniform(-1.3, 1.3, (2, 4, 7, 2)).astype(np.float32)
+    _check(m, {"x": _rng.standard_normal((2, 3, 5, 6)).astype(np.float32), "grid": grid},
+           rtol=1e-5, atol=1e-6)
+
+
+def test_grid_sample_bicubic_is_refused_naming_the_node() -> None:
+    node = helper.make_node("GridSample", ["x", "grid"], ["y"], mode="cubic", name="warp")
+    m = _model([node], [_vi("x", [1, 1, 4, 4]), _vi("grid", [1, 2, 2, 2])], [_vi("y", None)],
+               opset=20)
+    with pytest.raises(DiagnosticError, match=r"warp.*mode 'cubic'.*not supported"):
+        import_model(m)

@@ -20,6 +20,7 @@ from mplower.onnx.importer import (  # noqa: F401  (registers the handlers)
     recurrent,
     reduce,
     reductions,
+    sampling,
     sequence_ops,
     shape,
     signal,
