@@ -312,3 +312,20 @@ def test_grid_sample_bicubic_is_refused_naming_the_node() -> None:
                opset=20)
     with pytest.raises(DiagnosticError, match=r"warp.*mode 'cubic'.*not supported"):
         import_model(m)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"strides": [2, 1], "pads": [1, 0, 1, 2],
+                                        "dilations": [1, 2]}])
+def test_col2im_matches_onnxruntime(attrs: dict) -> None:
+    image, block = [5, 6], [2, 3]
+    r = 2
+    strides = attrs.get("strides", [1, 1])
+    pads = attrs.get("pads", [0, 0, 0, 0])
+    dil = attrs.get("dilations", [1, 1])
+    length = np.prod([(image[k] + pads[k] + pads[k + r] - dil[k] * (block[k] - 1) - 1)
+                      // strides[k] + 1 for k in range(r)])
+    node = helper.make_node("Col2Im", ["x", "image", "block"], ["y"], **attrs)
+    shape = [2, 3 * 6, int(length)]
+    m = _model([node], [_vi("x", shape)], [_vi("y", None)],
+               [_init("image", image), _init("block", block)])
+    _check(m, {"x": _rng.standard_normal(shape).astype(np.float32)}, rtol=1e-5, atol=1e-6)

@@ -188,3 +188,51 @@ def _max_unpool(imp: _Importer, node: onnx.NodeProto) -> list:
     out = _reshape_to(imp, out, inferred)
     return [pad(imp, out, [0] * len(shape), [o - i for o, i in zip(shape, inferred)],
                 "constant")]
+
+
+@handler("Col2Im")
+def _col2im(imp: _Importer, node: onnx.NodeProto) -> list:
+    """Each column entry added onto the image position its block and offset cover (entries
+    that land in the padding are dropped): a gather of the kept entries, then one scatter-add
+    with a constant index map."""
+    x = imp.run_input(0)
+    image = [int(v) for v in np.asarray(imp.const(1, "Col2Im's image_shape")).reshape(-1)]
+    block = [int(v) for v in np.asarray(imp.const(2, "Col2Im's block_shape")).reshape(-1)]
+    r = len(image)
+    a = _attrs(node)
+    strides = list(a.get("strides", [1] * r))
+    dilations = list(a.get("dilations", [1] * r))
+    pads = list(a.get("pads", [0] * (2 * r)))
+    if x.type.rank != 3 or len(block) != r or len(strides) != r or len(dilations) != r \
+            or len(pads) != 2 * r or min(block, default=0) < 1:
+        raise imp.error(f"input {x.type} must be (N, C*prod(block), L) with image_shape, "
+                        f"block_shape, strides, dilations and pads of one spatial rank")
+    n, cb, length = x.type.shape
+    blocks = [(image[k] + pads[k] + pads[k + r] - dilations[k] * (block[k] - 1) - 1)
+              // strides[k] + 1 for k in range(r)]
+    if cb % math.prod(block) or math.prod(blocks) != length:
+        raise imp.error(f"input {x.type} does not hold C*{math.prod(block)} rows of "
+                        f"{math.prod(blocks)} blocks for image_shape {image} and block_shape "
+                        f"{block}")
+    c = cb // math.prod(block)
+    # Position of every (block offset, block) entry along each spatial axis.
+    offs = np.indices(block).reshape(r, -1)  # (r, B)
+    where = np.indices(blocks).reshape(r, -1)  # (r, L)
+    pos = (where[:, None, :] * np.array(strides)[:, None, None]
+           - np.array(pads[:r])[:, None, None]
+           + offs[:, :, None] * np.array(dilations)[:, None, None])  # (r, B, L)
+    valid = np.all((pos >= 0) & (pos < np.array(image)[:, None, None]), axis=0)
+    flat = np.ravel_multi_index(tuple(np.clip(pos, 0, None)), image, mode="clip")
+    target = (np.arange(c)[:, None, None] * math.prod(image) + flat[None]).reshape(-1)
+    kept = np.flatnonzero(np.broadcast_to(valid[None], (c, *valid.shape)).reshape(-1))
+    entries = _reshape_to(imp, x, (n, cb * length))
+    picked = imp.emit("mp.gather", [entries, imp.constant(kept.astype(np.int64), "kept")],
+                      {"axis": 1}, hint="entries", onnx_type=x.onnx_type)
+    index = imp.emit("mp.expand", [imp.constant(target[kept][None].astype(np.int64),
+                                                "image_index")],
+                     declared=tensor((n, kept.size), "i64"), hint="image_index")
+    dtype = helper.tensor_dtype_to_np_dtype(x.onnx_type)
+    zeros = imp.constant(np.zeros((n, c * math.prod(image)), dtype), "image")
+    out = imp.emit("mp.scatter_elements", [zeros, index, picked],
+                   {"axis": 1, "reduction": "add"}, onnx_type=x.onnx_type)
+    return [_reshape_to(imp, out, (n, c, *image))]
