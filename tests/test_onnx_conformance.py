@@ -70,9 +70,6 @@ EXPLANATIONS = {
     "test_dft_inverse": "DFT of a runtime signal is an f32 matmul with the transform matrix: "
                         "outputs that the test's float64 FFT makes exactly 0 come out near "
                         "1e-6 (f32 rounding of a 20-term sum), beyond the test's atol 1e-7",
-    "gridsample_bicubic": "GridSample's cubic mode is refused (linear and nearest import)",
-    "gridsample_reflection": "GridSample's reflection padding is refused (zeros and border "
-                             "import)",
     "convtranspose_3d": "3-D ConvTranspose: mp.conv2d is 2-D (1-D runs as 2-D)",
 }
 

@@ -4,13 +4,14 @@ AffineGrid is the constant grid of normalized output coordinates (homogeneous, x
 each batch's transposed theta: one matmul. GridSample un-normalizes the grid into pixel
 coordinates, takes the integer taps around each point (floor from a truncating cast: the IR
 has no floor op here) and reads them with one gather_elements over the flattened image per
-tap, weighted (bilinear) or chosen (nearest); a tap outside the image reads the clamped border
-pixel and, for `zeros` padding, is then masked to zero. Bicubic and reflection padding are
-refused, naming the node.
+tap (2^r for linear, 4^r for cubic, 1 for nearest), weighted; a tap outside the image reads
+the clamped border pixel and, for `zeros` padding, is then masked to zero, for `reflection`
+the pixel its reflection lands on. The steps follow ONNX's reference (`op_grid_sample.py`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -81,17 +82,67 @@ def _clamp(imp: _Importer, x: Run, low: float, high: float) -> Run:
     return imp.emit("mp.minimum", [imp.emit("mp.maximum", [x, lo]), hi], onnx_type=x.onnx_type)
 
 
+def _const(imp: _Importer, value: float, like: Run, hint: str) -> Run:
+    return imp.constant(np.array(value, helper.tensor_dtype_to_np_dtype(like.onnx_type)), hint)
+
+
+def _reflect(imp: _Importer, v: Run, lo: float, hi: float) -> Run:
+    """v folded back into [lo, hi] by reflections at the nearer border, as ONNX's reference
+    (`_gs_reflect`) does: the distance past a border, modulo the range, counted from that
+    border after an even number of reflections and from the other after an odd one."""
+    span = hi - lo
+    out = v
+    for past, start, other in ((imp.emit("mp.sub", [_const(imp, lo, v, "low"), v]), lo, hi),
+                               (imp.emit("mp.sub", [v, _const(imp, hi, v, "high")]), hi, lo)):
+        turns = _floor(imp, imp.emit("mp.div", [past, _const(imp, span, v, "span")]))
+        rest = imp.emit("mp.sub", [past, imp.emit("mp.mul", [turns, _const(imp, span, v,
+                                                                             "span")])])
+        half = imp.emit("mp.mul", [turns, _const(imp, 0.5, v, "half")])
+        even = imp.emit("mp.equal", [_floor(imp, half), half])
+        sign = 1 if start == lo else -1
+        near = imp.emit("mp.add" if sign > 0 else "mp.sub", [_const(imp, start, v, "border"),
+                                                             rest])
+        far = imp.emit("mp.sub" if sign > 0 else "mp.add", [_const(imp, other, v, "border"),
+                                                            rest])
+        folded = imp.emit("mp.where", [even, near, far])
+        outside = imp.emit("mp.greater", [past, _const(imp, 0, v, "zero")])
+        out = imp.emit("mp.where", [outside, folded, out], hint="reflected",
+                       onnx_type=v.onnx_type)
+    return out
+
+
+_CUBIC_A = -0.75  # Keys' cubic convolution, as ONNX's GridSample and Resize use it
+
+
+def _cubic_weights(imp: _Importer, t: Run) -> list[Run]:
+    """The four Keys weights of taps at -1, 0, 1, 2 for the fraction t in [0, 1)."""
+    a = _CUBIC_A
+
+    def poly(s: Run, coeffs: tuple[float, ...]) -> Run:
+        acc = _const(imp, coeffs[0], t, "coeff")
+        for c in coeffs[1:]:
+            acc = imp.emit("mp.add", [imp.emit("mp.mul", [acc, s]), _const(imp, c, t, "coeff")])
+        return acc
+
+    one, two = _const(imp, 1, t, "one"), _const(imp, 2, t, "two")
+    far = (a, -5 * a, 8 * a, -4 * a)  # a|s|^3 - 5a|s|^2 + 8a|s| - 4a for 1 <= |s| < 2
+    near = (a + 2, -(a + 3), 0, 1)  # (a+2)|s|^3 - (a+3)|s|^2 + 1 for |s| < 1
+    return [poly(imp.emit("mp.add", [t, one]), far), poly(t, near),
+            poly(imp.emit("mp.sub", [one, t]), near), poly(imp.emit("mp.sub", [two, t]), far)]
+
+
 @handler("GridSample")
 def _grid_sample(imp: _Importer, node: onnx.NodeProto) -> list:
     x, grid = imp.run_input(0), imp.run_input(1)
     a = _attrs(node)
     mode = a.get("mode", "linear" if imp.opset >= 20 else "bilinear")
-    mode = {"bilinear": "linear"}.get(mode, mode)
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
     padding = a.get("padding_mode", "zeros")
     align = bool(a.get("align_corners", 0))
-    if mode not in ("linear", "nearest") or padding not in ("zeros", "border"):
-        raise imp.error(f"GridSample mode '{mode}' with padding_mode '{padding}' is not "
-                        f"supported (linear or nearest; zeros or border)")
+    if mode not in ("linear", "nearest", "cubic") or \
+            padding not in ("zeros", "border", "reflection"):
+        raise imp.error(f"GridSample mode '{mode}' with padding_mode '{padding}' is not an "
+                        f"ONNX combination")
     r = x.type.rank - 2
     n, c, *sp = x.type.shape
     out = grid.type.shape[1:-1]
@@ -100,62 +151,67 @@ def _grid_sample(imp: _Importer, node: onnx.NodeProto) -> list:
     dtype = helper.tensor_dtype_to_np_dtype(x.onnx_type)
     points = math.prod(out)
     g = _reshape_to(imp, grid, (n, points, r))
-    coords = []  # pixel coordinate per spatial axis, (N, points), the image's axis order
+    axes = []  # per spatial axis (image order): its taps, as (coordinate, weight or None)
     for k in range(r):
         size = sp[k]
+        lo, hi = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
         starts, ends = (0, 0, r - 1 - k), (n, points, r - k)  # grid holds x (last axis) first
         gk = imp.emit("mp.slice", [g], {"starts": starts, "ends": ends, "steps": (1, 1, 1)})
         gk = _reshape_to(imp, gk, (n, points))
         # align_corners: -1 and 1 are the corner pixels' centers; else the image's edges.
         scale, shift = ((size - 1) / 2, (size - 1) / 2) if align else (size / 2, (size - 1) / 2)
-        p = imp.emit("mp.add", [imp.emit("mp.mul", [gk, imp.constant(np.array(scale, dtype),
-                                                                      "scale")]),
-                                imp.constant(np.array(shift, dtype), "shift")],
-                     hint="pixel", onnx_type=x.onnx_type)
-        if padding == "border":
+        p = imp.emit("mp.add", [imp.emit("mp.mul", [gk, _const(imp, scale, gk, "scale")]),
+                                _const(imp, shift, gk, "shift")], hint="pixel",
+                     onnx_type=x.onnx_type)
+        if mode == "nearest":
+            p = _round_half_even(imp, p)
+        # Cubic taps are padded one by one and the point itself stays, as onnxruntime and
+        # PyTorch compute it (ONNX's reference pads the point too; its node tests pad zeros).
+        if padding == "border" and mode != "cubic":
             p = _clamp(imp, p, 0, size - 1)
-        coords.append(p)
+        elif padding == "reflection" and mode != "cubic":
+            p = _reflect(imp, p, lo, hi)
+        if mode == "nearest":
+            axes.append([(p, None)])
+            continue
+        low = _floor(imp, p)
+        t = imp.emit("mp.sub", [p, low], hint="frac")
+        one = _const(imp, 1, p, "one")
+        if mode == "linear":
+            axes.append([(low, imp.emit("mp.sub", [one, t])),
+                         (imp.emit("mp.add", [low, one]), t)])
+        else:
+            axes.append([(imp.emit("mp.add", [low, _const(imp, d, p, "offset")]), w)
+                         for d, w in zip((-1, 0, 1, 2), _cubic_weights(imp, t))])
     flat = _reshape_to(imp, x, (n, c, math.prod(sp)))
-    if mode == "nearest":
-        taps = [([_round_half_even(imp, p) for p in coords], None)]
-    else:
-        lows = [_floor(imp, p) for p in coords]
-        one = imp.constant(np.ones((), dtype), "one")
-        fracs = [imp.emit("mp.sub", [p, lo], hint="frac") for p, lo in zip(coords, lows)]
-        taps = []
-        for corner in range(2 ** r):
-            at, weight = [], None
-            for k in range(r):
-                upper = (corner >> (r - 1 - k)) & 1
-                at.append(imp.emit("mp.add", [lows[k], one]) if upper else lows[k])
-                wk = fracs[k] if upper else imp.emit("mp.sub", [one, fracs[k]])
-                weight = wk if weight is None else imp.emit("mp.mul", [weight, wk])
-            taps.append((at, weight))
+    zero = imp.constant(np.zeros((), dtype), "zero")
     result = None
-    for at, weight in taps:
-        inside, index = None, None
-        for k, pk in enumerate(at):
+    for combo in itertools.product(*axes):
+        inside, index, weight = None, None, None
+        for k, (pk, wk) in enumerate(combo):
             if padding == "zeros":
                 ok = imp.emit("mp.logical_and", [
-                    imp.emit("mp.greater_equal", [pk, imp.constant(np.zeros((), dtype), "0")]),
-                    imp.emit("mp.less_equal", [pk, imp.constant(np.array(sp[k] - 1, dtype),
-                                                                "last")])])
+                    imp.emit("mp.greater_equal", [pk, zero]),
+                    imp.emit("mp.less_equal", [pk, _const(imp, sp[k] - 1, pk, "last")])])
                 inside = ok if inside is None else imp.emit("mp.logical_and", [inside, ok])
+            elif padding == "reflection":
+                lo, hi = (0.0, sp[k] - 1.0) if align else (-0.5, sp[k] - 0.5)
+                pk = _floor(imp, _reflect(imp, pk, lo, hi))
             ik = imp.emit("mp.cast", [_clamp(imp, pk, 0, sp[k] - 1)],
                           declared=tensor((n, points), "i64"))
             stride = imp.constant(np.array(math.prod(sp[k + 1:]), np.int64), "stride")
             term = imp.emit("mp.mul", [ik, stride])
             index = term if index is None else imp.emit("mp.add", [index, term])
+            if wk is not None:
+                weight = wk if weight is None else imp.emit("mp.mul", [weight, wk])
         index = imp.emit("mp.expand", [_reshape_to(imp, index, (n, 1, points))],
                          declared=tensor((n, c, points), "i64"))
         v = imp.emit("mp.gather_elements", [flat, index], {"axis": 2}, hint="tap",
                      onnx_type=x.onnx_type)
         if inside is not None:
-            weight = inside if weight is None else weight
-            zero = imp.constant(np.zeros((), dtype), "zero")
-            mask = _reshape_to(imp, inside, (n, 1, points))
-            v = imp.emit("mp.where", [mask, v, zero], onnx_type=x.onnx_type)
-        if weight is not None and weight is not inside:
+            v = imp.emit("mp.where", [_reshape_to(imp, inside, (n, 1, points)), v, zero],
+                         onnx_type=x.onnx_type)
+        if weight is not None:
             v = imp.emit("mp.mul", [v, _reshape_to(imp, weight, (n, 1, points))],
                          hint="weighted", onnx_type=x.onnx_type)
         result = v if result is None else imp.emit("mp.add", [result, v], hint="sampled",
