@@ -332,3 +332,27 @@ def test_col2im_matches_onnxruntime(attrs: dict) -> None:
     m = _model([node], [_vi("x", shape)], [_vi("y", None)],
                [_init("image", image), _init("block", block)])
     _check(m, {"x": _rng.standard_normal(shape).astype(np.float32)}, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("ctm", ["half_pixel", "output_half_pixel"])
+@pytest.mark.parametrize("ratio", [0, 2])
+def test_roi_align_with_constant_regions_matches_onnxruntime(mode: str, ctm: str,
+                                                             ratio: int) -> None:
+    rois = np.array([[0.5, 1.0, 6.0, 7.5], [2.0, 0.0, 4.0, 3.0], [-1.0, 5.0, 9.5, 9.0]],
+                    np.float32)
+    node = helper.make_node("RoiAlign", ["x", "rois", "batch"], ["y"], mode=mode,
+                            coordinate_transformation_mode=ctm, output_height=3,
+                            output_width=2, sampling_ratio=ratio, spatial_scale=0.8)
+    m = _model([node], [_vi("x", [2, 3, 8, 9])], [_vi("y", None)],
+               [numpy_helper.from_array(rois, "rois"), _init("batch", [1, 0, 1])], opset=16)
+    _check(m, {"x": _rng.standard_normal((2, 3, 8, 9)).astype(np.float32)}, rtol=1e-5,
+           atol=1e-5)
+
+
+def test_roi_align_with_runtime_regions_is_refused_naming_the_node() -> None:
+    node = helper.make_node("RoiAlign", ["x", "rois", "batch"], ["y"], name="pool_rois")
+    m = _model([node], [_vi("x", [1, 1, 4, 4]), _vi("rois", [2, 4])], [_vi("y", None)],
+               [_init("batch", [0, 0])], opset=16)
+    with pytest.raises(DiagnosticError, match=r"pool_rois.*rois.*must be a constant"):
+        import_model(m)

@@ -1,4 +1,4 @@
-"""ONNX import handlers: AffineGrid and GridSample.
+"""ONNX import handlers: AffineGrid, GridSample and RoiAlign.
 
 AffineGrid is the constant grid of normalized output coordinates (homogeneous, x first) times
 each batch's transposed theta: one matmul. GridSample un-normalizes the grid into pixel
@@ -217,3 +217,99 @@ def _grid_sample(imp: _Importer, node: onnx.NodeProto) -> list:
         result = v if result is None else imp.emit("mp.add", [result, v], hint="sampled",
                                                    onnx_type=x.onnx_type)
     return [_reshape_to(imp, result, (n, c, *out))]
+
+
+def _roi_taps(roi: np.ndarray, height: int, width: int, out_h: int, out_w: int,
+              ratio: int, scale: float, half_pixel: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, weights) of shape (out_h*out_w, samples, 4): the bilinear corners of every
+    sample of every bin of one region, following ONNX's reference (`op_roi_align.py`)."""
+    offset = 0.5 if half_pixel else 0.0
+    x0, y0, x1, y1 = (float(v) * scale - offset for v in roi)
+    rh, rw = y1 - y0, x1 - x0
+    if not half_pixel:  # malformed regions count as 1x1
+        rh, rw = max(rh, 1.0), max(rw, 1.0)
+    bh, bw = rh / out_h, rw / out_w
+    gh = ratio if ratio > 0 else math.ceil(rh / out_h)
+    gw = ratio if ratio > 0 else math.ceil(rw / out_w)
+    pos = np.zeros((out_h * out_w, max(gh * gw, 1), 4), np.int64)
+    wts = np.zeros(pos.shape, np.float64)
+    for ph, pw, iy, ix in itertools.product(range(out_h), range(out_w), range(gh), range(gw)):
+        y = y0 + ph * bh + (iy + 0.5) * bh / gh
+        x = x0 + pw * bw + (ix + 0.5) * bw / gw
+        if y < -1.0 or y > height or x < -1.0 or x > width:
+            continue  # outside the map: weights 0
+        y, x = max(y, 0.0), max(x, 0.0)
+        ylo, xlo = int(y), int(x)
+        if ylo >= height - 1:
+            ylo = yhi = height - 1
+            y = float(ylo)
+        else:
+            yhi = ylo + 1
+        if xlo >= width - 1:
+            xlo = xhi = width - 1
+            x = float(xlo)
+        else:
+            xhi = xlo + 1
+        ly, lx = y - ylo, x - xlo
+        o, s = ph * out_w + pw, iy * gw + ix
+        pos[o, s] = (ylo * width + xlo, ylo * width + xhi, yhi * width + xlo, yhi * width + xhi)
+        wts[o, s] = ((1 - ly) * (1 - lx), (1 - ly) * lx, ly * (1 - lx), ly * lx)
+    return pos, wts
+
+
+@handler("RoiAlign")
+def _roi_align(imp: _Importer, node: onnx.NodeProto) -> list:
+    """Regions known at import: each output is a fixed set of weighted pixel taps (gathered
+    once from the (C, N*H*W) view), summed and divided by the sample count (avg) or the
+    largest weighted tap (max, as ONNX's reference and onnxruntime define it)."""
+    x = imp.run_input(0)
+    rois = imp.const(1, "RoiAlign's rois (they set which pixels each output reads)")
+    batch = imp.const(2, "RoiAlign's batch_indices")
+    a = _attrs(node)
+    mode = a.get("mode", "avg")
+    half = a.get("coordinate_transformation_mode",
+                 "half_pixel" if imp.opset >= 16 else "output_half_pixel") == "half_pixel"
+    out_h, out_w = int(a.get("output_height", 1)), int(a.get("output_width", 1))
+    ratio, scale = int(a.get("sampling_ratio", 0)), float(a.get("spatial_scale", 1.0))
+    if x.type.rank != 4 or mode not in ("avg", "max"):
+        raise imp.error(f"RoiAlign needs an (N, C, H, W) input and mode avg or max, got "
+                        f"{x.type} and '{mode}'")
+    n, c, height, width = x.type.shape
+    rois, batch = np.asarray(rois), np.asarray(batch).reshape(-1).astype(np.int64)
+    if rois.ndim != 2 or rois.shape[1] != 4 or batch.shape != (rois.shape[0],) \
+            or np.any((batch < 0) | (batch >= n)):
+        raise imp.error(f"rois {list(rois.shape)} must be (R, 4) with one batch index in "
+                        f"[0, {n}) per region")
+    taps = [_roi_taps(r, height, width, out_h, out_w, ratio, scale, half) for r in rois]
+    samples = max(p.shape[1] for p, _ in taps)
+    pos = np.zeros((len(taps), out_h * out_w, samples, 4), np.int64)
+    wts = np.zeros(pos.shape, np.float64)
+    counts = np.ones((len(taps), out_h * out_w), np.float64)
+    for k, (p, w) in enumerate(taps):
+        s = p.shape[1]
+        # A region with fewer samples repeats its first: no change to the maximum; its
+        # repeated weights are 0 for the average, which divides by its own count.
+        pos[k] = np.concatenate([p, np.repeat(p[:, :1], samples - s, axis=1)], axis=1)
+        wts[k, :, :s] = w
+        if mode == "max":
+            wts[k, :, s:] = w[:, :1]
+        pos[k] += batch[k] * height * width
+        counts[k] = s
+    dtype = helper.tensor_dtype_to_np_dtype(x.onnx_type)
+    planes = imp.emit("mp.transpose", [_reshape_to(imp, x, (n, c, height * width))],
+                      {"perm": (1, 0, 2)}, onnx_type=x.onnx_type)
+    planes = _reshape_to(imp, planes, (c, n * height * width))
+    picked = imp.emit("mp.gather", [planes, imp.constant(pos.reshape(-1), "roi_taps")],
+                      {"axis": 1}, hint="taps", onnx_type=x.onnx_type)
+    weighted = imp.emit("mp.mul", [picked, imp.constant(wts.reshape(1, -1).astype(dtype),
+                                                        "roi_weights")],
+                        hint="weighted", onnx_type=x.onnx_type)
+    outs = len(taps) * out_h * out_w
+    weighted = _reshape_to(imp, weighted, (c, outs, samples * 4))
+    op = "mp.reduce_sum" if mode == "avg" else "mp.reduce_max"
+    y = imp.emit(op, [weighted], {"axes": (2,), "keepdims": False}, onnx_type=x.onnx_type)
+    if mode == "avg":
+        y = imp.emit("mp.div", [y, imp.constant(counts.reshape(1, -1).astype(dtype),
+                                                "sample_count")], onnx_type=x.onnx_type)
+    y = _reshape_to(imp, y, (c, len(taps), out_h, out_w))
+    return [imp.emit("mp.transpose", [y], {"perm": (1, 0, 2, 3)}, onnx_type=x.onnx_type)]
