@@ -356,3 +356,32 @@ def test_roi_align_with_runtime_regions_is_refused_naming_the_node() -> None:
                [_init("batch", [0, 0])], opset=16)
     with pytest.raises(DiagnosticError, match=r"pool_rois.*rois.*must be a constant"):
         import_model(m)
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+
+def test_imported_pads_pools_and_samplers_export_to_onnx_that_onnxruntime_runs() -> None:
+    from mplower.ir.diagnostics import Location
+    from mplower.onnx import exporter
+
+    nodes = [helper.make_node("Pad", ["x", "pads"], ["p"], mode="reflect"),
+             helper.make_node("LpPool", ["p"], ["lp"], kernel_shape=[2, 2], p=3),
+             helper.make_node("MaxPool", ["p"], ["mx", "mi"], kernel_shape=[2, 2],
+                              strides=[2, 2]),
+             helper.make_node("GlobalMaxPool", ["lp"], ["g"]),
+             helper.make_node("GridSample", ["x", "grid"], ["gs"], mode="cubic",
+                              padding_mode="reflection")]
+    m = _model(nodes, [_vi("x", [1, 2, 4, 5]), _vi("grid", [1, 3, 3, 2])],
+               [_vi("g", None), _vi("mx", None), _vi("mi", None, I64), _vi("gs", None)],
+               [_init("pads", [0, 0, 1, 2, 0, 0, 1, 1])], opset=20)
+    feeds = {"x": _rng.standard_normal((1, 2, 4, 5)).astype(np.float32),
+             "grid": _rng.uniform(-1.5, 1.5, (1, 3, 3, 2)).astype(np.float32)}
+    ours = MplowerBackend.prepare(m).run(feeds)
+    module = import_model(m, inline_weights=True).module
+    data = exporter.check_and_serialize(exporter.export_module(module).model,
+                                        Location("m.onnx", 0, 0))
+    s = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    theirs = s.run(None, dict(zip([i.name for i in s.get_inputs()], feeds.values())))
+    for o, t in zip(ours, theirs):
+        np.testing.assert_allclose(o, t, rtol=1e-5, atol=1e-6)
