@@ -385,3 +385,19 @@ def test_imported_pads_pools_and_samplers_export_to_onnx_that_onnxruntime_runs()
     theirs = s.run(None, dict(zip([i.name for i in s.get_inputs()], feeds.values())))
     for o, t in zip(ours, theirs):
         np.testing.assert_allclose(o, t, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter_writes_each_batch_from_its_index(mode: str) -> None:
+    node = helper.make_node("TensorScatter", ["cache", "update", "at"], ["y"], mode=mode)
+    m = _model([node], [_vi("cache", [2, 3, 6, 4]), _vi("update", [2, 3, 2, 4]),
+                        _vi("at", [2], I64)], [_vi("y", None)], opset=24)
+    cache = _rng.standard_normal((2, 3, 6, 4)).astype(np.float32)
+    update = _rng.standard_normal((2, 3, 2, 4)).astype(np.float32)
+    at = np.array([1, 5 if mode == "circular" else 4], np.int64)
+    got = MplowerBackend.prepare(m).run({"cache": cache, "update": update, "at": at})[0]
+    want = cache.copy()
+    for b in range(2):
+        for i in range(2):
+            want[b, :, (at[b] + i) % 6] = update[b, :, i]
+    np.testing.assert_array_equal(got, want)

@@ -1,4 +1,4 @@
-"""ONNX import handlers: ReverseSequence, EyeLike and CumProd.
+"""ONNX import handlers: ReverseSequence, EyeLike, CumProd and TensorScatter.
 
 ReverseSequence is a gather along the time axis whose index map comes from the lengths (a
 constant map when they are constants, a few integer ops when they are not). EyeLike depends
@@ -138,3 +138,43 @@ def _cum_prod(imp: _Importer, node: onnx.NodeProto) -> list:
     if len(outs) == 1:
         return [outs[0]]
     return [imp.emit("mp.concat", outs, {"axis": axis}, onnx_type=x.onnx_type)]
+
+
+@handler("TensorScatter")
+def _tensor_scatter(imp: _Importer, node: onnx.NodeProto) -> list:
+    """The KV-cache update (opset 24): each batch's update rows written into the cache from
+    its write index on, one scatter_elements along `axis` whose index map is built from the
+    write indices (wrapped at the cache length in circular mode)."""
+    cache, update = imp.run_input(0), imp.run_input(1)
+    a = _attrs(node)
+    mode = a.get("mode", "linear")
+    rank = cache.type.rank
+    axis = _axis(imp, int(a.get("axis", -2)), rank, "axis")
+    if mode not in ("linear", "circular") or axis == 0 or update.type.rank != rank or any(
+            u != c for k, (u, c) in enumerate(zip(update.type.shape, cache.type.shape))
+            if k != axis) or update.type.shape[axis] > cache.type.shape[axis]:
+        raise imp.error(f"update {update.type} must match the cache {cache.type} but along "
+                        f"axis {axis} (not the batch axis 0), mode linear or circular")
+    batch, length, steps = cache.type.shape[0], cache.type.shape[axis], update.type.shape[axis]
+    view = [batch] + [1] * (rank - 1)
+    along = [steps if k == axis else 1 for k in range(rank)]
+    offsets = imp.constant(np.arange(steps, dtype=np.int64).reshape(along), "row")
+    written = imp.input(2)
+    if written is None:
+        start = imp.constant(np.zeros(view, np.int64), "write_index")
+    else:
+        w = imp.run_input(2)
+        if w.type.shape != (batch,):
+            raise imp.error(f"write_indices {w.type} must hold one index per batch ({batch})")
+        start = _reshape_to(imp, imp.emit("mp.cast", [w], declared=w.type.with_elem("i64")),
+                            view)
+    index = imp.emit("mp.add", [start, offsets], hint="cache_row")
+    if mode == "circular":
+        # Write indices lie in [0, length): one wrap at most.
+        size = imp.constant(np.array(length, np.int64), "cache_length")
+        past = imp.emit("mp.greater_equal", [index, size])
+        index = imp.emit("mp.where", [past, imp.emit("mp.sub", [index, size]), index],
+                         hint="cache_row")
+    index = imp.emit("mp.expand", [index], declared=tensor(update.type.shape, "i64"))
+    return [imp.emit("mp.scatter_elements", [cache, index, update], {"axis": axis},
+                     onnx_type=cache.onnx_type)]
