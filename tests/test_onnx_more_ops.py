@@ -401,3 +401,18 @@ def test_tensor_scatter_writes_each_batch_from_its_index(mode: str) -> None:
         for i in range(2):
             want[b, :, (at[b] + i) % 6] = update[b, :, i]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_det_matches_onnxruntime(n: int) -> None:
+    m = _model([helper.make_node("Det", ["x"], ["y"])], [_vi("x", [2, 3, n, n])],
+               [_vi("y", None)])
+    _check(m, {"x": _rng.standard_normal((2, 3, n, n)).astype(np.float32)}, rtol=1e-5,
+           atol=1e-5)
+
+
+def test_det_of_a_large_matrix_is_refused_naming_the_node() -> None:
+    m = _model([helper.make_node("Det", ["x"], ["y"], name="big_det")], [_vi("x", [5, 5])],
+               [_vi("y", None)])
+    with pytest.raises(DiagnosticError, match=r"big_det.*5x5.*up to 4x4"):
+        import_model(m)

@@ -1,4 +1,4 @@
-"""ONNX import handlers: ReverseSequence, EyeLike, CumProd and TensorScatter.
+"""ONNX import handlers: ReverseSequence, EyeLike, CumProd, TensorScatter and Det.
 
 ReverseSequence is a gather along the time axis whose index map comes from the lengths (a
 constant map when they are constants, a few integer ops when they are not). EyeLike depends
@@ -178,3 +178,56 @@ def _tensor_scatter(imp: _Importer, node: onnx.NodeProto) -> list:
     index = imp.emit("mp.expand", [index], declared=tensor(update.type.shape, "i64"))
     return [imp.emit("mp.scatter_elements", [cache, index, update], {"axis": axis},
                      onnx_type=cache.onnx_type)]
+
+
+# Det by cofactor expansion costs n! products: small matrices only (what models hold: 2x2
+# and 3x3 transforms); a larger one is refused rather than expanded.
+MAX_DET_SIZE = 4
+
+
+@handler("Det")
+def _det(imp: _Importer, node: onnx.NodeProto) -> list:
+    x = imp.run_input(0)
+    shape = x.type.shape
+    if x.type.rank < 2 or shape[-1] != shape[-2] or x.type.elem[0] not in "fb":
+        raise imp.error(f"Det needs float square matrices (..., n, n), got {x.type}")
+    n = shape[-1]
+    if not 1 <= n <= MAX_DET_SIZE:
+        raise imp.error(f"Det of {n}x{n} matrices: cofactor expansion is imported up to "
+                        f"{MAX_DET_SIZE}x{MAX_DET_SIZE}")
+    lead = shape[:-2]
+    rank = x.type.rank
+
+    entries: dict[tuple[int, int], Run] = {}
+
+    def entry(i: int, j: int) -> Run:
+        if (i, j) not in entries:
+            starts = (0,) * (rank - 2) + (i, j)
+            ends = (*lead, i + 1, j + 1)
+            e = imp.emit("mp.slice", [x], {"starts": starts, "ends": ends,
+                                           "steps": (1,) * rank}, hint="entry",
+                         onnx_type=x.onnx_type)
+            entries[i, j] = _reshape_to(imp, e, lead)
+        return entries[i, j]
+
+    memo: dict[tuple, Run] = {}
+
+    def minor(rows: tuple[int, ...], cols: tuple[int, ...]) -> Run:
+        if len(rows) == 1:
+            return entry(rows[0], cols[0])
+        if (rows, cols) not in memo:
+            acc = None
+            for k, col in enumerate(cols):
+                term = imp.emit("mp.mul", [entry(rows[0], col),
+                                           minor(rows[1:], cols[:k] + cols[k + 1:])],
+                                hint="cofactor", onnx_type=x.onnx_type)
+                if acc is None:
+                    acc = term if k % 2 == 0 else imp.emit("mp.neg", [term],
+                                                           onnx_type=x.onnx_type)
+                else:
+                    acc = imp.emit("mp.add" if k % 2 == 0 else "mp.sub", [acc, term],
+                                   hint="det", onnx_type=x.onnx_type)
+            memo[rows, cols] = acc
+        return memo[rows, cols]
+
+    return [minor(tuple(range(n)), tuple(range(n)))]
