@@ -416,3 +416,32 @@ def test_det_of_a_large_matrix_is_refused_naming_the_node() -> None:
                [_vi("y", None)])
     with pytest.raises(DiagnosticError, match=r"big_det.*5x5.*up to 4x4"):
         import_model(m)
+
+
+@pytest.mark.parametrize("attrs,masked", [
+    ({"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}, False),
+    ({"kernel_shape": [2, 3], "strides": [2, 1], "dilations": [1, 2], "pads": [0, 1, 1, 0],
+      "group": 2, "offset_group": 2}, True),
+])
+def test_deform_conv_matches_onnxruntime(attrs: dict, masked: bool) -> None:
+    kh, kw = attrs["kernel_shape"]
+    g, og = attrs.get("group", 1), attrs.get("offset_group", 1)
+    sh, sw = attrs.get("strides", [1, 1])
+    dh, dw = attrs.get("dilations", [1, 1])
+    pt, pl, pb, pr = attrs["pads"]
+    oh = (6 + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
+    ow = (7 + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
+    inputs = ["x", "w", "off", "b"] + (["mask"] if masked else [])
+    node = helper.make_node("DeformConv", inputs, ["y"], **attrs)
+    vis = [_vi("x", [2, 4, 6, 7]), _vi("w", [6, 4 // g, kh, kw]),
+           _vi("off", [2, 2 * og * kh * kw, oh, ow]), _vi("b", [6])]
+    if masked:
+        vis.append(_vi("mask", [2, og * kh * kw, oh, ow]))
+    m = _model([node], vis, [_vi("y", None)], opset=22)
+    feeds = {"x": _rng.standard_normal((2, 4, 6, 7)), "w": _rng.standard_normal((6, 4 // g, kh,
+                                                                                kw)),
+             "off": _rng.uniform(-2.5, 2.5, (2, 2 * og * kh * kw, oh, ow)),
+             "b": _rng.standard_normal(6)}
+    if masked:
+        feeds["mask"] = _rng.uniform(0, 1, (2, og * kh * kw, oh, ow))
+    _check(m, {k: v.astype(np.float32) for k, v in feeds.items()}, rtol=1e-4, atol=1e-5)

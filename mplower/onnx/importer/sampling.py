@@ -1,4 +1,4 @@
-"""ONNX import handlers: AffineGrid, GridSample and RoiAlign.
+"""ONNX import handlers: AffineGrid, GridSample, RoiAlign and DeformConv.
 
 AffineGrid is the constant grid of normalized output coordinates (homogeneous, x first) times
 each batch's transposed theta: one matmul. GridSample un-normalizes the grid into pixel
@@ -313,3 +313,122 @@ def _roi_align(imp: _Importer, node: onnx.NodeProto) -> list:
                                                 "sample_count")], onnx_type=x.onnx_type)
     y = _reshape_to(imp, y, (c, len(taps), out_h, out_w))
     return [imp.emit("mp.transpose", [y], {"perm": (1, 0, 2, 3)}, onnx_type=x.onnx_type)]
+
+
+def _bilinear_zeros(imp: _Importer, flat: Run, y: Run, x: Run, height: int,
+                    width: int) -> Run:
+    """Bilinear samples of flat (N, C, H*W) at pixel coordinates y, x (N, P); corners outside
+    the image count as zeros (deformable convolution's sampling)."""
+    n, c, _ = flat.type.shape
+    points = y.type.shape[1]
+    zero, one = _const(imp, 0, y, "zero"), _const(imp, 1, y, "one")
+    result = None
+    lows = [_floor(imp, y), _floor(imp, x)]
+    fracs = [imp.emit("mp.sub", [y, lows[0]]), imp.emit("mp.sub", [x, lows[1]])]
+    for dy, dx in itertools.product((0, 1), (0, 1)):
+        inside, index, weight = None, None, None
+        for low, frac, d, size, stride in ((lows[0], fracs[0], dy, height, width),
+                                           (lows[1], fracs[1], dx, width, 1)):
+            at = imp.emit("mp.add", [low, one]) if d else low
+            ok = imp.emit("mp.logical_and", [
+                imp.emit("mp.greater_equal", [at, zero]),
+                imp.emit("mp.less_equal", [at, _const(imp, size - 1, y, "last")])])
+            inside = ok if inside is None else imp.emit("mp.logical_and", [inside, ok])
+            i = imp.emit("mp.cast", [_clamp(imp, at, 0, size - 1)],
+                         declared=tensor((n, points), "i64"))
+            term = imp.emit("mp.mul", [i, imp.constant(np.array(stride, np.int64), "stride")])
+            index = term if index is None else imp.emit("mp.add", [index, term])
+            w = frac if d else imp.emit("mp.sub", [one, frac])
+            weight = w if weight is None else imp.emit("mp.mul", [weight, w])
+        weight = imp.emit("mp.where", [inside, weight, zero], hint="corner_weight")
+        index = imp.emit("mp.expand", [_reshape_to(imp, index, (n, 1, points))],
+                         declared=tensor((n, c, points), "i64"))
+        v = imp.emit("mp.gather_elements", [flat, index], {"axis": 2}, hint="corner",
+                     onnx_type=flat.onnx_type)
+        v = imp.emit("mp.mul", [v, _reshape_to(imp, weight, (n, 1, points))],
+                     onnx_type=flat.onnx_type)
+        result = v if result is None else imp.emit("mp.add", [result, v], hint="sampled",
+                                                   onnx_type=flat.onnx_type)
+    return result
+
+
+@handler("DeformConv")
+def _deform_conv(imp: _Importer, node: onnx.NodeProto) -> list:
+    """2-D deformable convolution: per kernel tap and offset group, the input sampled
+    bilinearly at the offset positions (times the mask), gathered into columns, then one
+    matmul per group with the reshaped weights."""
+    x, w, off = imp.run_input(0), imp.run_input(1), imp.run_input(2)
+    if x.type.rank != 4 or w.type.rank != 4:
+        raise imp.error(f"DeformConv is imported for 2-D inputs (N, C, H, W), got {x.type}")
+    a = _attrs(node)
+    n, c, height, width = x.type.shape
+    oc, cg, kh, kw = w.type.shape
+    group, ogroups = int(a.get("group", 1)), int(a.get("offset_group", 1))
+    sh, sw = a.get("strides", [1, 1])
+    dh, dw = a.get("dilations", [1, 1])
+    pt, pl, pb, pr = a.get("pads", [0, 0, 0, 0])
+    taps = kh * kw
+    oh = (height + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
+    ow = (width + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
+    if cg * group != c or oc % group or c % ogroups or \
+            off.type.shape != (n, 2 * ogroups * taps, oh, ow):
+        raise imp.error(f"weights {w.type} and offsets {off.type} do not fit the input "
+                        f"{x.type} with group {group}, offset_group {ogroups}")
+    mask = imp.input(4)
+    mask = None if mask is None else imp.run_input(4)
+    points = oh * ow
+    offs = _reshape_to(imp, off, (n, 2 * ogroups * taps, points))
+    rows = np.arange(oh)[:, None] * sh - pt + np.zeros((1, ow))
+    cols = np.arange(ow)[None, :] * sw - pl + np.zeros((oh, 1))
+    dtype = helper.tensor_dtype_to_np_dtype(x.onnx_type)
+    flat = _reshape_to(imp, x, (n, c, height * width))
+    per_group = c // ogroups
+
+    def channel(v: Run, k: int) -> Run:
+        s = imp.emit("mp.slice", [v], {"starts": (0, k, 0), "ends": (n, k + 1, points),
+                                       "steps": (1, 1, 1)}, onnx_type=v.onnx_type)
+        return _reshape_to(imp, s, (n, points))
+
+    sampled = []  # per offset group: (N, C/og, taps, P)
+    for g in range(ogroups):
+        part = imp.emit("mp.slice", [flat], {"starts": (0, g * per_group, 0),
+                                             "ends": (n, (g + 1) * per_group, height * width),
+                                             "steps": (1, 1, 1)}, onnx_type=x.onnx_type)
+        per_tap = []
+        for t in range(taps):
+            i, j = divmod(t, kw)
+            base_y = imp.constant((rows + i * dh).reshape(1, -1).astype(dtype), "base_y")
+            base_x = imp.constant((cols + j * dw).reshape(1, -1).astype(dtype), "base_x")
+            y = imp.emit("mp.add", [base_y, channel(offs, (g * taps + t) * 2)], hint="y")
+            xx = imp.emit("mp.add", [base_x, channel(offs, (g * taps + t) * 2 + 1)], hint="x")
+            v = _bilinear_zeros(imp, part, y, xx, height, width)
+            if mask is not None:
+                mk = _reshape_to(imp, mask, (n, ogroups * taps, points))
+                v = imp.emit("mp.mul", [v, _reshape_to(imp, channel(mk, g * taps + t),
+                                                       (n, 1, points))],
+                             hint="masked", onnx_type=x.onnx_type)
+            per_tap.append(_reshape_to(imp, v, (n, per_group, 1, points)))
+        sampled.append(imp.emit("mp.concat", per_tap, {"axis": 2}, onnx_type=x.onnx_type)
+                       if len(per_tap) > 1 else per_tap[0])
+    columns = imp.emit("mp.concat", sampled, {"axis": 1}, onnx_type=x.onnx_type) \
+        if len(sampled) > 1 else sampled[0]
+    columns = _reshape_to(imp, columns, (n, c * taps, points))
+    outs = []
+    for g in range(group):
+        cs = imp.emit("mp.slice", [columns], {"starts": (0, g * cg * taps, 0),
+                                              "ends": (n, (g + 1) * cg * taps, points),
+                                              "steps": (1, 1, 1)}, onnx_type=x.onnx_type) \
+            if group > 1 else columns
+        per = oc // group
+        wg = imp.emit("mp.slice", [w], {"starts": (g * per, 0, 0, 0),
+                                        "ends": ((g + 1) * per, cg, kh, kw),
+                                        "steps": (1, 1, 1, 1)}, onnx_type=w.onnx_type) \
+            if group > 1 else w
+        wg = _reshape_to(imp, wg, (per, cg * taps))
+        outs.append(imp.emit("mp.matmul", [wg, cs], hint="deform_conv", onnx_type=x.onnx_type))
+    y = imp.emit("mp.concat", outs, {"axis": 1}, onnx_type=x.onnx_type) \
+        if len(outs) > 1 else outs[0]
+    if imp.input(3) is not None:
+        b = _reshape_to(imp, imp.run_input(3), (1, oc, 1))
+        y = imp.emit("mp.add", [y, b], hint="biased", onnx_type=x.onnx_type)
+    return [_reshape_to(imp, y, (n, oc, oh, ow))]
