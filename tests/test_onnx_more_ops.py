@@ -445,3 +445,15 @@ def test_deform_conv_matches_onnxruntime(attrs: dict, masked: bool) -> None:
     if masked:
         feeds["mask"] = _rng.uniform(0, 1, (2, og * kh * kw, oh, ow))
     _check(m, {k: v.astype(np.float32) for k, v in feeds.items()}, rtol=1e-4, atol=1e-5)
+
+
+def test_max_roi_pool_with_constant_regions_matches_onnxruntime() -> None:
+    # The last region lies outside the map: its bins are empty, hence 0.
+    rois = np.array([[1, 0.5, 1.0, 6.0, 7.5], [0, 2.0, 0.0, 4.0, 3.0], [1, -3, 5, 20, 9],
+                     [0, 30, 30, 40, 40]], np.float32)
+    node = helper.make_node("MaxRoiPool", ["x", "rois"], ["y"], pooled_shape=[3, 2],
+                            spatial_scale=0.8)
+    m = _model([node], [_vi("x", [2, 3, 8, 9])], [_vi("y", None)],
+               [numpy_helper.from_array(rois, "rois")], opset=16)
+    got = _check(m, {"x": _rng.standard_normal((2, 3, 8, 9)).astype(np.float32)})[0]
+    assert np.all(got[3] == 0) and np.all(got[:3] != 0)

@@ -1,4 +1,4 @@
-"""ONNX import handlers: AffineGrid, GridSample, RoiAlign and DeformConv.
+"""ONNX import handlers: AffineGrid, GridSample, DeformConv, RoiAlign and MaxRoiPool.
 
 AffineGrid is the constant grid of normalized output coordinates (homogeneous, x first) times
 each batch's transposed theta: one matmul. GridSample un-normalizes the grid into pixel
@@ -432,3 +432,56 @@ def _deform_conv(imp: _Importer, node: onnx.NodeProto) -> list:
         b = _reshape_to(imp, imp.run_input(3), (1, oc, 1))
         y = imp.emit("mp.add", [y, b], hint="biased", onnx_type=x.onnx_type)
     return [_reshape_to(imp, y, (n, oc, oh, ow))]
+
+
+@handler("MaxRoiPool")
+def _max_roi_pool(imp: _Importer, node: onnx.NodeProto) -> list:
+    """Regions known at import (Fast R-CNN's pooling): each output the maximum over a pixel
+    rectangle, gathered from the (C, N*H*W) view; an empty bin is 0. The rectangles follow
+    onnxruntime's kernel (rounded region corners, floor/ceil bin edges)."""
+    x = imp.run_input(0)
+    rois = imp.const(1, "MaxRoiPool's rois (they set which pixels each output reads)")
+    a = _attrs(node)
+    out_h, out_w = (int(v) for v in a["pooled_shape"])
+    scale = float(a.get("spatial_scale", 1.0))
+    if x.type.rank != 4:
+        raise imp.error(f"MaxRoiPool needs an (N, C, H, W) input, got {x.type}")
+    n, c, height, width = x.type.shape
+    rois = np.asarray(rois, np.float64)
+    if rois.ndim != 2 or rois.shape[1] != 5 or np.any((rois[:, 0] < 0) | (rois[:, 0] >= n)):
+        raise imp.error(f"rois {list(rois.shape)} must be (R, 5): a batch index in [0, {n}) "
+                        f"and x1, y1, x2, y2")
+    bins = []
+    for b, x1, y1, x2, y2 in rois:
+        # std::round: halves away from zero.
+        sx, sy, ex, ey = (int(np.sign(v) * np.floor(abs(v) * scale + 0.5))
+                          for v in (x1, y1, x2, y2))
+        bh, bw = max(ey - sy + 1, 1) / out_h, max(ex - sx + 1, 1) / out_w
+        for ph, pw in itertools.product(range(out_h), range(out_w)):
+            h0 = min(max(math.floor(ph * bh) + sy, 0), height)
+            h1 = min(max(math.ceil((ph + 1) * bh) + sy, 0), height)
+            w0 = min(max(math.floor(pw * bw) + sx, 0), width)
+            w1 = min(max(math.ceil((pw + 1) * bw) + sx, 0), width)
+            cells = [(int(b) * height + h) * width + w
+                     for h in range(h0, h1) for w in range(w0, w1)]
+            bins.append(cells)
+    taps = max(max((len(cells) for cells in bins), default=1), 1)
+    # A bin with fewer cells repeats its first (no change to the maximum); an empty one
+    # reads cell 0 and is zeroed after.
+    index = np.array([(cells or [0]) + [cells[0] if cells else 0] * (taps - len(cells or [0]))
+                      for cells in bins], np.int64)
+    empty = np.array([not cells for cells in bins]).reshape(1, -1)
+    planes = imp.emit("mp.transpose", [_reshape_to(imp, x, (n, c, height * width))],
+                      {"perm": (1, 0, 2)}, onnx_type=x.onnx_type)
+    planes = _reshape_to(imp, planes, (c, n * height * width))
+    picked = imp.emit("mp.gather", [planes, imp.constant(index.reshape(-1), "roi_cells")],
+                      {"axis": 1}, hint="cells", onnx_type=x.onnx_type)
+    picked = _reshape_to(imp, picked, (c, len(bins), taps))
+    y = imp.emit("mp.reduce_max", [picked], {"axes": (2,), "keepdims": False},
+                 onnx_type=x.onnx_type)
+    if empty.any():
+        zero = imp.constant(np.zeros((), helper.tensor_dtype_to_np_dtype(x.onnx_type)), "zero")
+        y = imp.emit("mp.where", [imp.constant(empty, "empty_bin"), zero, y],
+                     onnx_type=x.onnx_type)
+    y = _reshape_to(imp, y, (c, len(rois), out_h, out_w))
+    return [imp.emit("mp.transpose", [y], {"perm": (1, 0, 2, 3)}, onnx_type=x.onnx_type)]
