@@ -457,3 +457,12 @@ def test_max_roi_pool_with_constant_regions_matches_onnxruntime() -> None:
                [numpy_helper.from_array(rois, "rois")], opset=16)
     got = _check(m, {"x": _rng.standard_normal((2, 3, 8, 9)).astype(np.float32)})[0]
     assert np.all(got[3] == 0) and np.all(got[:3] != 0)
+
+
+def test_deform_conv_with_mismatched_strides_is_refused_naming_the_node() -> None:
+    node = helper.make_node("DeformConv", ["x", "w", "off"], ["y"], name="dcn",
+                            strides=[1, 1, 1])
+    m = _model([node], [_vi("x", [1, 1, 4, 4]), _vi("w", [1, 1, 2, 2]),
+                        _vi("off", [1, 8, 3, 3])], [_vi("y", [1, 1, 3, 3])], opset=22)
+    with pytest.raises(DiagnosticError, match=r"dcn.*strides"):
+        import_model(m)

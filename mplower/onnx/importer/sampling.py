@@ -364,9 +364,12 @@ def _deform_conv(imp: _Importer, node: onnx.NodeProto) -> list:
     n, c, height, width = x.type.shape
     oc, cg, kh, kw = w.type.shape
     group, ogroups = int(a.get("group", 1)), int(a.get("offset_group", 1))
-    sh, sw = a.get("strides", [1, 1])
-    dh, dw = a.get("dilations", [1, 1])
-    pt, pl, pb, pr = a.get("pads", [0, 0, 0, 0])
+    strides, dilations = list(a.get("strides", [1, 1])), list(a.get("dilations", [1, 1]))
+    pads = list(a.get("pads", [0, 0, 0, 0]))
+    if len(strides) != 2 or len(dilations) != 2 or len(pads) != 4:
+        raise imp.error(f"strides {strides}, dilations {dilations} and pads {pads} must match "
+                        f"the 2 spatial axes")
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, pads
     taps = kh * kw
     oh = (height + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
     ow = (width + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
