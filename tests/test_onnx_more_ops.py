@@ -466,3 +466,23 @@ def test_deform_conv_with_mismatched_strides_is_refused_naming_the_node() -> Non
                         _vi("off", [1, 8, 3, 3])], [_vi("y", [1, 1, 3, 3])], opset=22)
     with pytest.raises(DiagnosticError, match=r"dcn.*strides"):
         import_model(m)
+
+
+def test_a_model_of_these_ops_runs_in_bf16_close_to_onnxruntime() -> None:
+    # The precision sheets see only existing mp ops: a bf16 plan runs, its rounding shows
+    # and stays small.
+    nodes = [helper.make_node("Pad", ["x", "pads"], ["p"], mode="reflect"),
+             helper.make_node("LpPool", ["p"], ["lp"], kernel_shape=[2, 2], p=2),
+             helper.make_node("GlobalMaxPool", ["lp"], ["g"]),
+             helper.make_node("DFT", ["x3", "", "axis"], ["f"], onesided=1)]
+    m = _model([helper.make_node("Reshape", ["x", "shape3"], ["x3"])] + nodes,
+               [_vi("x", [1, 2, 4, 8])], [_vi("g", None), _vi("f", None)],
+               [_init("pads", [0, 0, 1, 1, 0, 0, 1, 1]), _init("axis", np.array(1)),
+                _init("shape3", [8, 8, 1])], opset=20)
+    x = _rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = s.run(None, {"x": x})
+    got = MplowerBackend.prepare(m, precision="bf16").run({"x": x})
+    for g, w in zip(got, want):
+        rel = np.linalg.norm(np.asarray(g, np.float32) - w) / np.linalg.norm(w)
+        assert 1e-5 < rel < 3e-2
