@@ -486,3 +486,26 @@ def test_a_model_of_these_ops_runs_in_bf16_close_to_onnxruntime() -> None:
     for g, w in zip(got, want):
         rel = np.linalg.norm(np.asarray(g, np.float32) - w) / np.linalg.norm(w)
         assert 1e-5 < rel < 3e-2
+
+
+@pytest.mark.parametrize("activation", ["none", "silu"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_causal_conv_with_state_matches_onnx_reference(activation: str,
+                                                       with_state: bool) -> None:
+    # onnxruntime has no opset-27 kernel: onnx's own reference is the independent one here.
+    from onnx.reference import ReferenceEvaluator
+
+    inputs = ["x", "w", "b"] + (["past"] if with_state else [])
+    node = helper.make_node("CausalConvWithState", inputs, ["y", "state"],
+                            activation=activation)
+    vis = [_vi("x", [2, 3, 5]), _vi("w", [3, 1, 4]), _vi("b", [3])]
+    if with_state:
+        vis.append(_vi("past", [2, 3, 3]))
+    m = _model([node], vis, [_vi("y", None), _vi("state", None)], opset=27)
+    feeds = {v.name: _rng.standard_normal([d.dim_value for d in
+                                           v.type.tensor_type.shape.dim]).astype(np.float32)
+             for v in vis}
+    want = ReferenceEvaluator(m).run(None, feeds)
+    got = MplowerBackend.prepare(m).run(feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

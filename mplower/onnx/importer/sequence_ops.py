@@ -1,4 +1,5 @@
-"""ONNX import handlers: ReverseSequence, EyeLike, CumProd, TensorScatter and Det.
+"""ONNX import handlers: ReverseSequence, EyeLike, CumProd, TensorScatter, Det and
+CausalConvWithState.
 
 ReverseSequence is a gather along the time axis whose index map comes from the lengths (a
 constant map when they are constants, a few integer ops when they are not). EyeLike depends
@@ -231,3 +232,43 @@ def _det(imp: _Importer, node: onnx.NodeProto) -> list:
         return memo[rows, cols]
 
     return [minor(tuple(range(n)), tuple(range(n)))]
+
+
+@handler("CausalConvWithState")
+def _causal_conv_with_state(imp: _Importer, node: onnx.NodeProto) -> list:
+    """Opset 27's stateful causal depthwise 1-D convolution: the past state (zeros when
+    absent) concatenated before the input, a depthwise conv2d of height 1 over it, the
+    optional SiLU (x * sigmoid(x)); the new state is the last k-1 positions."""
+    x, w = imp.run_input(0), imp.run_input(1)
+    act = _attrs(node).get("activation", "none")
+    if x.type.rank != 3 or w.type.rank != 3 or w.type.shape[:2] != (x.type.shape[1], 1) \
+            or act not in ("none", "silu", "swish"):
+        raise imp.error(f"input {x.type} (B, C, L) needs a weight (C, 1, k), got {w.type}, "
+                        f"and activation none, silu or swish, got '{act}'")
+    b, c, length = x.type.shape
+    k = w.type.shape[2]
+    past = imp.input(3)
+    if past is None:
+        dtype = helper.tensor_dtype_to_np_dtype(x.onnx_type)
+        past = imp.constant(np.zeros((b, c, k - 1), dtype), "past_state")
+    else:
+        past = imp.run_input(3)
+        if past.type.shape != (b, c, k - 1):
+            raise imp.error(f"past_state {past.type} must be ({b}, {c}, {k - 1})")
+    padded = imp.emit("mp.concat", [past, x], {"axis": 2}, hint="padded",
+                      onnx_type=x.onnx_type) if k > 1 else x
+    operands = [_reshape_to(imp, padded, (b, c, 1, length + k - 1)),
+                _reshape_to(imp, w, (c, 1, 1, k))]
+    if imp.input(2) is not None:
+        operands.append(imp.run_input(2))
+    attrs = {"strides": (1, 1), "padding": (0, 0, 0, 0), "dilations": (1, 1), "groups": c}
+    y = imp.emit("mp.conv2d", operands, attrs, hint="causal_conv", onnx_type=x.onnx_type)
+    y = _reshape_to(imp, y, (b, c, length))
+    if act != "none":
+        y = imp.emit("mp.mul", [y, imp.emit("mp.sigmoid", [y])], hint="silu",
+                     onnx_type=x.onnx_type)
+    state = imp.emit("mp.slice", [padded], {"starts": (0, 0, length), "ends": (b, c,
+                                                                                length + k - 1),
+                                            "steps": (1, 1, 1)}, hint="present_state",
+                     onnx_type=x.onnx_type)
+    return [y, state]
