@@ -52,10 +52,9 @@ LIGHT_MODELS = ("bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "
 CLAIMED_TYPES = frozenset(ELEM_OF_ONNX)
 MIN_PASS_RATE = 0.95
 # ai.onnx ops that onnx ships no node test for, and the test that checks each one against
-# onnxruntime (or, where it has no kernel, onnx's reference evaluator) instead.
+# onnxruntime instead.
 NO_NODE_TEST = {"GlobalLpPool": "tests/test_onnx_more_ops.py",
-                "MaxRoiPool": "tests/test_onnx_more_ops.py",
-                "CausalConvWithState": "tests/test_onnx_more_ops.py"}
+                "MaxRoiPool": "tests/test_onnx_more_ops.py"}
 # Why each known failure fails, for docs/conformance.md (the run supplies the symptom).
 EXPLANATIONS = {
     "INT4": "ONNX's Cast leaves a float outside an integer type's range undefined; mp.cast "

@@ -492,7 +492,7 @@ def test_a_model_of_these_ops_runs_in_bf16_close_to_onnxruntime() -> None:
 @pytest.mark.parametrize("with_state", [False, True])
 def test_causal_conv_with_state_matches_onnx_reference(activation: str,
                                                        with_state: bool) -> None:
-    # onnxruntime has no opset-27 kernel: onnx's own reference is the independent one here.
+    # onnxruntime has no opset-27 kernel: onnx's reference is the independent one here.
     from onnx.reference import ReferenceEvaluator
 
     inputs = ["x", "w", "b"] + (["past"] if with_state else [])
