@@ -114,6 +114,8 @@ def _flat_index(shape: tuple[int, ...], column_major: bool) -> np.ndarray:
     return idx.reshape(shape)
 
 
+# Registered after pooling's MaxPool (this module imports that one first), so this handler
+# replaces it: it takes the Indices output and hands the plain pool back to pooling.
 @handler("MaxPool")
 def _max_pool(imp: _Importer, node: onnx.NodeProto) -> list:
     wants_indices = len(node.output) > 1 and node.output[1] and imp.consumers.get(node.output[1])
