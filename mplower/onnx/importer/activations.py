@@ -19,11 +19,9 @@ from mplower.ir.opdef import OPS
 from mplower.ir.types import tensor
 from mplower.numerics.formats import FORMATS
 from mplower.onnx.importer.core import (
-    Const,
     _attrs,
     _Importer,
     _same_onnx,
-    _shape_of,
     handler,
 )
 
@@ -162,20 +160,3 @@ def _swiglu(imp: _Importer, node: onnx.NodeProto) -> list:
     attrs = _declared_attrs(node, "mp.swish")
     s = imp.emit("mp.swish", [gate], attrs, hint=f"{node.output[0]}_gate")
     return [imp.emit("mp.mul", [s, value], onnx_type=gate.onnx_type)]
-
-
-
-@handler("EyeLike")
-def _eye_like(imp: _Importer, node: onnx.NodeProto) -> list:
-    """Ones on the k-th diagonal of a matrix of the input's shape: a constant, since shapes
-    are static (the input's values are never read)."""
-    shape = _shape_of(imp.need(0))
-    if len(shape) != 2:
-        raise imp.error(f"EyeLike takes a matrix, got an input of shape {list(shape)}")
-    a = _attrs(node)
-    src = imp.need(0)
-    onnx_type = a.get("dtype", src.array.dtype if isinstance(src, Const) else src.onnx_type)
-    if isinstance(onnx_type, np.dtype):
-        onnx_type = helper.np_dtype_to_tensor_dtype(onnx_type)
-    dtype = helper.tensor_dtype_to_np_dtype(onnx_type)
-    return [Const(np.eye(shape[0], shape[1], k=int(a.get("k", 0)), dtype=dtype))]
