@@ -472,10 +472,10 @@ def test_a_sample_gives_the_same_bits_alone_and_anywhere_in_a_batch(name, batch,
     # Lowered outputs, every intermediate value and the fp32 reference: the products of matmul
     # and conv are summed in mplower's order, so a sample's neighbours cannot change its bits.
     x = np.random.default_rng(8).uniform(0, 4, (6,) + shape).astype(np.float32)
-    whole = batched(name, batch, 6, policy).run([x])
+    whole = batched(name, batch, 6, policy).run([x], keep=True)
     alone = batched(name, batch, 1, policy)
     for i in (0, 3, 5):
-        one = alone.run([x[i:i + 1]])
+        one = alone.run([x[i:i + 1]], keep=True)
         pairs = [(got, full) for got, full in zip(one.values + one.refs, whole.values + whole.refs)
                  if isinstance(got, np.ndarray) and got.ndim and full.shape[0] == 6]
         assert len(pairs) >= 10  # every activation, lowered and reference

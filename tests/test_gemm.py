@@ -171,7 +171,7 @@ for name, policy in (("transformer", "bf16"), ("mlp", "fp16"), ("cnn", "bf16")):
     materialize(module)
     prog = Program(module)
     x = np.load("ir_examples/%s_inputs.npz" % name)["x"]
-    result = prog.run([x])
+    result = prog.run([x], keep=True)
     for y in result.outputs + result.reference + result.values + result.refs:
         if isinstance(y, np.ndarray):
             h.update(np.ascontiguousarray(y).tobytes())

@@ -31,7 +31,7 @@ over operands whose products do not fit it exactly (`no-f16-accum`: f32). Legali
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,10 +87,15 @@ class RunResult:
     # lowered graph has no fp32 counterpart, see `reference_kernel`).
     reference: list[np.ndarray | None] | None
     ops: list[OpResult] = field(default_factory=list)
-    # Every value of the run by slot (Program.slots maps a Value to its slot): the lowered
+    # The values of the run by slot (Program.slots maps a Value to its slot): the lowered
     # plan's, and the fp32 reference's (None where there is none), for per-tensor analyses.
+    # Only the slots the run was asked to keep (`Program.run`'s `keep`) and the outputs are
+    # held; every other entry is None, freed after its last reader.
     values: list[Any] = field(default_factory=list)
     refs: list[Any] = field(default_factory=list)
+    # Every slot's fp32 reference on demand (the kept `refs` where they are all kept, else the
+    # reference run again): what a diagnosis of a non-finite reference needs, and only then.
+    all_refs: Callable[[], list[Any]] | None = None
 
 
 class Program:
@@ -135,6 +140,11 @@ class Program:
                 self.steps.append(self._compile(f, n, inputs, slot[(n, k)], k))
         self.num_slots = len(slot)
         self.slots: dict[tuple[int, int], int] = slot  # value -> slot, for RunResult.values
+        # The step after which `run` may free a slot: its last reader's (-1: never read).
+        self._last_read: list[int] = [-1] * self.num_slots
+        for k, s in enumerate(self.steps):
+            for i in s.inputs:
+                self._last_read[i] = k
         self._runtime = [s for s in self.steps if s.constant is None]
         self._folded: list[Any] | None = None  # run_lowered's constants, folded on first use
         self._ref_constants: dict[int, Any] | None = None  # run_reference's, likewise
@@ -217,16 +227,25 @@ class Program:
             out.append(x)
         return out
 
-    def run(self, inputs: list[np.ndarray], reference: bool = True) -> RunResult:
-        """The lowered plan and (with `reference`) the fp32 reference, with per-op statistics."""
+    def run(self, inputs: list[np.ndarray], reference: bool = True,
+            keep: Collection[int] | bool = ()) -> RunResult:
+        """The lowered plan and (with `reference`) the fp32 reference, with per-op statistics.
+
+        Each op's drift is taken as soon as its value and its reference exist; both are then
+        dropped after their last reader, so that a run holds only its live tensors (with the
+        reference, about twice the plan's). RunResult.values/refs hold the outputs and the
+        slots in `keep`; `keep=True` keeps every slot (a per-tensor analysis of the whole run,
+        mplower.report.quant's `trace`)."""
         values = list(self._initial)
         refs: list[Any] = [None] * self.num_slots
         for i, x in enumerate(self.prepare_inputs(inputs)):
             values[i] = x
             raw = np.asarray(inputs[i])
             refs[i] = f32(raw) if FORMATS[self.arg_types[i].elem].is_float else raw
+        held = set(self.outputs) | (set() if isinstance(keep, bool) else set(keep))
+        last = self._last_read
         results = []
-        for step in self.steps:
+        for k, step in enumerate(self.steps):
             if step.constant is not None:
                 y, counts = step.constant, step.constant_counts
             else:
@@ -243,10 +262,22 @@ class Program:
                     if step.op != "mp.quantize":  # its values are x / scale, its reference x
                         _drift(res, y, ref)
                 refs[step.output] = ref
+                del ref_in, ref
+            del y
             results.append(res)
+            if keep is not True:
+                for i in (*step.inputs, step.output):
+                    if last[i] <= k and i not in held:
+                        values[i] = refs[i] = None
         outs = [values[i] for i in self.outputs]
+        if not reference:
+            every = None
+        elif keep is True:
+            every = lambda: refs
+        else:
+            every = lambda: self.run_reference(inputs)
         return RunResult(outs, [refs[i] for i in self.outputs] if reference else None, results,
-                         values, refs)
+                         values, refs, every)
 
     def run_reference(self, inputs: list[np.ndarray],
                       observe: Callable[[int, Any], None] | None = None) -> list[Any]:

@@ -10,7 +10,7 @@ computes the bits its op's reference semantics give in the op's formats; the fus
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -20,7 +20,7 @@ from mplower.backend.scaled import ScaleStats, limited_accum_matmul, scaled_quan
 from mplower.dialect.fused import F32_EXACT, RELU_BEFORE_ROUNDING
 from mplower.dialect.mp import CONTRACTIONS, VALUE_PRESERVING
 from mplower.dialect.plan import ACCUM_BITS, PROMOTE_EVERY
-from mplower.ir.opdef import OpDef, attr_array, attr_int, attr_type, check_attrs
+from mplower.ir.opdef import OPS, OpDef, attr_array, attr_int, attr_type, check_attrs
 from mplower.ir.types import TensorType, value_dtype
 from mplower.numerics.elementwise import add_relu, round_add_columns
 from mplower.numerics.formats import FORMATS
@@ -159,6 +159,37 @@ def add_relu_kernel(rounded: str | None, box: Any = None,
 # ---- kernels -------------------------------------------------------------------------------
 
 
+# A one-operand elementwise op with only scalar attributes runs on pieces of this many values:
+# its reference computes in float64 with a temporary per step (hard_swish: six times its
+# result at once, on the whole tensor), and the result of each value depends on that value
+# alone, so the pieces give the same bits in a fraction of the memory.
+PIECE = 1 << 16
+_SCALAR_ATTRS = frozenset({"alpha", "beta", "gamma", "lambd", "bias", "approximate"})
+
+
+def in_pieces(op: str) -> bool:
+    """Whether `op` may run piece by piece (PIECE)."""
+    opdef = OPS.get(op)
+    return opdef is not None and opdef.elementwise and opdef.max_operands == 1 \
+        and set(opdef.attrs) <= _SCALAR_ATTRS
+
+
+def _by_pieces(fn: Callable[[np.ndarray, TensorType], tuple[np.ndarray, Counts | None]],
+               x: np.ndarray, t: TensorType) -> tuple[np.ndarray, Counts | None]:
+    """fn(piece, its type) over the flattened `x` piece by piece, the results and counts put
+    together (see PIECE)."""
+    flat = x.reshape(-1)
+    out, counts = None, None
+    for s in range(0, flat.size, PIECE):
+        piece = flat[s:s + PIECE]
+        y, c = fn(piece, replace(t, shape=piece.shape))
+        if out is None:
+            out = np.empty(flat.size, y.dtype)
+        out[s:s + PIECE] = y
+        counts = c if counts is None else counts + c if c is not None else counts
+    return out.reshape(x.shape), counts
+
+
 def reference_kernel(reference: Callable, attrs: dict, op: str, out_types: list[TensorType],
                k: int) -> Callable:
     """The op's result `k` in the fp32 reference: its numpy semantics on f32 values, results
@@ -181,7 +212,11 @@ def reference_kernel(reference: Callable, attrs: dict, op: str, out_types: list[
                 return None
             if kinds == {True}:
                 rt = as_f32  # an integer plan whose quantize was removed: the reference is float
+        if pieces and xs[0].size > PIECE and xs[0].shape == out_t.shape:
+            return _by_pieces(lambda x, t: (reference([x], attrs, [t])[0], None), xs[0],
+                              rt[0])[0]
         return reference(xs, attrs, rt)[k]
+    pieces = in_pieces(op)
     return run
 
 
@@ -197,9 +232,14 @@ def generic_kernel(opdef: OpDef, attrs: dict, out_types: list[TensorType], k: in
         reference, attrs = opdef.reference_checked, check_attrs(opdef, attrs)
 
     def run(xs: list[np.ndarray]) -> tuple[np.ndarray, Counts | None]:
-        y = reference([f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x
-                       for x in xs], attrs, rt)[k]
+        xs = [f32(x) if x.dtype.kind == "f" and x.dtype != np.float64 else x for x in xs]
+        if pieces and xs[0].size > PIECE and xs[0].shape == out_types[0].shape:
+            return _by_pieces(lambda x, t: one(reference([x], attrs, [t])[0]), xs[0], rt[0])
+        return one(reference(xs, attrs, rt)[k])
+
+    def one(y: np.ndarray) -> tuple[np.ndarray, Counts | None]:
         return (y, None) if exact else finish(y, elem)
+    pieces = in_pieces(opdef.name)
     return run
 
 

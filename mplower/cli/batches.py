@@ -52,8 +52,9 @@ def split_rows(program, path: str) -> tuple[list[list[np.ndarray]], int]:
 
 
 def run_batches(module, program, batches: list[list[np.ndarray]], func: str | None,
-                weights: str | None):
-    """One RunResult over every batch (module docstring)."""
+                weights: str | None, reference: bool = True):
+    """One RunResult over every batch (module docstring); without `reference`, the lowered
+    plan alone (`--no-reference`)."""
     from mplower.backend.executor import OpResult, Program, RunResult
     from mplower.numerics.metrics import drift
     from mplower.passes.calibrate import grouped_module
@@ -67,12 +68,14 @@ def run_batches(module, program, batches: list[list[np.ndarray]], func: str | No
             f"axis, or set-batch cannot retype it), so running the inputs batch by batch would "
             f"change the results; retype the model to all the rows with "
             f"`mplower opt --pass='set-batch{{size=N}}'` and run it once"))
-    runs = [program.run(b) for b in batches if len(b[0]) == batch]
+    # Each op's drift is taken over all the batches at once, so every run keeps its values.
+    # (The last run's diagnosis of a non-finite reference, RunResult.all_refs, is not merged.)
+    runs = [program.run(b, reference, keep=reference) for b in batches if len(b[0]) == batch]
     last = batches[-1]
     if len(last[0]) != batch:
         small = copy.deepcopy(module)
         set_batch(small.function(func), len(last[0]))
-        runs.append(Program(small, func, weights).run(last))
+        runs.append(Program(small, func, weights).run(last, reference, keep=reference))
     first = runs[0]
     if any([s.step.name for s in r.ops] != [s.step.name for s in first.ops] for r in runs):
         raise DiagnosticError.at(f.loc, "--batch-inputs: the last, partial batch compiles to "

@@ -73,6 +73,11 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
                    help="--inputs holds more rows than the function's batch: run them batch by "
                         "batch (the last, partial one at its own size) and report, save and "
                         "check over all rows; refused where an op mixes the batch axis")
+    p.add_argument("--no-reference", action="store_true",
+                   help="run the lowered plan alone, without the fp32 reference: outputs and "
+                        "per-op overflow/underflow/NaN counts, no drift (a plain run, in "
+                        "about half the memory); refused with guardrails, --metric, --plot "
+                        "and --bisect, which all measure against the reference")
     p.add_argument("--check", action="store_true", help="exit 3 if a guardrail fails")
     p.add_argument("--bisect", action="store_true",
                    help="name the smallest set of ops whose return to f32 meets the guardrails")
@@ -228,6 +233,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.metric is not None and not args.inputs:
         raise UsageError("--metric needs --inputs: the metric reads its arrays (labels, "
                          "targets) from that file")
+    if args.no_reference:
+        against = [f for f, on in (("--guardrail", flags), ("--metric", args.metric),
+                                   ("--plot", args.plot), ("--bisect", args.bisect),
+                                   ("--check", args.check)) if on]
+        if against:
+            raise UsageError(f"--no-reference: {', '.join(against)} measure"
+                             f"{'s' * (len(against) == 1)} against the fp32 reference, which "
+                             f"--no-reference does not run")
     metric = metric_flag(args, flags)
     if args.batch_inputs and not args.inputs:
         raise UsageError("--batch-inputs needs --inputs: it runs that file's rows batch by batch")
@@ -243,6 +256,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     _protect_weights(module, args.weights)
     keys = output_keys(program.function, args.output_names)
     limits = {**_policy_guardrails(module), **flags}
+    if args.no_reference and limits:  # the sheet's limits are all on drift or the metric
+        sys.stderr.write(f"{args.input}: note: the policy sheet's guardrails "
+                         f"{', '.join(limits)} left out: --no-reference has no drift\n")
+        limits = {}
     if metric is None and (sheet_metric := [k for k in limits if k in METRIC_GUARDRAILS]):
         # The sheet limits a metric that only the command line may name (docs/metrics.md).
         if args.check:
@@ -265,14 +282,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mplower.cli.batches import run_batches, split_rows
 
         batches, _ = split_rows(program, args.inputs)
-        result = run_batches(module, program, batches, args.func, args.weights)
+        result = run_batches(module, program, batches, args.func, args.weights,
+                             reference=not args.no_reference)
         arrays = batches[0]  # the per-op quantization table below is of the first batch
     else:
-        result = program.run(arrays)
+        result = program.run(arrays, reference=not args.no_reference)
     report = build_report(result, limits, module.attrs.get(POLICY),
                           program.function.name, metric, eval_arrays,
                           recorded_output_names(program.function))
-    if converted_ops(program.function):  # per-op weight/activation SQNR: one traced run more
+    if converted_ops(program.function) and not args.no_reference:
+        # Per-op weight/activation SQNR: one traced run more, which keeps every value.
         report["quantization"] = json_safe(operand_sqnr(program, arrays))
     if args.bisect:
         from mplower.report.bisect import bisect

@@ -43,9 +43,12 @@ def drift(y: np.ndarray, ref: np.ndarray) -> Drift:
     of an attention mask in both) takes no part. Any other position with a non-finite value
     (finite in one and not the other, -inf against NaN, ...) is a non-finite mismatch: it is
     counted, and the drift is infinite (rel_l2 = max_abs = inf, SQNR = -inf)."""
+    # In place where it can be, so that at most two float64 copies are alive (the executor
+    # takes drift at every op of the full report: this is its peak memory).
     r = ref.astype(np.float64)
+    diff = y.astype(np.float64)
     with np.errstate(invalid="ignore"):  # inf - inf: a NaN that is looked at below
-        diff = y.astype(np.float64) - r
+        diff -= r
     mismatch = 0
     if not np.all(np.isfinite(diff)):  # one pass for the common all-finite case
         y64 = y.astype(np.float64)
@@ -55,11 +58,14 @@ def drift(y: np.ndarray, ref: np.ndarray) -> Drift:
             return Drift(math.inf, -math.inf, math.inf, mismatch)
         keep = np.isfinite(diff)
         r, diff = r[keep], diff[keep]
-    signal = float(np.sum(r * r))
-    noise = float(np.sum(diff * diff))
+    r *= r
+    signal = float(np.sum(r))
+    del r
+    max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
+    diff *= diff
+    noise = float(np.sum(diff))
     rel = float(np.sqrt(noise / signal)) if signal > 0 else (0.0 if noise == 0 else math.inf)
-    return Drift(rel, sqnr_from(signal, noise), float(np.max(np.abs(diff))) if diff.size else 0.0,
-                 mismatch)
+    return Drift(rel, sqnr_from(signal, noise), max_abs, mismatch)
 
 
 def allclose_ratio(y: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> float:

@@ -54,8 +54,10 @@ class Trace:
 
 
 def trace(program: Program, inputs: list[np.ndarray]) -> Trace:
-    """Run the lowered plan and the fp32 reference, keeping every value (Program.run)."""
-    result = program.run(inputs)
+    """Run the lowered plan and the fp32 reference, keeping every value (Program.run's
+    `keep=True`: the SQNR tables read operands, their float origins and results across the
+    whole graph)."""
+    result = program.run(inputs, keep=True)
     return Trace(result.values, result.refs, dict(program.slots))
 
 

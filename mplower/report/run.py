@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,18 +154,22 @@ def _nonfinite(a: Any) -> int:
     return int(a.size - np.count_nonzero(np.isfinite(a)))
 
 
-def check_reference(steps: Sequence[Step], refs: Sequence[Any], outputs: Sequence[Any],
-                    file: str | None = None) -> None:
+def check_reference(steps: Sequence[Step], refs: Sequence[Any] | Callable[[], Sequence[Any]],
+                    outputs: Sequence[Any], file: str | None = None) -> None:
     """A located error when the fp32 reference's `outputs` hold inf or NaN although every
     argument and constant is finite: the reference overflowed, and drift against it means
     nothing (where both hold NaN it would count as agreement). It names the first op whose
     reference result is non-finite from finite operands. `refs` holds every slot's reference
-    value (Program.run's RunResult.refs, or Program.run_reference); `file` replaces the file
+    value (Program.run_reference), or gives it when called (RunResult.all_refs: a run keeps
+    only its live values, so the reference runs again, only where the outputs are not
+    finite); `file` replaces the file
     of the location (a module parsed from a copy). Non-finite inputs or weights (an attention
     mask's -inf) may lawfully reach the outputs: then nothing is checked."""
     bad_outputs = sum(_nonfinite(r) for r in outputs)
     if not bad_outputs:
         return
+    if callable(refs):
+        refs = refs()
     produced = {s.output for s in steps}
     arguments = {i for s in steps for i in s.inputs} - produced
     if any(_nonfinite(refs[i]) for i in arguments) or any(
@@ -226,7 +230,8 @@ def build_report(result: RunResult, guardrails: dict[str, float],
     fp32 reference are measured on the arrays `eval` (docs/metrics.md); `output_names` are the
     model's own names of its outputs (`mp.output_names`), which a metric may use."""
     if result.reference is not None:
-        check_reference([r.step for r in result.ops], result.refs, result.reference)
+        check_reference([r.step for r in result.ops], result.all_refs or result.refs,
+                        result.reference)
     ops = [op_entry(r) for r in result.ops]
     # A row per result; an op with several results (mp.split) still counts once.
     counted = {r.step.node: r.step for r in result.ops if r.step.op != "mp.constant"}

@@ -301,7 +301,8 @@ class Workspace:
             program = Program(module, self.problem.func, ctx.weights_path)
             # A traced evaluation keeps every value of its first batch's run (with the fp32
             # reference beside it): that run is also the first of its quality figures.
-            runs = [program.run(batch, reference=candidate.trace and i == 0)
+            runs = [program.run(batch, reference=candidate.trace and i == 0,
+                                keep=candidate.trace and i == 0)
                     for i, batch in enumerate(self.problem.batches)]
             local = self._local_error(program, runs[0]) if candidate.trace else None
         except DiagnosticError as e:
