@@ -13,7 +13,6 @@ global state, no display) and returned as PNG bytes, which the caller writes ato
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,12 @@ class DriftPlot:
 
 
 TOP = 30  # rows: a 200-op model's chart stays readable
+
+
+def _decade(x: float) -> int:
+    """The power of ten at or below x > 0 (the exponent of its scientific notation)."""
+    k = int(f"{x:e}".split("e")[1])
+    return k - 1 if 10.0 ** k > x else k  # 9.9999996e-2 prints as 1.000000e-01
 
 
 def _worst_first(ops: list[dict[str, Any]]) -> list[int]:
@@ -60,8 +65,8 @@ def plot_drift(report: dict[str, Any], title: str = "", top: int = TOP) -> Drift
     if any(widths):  # whole decades, so that a bar's length reads against the axis
         positive = [w for w in widths if w > 0]
         drift_ax.set_xscale("log")
-        drift_ax.set_xlim(10.0 ** math.floor(math.log10(min(positive))),
-                          10.0 ** math.ceil(math.log10(max(positive)) + 1e-9))
+        lo, hi = _decade(min(positive)), _decade(max(positive))
+        drift_ax.set_xlim(10.0 ** lo, 10.0 ** (hi if max(positive) == 10.0 ** hi else hi + 1))
     drift_ax.set_xlabel("rel_l2 vs fp32 (log)")
     drift_ax.set_yticks(y, names, fontsize=8)
     drift_ax.invert_yaxis()  # worst on top
