@@ -13,8 +13,8 @@ registry is needed once), on its evaluation set built offline:
   `mplower opt` then `mplower run`, and the task metric of each;
 - `mplower tune --metric benchmarks/real_metrics.py:F --guardrail max_metric_drop=0.02`: the
   chosen plan and its modeled speedup over fp32 on the h100 target;
-- peak RSS (the child process's ru_maxrss) of `mplower run` with the full per-op report, and of
-  onnxruntime on the same inputs.
+- peak RSS (the child process's ru_maxrss) of `mplower run --no-reference` (the plain run), of
+  `mplower run` with the full per-op report, and of onnxruntime on the same inputs.
 
 Every command runs as a separate process, so each RSS is that command's own. `--write` puts the
 table into docs/benchmarks.md between its markers.
@@ -72,6 +72,7 @@ MODELS = (
 class Result:
     model: str
     task: str
+    batch: str = ""
     ops: int = 0
     ort_metric: float = float("nan")
     fp32_metric: float = float("nan")
@@ -80,8 +81,10 @@ class Result:
     tuned: str = ""
     tuned_metric: float = float("nan")
     tuned_speedup: float = float("nan")
+    fp32_rel_l2: float = float("nan")
     rss_ort_mib: float = float("nan")
-    rss_mplower_mib: float = float("nan")
+    rss_mplower_mib: float = float("nan")  # with the full per-op report
+    rss_plain_mib: float = float("nan")  # run --no-reference
     errors: list[str] = field(default_factory=list)
 
 
@@ -126,6 +129,7 @@ def evaluate(model: Model, work: Path) -> Result:
         kw["labels_space"] = real_data.magika_labels(path)
     ev = real_data.EVAL_SETS[model.name](**kw)
     np.savez(work / "eval.npz", **ev)
+    res.batch = "x".join(map(str, ev[model.inputs[0]].shape))
     np.savez(work / "inputs.npz", **{k: ev[k] for k in model.inputs})
 
     rc, err, _, res.rss_ort_mib = _run(
@@ -150,9 +154,17 @@ def evaluate(model: Model, work: Path) -> Result:
     if rc:
         res.errors.append(f"run fp32: {err.strip()[-400:]}")
         return res
+    rc, err, _, res.rss_plain_mib = _run(_mplower(
+        "run", "m.ir", "--inputs", "inputs.npz", "--no-reference", "--save-outputs",
+        "plain.npz"), work)
+    if rc:
+        res.errors.append(f"run --no-reference: {err.strip()[-300:]}")
     out = dict(np.load(work / "fp32.npz"))
     res.fp32_err = max(float(np.max(np.abs(out[k].astype(np.float64) - v))
                              / max(float(np.max(np.abs(v))), 1e-30)) for k, v in ort_out.items())
+    res.fp32_rel_l2 = max(float(np.linalg.norm(out[k].astype(np.float64) - v)
+                                / max(float(np.linalg.norm(v.astype(np.float64))), 1e-30))
+                          for k, v in ort_out.items())
     res.fp32_metric = _metric(model, out, ev)
 
     for sheet in SHEETS:
@@ -191,18 +203,20 @@ def table(results: list[Result]) -> list[str]:
     def f(x: float, d: int = 3) -> str:
         return "—" if math.isnan(x) else f"{x:.{d}f}"
 
-    out = ["| model (task) | ops | metric | onnxruntime fp32 | mplower fp32 | max rel. diff "
-           "| " + " | ".join(SHEETS) + " | tuned plan (speedup, metric) | peak RSS mplower "
-           "/ ORT (MiB) |",
-           "|" + "---|" * (9 + len(SHEETS))]
+    out = ["| model (task), batch | ops | metric | onnxruntime fp32 | mplower fp32 | fp32 max "
+           "diff / rel-L2 | " + " | ".join(SHEETS) + " | tuned plan (speedup, metric) | peak RSS "
+           "MiB: plain / full report / ORT |",
+           "|" + "---|" * (8 + len(SHEETS))]
     for r in results:
         m = next(x for x in MODELS if x.name == r.model)
-        rss = f"{r.rss_mplower_mib:.0f} / {r.rss_ort_mib:.0f}" \
-            + (f" ({r.rss_mplower_mib / r.rss_ort_mib:.1f}x)"
-               if not math.isnan(r.rss_ort_mib + r.rss_mplower_mib) else "")
+        rss = f"{r.rss_plain_mib:.0f} / {r.rss_mplower_mib:.0f} / {r.rss_ort_mib:.0f}" \
+            + (f" ({r.rss_plain_mib / r.rss_ort_mib:.1f}x / "
+               f"{r.rss_mplower_mib / r.rss_ort_mib:.1f}x)"
+               if not math.isnan(r.rss_ort_mib + r.rss_mplower_mib + r.rss_plain_mib) else "")
         tuned = f"{r.tuned} ({f(r.tuned_speedup, 2)}x, {f(r.tuned_metric)})" if r.tuned else "—"
-        out.append(f"| {r.model} ({r.task}) | {r.ops} | {m.metric} | {f(r.ort_metric)} | "
-                   f"{f(r.fp32_metric)} | {f(r.fp32_err, 7)}"
+        out.append(f"| {r.model} ({r.task}), {r.batch} | {r.ops} | {m.metric} | "
+                   f"{f(r.ort_metric)} | {f(r.fp32_metric)} | "
+                   f"{r.fp32_err:.1e} / {r.fp32_rel_l2:.1e}"
                    " | " + " | ".join(f(r.metrics.get(s, float('nan'))) for s in SHEETS)
                    + f" | {tuned} | {rss} |")
     errs = [f"- {r.model}: {e}" for r in results for e in r.errors]

@@ -45,7 +45,7 @@ ALL_OPS = [
     "fake_quant_lsq", "lsq_grad", "scatter_elements_add", "scatter_nd_add",
     "scaled_quant",
     # the fused ops of the `fuse` pass (mplower.dialect.fused)
-    "add_relu", "fused_matmul",
+    "add_relu", "fused_matmul", "fused_conv2d", "fused_binary",
     # activations and elementwise math (mplower.dialect.mp.activations)
     "hard_sigmoid", "hard_swish", "leaky_relu", "elu", "selu", "celu", "mish", "softplus",
     "softsign", "thresholded_relu", "swish", "shrink", "floor", "ceil", "round", "sin", "cos",
