@@ -13,15 +13,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from mplower.dialect.mp.common import _NUMERIC, _SUMS, _VECTOR, _def, _elem_of, _zeros_like
+from mplower.dialect.mp.common import _SUMS, _VECTOR, _def, _zeros_like
 from mplower.dialect.mp.indexing import (
     _checked_indices,
-    _gather_elements_infer,
-    _gather_nd_shape,
-    _index_elem,
+    _scatter_elements_add_infer,
+    _scatter_nd_add_infer,
 )
 from mplower.ir.opdef import AttrSpec, GradBuilder, OpError, Value, Vjp
-from mplower.ir.types import TensorType, tensor
+from mplower.ir.types import TensorType
 
 REDUCTIONS = ("none", "add", "mul", "max", "min")
 _UFUNC = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
@@ -52,13 +51,8 @@ def _scatter_vjp(scatter: str, gather: str, attrs: Callable[[dict], dict]) -> Vj
     return vjp
 
 
-def _scatter_elements_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
-    data, idx, updates = ins
-    elem = _elem_of((data, updates), _NUMERIC, "a numeric")
-    if updates.shape != idx.shape:
-        raise OpError(f"updates {updates} must have the shape of indices {idx}", operand=2)
-    _gather_elements_infer((data, idx), a, ())
-    return [tensor(data.shape, elem)]
+# The shape rules are the scatter-adds' (mplower.dialect.mp.indexing): only the reduction differs.
+_scatter_elements_infer = _scatter_elements_add_infer
 
 
 def _scatter_elements_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
@@ -84,14 +78,7 @@ _def("scatter_elements",
 
 
 def _scatter_nd_infer(ins: tuple, a: dict, declared: tuple) -> list[TensorType]:
-    data, idx, updates = ins
-    elem = _elem_of((data, updates), _NUMERIC, "a numeric")
-    _index_elem(idx, 1)
-    want = _gather_nd_shape(data, idx, 0)
-    if updates.shape != want:
-        raise OpError(f"updates {updates} must have shape {list(want)} (what gather_nd of "
-                      f"{data} at {idx} gives)", operand=2)
-    return [tensor(data.shape, elem)]
+    return _scatter_nd_add_infer(ins, {"batch_dims": 0}, declared)  # ScatterND has none
 
 
 def _scatter_nd_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
