@@ -393,6 +393,28 @@ def _attention_bias(imp: _Importer, i: int, bias: Bias, like: Run) -> None:
     bias.add(imp, v.array.astype(np_dtype(like)) if isinstance(v, Const) else v)
 
 
+def _contrib_sdpa(imp: _Importer, a: dict, q: Run, k: Run, v: Run, plen: int, mask: int,
+                  mask_name: str) -> Run:
+    """Attention and MultiHeadAttention's shared tail: the key mask of input `mask`, the causal
+    mask (`unidirectional`), attention_bias (input 5), then scaled dot-product attention."""
+    b, _, sq, _ = q.type.shape
+    total = k.type.shape[2]
+    fill = float(a.get("mask_filter_value", -10000.0))
+    bias = Bias()
+    if imp.input(mask) is not None:
+        bias.add(imp, _key_mask(imp, imp.need_tensor(mask), b, sq, total, fill, q,
+                                       mask_name))
+    if int(a.get("unidirectional", 0)):
+        # onnxruntime adds mask_filter_value past the causal frontier too
+        bias.add(imp, np.where(causal_allowed(sq, total, plen), np_dtype(q).type(0),
+                               np_dtype(q).type(fill)))
+    _attention_bias(imp, 5, bias, q)
+    scale = a.get("scale")
+    y, _ = sdpa(imp, q, k, v, bias, scale=None if scale is None else float(scale),
+                split_scale=False)
+    return y
+
+
 @handler(MS + "Attention")
 def _ms_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     a = _attrs(node)
@@ -427,21 +449,7 @@ def _ms_attention(imp: _Importer, node: onnx.NodeProto) -> list:
             "starts": [i, 0, 0, 0, 0], "ends": [i + 1, *ps], "steps": [1] * 5},
             onnx_type=p.onnx_type), ps) for i in (0, 1))
         k, v = with_past(imp, pk, k, "past"), with_past(imp, pv, v, "past")
-    b, _, sq, _ = q.type.shape
-    total = k.type.shape[2]
-    fill = float(a.get("mask_filter_value", -10000.0))
-    bias = Bias()
-    if imp.input(3) is not None:
-        bias.add(imp, _key_mask(imp, imp.need_tensor(3), b, sq, total, fill, q,
-                                       "mask_index"))
-    if int(a.get("unidirectional", 0)):
-        # onnxruntime adds mask_filter_value past the causal frontier too
-        bias.add(imp, np.where(causal_allowed(sq, total, plen), np_dtype(q).type(0),
-                               np_dtype(q).type(fill)))
-    _attention_bias(imp, 5, bias, q)
-    scale = a.get("scale")
-    y, _ = sdpa(imp, q, k, v, bias, scale=None if scale is None else float(scale),
-                split_scale=False)
+    y = _contrib_sdpa(imp, a, q, k, v, plen, 3, "mask_index")
     present = None
     if len(node.output) > 1 and node.output[1] and imp.consumers.get(node.output[1]):
         one = (1, *k.type.shape)
@@ -498,21 +506,7 @@ def _multi_head_attention(imp: _Importer, node: onnx.NodeProto) -> list:
     plen = 0 if imp.input(6) is None else _shape_of(imp.need(6))[2]
     k = with_past(imp, imp.input(6), k, "past_key")
     v = with_past(imp, imp.input(7), v, "past_value")
-    b, _, sq, _ = q.type.shape
-    total = k.type.shape[2]
-    fill = float(a.get("mask_filter_value", -10000.0))
-    bias = Bias()
-    if imp.input(4) is not None:
-        bias.add(imp, _key_mask(imp, imp.need_tensor(4), b, sq, total, fill, q,
-                                       "key_padding_mask"))
-    if int(a.get("unidirectional", 0)):
-        # onnxruntime adds mask_filter_value past the causal frontier too
-        bias.add(imp, np.where(causal_allowed(sq, total, plen), np_dtype(q).type(0),
-                               np_dtype(q).type(fill)))
-    _attention_bias(imp, 5, bias, q)
-    scale = a.get("scale")
-    y, _ = sdpa(imp, q, k, v, bias, scale=None if scale is None else float(scale),
-                split_scale=False)
+    y = _contrib_sdpa(imp, a, q, k, v, plen, 4, "key_padding_mask")
     return [merge_heads(imp, y), k, v, None]
 
 
