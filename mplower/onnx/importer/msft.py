@@ -402,8 +402,7 @@ def _contrib_sdpa(imp: _Importer, a: dict, q: Run, k: Run, v: Run, plen: int, ma
     fill = float(a.get("mask_filter_value", -10000.0))
     bias = Bias()
     if imp.input(mask) is not None:
-        bias.add(imp, _key_mask(imp, imp.need_tensor(mask), b, sq, total, fill, q,
-                                       mask_name))
+        bias.add(imp, _key_mask(imp, imp.need_tensor(mask), b, sq, total, fill, q, mask_name))
     if int(a.get("unidirectional", 0)):
         # onnxruntime adds mask_filter_value past the causal frontier too
         bias.add(imp, np.where(causal_allowed(sq, total, plen), np_dtype(q).type(0),
