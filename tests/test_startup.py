@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("numba", "scipy", "onnx", "dask", "matplotlib", "jax")
 
 
-def imported_after(argv: list[str]) -> dict:
+def imported_after(argv: list[str], **env_extra: str) -> dict:
     """Exit code, stdout, the HEAVY libraries and the pass modules loaded after `mplower ARGV`,
     run in a fresh interpreter from the repository root."""
     code = (
-        "import contextlib, io, json, sys\n"
+        "import contextlib, io, json, os, sys\n"
         "from mplower.cli.main import main\n"
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
@@ -32,10 +32,12 @@ def imported_after(argv: list[str]) -> dict:
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "passes = sorted(m for m in sys.modules if m.startswith('mplower.passes.'))\n"
         "print(json.dumps({'rc': rc, 'stdout': out.getvalue(), 'heavy': heavy,\n"
-        "                  'passes': passes}))\n"
+        "                  'passes': passes,\n"
+        "                  'blas_threads': os.environ.get('OPENBLAS_NUM_THREADS')}))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"} | env_extra
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     done = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -75,3 +77,11 @@ def test_report_of_a_module_without_sparse_ops_imports_no_numba() -> None:
     result = imported_after(["report", "ir_examples/mlp.ir"])
     assert (result["rc"], result["heavy"]) == (0, [])
     assert "mp.matmul" in result["stdout"]
+
+
+def test_commands_load_openblas_with_one_thread_unless_told_otherwise() -> None:
+    # OpenBLAS's thread pool costs ~0.1 s of CPU per start and mplower's float products never
+    # use BLAS (numerics/gemm.py), so the command sets one thread before numpy loads...
+    assert imported_after(["passes"])["blas_threads"] == "1"
+    # ... and keeps the user's own setting.
+    assert imported_after(["passes"], OPENBLAS_NUM_THREADS="2")["blas_threads"] == "2"
