@@ -121,12 +121,15 @@ def _emit(f: Function, op: str, operands: list[Value], attrs: dict[str, Any],
 @register_pass
 @dataclass
 class QuantizeKV(Pass):
-    """Store the key/value cache of an imported LLM (`present.{i}.key|value` results,
-    `past_key_values.{i}.*` decode arguments) in `format`, with scales per `granularity`:
-    tensor (static per layer, amax / fmax from calibrate's ranges, as vLLM's k_scale/v_scale),
-    head (dynamic per sequence, KV head and position) or token (dynamic per sequence and
-    position, vLLM's per-token fp8 scaling). Dynamic scales are stored beside the cache as f32
-    results `present.{i}.key_scale` and decode arguments `past_key_values.{i}.key_scale`.
+    """Store the key/value cache of an imported LLM in fp8 or int8, with its scales.
+
+    The cache is the `present.{i}.key|value` results and a decode step's
+    `past_key_values.{i}.key|value` arguments (docs/hf.md). `granularity`: tensor (one static
+    scale per layer for keys and one for values, amax / fmax from calibrate's ranges, as vLLM's
+    k_scale/v_scale), head (dynamic, per sequence, KV head and position) or token (dynamic, per
+    sequence and position over all KV heads, vLLM's per-token fp8 scaling). Dynamic scales are
+    stored beside the cache: f32 results `present.{i}.key_scale` / `.value_scale` and decode
+    arguments `past_key_values.{i}.key_scale` / `.value_scale`, right after their cache.
     Attention reads the dequantized cache; rounding is mp.quantize's (saturating)."""
 
     name: ClassVar[str] = "quantize-kv"
@@ -134,8 +137,8 @@ class QuantizeKV(Pass):
         "caches-quantized": "key and value caches stored narrow (per function and layer)",
         "scale-arguments": "scale arguments added to decode steps"}
     examples: ClassVar[tuple[str, ...]] = (
-        "ir_examples/tiny_llama.ir --pass='quantize-kv{granularity=token}'",
-        "ir_examples/tiny_llama.ir --pass='quantize-kv{format=i8 granularity=head}'")
+        "ir_examples/llm/tiny_llama.ir --pass='quantize-kv{granularity=token}'",
+        "ir_examples/llm/tiny_llama.ir --pass='quantize-kv{format=i8 granularity=head}'")
     format: str = option("f8E4M3FN", "storage format of the cache: f8E4M3FN or i8")
     granularity: str = option("tensor", "tensor (static, from calibrate), head or token "
                                         "(dynamic, computed per position)")
