@@ -211,3 +211,47 @@ def test_quantizing_twice_is_refused(cli, tmp_path, checkpoint):
     lowered(cli, tmp_path, folder, "quantize-kv{granularity=token}")
     r = cli("opt", tmp_path / "q.ir", "--pass=quantize-kv{granularity=token}")
     assert r.rc == 1 and "already f8E4M3FN" in r.err
+
+
+def test_quantized_gpt2_decode_step_reproduces_the_longer_prefill(cli, tmp_path):
+    """Attention reads the stored cache in both functions, so prefill + one decode step is the
+    prefill one token longer under the quantized cache too (dynamic scales: per position)."""
+    from test_hf_import import CASES
+
+    cfg, maker, dtype, shards, _ = CASES["gpt2"]
+    folder = tmp_path / "gpt2"
+    write_checkpoint(folder, cfg, maker(cfg, np.random.default_rng(0), dtype), shards)
+    kv = "--pass=quantize-kv{format=i8 granularity=head}"
+    modules = []
+    for seq in (S, S + 1):
+        out = tmp_path / f"g{seq}.ir"
+        assert cli("import", folder, "-o", out, "--batch", B, "--seq", seq).rc == 0
+        assert cli("opt", out, kv, "-o", tmp_path / f"q{seq}.ir").rc == 0
+        modules.append(parse_file(tmp_path / f"q{seq}.ir"))
+    ids = np.random.default_rng(2).integers(0, cfg["vocab_size"], (B, S + 1)).astype(np.int64)
+    first = run(modules[0], "prefill", [ids[:, :S]])
+    step = run(modules[0], "decode", [ids[:, S:]] + first[1:])
+    whole = run(modules[1], "prefill", [ids])
+    np.testing.assert_allclose(step[0][:, 0], whole[0][:, S], rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(step[1:], whole[1:], strict=True):  # codes and scales
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_run_and_report_show_the_cache_quantize_and_dequantize_ops(cli, tmp_path, checkpoint):
+    import json
+
+    folder, _ = checkpoint
+    module = lowered(cli, tmp_path, folder, "quantize-kv{granularity=token}")
+    first = run(module, "prefill", [IDS[:, :S]])
+    names = [module.functions["decode"].data(a)["name"] for a in module.functions["decode"].args]
+    np.savez(tmp_path / "step.npz", **dict(zip(names, [IDS[:, S:]] + first[1:], strict=True)))
+    r = cli("run", tmp_path / "q.ir", "--func", "decode", "--inputs", tmp_path / "step.npz",
+            "--format", "json")
+    assert r.rc == 0, r.err
+    rows = {o["name"]: o for o in json.loads(r.out)["ops"]}
+    assert rows["%present.0.key.q"]["op"] == "mp.quantize"
+    # The fp32 reference keeps the new token's keys unrounded: the stored cache drifts a little.
+    dq = rows["%present.0.key.dq"]
+    assert dq["op"] == "mp.dequantize" and 0 < dq["rel_l2"] < 0.05
+    r = cli("report", tmp_path / "q.ir", "--func", "decode")
+    assert r.rc == 0 and "%present.0.value.dq" in r.out and "mp.quantize" in r.out
