@@ -19,7 +19,8 @@ Scales follow the serving stacks' conventions:
   signature gains no argument.
 - `granularity=head`: dynamic, one scale per sequence, KV head and position: the amax over the
   head's head_dim values of that position's key (value), computed when the token's keys are
-  made and stored with them (per-token, per-head scaling as in KIVI and LMDeploy's int8 cache).
+  made and stored with them (LMDeploy's online int8 KV cache scales per head and token too,
+  asymmetrically; these are symmetric, as vLLM's fp8 scales are).
 - `granularity=token`: dynamic, one scale per sequence and position over all KV heads, vLLM's
   per-token dynamic fp8 scaling (QuantFP8 per token) applied to the [tokens, kv_heads *
   head_dim] rows.
