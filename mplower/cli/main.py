@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from mplower.cli import onnx, opt, report, run, target, train, tune
+from mplower.cli import onnx, opt, perplexity, report, run, target, train, tune
 from mplower.cli.common import (
     EXIT_INPUT,
     EXIT_OK,
@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[Callable[[Any, str], argparse.ArgumentParser],
     "bench": (run.add_bench, run.cmd_bench),
     "import": (onnx.add_import, onnx.cmd_import),
     "export": (onnx.add_export, onnx.cmd_export),
+    "perplexity": (perplexity.add_perplexity, perplexity.cmd_perplexity),
     "target": (target.add_target, target.cmd_target),
     "train": (train.add_train, train.cmd_train),
     "tune": (tune.add_tune, tune.cmd_tune),
