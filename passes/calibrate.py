@@ -407,7 +407,9 @@ class Calibrate(Pass):
     keep theirs in the function's `arg_attrs`. Methods: minmax, percentile (of |x|), entropy
     (TensorRT's KL search), mse. `group` batches at a time run through the reference stacked
     along the batch axis, where every op keeps the rows of a batch apart (otherwise one at a
-    time); the ranges do not depend on it. A progress bar is drawn on a terminal for long runs.
+    time); the ranges do not depend on it. Each group is a shard that `mplower opt --workers N`
+    (or `--scheduler ADDRESS`) runs on a dask worker, with the same ranges, to the bit
+    (docs/distributed.md). A progress bar is drawn on a terminal for long runs.
     """
 
     name: ClassVar[str] = "calibrate"
