@@ -8,6 +8,7 @@ processes, which the CLI test below does not wait for (it uses `--scheduler`).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -232,3 +233,37 @@ def test_opt_scheduler_that_is_no_address_is_a_located_error_before_any_pass(tmp
     assert capsys.readouterr().err == ("nonsense: error: cannot connect to the dask scheduler: "
                                        "missing port number in address 'nonsense'\n")
     assert not out.exists()
+
+
+# ---- evaluation -----------------------------------------------------------------------------
+
+def test_run_batch_inputs_reports_the_same_bytes_on_a_cluster(executors, tmp_path, capsys):
+    """`run --batch-inputs`: 3 whole batches of 32 on the workers, the partial last one of 4
+    here; the report (per-op counts and drift over all 100 rows) and the outputs match."""
+    from mplower.cli.main import main
+
+    for name in ("mlp.ir", "mlp.npz"):
+        shutil.copy(ROOT / "ir_examples" / name, tmp_path / name)
+    assert main(["opt", str(tmp_path / "mlp.ir"), "--pass=assign-precision{policy=fp16}",
+                 "-o", str(tmp_path / "fp16.ir")]) == 0
+    rows = np.random.default_rng(6).standard_normal((100, 64)).astype(np.float32) * 40
+    np.savez(tmp_path / "rows.npz", x=rows)
+    outs = {}
+    for where in ([], ["--scheduler", executors[2].client.scheduler.address]):
+        save = tmp_path / f"out{len(where)}.npz"
+        capsys.readouterr()
+        assert main(["run", str(tmp_path / "fp16.ir"), "--inputs", str(tmp_path / "rows.npz"),
+                     "--batch-inputs", "--report", "-", "--save-outputs", str(save),
+                     *where]) == 0
+        outs[len(where)] = (capsys.readouterr().out, np.load(save)["output_0"])
+    assert outs[0][0] == outs[2][0]
+    assert outs[0][1].tobytes() == outs[2][1].tobytes() and outs[0][1].shape == (100, 10)
+    report = json.loads(outs[0][0])
+    assert report["summary"]["output_rel_l2"] > 0 and report["summary"]["underflow"] > 0
+
+
+def test_run_workers_without_batch_inputs_is_a_usage_error(capsys):
+    from mplower.cli.main import main
+
+    assert main(["run", str(ROOT / "ir_examples/mlp.ir"), "--workers", "2"]) == 2
+    assert "give --batch-inputs" in capsys.readouterr().err
