@@ -125,6 +125,30 @@ def test_sum_over_shards_gives_the_same_float64_bits_with_0_1_and_2_workers(exec
 
 # ---- calibration ----------------------------------------------------------------------------
 
+def test_merged_shard_statistics_equal_one_pass_over_all_the_samples():
+    """What makes calibration exact on workers: statistics of shards, merged, are those of one
+    pass, although the shards' histogram grids differ (each widens to its own largest value)."""
+    from mplower.lowering.calibration import TensorStats
+
+    rng = np.random.default_rng(8)
+    shards = [rng.standard_normal((16, 8)).astype(np.float32) * scale
+              for scale in (0.01, 3.0, 0.2, 900.0, 1.0)]
+    shards[2][0, 0] = -0.0
+    one = TensorStats(256)
+    one.add(np.concatenate(shards), channel_axis=1)
+    parts = []
+    for x in shards:
+        parts.append(TensorStats(256))
+        parts[-1].add(x, channel_axis=1)
+    merged = parts[0]
+    for p in parts[1:]:
+        merged.merge(p)
+    assert (merged.count, merged.min, merged.max, merged.side_exp) == \
+        (one.count, one.min, one.max, one.side_exp)
+    for field in ("hist", "side_exponents", "channel_max", "channel_min", "nonfinite"):
+        assert getattr(merged, field).tobytes() == getattr(one, field).tobytes(), field
+
+
 _THREADS: list[str] = []
 
 

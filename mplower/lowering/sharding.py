@@ -47,8 +47,6 @@ class Serial:
     """Runs each task here, when it is submitted: a shard's partial is combined as soon as it
     exists, so the partials held at once are the depth of the reduction tree (or one)."""
 
-    description = "serial"
-
     def share(self, value: S) -> S:
         return value
 
@@ -107,12 +105,6 @@ class DaskShards:
         self.workers, self.scheduler = workers, scheduler
         self._client, self._own = client, client is None
         self._cluster = None
-        if client is not None:
-            self.description = "dask client"
-        elif scheduler is not None:
-            self.description = f"dask scheduler {scheduler}"
-        else:
-            self.description = f"dask LocalCluster, {workers} workers"
 
     def start(self) -> None:
         """Connect (start the LocalCluster) now rather than on the first task."""
@@ -146,11 +138,12 @@ class DaskShards:
         return value
 
     def close(self) -> None:
+        """Close the client and cluster this made (a caller's client stays open)."""
         if self._own and self._client is not None:
             self._client.close()
             if self._cluster is not None:
                 self._cluster.close()
-        self._client = self._cluster = None
+            self._client = self._cluster = None
 
 
 Executor = Serial | DaskShards
