@@ -103,6 +103,7 @@ def _gram(samples: np.ndarray, rows: range) -> np.ndarray:
     return h
 
 
+@pytest.mark.determinism
 def test_sum_over_shards_gives_the_same_float64_bits_with_0_1_and_2_workers(executors):
     # Heavy-tailed activations, so the float64 sum's rounding depends on its order.
     rng = np.random.default_rng(35)
@@ -176,6 +177,7 @@ def _lower(folder: Path, executor, method: str) -> str:
     return print_module(module)
 
 
+@pytest.mark.determinism
 @pytest.mark.parametrize("method", ["minmax", "entropy"])
 def test_lowered_module_is_byte_identical_with_0_1_and_2_workers(executors, tmp_path, method):
     for name in ("mlp.ir", "mlp.npz"):
