@@ -30,6 +30,7 @@ from mplower.ir.diagnostics import DiagnosticError, did_you_mean
 
 if TYPE_CHECKING:  # the CLI imports this module before it knows whether it will parse IR
     from mplower.ir.graph import Module, Value
+    from mplower.lowering.sharding import Executor
 
 # What a pass that runs the model (calibrate) gets from its caller, since passes sit below the
 # backend: runner(module, func, weights) compiles the function's fp32 reference and returns a
@@ -54,6 +55,7 @@ class PassContext:
     output_path: str | None = None  # where `-o` writes; passes write new weights beside it
     weights_path: str | None = None  # `--weights`: the user's explicit weights file
     runner: ReferenceRunner | None = None  # for the passes that run the model (calibrate)
+    executor: Executor | None = None  # where their sample shards run (None: here; --workers)
 
     def stat(self, name: str, n: int = 1) -> None:
         self.stats[name] += n

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from mplower.passes.set_batch import set_batch
@@ -45,6 +47,7 @@ from mplower.lowering.calibration import (
     constant_nodes,
     record,
 )
+from mplower.lowering.sharding import Executor, reduce_shards, shard_ranges
 from mplower.numerics.formats import FORMATS
 from mplower.pass_manager import Pass, PassContext, ReferenceRunner, option, register_pass
 
@@ -228,104 +231,165 @@ def auto_group(f: Function, count: int = 0) -> int:
     return group
 
 
+class _Calibration:
+    """What every shard of one calibration shares (a dask worker receives it once): the module,
+    the values counted, and per thread the reference it ran last (a reference holds the
+    weights and takes a compile: built again only for a shard of another size)."""
+
+    def __init__(self, module: Module, func: str | None, runner: ReferenceRunner,
+                 weights: str | None, bins: int, histogram: bool):
+        self.module, self.func, self.runner, self.weights = module, func, runner, weights
+        self.bins, self.histogram = bins, histogram
+        f = self.f = module.function(func)
+        self.constants = constant_nodes(f)
+        ret = f.return_node
+        self.tracked = [(n, k) for n in [*f.args, *f.ops()] if n != ret and n not in
+                        self.constants for k, t in enumerate(f.types(n))
+                        if FORMATS[t.elem].is_float]
+        relu_of = {(n, 0): f.operands(n)[0] for n in f.ops() if f.op(n) == "mp.relu"}
+        self.derived: dict[Value, Value] = {}
+        # Where a relu output needs channel maxima, its operand keeps them.
+        self.channel = dict(channel_axes(f, self.constants))
+        floats = set(self.tracked)
+        for v in reversed(self.tracked):
+            x = relu_of.get(v)
+            if x is None or x not in floats or (v in self.channel and
+                                                self.channel.get(x, self.channel[v])
+                                                != self.channel[v]):
+                continue
+            self.derived[v] = x
+            if v in self.channel:
+                self.channel[x] = self.channel[v]
+        self._references: dict[int, tuple[int, Callable[..., Any]]] = {}
+        self._unstackable: set[int] = set()  # batch counts grouped_module refuses
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_references": {}}  # compiled code stays where it was built
+
+    def reference(self, size: int) -> tuple[Callable[..., Any], bool]:
+        """The reference that runs `size` batches, and whether it takes them stacked (where
+        the model keeps rows apart) or one at a time."""
+        if size in self._unstackable:
+            size = 1
+        me = threading.get_ident()
+        held = self._references.get(me)
+        if held is not None and held[0] == size:
+            return held[1], size > 1
+        grown = grouped_module(self.module, self.func, size) if size > 1 else self.module
+        if grown is None:
+            self._unstackable.add(size)
+            return self.reference(1)
+        self._references.pop(me, None)  # one at a time: each holds the weights
+        reference = self.runner(grown, self.func, self.weights)
+        self._references[me] = (size, reference)
+        return reference, size > 1
+
+    def run(self, shard: _Shard) -> dict[Value, TensorStats]:
+        """The statistics of the shard's batches, per counted value."""
+        f, constants, channel = self.f, self.constants, self.channel
+        counted = {v: TensorStats(self.bins, self.histogram) for v in self.tracked
+                   if v not in self.derived}
+        nonfinite: set[Value] = set()  # values that held inf or NaN in some batch
+        constant_values: list[ConstantValues] = []  # read only where a result is not finite
+
+        def carries_nonfinite(u: Value) -> bool:
+            if u in nonfinite or self.derived.get(u) in nonfinite:
+                return True
+            if u[0] not in constants or not FORMATS[f.type_of(u).elem].is_float:
+                return False
+            if not constant_values:
+                constant_values.append(ConstantValues(self.module, f, self.weights))
+            return not np.all(np.isfinite(constant_values[0].get(u)))
+
+        def observe(v: Value, y: np.ndarray | None) -> None:
+            s = counted.get(v)
+            if s is None or y is None:  # None: no fp32 counterpart (an integer input)
+                return
+            if shard.rows is not None:  # every value carries the batch on axis 0
+                y = y[:shard.rows]        # (check_partial_batch)
+            before = s.nonfinite.copy()
+            s.add(y, channel.get(v))
+            if np.array_equal(s.nonfinite, before):
+                return
+            # Ranges are over the finite values; the inf and NaN are counted (mp.nonfinite).
+            # An -inf mask given as data, or made from a -inf constant or operand, is
+            # intentional; inf or NaN from finite operands is the fp32 reference overflowing,
+            # and NaN in the data is no value at all.
+            nonfinite.add(v)
+            new = s.nonfinite - before
+            if v[0] in f.args:
+                if new[2]:
+                    raise DiagnosticError.at(f.data(v[0])["loc"], (
+                        f"calibration: argument {f.value_name(v)}: {int(new[2])} values are "
+                        f"NaN (an infinity, such as an attention mask's -inf, is taken as it "
+                        f"is)"))
+                return
+            if not any(carries_nonfinite(u) for u in f.operands(v[0])):
+                raise DiagnosticError.at(f.data(v[0])["loc"], (
+                    f"calibration: the fp32 reference of {f.value_name(v)}: "
+                    f"{int(new.sum())} values are NaN or infinite from finite operands (the "
+                    f"op overflows f32 on this data)"))
+
+        reference, stacked = self.reference(len(shard.batches))
+        if stacked:
+            reference([np.concatenate(arrays) for arrays in zip(*shard.batches)], observe)
+        else:
+            for batch in shard.batches:
+                reference(batch, observe)
+        return counted
+
+
+@dataclass
+class _Shard:
+    """Consecutive calibration batches that one task runs; `rows`: the padded last batch,
+    alone, of which only that many leading rows are samples."""
+
+    batches: list[list[np.ndarray]]
+    rows: int | None = None
+
+
+def _shard_stats(job: _Calibration, shard: _Shard) -> dict[Value, TensorStats]:
+    return job.run(shard)
+
+
+def _merge_stats(a: dict[Value, TensorStats], b: dict[Value, TensorStats]
+                 ) -> dict[Value, TensorStats]:
+    out = {}
+    for v, s in a.items():
+        out[v] = copy.deepcopy(s)  # a partial stays as it was (a dask task may run again)
+        out[v].merge(b[v])
+    return out
+
+
 def calibrate_function(module: Module, func: str | None, batches: list[list[np.ndarray]],
                        runner: ReferenceRunner, weights: str | None, bins: int,
                        progress: Progress | None = None, histogram: bool = True,
-                       group: int = 1, last_rows: int | None = None) -> dict[Value, TensorStats]:
+                       group: int = 1, last_rows: int | None = None,
+                       executor: Executor | None = None) -> dict[Value, TensorStats]:
     """Statistics of every float, non-constant value of the function over all batches
     (`histogram=False`: without the magnitude histograms, which only the clipping methods
-    read). Up to `group` batches run through the reference at once, stacked along the batch
-    axis, where the model keeps their rows apart (`grouped_module`); the statistics are the
-    same for any group. A relu's come from its operand's (TensorStats.relu), uncounted. With
-    `last_rows`, only that many leading rows of the last batch are samples (the rest padding,
-    `split_samples`): every value's statistics take those rows alone, which is exact where the
-    model keeps rows apart (`check_partial_batch`)."""
-    f = module.function(func)
-    constants = constant_nodes(f)
-    axes = channel_axes(f, constants)
-    ret = f.return_node
-    tracked = [(n, k) for n in [*f.args, *f.ops()] if n != ret and n not in constants
-               for k, t in enumerate(f.types(n)) if FORMATS[t.elem].is_float]
-    relu_of = {(n, 0): f.operands(n)[0] for n in f.ops() if f.op(n) == "mp.relu"}
-    derived: dict[Value, Value] = {}
-    channel = dict(axes)  # where a relu output needs channel maxima, its operand keeps them
-    floats = set(tracked)
-    for v in reversed(tracked):
-        x = relu_of.get(v)
-        if x is None or x not in floats or (v in channel and
-                                            channel.get(x, channel[v]) != channel[v]):
-            continue
-        derived[v] = x
-        if v in channel:
-            channel[x] = channel[v]
-    counted = {v: TensorStats(bins, histogram) for v in tracked if v not in derived}
-    nonfinite: set[Value] = set()  # values that held inf or NaN in some batch
-    constant_values: list[ConstantValues] = []  # read only where an op's result is not finite
-
-    def carries_nonfinite(u: Value) -> bool:
-        if u in nonfinite or derived.get(u) in nonfinite:
-            return True
-        if u[0] not in constants or not FORMATS[f.type_of(u).elem].is_float:
-            return False
-        if not constant_values:
-            constant_values.append(ConstantValues(module, f, weights))
-        return not np.all(np.isfinite(constant_values[0].get(u)))
-
-    rows: list[int] = []  # set while the padded last batch runs: its samples' rows
-
-    def observe(v: Value, y: np.ndarray | None) -> None:
-        s = counted.get(v)
-        if s is None or y is None:  # None: no fp32 counterpart (an integer input)
-            return
-        if rows:  # every value carries the batch on axis 0 (check_partial_batch)
-            y = y[:rows[0]]
-        before = s.nonfinite.copy()
-        s.add(y, channel.get(v))
-        if np.array_equal(s.nonfinite, before):
-            return
-        # Ranges are over the finite values; the inf and NaN are counted (mp.nonfinite). An
-        # -inf mask given as data, or made from a -inf constant or operand, is intentional;
-        # inf or NaN from finite operands is the fp32 reference overflowing, and NaN in the
-        # data is no value at all.
-        nonfinite.add(v)
-        new = s.nonfinite - before
-        if v[0] in f.args:
-            if new[2]:
-                raise DiagnosticError.at(f.data(v[0])["loc"], (
-                    f"calibration: argument {f.value_name(v)}: {int(new[2])} values are NaN "
-                    f"(an infinity, such as an attention mask's -inf, is taken as it is)"))
-            return
-        if not any(carries_nonfinite(u) for u in f.operands(v[0])):
-            raise DiagnosticError.at(f.data(v[0])["loc"], (
-                f"calibration: the fp32 reference of {f.value_name(v)}: {int(new.sum())} "
-                f"values are NaN or infinite from finite operands (the op overflows f32 on "
-                f"this data)"))
-
+    read). The batches are cut into shards of `group` consecutive batches, each run through
+    the reference at once, stacked along the batch axis, where the model keeps their rows
+    apart (`grouped_module`), and the shards run on `executor` (mplower.lowering.sharding:
+    here, or on dask workers); their statistics merge exactly, so they are the same for any
+    group and any number of workers. A relu's come from its operand's (TensorStats.relu),
+    uncounted. With `last_rows`, only that many leading rows of the last batch are samples
+    (the rest padding, `split_samples`): every value's statistics take those rows alone,
+    which is exact where the model keeps rows apart (`check_partial_batch`)."""
+    job = _Calibration(module, func, runner, weights, bins, histogram)
     whole = len(batches) - (last_rows is not None)
-    start = 0
-    while start < whole:
-        size = min(group, whole - start)
-        grown = grouped_module(module, func, size) if size > 1 else module
-        if grown is None:
-            grown, size = module, 1
-        reference = runner(grown, func, weights)  # one at a time: each holds the weights
-        while whole - start >= size:
-            chunk = batches[start:start + size]
-            reference([np.concatenate(arrays) for arrays in zip(*chunk)] if size > 1
-                      else chunk[0], observe)
-            start += size
-            if progress is not None:
-                progress.update(size)
-        del reference
+    shards = [_Shard(batches[r.start:r.stop]) for r in shard_ranges(whole, group)]
     if last_rows is not None:
-        rows.append(last_rows)
-        runner(module, func, weights)(batches[-1], observe)
+        shards.append(_Shard(batches[-1:], last_rows))
+
+    def done(i: int) -> None:
         if progress is not None:
-            progress.update(1)
-    stats = {}
-    for v in tracked:
-        stats[v] = stats[derived[v]].relu() if v in derived else counted[v]
-    return stats
+            progress.update(len(shards[i].batches))
+
+    counted = reduce_shards(executor, _shard_stats, job, shards, _merge_stats, tree=False,
+                            done=done)
+    return {v: counted[job.derived[v]].relu() if v in job.derived else counted[v]
+            for v in job.tracked}
 
 
 @register_pass
@@ -343,7 +407,9 @@ class Calibrate(Pass):
     keep theirs in the function's `arg_attrs`. Methods: minmax, percentile (of |x|), entropy
     (TensorRT's KL search), mse. `group` batches at a time run through the reference stacked
     along the batch axis, where every op keeps the rows of a batch apart (otherwise one at a
-    time); the ranges do not depend on it. A progress bar is drawn on a terminal for long runs.
+    time); the ranges do not depend on it. Each group is a shard that `mplower opt --workers N`
+    (or `--scheduler ADDRESS`) runs on a dask worker, with the same ranges, to the bit
+    (docs/distributed.md). A progress bar is drawn on a terminal for long runs.
     """
 
     name: ClassVar[str] = "calibrate"
@@ -404,7 +470,7 @@ class Calibrate(Pass):
             stats = calibrate_function(module, func, batches, ctx.runner, ctx.weights_path,
                                        self.bins, progress, histogram=self.method != "minmax",
                                        group=self.group or auto_group(f, len(batches)),
-                                       last_rows=last_rows)
+                                       last_rows=last_rows, executor=ctx.executor)
         finally:
             progress.close()
         axes = channel_axes(f, constant_nodes(f))

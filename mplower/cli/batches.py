@@ -10,13 +10,20 @@ samples, exactly. That is sound only where each row of a batch is computed from 
 a model with an op that mixes the batch axis is refused, at the function. The runs are merged
 into one RunResult: outputs and references stacked, per-op counts summed, per-op drift measured
 over all rows, a value that does not carry the batch (a weight's rounding) counted once.
+
+With `--workers N` or `--scheduler ADDRESS` the whole batches run on dask workers, one batch a
+task (mplower.lowering.sharding): a worker compiles the module once and sends back each run as
+plain arrays and counts (a RunResult's steps hold compiled kernels, which do not pickle), and
+the runs are stacked in batch order, so the report is the same bytes as the serial run's.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,10 +58,73 @@ def split_rows(program, path: str) -> tuple[list[list[np.ndarray]], int]:
     return [[a[i:i + batch] for a in rows] for i in range(0, n, batch)], n
 
 
+@dataclasses.dataclass
+class _Run:
+    """One batch's RunResult as plain data: per step (in program order) its counts, scale and
+    drift, and the kept values."""
+
+    outputs: list[Any]
+    reference: list[Any] | None
+    ops: list[tuple]
+    values: list[Any]
+    refs: list[Any]
+
+
+class _Batches:
+    """What every batch's task shares (a dask worker receives it once): the module and how to
+    run it, and per thread the program compiled from it."""
+
+    def __init__(self, module, func: str | None, weights: str | None, reference: bool,
+                 program):
+        self.module, self.func, self.weights, self.reference = module, func, weights, reference
+        self._programs = {threading.get_ident(): program}  # this thread's: the caller's
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_programs": {}}  # compiled kernels stay where they were built
+
+    def run(self, batch: list[np.ndarray]) -> list[_Run]:
+        from mplower.backend.executor import Program
+
+        program = self._programs.get(threading.get_ident())
+        if program is None:
+            program = self._programs[threading.get_ident()] = Program(
+                self.module, self.func, self.weights)
+        r = program.run(batch, self.reference, keep=self.reference)
+        ops = [(o.counts, o.scale, o.rel_l2, o.sqnr_db, o.max_abs, o.nonfinite_mismatch)
+               for o in r.ops]
+        return [_Run(r.outputs, r.reference, ops, r.values, r.refs)]
+
+
+def _run_batch(job: _Batches, batch: list[np.ndarray]) -> list[_Run]:
+    return job.run(batch)
+
+
+def _concat(a: list[_Run], b: list[_Run]) -> list[_Run]:
+    return a + b
+
+
+def _run_whole(module, program, batches: list[list[np.ndarray]], func: str | None,
+               weights: str | None, reference: bool, executor) -> list:
+    """The RunResult of each whole batch, in order, run here or on `executor`'s workers."""
+    from mplower.backend.executor import OpResult, RunResult
+    from mplower.lowering.sharding import reduce_shards
+
+    if not batches:
+        return []
+    job = _Batches(module, func, weights, reference, program)
+    runs = reduce_shards(executor, _run_batch, job, batches, _concat, tree=False)
+    return [RunResult(r.outputs, r.reference,
+                      [OpResult(step, counts, rel_l2=rel_l2, sqnr_db=sqnr_db, max_abs=max_abs,
+                                nonfinite_mismatch=nonfinite, scale=scale)
+                       for step, (counts, scale, rel_l2, sqnr_db, max_abs, nonfinite)
+                       in zip(program.steps, r.ops, strict=True)],
+                      r.values, r.refs) for r in runs]
+
+
 def run_batches(module, program, batches: list[list[np.ndarray]], func: str | None,
-                weights: str | None, reference: bool = True):
+                weights: str | None, reference: bool = True, executor=None):
     """One RunResult over every batch (module docstring); without `reference`, the lowered
-    plan alone (`--no-reference`)."""
+    plan alone (`--no-reference`); the whole batches on `executor` (None: here)."""
     from mplower.backend.executor import OpResult, Program, RunResult
     from mplower.numerics.metrics import drift
     from mplower.passes.calibrate import grouped_module
@@ -70,7 +140,8 @@ def run_batches(module, program, batches: list[list[np.ndarray]], func: str | No
             f"`mplower opt --pass='set-batch{{size=N}}'` and run it once"))
     # Each op's drift is taken over all the batches at once, so every run keeps its values.
     # (The last run's diagnosis of a non-finite reference, RunResult.all_refs, is not merged.)
-    runs = [program.run(b, reference, keep=reference) for b in batches if len(b[0]) == batch]
+    runs = _run_whole(module, program, [b for b in batches if len(b[0]) == batch], func,
+                      weights, reference, executor)
     last = batches[-1]
     if len(last[0]) != batch:
         small = copy.deepcopy(module)

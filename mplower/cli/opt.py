@@ -69,6 +69,13 @@ def add_opt(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--verify-diagnostics", action="store_true",
                    help="check emitted diagnostics against // expected-error comments")
     p.add_argument("--weights", help="weights .npz to use instead of the module's mp.weights")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, default=0, metavar="N",
+                       help="run the sample shards of the passes that run the model "
+                            "(calibrate) on a dask LocalCluster of N workers (0: in this "
+                            "process); the output is the same")
+    where.add_argument("--scheduler", metavar="ADDRESS",
+                       help="run them on a running dask cluster (tcp://host:port)")
     p.add_argument("--error-limit", type=int, default=DEFAULT_ERROR_LIMIT, metavar="N",
                    help=f"stop showing errors after N (default {DEFAULT_ERROR_LIMIT}; 0: all)")
     return p
@@ -92,6 +99,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
     from mplower.ir import expected
     from mplower.ir.parser import split_source
     from mplower.ir.printer import print_module
+    from mplower.lowering.sharding import executor_for
     from mplower.pass_manager import (
         Instrumentation,
         PassContext,
@@ -116,6 +124,8 @@ def cmd_opt(args: argparse.Namespace) -> int:
                                  f"{did_you_mean(name, load_passes())}")
     if args.error_limit < 0:
         raise UsageError("--error-limit must be a count of errors, or 0 for no limit")
+    if args.workers < 0:
+        raise UsageError("--workers must be 0 (this process) or more")
     if args.output != "-":  # a pass may write the weights beside it
         weights_beside("-o", args.output)
     in_place = args.output != "-" and args.input != "-" and \
@@ -137,34 +147,43 @@ def cmd_opt(args: argparse.Namespace) -> int:
         print_after_all=args.print_ir_after_all, print_before_all=args.print_ir_before_all,
         generic=args.print_op_generic, verify_each=args.verify_each)
     stats = {}
-    for chunk, offset in chunks:
-        pm = PassManager(passes, inst)
-        emitted: list[Diagnostic] = []
-        source = text
-        try:
-            module = parse_module(chunk, name, offset, timings)
-            if not in_place:
-                _protect_weights(module, args.weights)
-            ctx = PassContext(output_path=None if args.output == "-" else args.output,
-                              weights_path=args.weights, runner=_reference_runner)
-            pm.run(module, ctx)
-            timings.extend(pm.timings)
-            for k, v in pm.statistics.items():
-                stats.setdefault(k, type(v)()).update(v)
-            t0 = time.perf_counter()
-            outputs.append(print_module(module, args.print_op_generic))
-            timings.append(("Output", time.perf_counter() - t0))
-        except DiagnosticError as e:
-            emitted = e.diagnostics
-            source = e.source if e.source is not None else text  # a sheet's own text
-        if args.verify_diagnostics:
-            problems = expected.check(expected.collect(chunk, name, offset), emitted)
-            if problems:
+    # A LocalCluster starts (and dask is imported) only when a pass submits work to it; a
+    # scheduler's address is checked before any pass runs.
+    executor = executor_for(args.workers, args.scheduler)
+    if args.scheduler is not None:
+        executor.start()
+    try:
+        for chunk, offset in chunks:
+            pm = PassManager(passes, inst)
+            emitted: list[Diagnostic] = []
+            source = text
+            try:
+                module = parse_module(chunk, name, offset, timings)
+                if not in_place:
+                    _protect_weights(module, args.weights)
+                ctx = PassContext(output_path=None if args.output == "-" else args.output,
+                                  weights_path=args.weights, runner=_reference_runner,
+                                  executor=executor)
+                pm.run(module, ctx)
+                timings.extend(pm.timings)
+                for k, v in pm.statistics.items():
+                    stats.setdefault(k, type(v)()).update(v)
+                t0 = time.perf_counter()
+                outputs.append(print_module(module, args.print_op_generic))
+                timings.append(("Output", time.perf_counter() - t0))
+            except DiagnosticError as e:
+                emitted = e.diagnostics
+                source = e.source if e.source is not None else text  # a sheet's own text
+            if args.verify_diagnostics:
+                problems = expected.check(expected.collect(chunk, name, offset), emitted)
+                if problems:
+                    failed = True
+                    print_diagnostics(problems, text, renderer)
+            elif emitted:
                 failed = True
-                print_diagnostics(problems, text, renderer)
-        elif emitted:
-            failed = True
-            print_diagnostics(emitted, source, renderer)
+                print_diagnostics(emitted, source, renderer)
+    finally:
+        executor.close()
     print_error_summary(renderer, args)
     if args.timing:
         sys.stderr.write(format_timing(timings))

@@ -73,6 +73,13 @@ def add_run(sub, name: str) -> argparse.ArgumentParser:
                    help="--inputs holds more rows than the function's batch: run them batch by "
                         "batch (the last, partial one at its own size) and report, save and "
                         "check over all rows; refused where an op mixes the batch axis")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, default=0, metavar="N",
+                       help="with --batch-inputs: run the batches on a dask LocalCluster of N "
+                            "workers (0: in this process); the report is the same")
+    where.add_argument("--scheduler", metavar="ADDRESS",
+                       help="with --batch-inputs: run them on a running dask cluster "
+                            "(tcp://host:port)")
     p.add_argument("--no-reference", action="store_true",
                    help="run the lowered plan alone, without the fp32 reference: outputs and "
                         "per-op overflow/underflow/NaN counts, no drift (a plain run, in "
@@ -244,6 +251,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     metric = metric_flag(args, flags)
     if args.batch_inputs and not args.inputs:
         raise UsageError("--batch-inputs needs --inputs: it runs that file's rows batch by batch")
+    if args.workers < 0:
+        raise UsageError("--workers must be 0 (this process) or more")
+    if (args.workers or args.scheduler is not None) and not args.batch_inputs:
+        raise UsageError("--workers and --scheduler share out the batches of --batch-inputs: "
+                         "give --batch-inputs")
     if args.batch_inputs and args.bisect:
         raise UsageError("--bisect runs one batch: give --inputs one batch without "
                          "--batch-inputs")
@@ -280,10 +292,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         metric.check_eval(eval_arrays)
     if args.batch_inputs:
         from mplower.cli.batches import run_batches, split_rows
+        from mplower.lowering.sharding import executor_for
 
         batches, _ = split_rows(program, args.inputs)
-        result = run_batches(module, program, batches, args.func, args.weights,
-                             reference=not args.no_reference)
+        executor = executor_for(args.workers, args.scheduler)
+        try:
+            result = run_batches(module, program, batches, args.func, args.weights,
+                                 reference=not args.no_reference, executor=executor)
+        finally:
+            executor.close()
         arrays = batches[0]  # the per-op quantization table below is of the first batch
     else:
         result = program.run(arrays, reference=not args.no_reference)
