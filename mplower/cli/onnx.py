@@ -92,6 +92,10 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
                    help="keep bf16/fp8/i4 graph inputs and outputs in their own types (by "
                         "default they are exchanged as FLOAT/INT8, which onnxruntime's Python "
                         "API can feed and fetch)")
+    e.add_argument("--weight-only", choices=("matmulnbits", "qdq"), default="matmulnbits",
+                   help="weight-only matmuls (quantize{scheme=w4a16|w8a16}): onnxruntime's "
+                        "com.microsoft.MatMulNBits with the plan's codes and a float "
+                        "activation (default), or DequantizeLinear + MatMul (docs/onnx.md)")
     return e
 
 
@@ -186,7 +190,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                   binary=("-o",))
     module = read_module(args)
     materialize_and_say(module, args, "export")  # a plan still only annotations gets casts
-    exported = export_module(module, args.func, args.weights, args.narrow_io)
+    exported = export_module(module, args.func, args.weights, args.narrow_io, args.weight_only)
     name = input_name(args.input)
     data = check_and_serialize(exported.model, Location(name, 0, 0))
     write_output(args.output, data)
