@@ -1,0 +1,233 @@
+"""`mplower export --format compressed-tensors`: a checkpoint vLLM and transformers load.
+
+The check that matters runs the `compressed-tensors` package itself (a dev/bench extra, never a
+runtime dependency; skipped where no Python has it): it parses config.json's
+quantization_config with its own QuantizationConfig, picks each layer's compressor from its
+registry by the format named there, loads the safetensors file with `safetensors.torch`, and
+decompresses every quantized weight. Each one must equal, bit for bit, the weight mplower's
+executor multiplies with (the dequantized f32 of the lowered module), and every tensor left in
+float must equal the source checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_export_matmulnbits import lowered, write_llama
+
+from mplower.ir.types import DenseAttr, tensor
+from mplower.lowering.weight_only import weight_only_matmuls
+
+# A Python with compressed-tensors and torch: this one, or the one MPLOWER_CT_PYTHON names.
+_CANDIDATES = [os.environ.get("MPLOWER_CT_PYTHON"), sys.executable, "/tmp/tvenv/bin/python"]
+
+DECOMPRESS = r"""
+import json, sys
+import numpy as np
+from safetensors.torch import load_file
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationConfig
+
+infos = {}
+for folder in sys.argv[1:]:
+    qc = QuantizationConfig.model_validate(
+        json.load(open(f"{folder}/config.json"))["quantization_config"])
+    state = load_file(f"{folder}/model.safetensors")
+    layers = sorted(k[:-len(".weight_packed")] for k in state if k.endswith(".weight_packed"))
+    result = {}
+    for name in layers:
+        (scheme,) = [g for g in qc.config_groups.values()
+                     if "Linear" in g.targets or name in g.targets]
+        assert name not in qc.ignore
+        compressor = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
+        params = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+        result[name] = compressor.decompress(params, scheme)["weight"].float().numpy()
+    np.savez(f"{folder}/decompressed.npz", **result)
+    infos[folder] = {"layers": len(layers), "format": qc.format, "ignore": qc.ignore}
+print(json.dumps(infos))
+"""
+
+
+def _ct_python() -> str | None:
+    for py in _CANDIDATES:
+        if py and Path(py).exists() and subprocess.run(
+                [py, "-c", "import compressed_tensors, safetensors.torch"],
+                check=False, capture_output=True).returncode == 0:
+            return py
+    return None
+
+
+CT_PYTHON = _ct_python()
+needs_ct = pytest.mark.skipif(CT_PYTHON is None, reason="compressed-tensors is not installed")
+
+
+CASES = {  # name -> (pipeline, edit of the lowered module)
+    "w4g32": ("quantize{scheme=w4a16 group=32}", None),
+    "w8g128": ("quantize{scheme=w8a16 group=128}", None),
+    "w4g64asym": ("quantize{scheme=w4a16 group=64}", "asym"),
+    "w4channel": ("quantize{scheme=w4a16 group=0}", None),
+    "w4g32head": ("quantize{scheme=w4a16 group=32}", "head"),
+}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """Every case exported from one imported checkpoint, and decompressed by one run of the
+    compressed-tensors package: {name: (module, its folder, decompressed, info)}, the source."""
+    from mplower.cli.main import main
+    from mplower.ir.printer import print_module
+
+    tmp = tmp_path_factory.mktemp("ct")
+    source = tmp / "llama"
+    tensors = write_llama(source)
+    assert main(["import", str(source), "-o", str(tmp / "m.ir"), "--seq", "4"]) == 0
+    edits = {"asym": make_asymmetric, "head": keep_head_in_float}
+    built = {}
+    for name, (pipeline, edit) in CASES.items():
+        module = lowered(tmp / "m.ir", pipeline)
+        if edit is not None:
+            edits[edit](module)
+        ir = tmp / f"{name}.ir"
+        ir.write_text(print_module(module))
+        out = tmp / name
+        assert main(["export", str(ir), "--format", "compressed-tensors", "--checkpoint",
+                     str(source), "-o", str(out)]) == 0
+        built[name] = (module, out)
+    results = decompressed([out for _, out in built.values()]) if CT_PYTHON else {}
+    return {name: (module, out, *results.get(str(out), ({}, {})))
+            for name, (module, out) in built.items()}, tensors
+
+
+def decompressed(folders: list[Path]) -> dict[str, tuple[dict, dict]]:
+    r = subprocess.run([CT_PYTHON, "-c", DECOMPRESS, *map(str, folders)], check=False,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    infos = json.loads(r.stdout.strip().splitlines()[-1])
+    return {f: (dict(np.load(Path(f) / "decompressed.npz")), infos[f]) for f in infos}
+
+
+def mplower_weights(module) -> dict[str, np.ndarray]:
+    """Layer name -> the [out, in] f32 weight the executor multiplies with."""
+    out = {}
+    for f in module.functions.values():
+        for wo in weight_only_matmuls(module, f):
+            out[wo.source.removesuffix(".weight")] = wo.dequantized().T
+    return out
+
+
+def read_safetensors(path: Path) -> dict[str, tuple[str, list, bytes]]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:
+                                             8 + n + v["data_offsets"][1]])
+            for k, v in header.items()}
+
+
+def make_asymmetric(module) -> None:
+    """Give every weight-only grid zero points (quantize has no asymmetric weight option): the
+    same zero points on each mp.quantize and the mp.dequantize of its codes."""
+    for f in module.functions.values():
+        rng = np.random.default_rng(1)  # @prefill and @decode quantize each weight alike
+        for n in f.walk("mp.quantize"):
+            a = f.attrs_of(n)
+            t = f.types(n)[0]
+            size = np.asarray(a["scale"].array).size
+            zp = DenseAttr(rng.integers(-3, 4, size).astype(np.int64), tensor((size,), t.elem))
+            for m in [n] + [u for u, _ in f.uses((n, 0))]:
+                f.set_attr(m, "zero_point", zp)
+
+
+def keep_head_in_float(module) -> None:
+    """What a plan that keeps lm_head in f32 leaves: its matmul reads the float weight."""
+    for f in module.functions.values():
+        for wo in weight_only_matmuls(module, f):
+            if wo.source == "lm_head.weight":
+                const = next(n for n in f.walk("mp.constant")
+                             if f.attrs_of(n).get("name") == "lm_head.weight")
+                f.set_operand(wo.matmul, 1, (const, 0))
+
+
+@needs_ct
+@pytest.mark.parametrize("case,bits,group,asym", [
+    ("w4g32", 4, 32, False), ("w8g128", 8, 128, False), ("w4g64asym", 4, 64, True),
+    ("w4channel", 4, None, False)])
+def test_compressed_tensors_decompresses_to_mplowers_weights(exports, case, bits, group, asym):
+    cases, source = exports
+    module, folder, theirs, info = cases[case]
+    ours = mplower_weights(module)
+    assert sorted(theirs) == sorted(ours) and len(ours) == 8  # 7 per layer + lm_head
+    for name, w in ours.items():
+        np.testing.assert_array_equal(theirs[name], w, err_msg=name)
+    q = json.loads((folder / "config.json").read_text())["quantization_config"]
+    (args,) = [g["weights"] for g in q["config_groups"].values()]
+    assert q["format"] == info["format"] == "pack-quantized" and q["ignore"] == []
+    assert (args["num_bits"], args["group_size"], args["symmetric"]) == (bits, group, not asym)
+    assert args["strategy"] == ("channel" if group is None else "group")
+    # Tensors kept in float are the source's, byte for byte, in its dtype.
+    written = read_safetensors(folder / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "model.norm.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        dtype, _, data = written[name]
+        assert dtype == "F32" and data == source[name].tobytes()
+    assert ("model.layers.0.mlp.down_proj.weight_zero_point" in written) == asym
+
+
+@needs_ct
+def test_layers_the_plan_keeps_in_float_are_ignored(exports):
+    cases, source = exports
+    _, folder, theirs, info = cases["w4g32head"]
+    assert "lm_head" not in theirs and len(theirs) == 7 and info["ignore"] == ["lm_head"]
+    dtype, _, data = read_safetensors(folder / "model.safetensors")["lm_head.weight"]
+    assert dtype == "F32" and data == source["lm_head.weight"].tobytes()
+
+
+def test_packing_is_the_documented_layout(exports):
+    """Without the package: weight_packed unpacked here (8 codes a word, lowest bits first,
+    offset 8) gives the codes whose (code - zero point) * scale is mplower's weight."""
+    cases, _ = exports
+    module, folder, _, _ = cases["w4g32"]
+    written = read_safetensors(folder / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj"
+    _, shape, raw = written[name + ".weight_packed"]
+    words = np.frombuffer(raw, np.int32).reshape(shape).view(np.uint32)
+    codes = np.stack([(words >> (4 * i)) & 15 for i in range(8)], -1).reshape(shape[0], -1)
+    _, sshape, sraw = written[name + ".weight_scale"]
+    scale = np.frombuffer(sraw, np.float32).reshape(sshape)
+    w = (codes.astype(np.float32) - 8) * np.repeat(scale, 32, axis=1)
+    np.testing.assert_array_equal(w, mplower_weights(module)[name])
+
+
+def test_a_layer_the_format_cannot_hold_is_refused_naming_the_op(cli, tmp_path):
+    source = tmp_path / "llama"
+    write_llama(source)
+    assert cli("import", source, "-o", tmp_path / "m.ir", "--seq", "4").rc == 0
+    r = cli("opt", tmp_path / "m.ir", "--pass-pipeline=assign-precision{policy=fp8},"
+            "insert-casts", "-o", tmp_path / "q.ir")
+    assert r.rc == 0, r.err
+    r = cli("export", tmp_path / "q.ir", "--format", "compressed-tensors", "--checkpoint",
+            source, "-o", tmp_path / "out")
+    assert r.rc == 1 and "multiplies by a weight in f8E4M3FN" in r.err
+    assert "q.ir:" in r.err and "Traceback" not in r.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_errors_write_nothing(cli, tmp_path):
+    source = tmp_path / "llama"
+    write_llama(source)
+    assert cli("import", source, "-o", tmp_path / "m.ir", "--seq", "4").rc == 0
+    r = cli("export", tmp_path / "m.ir", "--format", "compressed-tensors", "-o", tmp_path / "o")
+    assert r.rc == 2 and "--checkpoint" in r.err
+    r = cli("export", tmp_path / "m.ir", "--format", "compressed-tensors", "--checkpoint",
+            source, "-o", source / "sub")
+    assert r.rc == 2 and "inside the checkpoint" in r.err
+    r = cli("export", tmp_path / "m.ir", "--checkpoint", source, "-o", tmp_path / "m.onnx")
+    assert r.rc == 2 and "--format compressed-tensors" in r.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "m.ir", "m.npz"]
