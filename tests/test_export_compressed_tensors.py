@@ -22,6 +22,7 @@ import pytest
 from test_export_matmulnbits import lowered, write_llama
 
 from mplower.ir.types import DenseAttr, tensor
+from mplower.lowering.calibration import ConstantValues
 from mplower.lowering.weight_only import weight_only_matmuls
 
 # A Python with compressed-tensors and torch: this one, or the one MPLOWER_CT_PYTHON names.
@@ -39,7 +40,7 @@ for folder in sys.argv[1:]:
     qc = QuantizationConfig.model_validate(
         json.load(open(f"{folder}/config.json"))["quantization_config"])
     state = load_file(f"{folder}/model.safetensors")
-    layers = sorted(k[:-len(".weight_packed")] for k in state if k.endswith(".weight_packed"))
+    layers = sorted(k[:-len(".weight_scale")] for k in state if k.endswith(".weight_scale"))
     result = {}
     for name in layers:
         (scheme,) = [g for g in qc.config_groups.values()
@@ -49,7 +50,8 @@ for folder in sys.argv[1:]:
         params = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
         result[name] = compressor.decompress(params, scheme)["weight"].float().numpy()
     np.savez(f"{folder}/decompressed.npz", **result)
-    infos[folder] = {"layers": len(layers), "format": qc.format, "ignore": qc.ignore}
+    infos[folder] = {"layers": len(layers), "format": qc.format, "ignore": qc.ignore,
+                     "dtypes": sorted({str(state[n + ".weight_scale"].dtype) for n in layers})}
 print(json.dumps(infos))
 """
 
@@ -73,6 +75,7 @@ CASES = {  # name -> (pipeline, edit of the lowered module)
     "w4g64asym": ("quantize{scheme=w4a16 group=64}", "asym"),
     "w4channel": ("quantize{scheme=w4a16 group=0}", None),
     "w4g32head": ("quantize{scheme=w4a16 group=32}", "head"),
+    "fp8": ("assign-precision{policy=fp8},insert-casts", None),
 }
 
 
@@ -113,11 +116,19 @@ def decompressed(folders: list[Path]) -> dict[str, tuple[dict, dict]]:
 
 
 def mplower_weights(module) -> dict[str, np.ndarray]:
-    """Layer name -> the [out, in] f32 weight the executor multiplies with."""
+    """Layer name -> the [out, in] f32 weight the executor multiplies with: a weight-only
+    layer's dequantized grid, an fp8 layer's scaled values (mp.scaled_quant's result)."""
     out = {}
     for f in module.functions.values():
         for wo in weight_only_matmuls(module, f):
             out[wo.source.removesuffix(".weight")] = wo.dequantized().T
+        consts = ConstantValues(module, f)
+        for n in f.walk("mp.matmul"):
+            w = f.operands(n)[1]
+            src = f.operands(w[0])[0][0] if f.op(w[0]) == "mp.scaled_quant" else None
+            if src is not None and "name" in f.attrs_of(src):
+                name = f.attrs_of(src)["name"]
+                out[name.removesuffix(".weight")] = consts.get(w).T
     return out
 
 
@@ -205,16 +216,39 @@ def test_packing_is_the_documented_layout(exports):
     np.testing.assert_array_equal(w, mplower_weights(module)[name])
 
 
+@needs_ct
+def test_fp8_plan_is_float_quantized_with_mplowers_scaled_weights(exports):
+    """The fp8 sheet: per-channel scaled fp8 weights, activations scaled by their current amax
+    (dynamic per tensor); the first layer and lm_head kept in f32 are ignored."""
+    cases, _ = exports
+    module, folder, theirs, info = cases["fp8"]
+    ours = mplower_weights(module)
+    assert sorted(theirs) == sorted(ours) and len(ours) == 6
+    for name, w in ours.items():
+        np.testing.assert_array_equal(theirs[name], w, err_msg=name)
+    q = json.loads((folder / "config.json").read_text())["quantization_config"]
+    (group,) = q["config_groups"].values()
+    assert q["format"] == info["format"] == "float-quantized"
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["type"] == "float"
+    assert group["input_activations"]["dynamic"] is True
+    assert info["ignore"] == ["lm_head", "model.layers.0.self_attn.q_proj"]
+    dtype, shape, _ = read_safetensors(folder / "model.safetensors")[
+        "model.layers.0.mlp.up_proj.weight"]
+    assert dtype == "F8_E4M3" and shape == [256, 128]
+
+
 def test_a_layer_the_format_cannot_hold_is_refused_naming_the_op(cli, tmp_path):
+    """fp8 weights scaled per tensor by the current recipe (scale-recipes) have no
+    compressed-tensors description here: refused at the op, nothing written."""
     source = tmp_path / "llama"
     write_llama(source)
     assert cli("import", source, "-o", tmp_path / "m.ir", "--seq", "4").rc == 0
     r = cli("opt", tmp_path / "m.ir", "--pass-pipeline=assign-precision{policy=fp8},"
-            "insert-casts", "-o", tmp_path / "q.ir")
+            "insert-casts,scale-recipes{recipe=current weights=current}", "-o", tmp_path / "q.ir")
     assert r.rc == 0, r.err
     r = cli("export", tmp_path / "q.ir", "--format", "compressed-tensors", "--checkpoint",
             source, "-o", tmp_path / "out")
-    assert r.rc == 1 and "multiplies by a weight in f8E4M3FN" in r.err
+    assert r.rc == 1 and "fp8 weight has recipe" in r.err, r.err
     assert "q.ir:" in r.err and "Traceback" not in r.err
     assert not (tmp_path / "out").exists()
 

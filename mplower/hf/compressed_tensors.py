@@ -44,11 +44,22 @@ from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
 from mplower.ir.types import TensorType
-from mplower.lowering.calibration import constant_nodes
+from mplower.lowering.calibration import ConstantValues, constant_nodes
 from mplower.lowering.weight_only import WeightOnly, weight_only_matmuls
 
 FORMAT = "compressed-tensors"  # `mplower export --format`
 PACK_QUANTIZED = "pack-quantized"
+FLOAT_QUANTIZED = "float-quantized"
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """How an fp8 layer's scales and activation are described (QuantizationArgs fields)."""
+
+    strategy: str  # "channel", "tensor" or "block"
+    block: tuple[int, int] | None  # [rows, cols] of the [out, in] weight, for "block"
+    inputs: str | None  # None (weight-only), "dynamic", or "static"
+    input_scale: float | None = None  # static: the calibrated per-tensor decode scale
 
 
 @dataclass(frozen=True)
@@ -57,9 +68,10 @@ class Layer:
 
     name: str  # e.g. model.layers.0.mlp.up_proj
     bits: int
-    codes: np.ndarray  # int64 [N, K], signed
-    scale: np.ndarray  # f32 [N, K]
+    codes: np.ndarray  # int64 [N, K], signed; fp8: the f8E4M3FN codes as f32
+    scale: np.ndarray  # f32 [N, K]; fp8: the scales as written ([N, 1], [1] or per block)
     zero_point: np.ndarray  # int64 [N, K], signed
+    fp8: Fp8 | None = None
 
     @property
     def symmetric(self) -> bool:
@@ -115,7 +127,8 @@ def export_checkpoint(module: Module, source: str | Path, weights: str | None = 
         quant, groups = _quantization_config(list(layers.values()), ignore)
         config["quantization_config"] = quant
         for layer in layers.values():
-            tensors.update(_pack_quantized(layer, groups[layer.name]))
+            tensors.update(_pack_quantized(layer, groups[layer.name])
+                           if layer.fp8 is None else _float_quantized(layer))
     files = [p for p in sorted(source.iterdir())
              if p.is_file() and not p.is_symlink() and p.suffix != ".safetensors"
              and p.name not in ("config.json", INDEX)]
@@ -126,14 +139,20 @@ def _layers(module: Module, weights: str | None) -> tuple[dict[str, Layer], set[
     """The quantized layers by module name, and the npz keys of every matmul weight."""
     layers: dict[str, Layer] = {}
     linear: set[str] = set()
+
     for f in module.functions.values():
         found = {wo.matmul: wo for wo in weight_only_matmuls(module, f, weights)}
         consts = constant_nodes(f)
+        values = ConstantValues(module, f, weights)
         for n in f.walk("mp.matmul"):
             w = f.operands(n)[1]
             if f.operands(n)[0][0] in consts:
                 continue  # (a constant times a constant: not a layer)
-            if n in found:
+            fp8 = _fp8_layer(f, n, values)
+            if fp8 is not None:
+                linear.add(fp8.name + ".weight")
+                _add(layers, fp8, f.data(n)["loc"])
+            elif n in found:
                 wo = found[n]
                 if wo.source is None:
                     raise DiagnosticError.at(f.data(n)["loc"], "the weight-only matmul's codes "
@@ -152,6 +171,62 @@ def _layers(module: Module, weights: str | None) -> tuple[dict[str, Layer], set[
                         f"export this plan as ONNX"))
                 linear.add(source)
     return layers, linear
+
+
+def _fp8_layer(f: Function, n: int, consts: ConstantValues) -> Layer | None:
+    """An fp8 layer: the named float weight as mp.scaled_quant to f8E4M3FN with f32 block
+    scales (the fp8 sheets' per-channel weights), times an activation that is float
+    (weight-only fp8) or scaled fp8 with the current (dynamic) or static recipe. None when the
+    weight is not such a scaled fp8 constant; an error when its activation is one the format
+    has no description for."""
+    from mplower.ir.opdef import OPS, check_attrs
+    from mplower.numerics import mx
+
+    x, w = f.operands(n)[:2]
+    w_t = f.type_of(w)
+    if f.op(w[0]) != "mp.scaled_quant" or w_t.rank != 2 or w_t.elem != "f8E4M3FN":
+        return None
+    a = check_attrs(OPS["mp.scaled_quant"], f.attrs_of(w[0]))
+    src = f.operands(w[0])[0]
+    source = _float_weight(f, src)
+    loc = f.data(n)["loc"]
+    if source is None or a["recipe"] != "block" or a["scale_format"] != "f32":
+        raise DiagnosticError.at(loc, (
+            f"%{f.data(n)['name']}'s fp8 weight has recipe \"{a['recipe']}\" with "
+            f"{a['scale_format']} scales; the compressed-tensors export writes fp8 weights "
+            f"with f32 block scales (recipe \"block\", the fp8 sheets' per-channel weights)"))
+    k, n_out = w_t.shape
+    bk, bn = a["block"]
+    r = mx.quantize_blocked(np.asarray(consts.get(src), np.float32), "f8E4M3FN", (bk, bn), "f32")
+    scales = np.ascontiguousarray(r.scales.T, np.float32)  # [N / bn, K / bk]
+    if (bk, bn) == (k, 1):
+        strategy, block = "channel", None
+    elif bk >= k and bn >= n_out:
+        strategy, block, scales = "tensor", None, scales.reshape(1)
+    else:
+        strategy, block = "block", (bn, bk)
+    x_t = f.type_of(x)
+    inputs, input_scale = None, None
+    if x_t.elem == "f8E4M3FN" and f.op(x[0]) == "mp.scaled_quant":
+        xa = check_attrs(OPS["mp.scaled_quant"], f.attrs_of(x[0]))
+        if xa["recipe"] == "current" and not xa["margin"] and not xa["pow2"]:
+            inputs = "dynamic"
+        elif xa["recipe"] == "static" and not xa["pow2"]:
+            inputs = "static"
+            input_scale = float(np.float32(1) / np.float32(
+                mx.encode_factor(xa["amax"], "f8E4M3FN", xa["margin"], pow2=False)))
+        else:
+            inputs = "unsupported"
+    elif x_t.elem not in _FLOAT_WEIGHTS:
+        inputs = "unsupported"
+    if inputs == "unsupported":
+        raise DiagnosticError.at(loc, (
+            f"%{f.data(n)['name']}'s activation is {x_t.elem} from "
+            f"{f.op(x[0])}; the compressed-tensors export describes fp8 activations scaled "
+            f"per tensor by the current recipe (dynamic) or the static one, without margin "
+            f"or pow2, or float activations (weight-only fp8)"))
+    return Layer(source.removesuffix(".weight"), 8, np.ascontiguousarray(r.codes.T), scales,
+                 np.zeros((), np.int64), Fp8(strategy, block, inputs, input_scale))
 
 
 # Weights a server reads as the checkpoint's floats (a cast to bf16/f16 is its own load).
@@ -240,6 +315,21 @@ def _pack_quantized(layer: Layer, group: int) -> dict[str, Pending]:
     return out
 
 
+def _float_quantized(layer: Layer) -> dict[str, Pending]:
+    """An fp8 layer as float-quantized writes it: `weight` in F8_E4M3 and `weight_scale` (and a
+    static `input_scale`); decompression is weight * weight_scale (compressors/naive_quantized/
+    base.py, quantization/lifecycle/forward.py), the values mplower's GEMM reads."""
+    import ml_dtypes
+
+    bits = layer.codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    scale = layer.scale if layer.fp8.strategy != "channel" else layer.scale.reshape(-1, 1)
+    out = {f"{layer.name}.weight": Pending("F8_E4M3", bits.shape, _const(bits)),
+           f"{layer.name}.weight_scale": _lazy(np.ascontiguousarray(scale, np.float32))}
+    if layer.fp8.inputs == "static":
+        out[f"{layer.name}.input_scale"] = _lazy(np.array([layer.fp8.input_scale], np.float32))
+    return out
+
+
 def _lazy(arr: np.ndarray) -> Pending:
     tags = {np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.float32): "F32"}
     return Pending(tags[arr.dtype], arr.shape, _const(arr))
@@ -272,9 +362,26 @@ def _quantization_config(layers: list[Layer], ignore: list[str]
     group_of: dict[str, int] = {}
     schemes: dict[tuple, list[Layer]] = {}
     for layer in layers:
-        schemes.setdefault((layer.bits, layer.symmetric), []).append(layer)
+        fp8 = layer.fp8
+        key = (layer.bits, layer.symmetric) if fp8 is None else (
+            8, True, fp8.strategy, fp8.block or (), fp8.inputs or "")
+        schemes.setdefault(key, []).append(layer)
     groups = {}
-    for i, ((bits, symmetric), members) in enumerate(sorted(schemes.items())):
+    for i, (key, members) in enumerate(sorted(schemes.items())):
+        targets = ["Linear"] if len(schemes) == 1 else sorted(m.name for m in members)
+        if len(key) > 2:  # fp8
+            _, _, strategy, block, inputs = key
+            args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                    "strategy": strategy, "block_structure": list(block) or None,
+                    "dynamic": False}
+            acts = None if not inputs else {
+                "num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                "strategy": "tensor", "dynamic": inputs == "dynamic"}
+            groups[f"group_{i}"] = {"targets": targets, "weights": args,
+                                    "input_activations": acts, "output_activations": None,
+                                    "format": FLOAT_QUANTIZED}
+            continue
+        bits, symmetric = key
         periods = [m.period() for m in members]
         channel = all(p == m.codes.shape[1] for p, m in zip(periods, members))
         size = math.gcd(*periods)
@@ -284,11 +391,12 @@ def _quantization_config(layers: list[Layer], ignore: list[str]
                 "actorder": None, "block_structure": None, "observer": "minmax",
                 "observer_kwargs": {}}
         group_of.update({m.name: m.codes.shape[1] if channel else size for m in members})
-        targets = ["Linear"] if len(schemes) == 1 else sorted(m.name for m in members)
         groups[f"group_{i}"] = {"targets": targets, "weights": args,
                                 "input_activations": None, "output_activations": None,
                                 "format": PACK_QUANTIZED}
-    return {"quant_method": "compressed-tensors", "format": PACK_QUANTIZED,
+    formats = {g["format"] for g in groups.values()}
+    return {"quant_method": "compressed-tensors",
+            "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "quantization_status": "compressed", "config_groups": groups,
             "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
             "sparsity_config": {}, "transform_config": {}}, group_of
