@@ -19,11 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_export_matmulnbits import lowered, write_llama
+from test_export_matmulnbits import write_llama
 
+from mplower.backend.executor import reference_runner
+from mplower.ir.parser import parse_file
 from mplower.ir.types import DenseAttr, tensor
 from mplower.lowering.calibration import ConstantValues
 from mplower.lowering.weight_only import weight_only_matmuls
+from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 # A Python with compressed-tensors and torch: this one, or the one MPLOWER_CT_PYTHON names.
 _CANDIDATES = [os.environ.get("MPLOWER_CT_PYTHON"), sys.executable, "/tmp/tvenv/bin/python"]
@@ -76,6 +79,9 @@ CASES = {  # name -> (pipeline, edit of the lowered module)
     "w4channel": ("quantize{scheme=w4a16 group=0}", None),
     "w4g32head": ("quantize{scheme=w4a16 group=32}", "head"),
     "fp8": ("assign-precision{policy=fp8},insert-casts", None),
+    # w8a8 needs calibrated ranges: @prefill alone (calibration data is its input_ids).
+    "w8a8sym": ("calibrate{data=CALIB},quantize{scheme=w8a8 symmetric=true}", "prefill"),
+    "w8a8asym": ("calibrate{data=CALIB},quantize{scheme=w8a8}", "prefill"),
 }
 
 
@@ -91,10 +97,16 @@ def exports(tmp_path_factory):
     tensors = write_llama(source)
     assert main(["import", str(source), "-o", str(tmp / "m.ir"), "--seq", "4"]) == 0
     edits = {"asym": make_asymmetric, "head": keep_head_in_float}
+    calib = tmp / "calib.npz"
+    np.savez(calib, input_ids=np.random.default_rng(0).integers(0, 64, (8, 1, 4)))
     built = {}
     for name, (pipeline, edit) in CASES.items():
-        module = lowered(tmp / "m.ir", pipeline)
-        if edit is not None:
+        module = parse_file(tmp / "m.ir")
+        if edit == "prefill":
+            del module.functions["decode"]
+        PassManager(parse_pipeline(pipeline.replace("CALIB", str(calib)))).run(
+            module, PassContext(runner=reference_runner))
+        if edit in edits:
             edits[edit](module)
         ir = tmp / f"{name}.ir"
         ir.write_text(print_module(module))
@@ -125,6 +137,13 @@ def mplower_weights(module) -> dict[str, np.ndarray]:
         consts = ConstantValues(module, f)
         for n in f.walk("mp.matmul"):
             w = f.operands(n)[1]
+            named = f.op(w[0]) == "mp.quantize" and "name" in f.attrs_of(f.operands(w[0])[0][0])
+            if f.type_of(w).elem == "i8" and named:  # w8a8: codes * per-channel scale
+                a = f.attrs_of(w[0])
+                scale = np.asarray(a["scale"].array, np.float32).reshape(-1, 1)
+                name = f.attrs_of(f.operands(w[0])[0][0])["name"]
+                out[name.removesuffix(".weight")] = consts.get(w).T.astype(np.float32) * scale
+                continue
             src = f.operands(w[0])[0][0] if f.op(w[0]) == "mp.scaled_quant" else None
             if src is not None and "name" in f.attrs_of(src):
                 name = f.attrs_of(src)["name"]
@@ -235,6 +254,40 @@ def test_fp8_plan_is_float_quantized_with_mplowers_scaled_weights(exports):
     dtype, shape, _ = read_safetensors(folder / "model.safetensors")[
         "model.layers.0.mlp.up_proj.weight"]
     assert dtype == "F8_E4M3" and shape == [256, 128]
+
+
+@needs_ct
+@pytest.mark.parametrize("case", ["w8a8sym", "w8a8asym"])
+def test_w8a8_is_int_quantized_with_the_calibrated_activation_grid(exports, case):
+    cases, _ = exports
+    module, folder, theirs, info = cases[case]
+    ours = mplower_weights(module)
+    assert sorted(theirs) == sorted(ours) and len(ours) == 8
+    for name, w in ours.items():
+        np.testing.assert_array_equal(theirs[name], w, err_msg=name)
+    (group,) = json.loads((folder / "config.json").read_text())[
+        "quantization_config"]["config_groups"].values()
+    assert info["format"] == "int-quantized" and group["weights"]["strategy"] == "channel"
+    acts = group["input_activations"]
+    assert (acts["dynamic"], acts["strategy"]) == (False, "tensor")
+    assert acts["symmetric"] == (case == "w8a8sym")
+    # The activation grid of q_proj: the scale of its mp.quantize, and (asymmetric) the zero
+    # point whose shift c = -z * scale the pass subtracted.
+    layer = "model.layers.0.self_attn.q_proj"
+    f = module.function("prefill")
+    n = next(n for n in f.walk("mp.matmul") if f.type_of(f.operands(n)[1]).elem == "i8")
+    assert f.attrs_of(f.operands(f.operands(n)[1][0])[0][0])["name"] == layer + ".weight"
+    xq = f.operands(n)[0][0]
+    s = np.float32(f.attrs_of(xq)["scale"])
+    written = read_safetensors(folder / "model.safetensors")
+    assert np.frombuffer(written[layer + ".input_scale"][2], np.float32)[0] == s
+    if case == "w8a8asym":
+        z = int(np.frombuffer(written[layer + ".input_zero_point"][2], np.int8)[0])
+        sub = f.operands(xq)[0][0]
+        c = ConstantValues(module, f).get(f.operands(sub)[1])
+        assert f.op(sub) == "mp.sub" and np.float32(-z * np.float64(s)) == np.float32(c)
+    else:
+        assert layer + ".input_zero_point" not in written
 
 
 def test_a_layer_the_format_cannot_hold_is_refused_naming_the_op(cli, tmp_path):

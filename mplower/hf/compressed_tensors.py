@@ -18,6 +18,10 @@ list). What this module writes, from the module's own grid (never re-quantized):
   (code - zero_point) * scale (quantization/lifecycle/forward.py, dequantize), so the weight a
   server rebuilds is the f32 weight mplower's executor multiplies with, exactly: scales are
   written in f32.
+- fp8 plans (scaled fp8 weights): "float-quantized", `weight` F8_E4M3 and `weight_scale`;
+  static w8a8 (quantize{scheme=w8a8}): "int-quantized", `weight` I8, `weight_scale` and the
+  calibrated activation grid (`input_scale`, `input_zero_point`). Decompression is weight *
+  weight_scale (compressors/naive_quantized/base.py).
 - every other tensor of the source checkpoint in its own dtype (the module's value where a pass
   changed it), the remaining files of the folder copied.
 
@@ -44,22 +48,26 @@ from mplower.io.npz import WeightStore
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
 from mplower.ir.types import TensorType
-from mplower.lowering.calibration import ConstantValues, constant_nodes
+from mplower.lowering.calibration import CALIB, ConstantValues, constant_nodes
 from mplower.lowering.weight_only import WeightOnly, weight_only_matmuls
 
 FORMAT = "compressed-tensors"  # `mplower export --format`
 PACK_QUANTIZED = "pack-quantized"
 FLOAT_QUANTIZED = "float-quantized"
+INT_QUANTIZED = "int-quantized"
 
 
 @dataclass(frozen=True)
-class Fp8:
-    """How an fp8 layer's scales and activation are described (QuantizationArgs fields)."""
+class Scaled:
+    """How an fp8 or int8 (w8a8) layer's scales and activation are described (QuantizationArgs
+    fields); its weight is stored unpacked (float-quantized, int-quantized)."""
 
     strategy: str  # "channel", "tensor" or "block"
     block: tuple[int, int] | None  # [rows, cols] of the [out, in] weight, for "block"
     inputs: str | None  # None (weight-only), "dynamic", or "static"
     input_scale: float | None = None  # static: the calibrated per-tensor decode scale
+    type: str = "float"  # "float" (fp8 E4M3) or "int" (int8)
+    input_zero_point: int = 0  # static int8 activations: the grid's zero point
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class Layer:
     codes: np.ndarray  # int64 [N, K], signed; fp8: the f8E4M3FN codes as f32
     scale: np.ndarray  # f32 [N, K]; fp8: the scales as written ([N, 1], [1] or per block)
     zero_point: np.ndarray  # int64 [N, K], signed
-    fp8: Fp8 | None = None
+    scaled: Scaled | None = None
 
     @property
     def symmetric(self) -> bool:
@@ -128,7 +136,7 @@ def export_checkpoint(module: Module, source: str | Path, weights: str | None = 
         config["quantization_config"] = quant
         for layer in layers.values():
             tensors.update(_pack_quantized(layer, groups[layer.name])
-                           if layer.fp8 is None else _float_quantized(layer))
+                           if layer.scaled is None else _float_quantized(layer))
     files = [p for p in sorted(source.iterdir())
              if p.is_file() and not p.is_symlink() and p.suffix != ".safetensors"
              and p.name not in ("config.json", INDEX)]
@@ -148,7 +156,7 @@ def _layers(module: Module, weights: str | None) -> tuple[dict[str, Layer], set[
             w = f.operands(n)[1]
             if f.operands(n)[0][0] in consts:
                 continue  # (a constant times a constant: not a layer)
-            fp8 = _fp8_layer(f, n, values)
+            fp8 = _fp8_layer(f, n, values) or _int8_layer(f, n, values)
             if fp8 is not None:
                 linear.add(fp8.name + ".weight")
                 _add(layers, fp8, f.data(n)["loc"])
@@ -166,9 +174,9 @@ def _layers(module: Module, weights: str | None) -> tuple[dict[str, Layer], set[
                     raise DiagnosticError.at(f.data(n)["loc"], (
                         f"%{f.data(n)['name']} multiplies by a weight in {elem}"
                         f"{'' if source is None else f' ({source})'}: the compressed-tensors "
-                        f"export writes weight-only int4/int8 layers (quantize{{scheme="
-                        f"w4a16|w8a16}}) and float ones ({', '.join(_FLOAT_WEIGHTS)}); "
-                        f"export this plan as ONNX"))
+                        f"export writes weight-only int4/int8, scaled fp8 and static w8a8 "
+                        f"layers, and float ones ({', '.join(_FLOAT_WEIGHTS)}); export this "
+                        f"plan as ONNX"))
                 linear.add(source)
     return layers, linear
 
@@ -226,7 +234,47 @@ def _fp8_layer(f: Function, n: int, consts: ConstantValues) -> Layer | None:
             f"per tensor by the current recipe (dynamic) or the static one, without margin "
             f"or pow2, or float activations (weight-only fp8)"))
     return Layer(source.removesuffix(".weight"), 8, np.ascontiguousarray(r.codes.T), scales,
-                 np.zeros((), np.int64), Fp8(strategy, block, inputs, input_scale))
+                 np.zeros((), np.int64), Scaled(strategy, block, inputs, input_scale))
+
+
+def _int8_layer(f: Function, n: int, consts: ConstantValues) -> Layer | None:
+    """A w8a8 layer (quantize{scheme=w8a8}): the integer kernel of an activation quantized per
+    tensor (i8, or ui8: the int8 grid with zero point -128; or x - c, the shift the pass
+    writes for a zero point z, c = -z * scale) and the named weight quantized to i8 per
+    channel or per tensor. None for any other matmul."""
+    from mplower.ir.opdef import OPS, check_attrs
+
+    x, w = f.operands(n)[:2]
+    x_t, w_t = f.type_of(x), f.type_of(w)
+    if w_t.elem != "i8" or x_t.elem not in ("i8", "ui8") or w_t.rank != 2:
+        return None
+    loc = f.data(n)["loc"]
+    source = _float_weight(f, f.operands(w[0])[0]) if f.op(w[0]) == "mp.quantize" else None
+    if source is None or f.op(x[0]) != "mp.quantize":
+        raise DiagnosticError.at(loc, f"%{f.data(n)['name']} is an integer kernel whose "
+                                      f"operands are not a quantized activation and a "
+                                      f"quantized named weight")
+    wa = check_attrs(OPS["mp.quantize"], f.attrs_of(w[0]))
+    xa = check_attrs(OPS["mp.quantize"], f.attrs_of(x[0]))
+    w_scale = np.asarray(wa["scale"], np.float32).reshape(-1)
+    x_scale = np.asarray(xa["scale"], np.float32).reshape(-1)
+    if np.any(np.asarray(wa["zero_point"])) or x_scale.size != 1 or (
+            w_scale.size > 1 and wa["axis"] % 2 != 1):
+        raise DiagnosticError.at(loc, f"%{f.data(n)['name']}: int-quantized describes "
+                                      f"symmetric weights per output channel or per tensor and "
+                                      f"activations per tensor")
+    zero = int(np.asarray(xa["zero_point"]).reshape(-1)[0]) - (128 if x_t.elem == "ui8" else 0)
+    src = f.operands(x[0])[0]
+    if f.op(src[0]) == "mp.sub" and f.attrs_of(src[0]).get(CALIB) == "shifted":
+        c = float(consts.get(f.operands(src[0])[1]))
+        zero = int(np.rint(-c / float(x_scale[0])))
+    codes = np.asarray(consts.get(w)).astype(np.int64).T
+    scale = np.broadcast_to(w_scale.reshape(-1, 1), (codes.shape[0], 1)) if w_scale.size > 1 \
+        else w_scale
+    return Layer(source.removesuffix(".weight"), 8, np.ascontiguousarray(codes),
+                 np.ascontiguousarray(scale, np.float32), np.zeros((), np.int64),
+                 Scaled("channel" if w_scale.size > 1 else "tensor", None, "static",
+                        float(x_scale[0]), "int", zero))
 
 
 # Weights a server reads as the checkpoint's floats (a cast to bf16/f16 is its own load).
@@ -316,17 +364,26 @@ def _pack_quantized(layer: Layer, group: int) -> dict[str, Pending]:
 
 
 def _float_quantized(layer: Layer) -> dict[str, Pending]:
-    """An fp8 layer as float-quantized writes it: `weight` in F8_E4M3 and `weight_scale` (and a
-    static `input_scale`); decompression is weight * weight_scale (compressors/naive_quantized/
-    base.py, quantization/lifecycle/forward.py), the values mplower's GEMM reads."""
+    """An fp8 or int8 layer as float-quantized / int-quantized write it: `weight` in F8_E4M3 or
+    I8 and `weight_scale` (and a static `input_scale`, `input_zero_point`); decompression is
+    weight * weight_scale (compressors/naive_quantized/base.py, quantization/lifecycle/
+    forward.py), the values mplower's GEMM reads."""
     import ml_dtypes
 
-    bits = layer.codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    scale = layer.scale if layer.fp8.strategy != "channel" else layer.scale.reshape(-1, 1)
-    out = {f"{layer.name}.weight": Pending("F8_E4M3", bits.shape, _const(bits)),
+    if layer.scaled.type == "float":
+        bits = layer.codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        weight = Pending("F8_E4M3", bits.shape, _const(bits))
+    else:
+        codes = np.ascontiguousarray(layer.codes, np.int8)
+        weight = Pending("I8", codes.shape, _const(codes))
+    scale = layer.scale if layer.scaled.strategy != "channel" else layer.scale.reshape(-1, 1)
+    out = {f"{layer.name}.weight": weight,
            f"{layer.name}.weight_scale": _lazy(np.ascontiguousarray(scale, np.float32))}
-    if layer.fp8.inputs == "static":
-        out[f"{layer.name}.input_scale"] = _lazy(np.array([layer.fp8.input_scale], np.float32))
+    if layer.scaled.inputs == "static":
+        out[f"{layer.name}.input_scale"] = _lazy(np.array([layer.scaled.input_scale], np.float32))
+    if layer.scaled.input_zero_point:
+        zp = np.array([layer.scaled.input_zero_point], np.int8)
+        out[f"{layer.name}.input_zero_point"] = Pending("I8", (1,), _const(zp))
     return out
 
 
@@ -362,24 +419,25 @@ def _quantization_config(layers: list[Layer], ignore: list[str]
     group_of: dict[str, int] = {}
     schemes: dict[tuple, list[Layer]] = {}
     for layer in layers:
-        fp8 = layer.fp8
-        key = (layer.bits, layer.symmetric) if fp8 is None else (
-            8, True, fp8.strategy, fp8.block or (), fp8.inputs or "")
+        sc = layer.scaled
+        key = (layer.bits, layer.symmetric) if sc is None else (
+            8, sc.type, sc.strategy, sc.block or (), sc.inputs or "", sc.input_zero_point != 0)
         schemes.setdefault(key, []).append(layer)
     groups = {}
     for i, (key, members) in enumerate(sorted(schemes.items())):
         targets = ["Linear"] if len(schemes) == 1 else sorted(m.name for m in members)
-        if len(key) > 2:  # fp8
-            _, _, strategy, block, inputs = key
-            args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+        if len(key) > 2:  # fp8 or int8 w8a8, stored unpacked
+            _, kind, strategy, block, inputs, zero_points = key
+            args = {"num_bits": 8, "type": kind, "symmetric": True, "group_size": None,
                     "strategy": strategy, "block_structure": list(block) or None,
                     "dynamic": False}
             acts = None if not inputs else {
-                "num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                "num_bits": 8, "type": kind, "symmetric": not zero_points, "group_size": None,
                 "strategy": "tensor", "dynamic": inputs == "dynamic"}
             groups[f"group_{i}"] = {"targets": targets, "weights": args,
                                     "input_activations": acts, "output_activations": None,
-                                    "format": FLOAT_QUANTIZED}
+                                    "format": FLOAT_QUANTIZED if kind == "float" else
+                                    INT_QUANTIZED}
             continue
         bits, symmetric = key
         periods = [m.period() for m in members]
