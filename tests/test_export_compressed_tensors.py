@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_export_matmulnbits import write_llama
+from test_export_matmulnbits import LLAMA, write_llama
 
 from mplower.backend.executor import reference_runner
 from mplower.ir.parser import parse_file
@@ -82,6 +82,9 @@ CASES = {  # name -> (pipeline, edit of the lowered module)
     # w8a8 needs calibrated ranges: @prefill alone (calibration data is its input_ids).
     "w8a8sym": ("calibrate{data=CALIB},quantize{scheme=w8a8 symmetric=true}", "prefill"),
     "w8a8asym": ("calibrate{data=CALIB},quantize{scheme=w8a8}", "prefill"),
+    # A bf16 checkpoint with tied embeddings (its own import): lm_head quantized, the
+    # embedding table not.
+    "tiedbf16": ("quantize{scheme=w4a16 group=32}", "tied"),
 }
 
 
@@ -99,9 +102,12 @@ def exports(tmp_path_factory):
     edits = {"asym": make_asymmetric, "head": keep_head_in_float}
     calib = tmp / "calib.npz"
     np.savez(calib, input_ids=np.random.default_rng(0).integers(0, 64, (8, 1, 4)))
+    tied = tmp / "tied"
+    tied_tensors = write_llama(tied, {**LLAMA, "tie_word_embeddings": True}, bf16=True)
+    assert main(["import", str(tied), "-o", str(tmp / "t.ir"), "--seq", "4"]) == 0
     built = {}
     for name, (pipeline, edit) in CASES.items():
-        module = parse_file(tmp / "m.ir")
+        module = parse_file(tmp / ("t.ir" if edit == "tied" else "m.ir"))
         if edit == "prefill":
             del module.functions["decode"]
         PassManager(parse_pipeline(pipeline.replace("CALIB", str(calib)))).run(
@@ -112,11 +118,11 @@ def exports(tmp_path_factory):
         ir.write_text(print_module(module))
         out = tmp / name
         assert main(["export", str(ir), "--format", "compressed-tensors", "--checkpoint",
-                     str(source), "-o", str(out)]) == 0
+                     str(tied if edit == "tied" else source), "-o", str(out)]) == 0
         built[name] = (module, out)
     results = decompressed([out for _, out in built.values()]) if CT_PYTHON else {}
     return {name: (module, out, *results.get(str(out), ({}, {})))
-            for name, (module, out) in built.items()}, tensors
+            for name, (module, out) in built.items()}, {**tensors, "tied": tied_tensors}
 
 
 def decompressed(folders: list[Path]) -> dict[str, tuple[dict, dict]]:
@@ -288,6 +294,23 @@ def test_w8a8_is_int_quantized_with_the_calibrated_activation_grid(exports, case
         assert f.op(sub) == "mp.sub" and np.float32(-z * np.float64(s)) == np.float32(c)
     else:
         assert layer + ".input_zero_point" not in written
+
+
+@needs_ct
+def test_tied_bf16_checkpoint_keeps_its_embedding_and_unties_a_quantized_head(exports):
+    cases, sources = exports
+    module, folder, theirs, _ = cases["tiedbf16"]
+    ours = mplower_weights(module)
+    assert "lm_head" in ours and sorted(theirs) == sorted(ours)
+    for name, w in ours.items():
+        np.testing.assert_array_equal(theirs[name], w, err_msg=name)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    written = read_safetensors(folder / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        dtype, _, data = written[name]
+        assert dtype == "BF16" and data == sources["tied"][name].tobytes()
+    assert "lm_head.weight" not in written and "lm_head.weight_packed" in written
 
 
 def test_a_layer_the_format_cannot_hold_is_refused_naming_the_op(cli, tmp_path):

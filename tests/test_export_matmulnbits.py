@@ -170,15 +170,17 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "tie_word_embeddings": False}
 
 
-def write_llama(folder: Path, cfg: dict = LLAMA, seed: int = 0) -> dict[str, np.ndarray]:
+def write_llama(folder: Path, cfg: dict = LLAMA, seed: int = 0, bf16: bool = False
+                ) -> dict[str, np.ndarray]:
     """config.json and a safetensors file written with numpy (u64 header length, JSON header,
-    data), f32 random weights."""
+    data), random weights in f32 (or bf16); no lm_head with tie_word_embeddings."""
     rng = np.random.default_rng(seed)
     h, i_, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-              "lm_head.weight": (v, h)}
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
     for L in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{L}."
         shapes.update({p + "input_layernorm.weight": (h,),
@@ -189,9 +191,13 @@ def write_llama(folder: Path, cfg: dict = LLAMA, seed: int = 0) -> dict[str, np.
                        p + "mlp.down_proj.weight": (h, i_)})
     tensors = {k: (1 + 0.1 * rng.standard_normal(s) if k.endswith("norm.weight") else
                    0.2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+    if bf16:
+        import ml_dtypes
+
+        tensors = {k: a.astype(ml_dtypes.bfloat16) for k, a in tensors.items()}
     header, offset = {}, 0
     for k, a in tensors.items():
-        header[k] = {"dtype": "F32", "shape": list(a.shape),
+        header[k] = {"dtype": "BF16" if bf16 else "F32", "shape": list(a.shape),
                      "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     head = json.dumps(header).encode()

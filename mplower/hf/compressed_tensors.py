@@ -79,18 +79,12 @@ class Layer:
     codes: np.ndarray  # int64 [N, K], signed; fp8: the f8E4M3FN codes as f32
     scale: np.ndarray  # f32 [N, K]; fp8: the scales as written ([N, 1], [1] or per block)
     zero_point: np.ndarray  # int64 [N, K], signed
+    period: int = 0  # weight-only: inputs per run of one scale (WeightOnly.period)
     scaled: Scaled | None = None
 
     @property
     def symmetric(self) -> bool:
         return not np.any(self.zero_point)
-
-    def period(self) -> int:
-        k = self.codes.shape[1]
-        s, z = self.scale, self.zero_point
-        changes = np.flatnonzero(np.any((s[:, 1:] != s[:, :-1]) | (z[:, 1:] != z[:, :-1]),
-                                        axis=0)) + 1
-        return math.gcd(k, *map(int, changes))
 
 
 @dataclass
@@ -234,7 +228,7 @@ def _fp8_layer(f: Function, n: int, consts: ConstantValues) -> Layer | None:
             f"per tensor by the current recipe (dynamic) or the static one, without margin "
             f"or pow2, or float activations (weight-only fp8)"))
     return Layer(source.removesuffix(".weight"), 8, np.ascontiguousarray(r.codes.T), scales,
-                 np.zeros((), np.int64), Scaled(strategy, block, inputs, input_scale))
+                 np.zeros((), np.int64), scaled=Scaled(strategy, block, inputs, input_scale))
 
 
 def _int8_layer(f: Function, n: int, consts: ConstantValues) -> Layer | None:
@@ -273,8 +267,8 @@ def _int8_layer(f: Function, n: int, consts: ConstantValues) -> Layer | None:
         else w_scale
     return Layer(source.removesuffix(".weight"), 8, np.ascontiguousarray(codes),
                  np.ascontiguousarray(scale, np.float32), np.zeros((), np.int64),
-                 Scaled("channel" if w_scale.size > 1 else "tensor", None, "static",
-                        float(x_scale[0]), "int", zero))
+                 scaled=Scaled("channel" if w_scale.size > 1 else "tensor", None, "static",
+                               float(x_scale[0]), "int", zero))
 
 
 # Weights a server reads as the checkpoint's floats (a cast to bf16/f16 is its own load).
@@ -292,7 +286,7 @@ def _float_weight(f: Function, w: Value) -> str | None:
 def _layer_of(wo: WeightOnly) -> Layer:
     offset = 128 if wo.elem == "ui8" else 0  # unsigned codes: the same grid, signed
     return Layer(wo.source.removesuffix(".weight"), wo.bits, (wo.codes - offset).T,
-                 wo.scale.T, (wo.zero_point - offset).T)
+                 wo.scale.T, (wo.zero_point - offset).T, wo.period())
 
 
 def _add(layers: dict[str, Layer], layer: Layer, loc: Location) -> None:
@@ -440,7 +434,7 @@ def _quantization_config(layers: list[Layer], ignore: list[str]
                                     INT_QUANTIZED}
             continue
         bits, symmetric = key
-        periods = [m.period() for m in members]
+        periods = [m.period for m in members]
         channel = all(p == m.codes.shape[1] for p, m in zip(periods, members))
         size = math.gcd(*periods)
         args = {"num_bits": bits, "type": "int", "symmetric": symmetric,
