@@ -228,7 +228,9 @@ class _Exporter:
         graph = helper.make_graph(self.nodes, graph_name, inputs, outputs, self.inits)
         opsets = [helper.make_opsetid("", OPSET)]
         if self.nbits.layers:
-            opsets.append(helper.make_opsetid("com.microsoft", 1))
+            from mplower.onnx.exporter.nbits import MS_DOMAIN
+
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets,
                                   ir_version=IR_VERSION, producer_name="mplower")
         if self.notes:
