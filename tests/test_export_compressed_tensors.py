@@ -82,6 +82,8 @@ CASES = {  # name -> (pipeline, edit of the lowered module)
     # w8a8 needs calibrated ranges: @prefill alone (calibration data is its input_ids).
     "w8a8sym": ("calibrate{data=CALIB},quantize{scheme=w8a8 symmetric=true}", "prefill"),
     "w8a8asym": ("calibrate{data=CALIB},quantize{scheme=w8a8}", "prefill"),
+    "fp8static": (("assign-precision{policy=fp8},calibrate{data=CALIB},insert-casts,"
+                   "scale-recipes{recipe=static}"), "prefill"),
     # A bf16 checkpoint with tied embeddings (its own import): lm_head quantized, the
     # embedding table not.
     "tiedbf16": ("quantize{scheme=w4a16 group=32}", "tied"),
@@ -311,6 +313,27 @@ def test_tied_bf16_checkpoint_keeps_its_embedding_and_unties_a_quantized_head(ex
         dtype, _, data = written[name]
         assert dtype == "BF16" and data == sources["tied"][name].tobytes()
     assert "lm_head.weight" not in written and "lm_head.weight_packed" in written
+
+
+@needs_ct
+def test_fp8_static_activations_keep_their_calibrated_scale(exports):
+    cases, _ = exports
+    module, folder, theirs, _ = cases["fp8static"]
+    ours = mplower_weights(module)
+    assert sorted(theirs) == sorted(ours) and len(ours) == 6
+    for name, w in ours.items():
+        np.testing.assert_array_equal(theirs[name], w, err_msg=name)
+    (group,) = json.loads((folder / "config.json").read_text())[
+        "quantization_config"]["config_groups"].values()
+    assert group["input_activations"]["dynamic"] is False
+    # gate_proj reads the second norm's output, scaled from its calibrated amax: scale =
+    # amax / 448 (E4M3's largest value).
+    f = module.function("prefill")
+    amax = next(f.attrs_of(n)["amax"] for n in f.walk("mp.scaled_quant")
+                if f.data(n)["name"] == "rms_norm_1_f8E4M3FN")
+    written = read_safetensors(folder / "model.safetensors")
+    scale = np.frombuffer(written["model.layers.0.mlp.gate_proj.input_scale"][2], np.float32)
+    np.testing.assert_allclose(scale, [amax / 448], rtol=1e-6)
 
 
 def test_a_layer_the_format_cannot_hold_is_refused_naming_the_op(cli, tmp_path):
