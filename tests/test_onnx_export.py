@@ -48,11 +48,12 @@ def load_example(name: str, pipeline: str | None = None):
 
 
 def run_both(module, inputs: list[np.ndarray], options: dict[str, str] | None = None,
-             optimize: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
+             optimize: bool = True, weight_only: str = "matmulnbits"
+             ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(mplower's outputs, onnxruntime's outputs of the exported model); `optimize=False` runs
     it node by node (ONNX's semantics), without onnxruntime's graph rewrites."""
     ours = Program(module).run(inputs, reference=False).outputs
-    exported = export_module(module)
+    exported = export_module(module, weight_only=weight_only)
     data = check_and_serialize(exported.model, Location(module.path, 0, 0))
     so = ort.SessionOptions()
     if not optimize:
@@ -241,9 +242,9 @@ func.func @main(%x: tensor<8x16xf32>) -> tensor<8x4xf32> {{
     x = _rng.normal(size=(8, 16)).astype(np.float32)
     # A weight-only int8 matmul: onnxruntime's default optimizations would fuse it into
     # MatMulNBits, which quantizes x too; the exporter says so, and this option runs it as is.
-    ours, theirs = run_both(module, [x], {"session.disable_quant_qdq": "1"})
+    ours, theirs = run_both(module, [x], {"session.disable_quant_qdq": "1"}, weight_only="qdq")
     np.testing.assert_allclose(theirs[0], ours[0], rtol=1e-6, atol=1e-6)
-    exported = export_module(module)
+    exported = export_module(module, weight_only="qdq")
     assert any("session.disable_quant_qdq=1" in n for n in exported.notes)
     zp = next(t for t in exported.model.graph.initializer if "zero_point" in t.name)
     assert list(zp.dims) == [4]

@@ -17,6 +17,8 @@ from mplower.cli.common import (
     check_outputs,
     input_name,
     materialize_and_say,
+    parse_module,
+    read_input,
     read_module,
     weights_beside,
     write_atomic_all,
@@ -65,7 +67,8 @@ def add_import(sub, name: str) -> argparse.ArgumentParser:
 
 
 def add_export(sub, name: str) -> argparse.ArgumentParser:
-    e = sub.add_parser(name, help="export a (lowered) module as an ONNX model",
+    e = sub.add_parser(name, help="export a (lowered) module as an ONNX model or a "
+                                  "compressed-tensors checkpoint",
                        description="Write an ONNX model of the module's plan: narrow formats "
                                    "as Cast nodes, int8 as QuantizeLinear/DequantizeLinear, "
                                    "weights as initializers. A plan that is only annotations "
@@ -80,11 +83,17 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
                                    "value is then rounded to fp8 (current scaling also takes "
                                    "its scale from their amax) it may land on the neighbouring "
                                    "code: each fp8 value is within one fp8 code of the "
-                                   "executor's, and outputs downstream differ accordingly.")
+                                   "executor's, and outputs downstream differ accordingly. "
+                                   "--format compressed-tensors writes the checkpoint folder "
+                                   "vLLM and transformers load (docs/export-checkpoint.md).")
     e.add_argument("input", help="IR file, or - for stdin")
-    e.add_argument("--format", choices=("onnx",), default="onnx")
+    e.add_argument("--format", choices=("onnx", "compressed-tensors"), default="onnx")
     e.add_argument("-o", dest="output", required=True,
-                   help="the .onnx file to write ('-': stdout, through a pipe)")
+                   help="the .onnx file to write ('-': stdout, through a pipe); the folder "
+                        "for compressed-tensors (replaced whole)")
+    e.add_argument("--checkpoint", metavar="DIR",
+                   help="compressed-tensors: the HF checkpoint folder the module was imported "
+                        "from (its config.json, tensors kept in float and other files)")
     e.add_argument("--weights", help="weights .npz to use instead of the module's mp.weights")
     e.add_argument("--func", default=None, help="function to export (default: main or the "
                                                  "only one)")
@@ -92,6 +101,10 @@ def add_export(sub, name: str) -> argparse.ArgumentParser:
                    help="keep bf16/fp8/i4 graph inputs and outputs in their own types (by "
                         "default they are exchanged as FLOAT/INT8, which onnxruntime's Python "
                         "API can feed and fetch)")
+    e.add_argument("--weight-only", choices=("matmulnbits", "qdq"), default="matmulnbits",
+                   help="weight-only matmuls (quantize{scheme=w4a16|w8a16}): onnxruntime's "
+                        "com.microsoft.MatMulNBits with the plan's codes and a float "
+                        "activation (default), or DequantizeLinear + MatMul (docs/onnx.md)")
     return e
 
 
@@ -179,6 +192,10 @@ def _import_checkpoint(args: argparse.Namespace) -> int:
 
 @writes_outputs
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format == "compressed-tensors":
+        return _export_checkpoint(args)
+    if args.checkpoint is not None:
+        raise UsageError("--checkpoint is for --format compressed-tensors")
     from mplower.ir.diagnostics import Location
     from mplower.onnx.exporter import check_and_serialize, export_module
 
@@ -186,10 +203,51 @@ def cmd_export(args: argparse.Namespace) -> int:
                   binary=("-o",))
     module = read_module(args)
     materialize_and_say(module, args, "export")  # a plan still only annotations gets casts
-    exported = export_module(module, args.func, args.weights, args.narrow_io)
+    exported = export_module(module, args.func, args.weights, args.narrow_io, args.weight_only)
     name = input_name(args.input)
     data = check_and_serialize(exported.model, Location(name, 0, 0))
     write_output(args.output, data)
+    for note in exported.notes:
+        sys.stderr.write(f"{name}: note: {note}\n")
+    return EXIT_OK
+
+
+def _export_checkpoint(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import shutil
+
+    from mplower.hf.compressed_tensors import export_checkpoint
+    from mplower.hf.safetensors_writer import write_safetensors
+    from mplower.io.atomic import staged_folder
+
+    if args.checkpoint is None:
+        raise UsageError("--format compressed-tensors needs --checkpoint DIR, the HF folder "
+                         "the module was imported from")
+    if args.output == "-":
+        raise UsageError("--format compressed-tensors writes a folder: -o needs a path, not '-'")
+    for flag, given in (("--narrow-io", args.narrow_io), ("--func", args.func is not None)):
+        if given:
+            raise UsageError(f"{flag} is for --format onnx; a checkpoint holds the weights of "
+                             f"every function")
+    out = Path(os.path.realpath(args.output))
+    source = Path(os.path.realpath(args.checkpoint))
+    if out == source or source.is_relative_to(out) or out.is_relative_to(source):
+        raise UsageError(f"-o {args.output} would replace or lie inside the checkpoint "
+                         f"{args.checkpoint}; write the export to a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {args.output} is a file; compressed-tensors writes a folder")
+    text, name = read_input(args.input)
+    args._source = text  # main shows source lines with later diagnostics
+    module = parse_module(text, name)
+    materialize_and_say(module, args, "export")
+    exported = export_checkpoint(module, source, args.weights)
+    with staged_folder(out) as stage:
+        with open(stage / "model.safetensors", "wb") as fh:
+            write_safetensors(fh, exported.tensors, {"format": "pt"})
+        (stage / "config.json").write_text(json.dumps(exported.config, indent=2) + "\n")
+        for f in exported.files:
+            shutil.copyfile(f, stage / f.name)
     for note in exported.notes:
         sys.stderr.write(f"{name}: note: {note}\n")
     return EXIT_OK

@@ -88,7 +88,7 @@ _IO_AS = {"bf16": "f32", "f8E4M3FN": "f32", "f8E5M2": "f32", "i4": "i8"}
 
 
 def export_module(module: Module, func: str | None = None, weights: str | None = None,
-                  narrow_io: bool = False) -> Exported:
+                  narrow_io: bool = False, weight_only: str = "matmulnbits") -> Exported:
     """The ONNX model of one function of a (lowered) module; see the module docstring.
 
     Graph inputs and outputs of bf16, fp8 and i4 are exchanged as FLOAT (INT8 for i4) with a
@@ -96,11 +96,19 @@ def export_module(module: Module, func: str | None = None, weights: str | None =
     is rounded to its declared type there, as mplower's executor rounds its arguments.
     `narrow_io` keeps the declared types at the boundary instead. The module is exported as it
     is and not changed; a plan that is only annotations is an error (run insert-casts first).
+    `weight_only` is how weight-only matmuls are written: "matmulnbits" (onnxruntime's
+    com.microsoft.MatMulNBits, mplower.onnx.exporter.nbits) or "qdq" (DequantizeLinear + MatMul).
     """
+    from mplower.onnx.exporter.nbits import WEIGHT_ONLY_FORMS, NBitsPlan, plan_nbits
+
+    if weight_only not in WEIGHT_ONLY_FORMS:
+        raise ValueError(f"weight_only must be one of {WEIGHT_ONLY_FORMS}, got {weight_only!r}")
     f = module.function(func)
     check_materialized(f)
+    nbits = plan_nbits(module, f, weights) if weight_only == "matmulnbits" else \
+        NBitsPlan({}, set(), [])
     exporter = _Exporter(f, WeightStore(module, weights), Location(module.path, 0, 0),
-                         narrow_io)
+                         narrow_io, nbits)
     model = exporter.run(module.name or f.name)
     return Exported(model, sorted(set(exporter.notes)))
 
@@ -118,7 +126,7 @@ def check_and_serialize(model: onnx.ModelProto, loc: Location) -> bytes:
 
 
 class _Exporter:
-    def __init__(self, f: Function, weights, loc: Location, narrow_io: bool):
+    def __init__(self, f: Function, weights, loc: Location, narrow_io: bool, nbits):
         self.f = f
         self.narrow_io = narrow_io
         self.weights = weights
@@ -128,7 +136,8 @@ class _Exporter:
         self.names: dict[tuple[int, int], str] = {}
         self.used: set[str] = set()
         self.wide: dict[str, str] = {}  # narrow tensor -> its FLOAT copy
-        self.notes: list[str] = []
+        self.nbits = nbits  # the weight-only matmuls written as MatMulNBits (NBitsPlan)
+        self.notes: list[str] = list(nbits.notes)
 
     # ---- names and helpers ---------------------------------------------------------------
     def fresh(self, hint: str) -> str:
@@ -217,7 +226,12 @@ class _Exporter:
             self._op(n)
         self._note_weight_only_matmuls()
         graph = helper.make_graph(self.nodes, graph_name, inputs, outputs, self.inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+        opsets = [helper.make_opsetid("", OPSET)]
+        if self.nbits.layers:
+            from mplower.onnx.exporter.nbits import MS_DOMAIN
+
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets,
                                   ir_version=IR_VERSION, producer_name="mplower")
         if self.notes:
             model.doc_string = "; ".join(sorted(set(self.notes)))
@@ -244,8 +258,16 @@ class _Exporter:
                               "their tf32 rounding is dropped")
 
     def _op(self, n: int) -> None:
+        if n in self.nbits.absorbed:
+            return
         f = self.f
         d = f.data(n)
+        if n in self.nbits.layers:  # its weight operand was never exported
+            from mplower.onnx.exporter.nbits import emit_nbits
+
+            x = self.names[f.operands(n)[0]]
+            self.names[(n, 0)] = emit_nbits(self, self.nbits.layers[n], x, d["name"])
+            return
         op = d["op"]
         opdef = OPS.get(op)
         if opdef is None:
