@@ -487,6 +487,62 @@ def quantized_weight(rw: _Rewriter, n: int, q: np.ndarray, scale: np.ndarray,
     rw.ctx.stat("ops-quantized")
 
 
+NORMS = ("mp.layer_norm", "mp.rms_norm")
+
+
+def _channel_constants(rw: _Rewriter, n: int, x: Value) -> list[int] | None:
+    """The operand positions of `n` that hold constant per-channel vectors along x's last axis
+    and scale x linearly: a norm's gamma and beta, a mul's factor and an add's term (whose
+    other operand is a mul by such a factor, used by the add alone); None where the
+    producer is no such op."""
+    f = rw.f
+    k = f.type_of(x).shape[-1]
+    op, ins = f.op(n), f.operands(n)
+
+    def vector(v: Value) -> bool:
+        return v in rw.consts and f.type_of(v).shape == (k,) and f.type_of(v).elem == "f32"
+
+    if op in NORMS and all(vector(v) for v in ins[1:]) and \
+            f.attrs_of(n).get("axis", -1) in (-1, f.type_of(x).rank - 1):
+        return list(range(1, len(ins)))
+    if op == "mp.mul" and vector(ins[1]) and ins[0] not in rw.consts:
+        return [1]
+    if op == "mp.add" and vector(ins[1]) and f.op(ins[0][0]) == "mp.mul" and \
+            len(f.uses(ins[0])) == 1 and _channel_constants(rw, ins[0][0], ins[0]) == [1]:
+        return [1]
+    return None
+
+
+def folded_input_scale(rw: _Rewriter, x: Value, inverse: np.ndarray, layers: list[int]
+                       ) -> bool:
+    """Fold x * inverse into x's producer where it is a per-channel affine op of constants
+    that only these layers read (module docstring: a norm's gamma and beta; a mul by a
+    vector, and an add of one after it: a norm decomposed by the ONNX importer): its
+    vectors are multiplied by `inverse` in new inline constants. False where there is none."""
+    f = rw.f
+    n = x[0]
+    if n in f.args or {u for u, _ in f.uses(x)} != set(layers):
+        return False
+    positions = _channel_constants(rw, n, x)
+    if positions is None:
+        return False
+    todo = [(n, positions)]
+    if f.op(n) == "mp.add":
+        todo.append((f.operands(n)[0][0], [1]))
+    for node, pos in todo:
+        for i in pos:
+            v = f.operands(node)[i]
+            scaled = rw.consts.get(v).astype(np.float32) * inverse
+            c = f.create_op("mp.constant", [], [tensor(scaled.shape, "f32")],
+                            {"value": dense_f32(scaled)}, before=node,
+                            name_hint=f"{_name(f, v)}_awq")
+            f.set_operand(node, i, (c, 0))
+            if f.op(v[0]) == "mp.constant" and not f.has_uses(v[0]):
+                f.erase(v[0])
+    rw.ctx.stat("awq-scales-folded")
+    return True
+
+
 def scaled_input(rw: _Rewriter, x: Value, inverse: np.ndarray) -> Value:
     """x * inverse (per input channel): AWQ's division of a layer's input by its scales, an
     explicit mp.mul after x's producer, shared by the layers that read x."""
@@ -531,6 +587,7 @@ class Quantize(Pass):
         "layers-rtn-fallback": "gptq/awq/sym=false: weights that are no x @ W layer (a conv, "
                                "W @ x), rounded to nearest symmetrically",
         "awq-input-scales": "AWQ input scalings inserted (an mp.mul by 1/s per shared input)",
+        "awq-scales-folded": "AWQ input scalings folded into the norm (or mul/add) before",
     }
     examples: ClassVar[tuple[str, ...]] = (
         "ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz}' --pass=quantize",
@@ -549,6 +606,8 @@ class Quantize(Pass):
     damp: float = option(0.01, "gptq: damping, this fraction of mean(diag(H)) added to diag(H)")
     act_order: bool = option(False, "gptq: columns by decreasing diag(H) (static groups)")
     block: int = option(128, "gptq: columns per lazy batch update")
+    ops: tuple[str, ...] = option(tuple(sorted(QUANTIZABLE)), "weight-only: the ops whose weights are "
+                                                       "quantized (e.g. mp.matmul alone)")
     clip: bool = option(True, "awq: search a clipping range per group after the scales")
     grid: int = option(20, "awq: grid points of alpha in [0, 1) (and of the clipping search)")
 
@@ -591,6 +650,10 @@ class Quantize(Pass):
         if self.method not in METHODS:
             raise DiagnosticError.at(loc, f"quantize: unknown method '{self.method}'; expected "
                                           f"one of {', '.join(METHODS)}")
+        bad = [op for op in self.ops if op not in QUANTIZABLE]
+        if bad:
+            raise DiagnosticError.at(loc, f"quantize: ops {', '.join(bad)} take no quantized "
+                                          f"weight (ops: {', '.join(sorted(QUANTIZABLE))})")
         if self.method == "rtn" and self.sym:
             return
         what = f"method={self.method}" if self.method != "rtn" else "sym=false"
@@ -613,6 +676,7 @@ class Quantize(Pass):
         algorithm computed (`quantized_weight`); with data, each layer's reconstruction error
         on it as `mp.weight_error`."""
         f, ctx, elem = rw.f, rw.ctx, SCHEMES[self.scheme]
+        targets = [n for n in targets if f.op(n) in self.ops]
         bits = FORMATS[elem].bits
         rtn_chain = self.method == "rtn" and self.sym
         groups = layer_groups(f, targets, rw.consts) if self.data or not rtn_chain else {}
@@ -638,10 +702,12 @@ class Quantize(Pass):
                                                  stats[x], grid=self.grid, clip=self.clip,
                                                  **opts)
                 inv = (np.float32(1) / s).astype(np.float32)
-                xs = scaled_input(rw, x, inv)
+                if not folded_input_scale(rw, x, inv, ns):
+                    xs = scaled_input(rw, x, inv)
+                    for n in ns:
+                        f.set_operand(n, 0, xs)
                 cuts = np.cumsum([0, *widths])
                 for n, a, b in zip(ns, cuts[:-1], cuts[1:]):
-                    f.set_operand(n, 0, xs)
                     inverse[n] = inv
                     quantized_weight(rw, n, q[:, a:b], scale[:, a:b], zero[:, a:b], elem,
                                      f"{elem} {_group_text(q, scale)} {grid} awq")

@@ -329,3 +329,44 @@ def test_bad_options_are_refused_with_a_reason(tmp_path, pipeline, message):
     with pytest.raises(DiagnosticError, match=message):
         PassManager(parse_pipeline(pipeline)).run(parse_file(path),
                                                   PassContext(runner=reference_runner))
+
+
+def test_awq_scale_folds_into_the_norm_both_layers_read(tmp_path):
+    rng = np.random.default_rng(7)
+    x = correlated_inputs(rng)
+    w = {"w1": rng.standard_normal((K, N)).astype(np.float32) * 0.1,
+         "w2": rng.standard_normal((K, 8)).astype(np.float32) * 0.1,
+         "g": (1 + rng.random(K)).astype(np.float32), "b": rng.random(K).astype(np.float32)}
+    np.savez(tmp_path / "w.npz", **w)
+    np.savez(tmp_path / "calib.npz", x=x)
+    t = f"tensor<64x{K}xf32>"
+    path = tmp_path / "m.ir"
+    path.write_text(
+        'module attributes {mp.weights = "w.npz"} {\n'
+        f"  func.func @main(%x: {t}) -> (tensor<64x{N}xf32>, tensor<64x8xf32>) {{\n"
+        f'    %g = mp.constant {{name = "g"}} : () -> tensor<{K}xf32>\n'
+        f'    %b = mp.constant {{name = "b"}} : () -> tensor<{K}xf32>\n'
+        f'    %w1 = mp.constant {{name = "w1"}} : () -> tensor<{K}x{N}xf32>\n'
+        f'    %w2 = mp.constant {{name = "w2"}} : () -> tensor<{K}x8xf32>\n'
+        f"    %n = mp.layer_norm %x, %g, %b {{axis = -1, epsilon = 1.0e-05}} : "
+        f"({t}, tensor<{K}xf32>, tensor<{K}xf32>) -> {t}\n"
+        f"    %0 = mp.matmul %n, %w1 : ({t}, tensor<{K}x{N}xf32>) -> tensor<64x{N}xf32>\n"
+        f"    %1 = mp.matmul %n, %w2 : ({t}, tensor<{K}x8xf32>) -> tensor<64x8xf32>\n"
+        f"    return %0, %1 : tensor<64x{N}xf32>, tensor<64x8xf32>\n  }}\n}}\n")
+    module = lowered(path, "method=awq sym=false")
+    f = module.function(None)
+    assert not any(f.op(n) == "mp.mul" for n in f.ops())  # folded, no explicit scaling
+    norm = next(n for n in f.ops() if f.op(n) == "mp.layer_norm")
+    g2, b2 = (f.attrs_of(v[0])["value"].array for v in f.operands(norm)[1:])
+    inv = g2 / w["g"]  # the one scale both layers share
+    np.testing.assert_allclose(b2, w["b"] * inv, rtol=1e-6)
+    got = Program(module).run([x[:64]]).outputs
+    y = x[:64].astype(np.float64)
+    hat = (y - y.mean(-1, keepdims=True)) / np.sqrt(y.var(-1, keepdims=True) + 1e-5)
+    for out, mm in zip(got, [n for n in f.ops() if f.op(n) == "mp.matmul"]):
+        dq = f.operands(mm)[1][0]
+        a = f.attrs_of(dq)
+        q = f.attrs_of(f.operands(dq)[0][0])["value"].array
+        z = np.repeat(a["zero_point"].array, 16, axis=0)
+        w_hat = (q - z).astype(np.float32) * np.repeat(a["scale"].array, 16, axis=0)
+        np.testing.assert_allclose(out, (hat * g2 + b2) @ w_hat, rtol=1e-4, atol=1e-4)
