@@ -26,7 +26,12 @@ do), dequantized to f32 and computed in the activation format (the op's float pl
 insert-casts materializes). mp.quantize takes one scale per index of one axis, so the groups
 are laid out on one axis: W (K, N) -> reshape (K/g, g, N) -> transpose (g, K/g, N) -> reshape
 (g, K/g * N), quantized along axis 1, and the same steps back. Conv weights are per output
-channel.
+channel. With `method=gptq` or `awq` (or `sym=false`) the weights are the integers that
+mplower.numerics.weight_only computed from the statistics of each layer's input on
+calibration data (mplower.lowering.weight_only), stored as an integer constant that one
+blocked mp.dequantize turns back into f32 (`quantized_weight`); AWQ's input scaling is folded
+into the op before the layer where that op allows it (`folded_input_scale`), else it is an
+mp.mul.
 
 After quantization-aware training (prepare-qat, mplower train) an operand produced by an
 integer `mp.fake_quant` keeps that op's scale and zero point (the grid the network was trained
@@ -516,8 +521,8 @@ def _channel_constants(rw: _Rewriter, n: int, x: Value) -> list[int] | None:
 def folded_input_scale(rw: _Rewriter, x: Value, inverse: np.ndarray, layers: list[int]
                        ) -> bool:
     """Fold x * inverse into x's producer where it is a per-channel affine op of constants
-    that only these layers read (module docstring: a norm's gamma and beta; a mul by a
-    vector, and an add of one after it: a norm decomposed by the ONNX importer): its
+    that only these layers read (a norm's gamma and beta; a mul by a vector, and an add
+    of one after it: a norm as the ONNX importer decomposes it): its
     vectors are multiplied by `inverse` in new inline constants. False where there is none."""
     f = rw.f
     n = x[0]
@@ -565,7 +570,10 @@ class Quantize(Pass):
     activations use ORT's grid: ui8 where the range is one-sided; a zero point otherwise,
     written for `x @ W` as a shift of x and its constant correction (the kernel stays
     integer), elsewhere in QDQ form. w8a16 / w4a16: weights only, group-wise along the
-    reduction axis, computed in the activation format. Honours a precision plan: with one,
+    reduction axis, computed in the activation format; `method` rtn (round to nearest), gptq
+    or awq (both read calibration `data`), the latter two stored as integer constants with a
+    blocked dequantize, each layer's reconstruction error on `data` as `mp.weight_error`
+    (docs/quantization.md). Honours a precision plan: with one,
     exactly the ops planned i8 (w8a8) or narrower than f32 (weight-only) are quantized;
     without one, every matmul and conv.
     """
@@ -592,6 +600,8 @@ class Quantize(Pass):
     examples: ClassVar[tuple[str, ...]] = (
         "ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz}' --pass=quantize",
         "ir_examples/mlp.ir --pass='quantize{scheme=w8a16}'",
+        ("ir_examples/mlp.ir --pass='quantize{scheme=w4a16 method=gptq group=16 sym=false "
+        "data=ir_examples/mlp_inputs.npz}'"),
     )
     scheme: str = option("w8a8", "w8a8 (static int8), w8a16 or w4a16 (weight-only)")
     weights: str = option("per-channel", "weight scales: per-channel or per-tensor")
