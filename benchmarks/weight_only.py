@@ -40,7 +40,7 @@ from mplower.ir.parser import parse_file
 from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 
 DOC = HERE.parent / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- BEGIN GENERATED: weight-only -->", "<!-- END GENERATED: weight-only -->"
+BEGIN, END = "<!-- weight_only.py begin -->", "<!-- weight_only.py end -->"
 METHODS = ("rtn", "gptq", "awq")
 # name -> (metric, model inputs, calibration samples, the eval set's keyword for them)
 MODELS = {
@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 rows.append(evaluate(name, group, Path(tmp)))
             print("\n".join(table(rows[-1:])[2:]), flush=True)
-    lines = table(rows)
+    command = (f"Command: `python benchmarks/weight_only.py --models {a.models} --group "
+               f"{a.group} --write`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    lines = [command, "", *table(rows)]
     print("\n".join(lines))
     if a.write:
         text = DOC.read_text()

@@ -696,6 +696,10 @@ class Quantize(Pass):
         if self.data:
             stats = self._layer_stats(module, f, list(groups), ctx)
         layers = {n: x for x, ns in groups.items() for n in ns}
+        if not rtn_chain:  # as round-to-nearest counts them: per channel instead
+            k_of = {n: f.type_of(x).shape[-1] for n, x in layers.items()}
+            ctx.stat("groups-not-dividing", sum(0 < self.group < k and k % self.group > 0
+                                                for k in k_of.values()))
         originals = {n: rw.consts.get(f.operands(n)[1]).astype(np.float64) for n in layers}
         for n in targets:
             if rtn_chain or n not in layers:

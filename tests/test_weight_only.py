@@ -370,3 +370,13 @@ def test_awq_scale_folds_into_the_norm_both_layers_read(tmp_path):
         z = np.repeat(a["zero_point"].array, 16, axis=0)
         w_hat = (q - z).astype(np.float32) * np.repeat(a["scale"].array, 16, axis=0)
         np.testing.assert_allclose(out, (hat * g2 + b2) @ w_hat, rtol=1e-4, atol=1e-4)
+
+
+def test_ops_option_leaves_the_other_layers_alone():
+    root = Path(__file__).resolve().parent.parent / "ir_examples"
+    module = parse_file(root / "cnn.ir")
+    PassManager(parse_pipeline("quantize{scheme=w4a16 ops=mp.matmul}")).run(
+        module, PassContext(weights_path=str(root / "cnn.npz")))
+    f = module.function(None)
+    marked = {f.op(n) for n in f.ops() if WEIGHT_QUANT in f.attrs_of(n)}
+    assert marked == {"mp.matmul"}
