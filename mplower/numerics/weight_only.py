@@ -70,67 +70,79 @@ def _matmul_acc(a, b, out, sign):
 
 
 @njit(cache=True)
-def _gram_acc(xt, h):
-    """h += 2 * xt @ xt.T for xt (K, R): the lower triangle computed, the upper mirrored."""
-    kk, r = xt.shape
-    for i in range(kk):
+def _gram_acc(x, h):
+    """h += 2 * x.T @ x for x (R, K): the batch's sums over its rows in order (the inner loop
+    runs along a row, so it vectorizes without reordering any element's sum), then added."""
+    k = x.shape[1]
+    g = np.zeros((k, k))
+    for t in range(x.shape[0]):
+        for i in range(k):
+            xi = x[t, i]
+            for j in range(i + 1):
+                g[i, j] += xi * x[t, j]
+    for i in range(k):
         for j in range(i + 1):
-            acc = 0.0
-            for t in range(r):
-                acc += xt[i, t] * xt[j, t]
-            h[i, j] += 2.0 * acc
-            if i != j:
-                h[j, i] = h[i, j]
+            h[i, j] += 2.0 * g[i, j]
+            h[j, i] = h[i, j]
 
 
 @njit(cache=True)
 def _cholesky_lower(a):
-    """L with L L^T = a (a symmetric positive definite); raises on a non-positive pivot."""
+    """L with L L^T = a (a symmetric positive definite); raises on a non-positive pivot.
+    Right-looking: each element takes its updates in the same order as the textbook
+    (left-looking) loop, with the inner loop along a row."""
     n = a.shape[0]
+    m = a.copy()
     lo = np.zeros_like(a)
+    col = np.zeros(n)
     for j in range(n):
-        s = a[j, j]
-        for k in range(j):
-            s -= lo[j, k] * lo[j, k]
+        s = m[j, j]
         if not s > 0.0:
             raise ValueError("matrix is not positive definite")
         d = np.sqrt(s)
         lo[j, j] = d
         for i in range(j + 1, n):
-            s = a[i, j]
-            for k in range(j):
-                s -= lo[i, k] * lo[j, k]
-            lo[i, j] = s / d
+            col[i] = m[i, j] / d
+            lo[i, j] = col[i]
+        for i in range(j + 1, n):
+            c = col[i]
+            for k in range(j + 1, i + 1):
+                m[i, k] -= c * col[k]
     return lo
 
 
 @njit(cache=True)
 def _inverse_lower(lo):
-    """The inverse of a lower-triangular matrix, by forward substitution."""
+    """The inverse of a lower-triangular matrix, by forward substitution (row i of the result
+    is built from rows k < i, in order, along contiguous rows)."""
     n = lo.shape[0]
     inv = np.zeros_like(lo)
-    for j in range(n):
-        inv[j, j] = 1.0 / lo[j, j]
-        for i in range(j + 1, n):
-            s = 0.0
-            for k in range(j, i):
-                s += lo[i, k] * inv[k, j]
-            inv[i, j] = -s / lo[i, i]
+    for i in range(n):
+        for k in range(i):
+            c = lo[i, k]
+            for j in range(k + 1):
+                inv[i, j] -= c * inv[k, j]
+        d = lo[i, i]
+        for j in range(i):
+            inv[i, j] /= d
+        inv[i, i] = 1.0 / d
     return inv
 
 
 @njit(cache=True)
 def _lower_t_lower(m):
-    """m^T @ m for lower-triangular m (the inverse of L L^T is L^-T L^-1)."""
+    """m^T @ m for lower-triangular m (the inverse of L L^T is L^-T L^-1), each element summed
+    over k in order."""
     n = m.shape[0]
     out = np.zeros_like(m)
+    for k in range(n):
+        for i in range(k + 1):
+            c = m[k, i]
+            for j in range(i + 1):
+                out[i, j] += c * m[k, j]
     for i in range(n):
-        for j in range(i + 1):
-            s = 0.0
-            for k in range(i, n):
-                s += m[k, i] * m[k, j]
-            out[i, j] = s
-            out[j, i] = s
+        for j in range(i):
+            out[j, i] = out[i, j]
     return out
 
 
@@ -177,10 +189,10 @@ class LayerStats:
 
     def add(self, x: np.ndarray) -> None:
         """Accumulate the rows of x (..., K): one batch's contribution, in a fixed order."""
-        xt = np.ascontiguousarray(np.asarray(x, np.float64).reshape(-1, self.abs_sum.size).T)
-        _gram_acc(xt, self.hessian)
-        self.abs_sum += _row_sums(np.abs(xt))
-        self.rows += xt.shape[1]
+        rows = np.ascontiguousarray(np.asarray(x, np.float64).reshape(-1, self.abs_sum.size))
+        _gram_acc(rows, self.hessian)
+        self.abs_sum += _column_sums(np.abs(rows))
+        self.rows += rows.shape[0]
 
     def merge(self, other: LayerStats) -> None:
         """Add another shard's sums (merge shards in batch order for bit-identical sums)."""
@@ -193,13 +205,12 @@ class LayerStats:
 
 
 @njit(cache=True)
-def _row_sums(a):
-    out = np.zeros(a.shape[0])
-    for i in range(a.shape[0]):
-        s = 0.0
+def _column_sums(a):
+    """Sum over the rows of a, in order, per column."""
+    out = np.zeros(a.shape[1])
+    for t in range(a.shape[0]):
         for j in range(a.shape[1]):
-            s += a[i, j]
-        out[i] = s
+            out[j] += a[t, j]
     return out
 
 
@@ -400,7 +411,7 @@ def clip_search(w: np.ndarray, hessian: np.ndarray, *, bits: int, group: int, sy
             d = np.ascontiguousarray(wg - qgrid.dequantize(qi, s, z))
             hd = np.zeros_like(d)
             _matmul_acc(hg, d, hd, 1.0)
-            err = _column_sums(d * hd)
+            err = _column_sums(np.ascontiguousarray(d * hd))
             better = err < best_err
             best_err = np.where(better, err, best_err)
             best_q[:, better] = qi[:, better]
@@ -410,7 +421,3 @@ def clip_search(w: np.ndarray, hessian: np.ndarray, *, bits: int, group: int, sy
         scales.append(best_s)
         zeros.append(best_z)
     return _pack(q, scales, zeros)
-
-
-def _column_sums(a: np.ndarray) -> np.ndarray:
-    return _row_sums(np.ascontiguousarray(a.T))
