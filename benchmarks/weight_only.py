@@ -42,16 +42,13 @@ from mplower.pass_manager import PassContext, PassManager, parse_pipeline
 DOC = HERE.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- weight_only.py begin -->", "<!-- weight_only.py end -->"
 METHODS = ("rtn", "gptq", "awq")
-# name -> (metric, model inputs, calibration samples, the eval set's keyword for them)
-MODELS = {
-    "filetype": ("accuracy", ("bytes",), 64),
-    "text-rec": ("char_accuracy", ("x",), 32),
-}
+MODELS = {"filetype": ("accuracy", ("bytes",)), "text-rec": ("char_accuracy", ("x",))}
 
 
-def eval_set(name: str, path: Path, seed_offset: int = 0) -> dict[str, np.ndarray]:
+def eval_set(name: str, path: Path, seed_offset: int = 0, n: int = 0
+             ) -> dict[str, np.ndarray]:
     fn = real_data.EVAL_SETS[name]
-    kw: dict = {}
+    kw: dict = {"n": n} if n else {}
     if name == "text-rec":
         kw["charset"] = real_data.character_list(path)
     if name == "filetype":
@@ -61,10 +58,10 @@ def eval_set(name: str, path: Path, seed_offset: int = 0) -> dict[str, np.ndarra
     return fn(**kw)
 
 
-def evaluate(name: str, group: int, work: Path) -> dict:
-    metric, inputs, _ = MODELS[name]
+def evaluate(name: str, group: int, work: Path, n: int = 0) -> dict:
+    metric, inputs = MODELS[name]
     path = real_data.fetch(name)
-    ev = eval_set(name, path)
+    ev = eval_set(name, path, n=n)
     calib = eval_set(name, path, seed_offset=100)
     np.savez(work / "calib.npz", **{k: calib[k] for k in inputs})
     shapes = [f"--input-shape={k}={'x'.join(map(str, ev[k].shape))}" for k in inputs]
@@ -91,16 +88,17 @@ def evaluate(name: str, group: int, work: Path) -> dict:
         row[method] = score(module)
     row["metric"] = metric
     row["group"] = group
+    row["n"] = len(ev[inputs[0]])
     return row
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = [("| model | metric | group | fp32 | RTN | GPTQ | AWQ | mean layer error RTN / GPTQ / "
-           "AWQ | GPTQ / AWQ time |"),
+    out = [("| model | metric (samples) | group | fp32 | RTN | GPTQ | AWQ | mean layer error "
+            "RTN / GPTQ / AWQ | GPTQ / AWQ time |"),
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
-            f"| {r['model']} | {r['metric']} | {r['group'] or 'channel'} | {r['fp32']:.4f} | "
+            f"| {r['model']} | {r['metric']} ({r['n']}) | {r['group'] or 'channel'} | {r['fp32']:.4f} | "
             f"{r['rtn']:.4f} | {r['gptq']:.4f} | {r['awq']:.4f} | {r['rtn_err']:.4f} / "
             f"{r['gptq_err']:.4f} / {r['awq_err']:.4f} ({r['gptq_layers']} layers) | "
             f"{r['gptq_s']:.1f} s / {r['awq_s']:.1f} s |")
@@ -111,16 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--group", default="32", help="group sizes, comma-separated (0: channel)")
+    ap.add_argument("--n", type=int, default=0,
+                    help="evaluation samples (default: real_models.py's set)")
     ap.add_argument("--write", action="store_true")
     a = ap.parse_args(argv)
     rows = []
     for name in a.models.split(","):
         for group in map(int, a.group.split(",")):
             with tempfile.TemporaryDirectory() as tmp:
-                rows.append(evaluate(name, group, Path(tmp)))
+                rows.append(evaluate(name, group, Path(tmp), a.n))
             print("\n".join(table(rows[-1:])[2:]), flush=True)
     command = (f"Command: `python benchmarks/weight_only.py --models {a.models} --group "
-               f"{a.group} --write`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+               f"{a.group}{f' --n {a.n}' if a.n else ''} --write`, "
+               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     lines = [command, "", *table(rows)]
     print("\n".join(lines))
     if a.write:

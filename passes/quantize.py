@@ -703,7 +703,7 @@ class Quantize(Pass):
         originals = {n: rw.consts.get(f.operands(n)[1]).astype(np.float64) for n in layers}
         for n in targets:
             if rtn_chain or n not in layers:
-                if n not in layers and not rtn_chain:
+                if not rtn_chain and f.operands(n)[1] in rw.consts:
                     ctx.stat("layers-rtn-fallback")
                 quantize_weight_only(rw, n, elem, per_channel, self.group)
         inverse: dict[int, np.ndarray] = {}
