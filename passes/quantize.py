@@ -686,7 +686,8 @@ class Quantize(Pass):
         algorithm computed (`quantized_weight`); with data, each layer's reconstruction error
         on it as `mp.weight_error`."""
         f, ctx, elem = rw.f, rw.ctx, SCHEMES[self.scheme]
-        targets = [n for n in targets if f.op(n) in self.ops]
+        # An op whose weight a quantize already stored stays as it is: the pass is idempotent.
+        targets = [n for n in targets if f.op(n) in self.ops and WEIGHT_QUANT not in f.attrs_of(n)]
         bits = FORMATS[elem].bits
         rtn_chain = self.method == "rtn" and self.sym
         groups = layer_groups(f, targets, rw.consts) if self.data or not rtn_chain else {}

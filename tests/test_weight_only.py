@@ -24,6 +24,7 @@ from mplower.backend.executor import Program, reference_runner
 from mplower.dialect.plan import WEIGHT_ERROR, WEIGHT_QUANT
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.parser import parse_file
+from mplower.ir.printer import print_module
 from mplower.numerics.weight_only import (
     LayerStats,
     awq_quantize,
@@ -380,3 +381,14 @@ def test_ops_option_leaves_the_other_layers_alone():
     f = module.function(None)
     marked = {f.op(n) for n in f.ops() if WEIGHT_QUANT in f.attrs_of(n)}
     assert marked == {"mp.matmul"}
+
+
+@pytest.mark.parametrize("options", ["method=rtn", "method=gptq sym=false"])
+def test_weight_only_quantize_twice_changes_nothing_more(tmp_path, options):
+    path, _, _ = model(tmp_path)
+    once = lowered(path, options)
+    text = print_module(once)
+    PassManager(parse_pipeline(
+        f"quantize{{scheme=w4a16 group=16 data={tmp_path / 'calib.npz'} {options}}}")).run(
+        once, PassContext(runner=reference_runner))
+    assert print_module(once) == text
