@@ -694,7 +694,7 @@ class Quantize(Pass):
         if self.method == "awq":  # the input scaling is an f32 mul (scaled_input)
             groups = {x: ns for x, ns in groups.items() if f.type_of(x).elem == "f32"}
         stats: dict[Value, LayerStats] = {}
-        if self.data:
+        if self.data and groups:
             stats = self._layer_stats(module, f, list(groups), ctx)
         layers = {n: x for x, ns in groups.items() for n in ns}
         if not rtn_chain:  # as round-to-nearest counts them: per channel instead
@@ -730,9 +730,14 @@ class Quantize(Pass):
                 continue
             for n in ns:
                 if self.method == "gptq":
-                    q, scale, zero = gptq_quantize(originals[n], stats[x].hessian,
-                                                   damp=self.damp, act_order=self.act_order,
-                                                   block=self.block, **opts)
+                    try:
+                        q, scale, zero = gptq_quantize(originals[n], stats[x].hessian,
+                                                       damp=self.damp, act_order=self.act_order,
+                                                       block=self.block, **opts)
+                    except ValueError as e:  # the damped Hessian is singular (damp=0)
+                        raise DiagnosticError(_error(f, n, f"GPTQ: {e} (the Hessian of this "
+                                                           f"layer's input, damped by damp="
+                                                           f"{self.damp}); raise damp")) from None
                 else:
                     q, scale, zero = rtn_quantize(originals[n], **opts)
                 quantized_weight(rw, n, q, scale, zero, elem,

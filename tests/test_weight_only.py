@@ -392,3 +392,12 @@ def test_weight_only_quantize_twice_changes_nothing_more(tmp_path, options):
         f"quantize{{scheme=w4a16 group=16 data={tmp_path / 'calib.npz'} {options}}}")).run(
         once, PassContext(runner=reference_runner))
     assert print_module(once) == text
+
+
+def test_gptq_on_a_singular_hessian_without_damping_is_a_located_error(tmp_path):
+    path, w, x = model(tmp_path)
+    x[:, 1] = 2 * x[:, 0]  # two proportional input channels: H is singular
+    np.savez(tmp_path / "calib.npz", x=x)
+    with pytest.raises(DiagnosticError, match="not positive definite.*raise damp") as e:
+        lowered(path, "method=gptq damp=0")
+    assert "mp.matmul" in str(e.value)
