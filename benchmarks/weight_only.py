@@ -119,12 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 rows.append(evaluate(name, group, Path(tmp), a.n))
             print("\n".join(table(rows[-1:])[2:]), flush=True)
-    command = (f"Command: `python benchmarks/weight_only.py --models {a.models} --group "
-               f"{a.group}{f' --n {a.n}' if a.n else ''} --write`, "
-               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    lines = [command, "", *table(rows)]
+    lines = table(rows)
+    print(f"`python benchmarks/weight_only.py --models {a.models} --group {a.group}"
+          f"{f' --n {a.n}' if a.n else ''}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("\n".join(lines))
-    if a.write:
+    if a.write:  # the table alone: the section's text says the command and the date
         text = DOC.read_text()
         head, rest = text.split(BEGIN)
         _, tail = rest.split(END)
