@@ -395,7 +395,7 @@ def test_weight_only_quantize_twice_changes_nothing_more(tmp_path, options):
 
 
 def test_gptq_on_a_singular_hessian_without_damping_is_a_located_error(tmp_path):
-    path, w, x = model(tmp_path)
+    path, _, x = model(tmp_path)
     x[:, 1] = 2 * x[:, 0]  # two proportional input channels: H is singular
     np.savez(tmp_path / "calib.npz", x=x)
     with pytest.raises(DiagnosticError, match="not positive definite.*raise damp") as e:
