@@ -26,7 +26,12 @@ do), dequantized to f32 and computed in the activation format (the op's float pl
 insert-casts materializes). mp.quantize takes one scale per index of one axis, so the groups
 are laid out on one axis: W (K, N) -> reshape (K/g, g, N) -> transpose (g, K/g, N) -> reshape
 (g, K/g * N), quantized along axis 1, and the same steps back. Conv weights are per output
-channel.
+channel. With `method=gptq` or `awq` (or `sym=false`) the weights are the integers that
+mplower.numerics.weight_only computed from the statistics of each layer's input on
+calibration data (mplower.lowering.layer_stats), stored as an integer constant that one
+blocked mp.dequantize turns back into f32 (`quantized_weight`); AWQ's input scaling is folded
+into the op before the layer where that op allows it (`folded_input_scale`), else it is an
+mp.mul.
 
 After quantization-aware training (prepare-qat, mplower train) an operand produced by an
 integer `mp.fake_quant` keeps that op's scale and zero point (the grid the network was trained
@@ -42,16 +47,25 @@ dequantize, so `mplower run` measures exactly what quantization costs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
 from mplower.dialect.mp import QUANTIZABLE
-from mplower.dialect.plan import PRECISION, QUANT_MARK, WEIGHT_QUANT, Plan, Requested
-from mplower.ir.diagnostics import Diagnostic, DiagnosticError
+from mplower.dialect.plan import (
+    PRECISION,
+    QUANT_MARK,
+    WEIGHT_ERROR,
+    WEIGHT_QUANT,
+    Plan,
+    Requested,
+)
+from mplower.io.npz import read_npz
+from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Function, Module, Value
 from mplower.ir.opdef import OPS, attr_type, check_attrs
-from mplower.ir.types import TensorType, tensor
+from mplower.ir.types import DenseAttr, TensorType, tensor
 from mplower.lowering.calibration import (
     CALIB,
     CALIB_KEYS,
@@ -62,12 +76,22 @@ from mplower.lowering.calibration import (
     range_of,
     set_value_attrs,
 )
+from mplower.lowering.layer_stats import collect_layer_stats, layer_groups
 from mplower.numerics.formats import FORMATS
+from mplower.numerics.weight_only import (
+    LayerStats,
+    awq_quantize,
+    gptq_quantize,
+    reconstruction_error,
+    rtn_quantize,
+)
 from mplower.pass_manager import Pass, PassContext, option, register_pass
+from mplower.passes.calibrate import split_samples
 
 QDQ_ZERO_POINT = "qdq-zero-point"  # the fallback code of a w8a8 op written in QDQ form
 ZERO_POINT = "zero-point"  # QUANT_MARK of the ops that undo an activation shift
 SCHEMES = {"w8a8": "i8", "w8a16": "i8", "w4a16": "i4"}  # scheme -> weight format
+METHODS = ("rtn", "gptq", "awq")  # weight-only algorithms (mplower.numerics.weight_only)
 
 
 @dataclass(frozen=True)
@@ -437,6 +461,105 @@ def quantize_weight_only(rw: _Rewriter, n: int, elem: str, per_channel: bool,
     rw.ctx.stat("ops-quantized")
 
 
+def quantized_weight(rw: _Rewriter, n: int, q: np.ndarray, scale: np.ndarray,
+                     zero: np.ndarray, elem: str, detail: str) -> None:
+    """Make the weight of matmul `n` the integers q (K, N) of an `elem` constant, turned back
+    into f32 by one blocked mp.dequantize (axis 0, one scale and zero point per group of rows
+    and column): what GPTQ, AWQ and asymmetric round-to-nearest computed, stored as computed.
+    The fp32 reference dequantizes such a constant too (it never was a float), so `run`'s
+    drift of this op is its activations' alone; its weight's error is `mp.weight_error`."""
+    f = rw.f
+    w_val = f.operands(n)[1]
+    wt = f.type_of(w_val)
+    name = _name(f, w_val)
+    c = f.create_op("mp.constant", [], [wt.with_elem(elem)],
+                    {"value": DenseAttr(q.astype(np.int64), tensor(q.shape, elem))},
+                    before=n, name_hint=f"{name}_q")
+    attrs: dict[str, Any] = {"scale": dense_f32(scale), "axis": 0,
+                             "block_size": q.shape[0] // scale.shape[0]}
+    if np.any(zero):
+        attrs["zero_point"] = DenseAttr(zero.astype(np.int64), tensor(zero.shape, elem))
+    result = rw.after("mp.dequantize", [(c, 0)], wt.with_elem("f32"), attrs, c, f"{name}_dq")
+    rw.ctx.stat("dequantize-ops")
+    act = f.type_of(f.operands(n)[0]).elem
+    if act != "f32" and PRECISION not in f.attrs_of(n):  # an unplanned narrow activation
+        result = rw.after("mp.cast", [result], wt.with_elem(act), {}, result[0], f"{name}_{act}")
+    f.set_operand(n, 1, result)
+    if f.op(w_val[0]) == "mp.constant" and not f.has_uses(w_val[0]):
+        f.erase(w_val[0])
+    f.set_attr(n, WEIGHT_QUANT, detail)
+    rw.ctx.stat("weights-quantized")
+    rw.ctx.stat("ops-quantized")
+
+
+NORMS = ("mp.layer_norm", "mp.rms_norm")
+
+
+def _channel_constants(rw: _Rewriter, n: int, x: Value) -> list[int] | None:
+    """The operand positions of `n` that hold constant per-channel vectors along x's last axis
+    and scale x linearly: a norm's gamma and beta, a mul's factor and an add's term (whose
+    other operand is a mul by such a factor, used by the add alone); None where the
+    producer is no such op."""
+    f = rw.f
+    k = f.type_of(x).shape[-1]
+    op, ins = f.op(n), f.operands(n)
+
+    def vector(v: Value) -> bool:
+        return v in rw.consts and f.type_of(v).shape == (k,) and f.type_of(v).elem == "f32"
+
+    if op in NORMS and all(vector(v) for v in ins[1:]) and \
+            f.attrs_of(n).get("axis", -1) in (-1, f.type_of(x).rank - 1):
+        return list(range(1, len(ins)))
+    if op == "mp.mul" and vector(ins[1]) and ins[0] not in rw.consts:
+        return [1]
+    if op == "mp.add" and vector(ins[1]) and f.op(ins[0][0]) == "mp.mul" and \
+            len(f.uses(ins[0])) == 1 and _channel_constants(rw, ins[0][0], ins[0]) == [1]:
+        return [1]
+    return None
+
+
+def folded_input_scale(rw: _Rewriter, x: Value, inverse: np.ndarray, layers: list[int]
+                       ) -> bool:
+    """Fold x * inverse into x's producer where it is a per-channel affine op of constants
+    that only these layers read (a norm's gamma and beta; a mul by a vector, and an add
+    of one after it: a norm as the ONNX importer decomposes it): its
+    vectors are multiplied by `inverse` in new inline constants. False where there is none."""
+    f = rw.f
+    n = x[0]
+    if n in f.args or {u for u, _ in f.uses(x)} != set(layers):
+        return False
+    positions = _channel_constants(rw, n, x)
+    if positions is None:
+        return False
+    todo = [(n, positions)]
+    if f.op(n) == "mp.add":
+        todo.append((f.operands(n)[0][0], [1]))
+    for node, pos in todo:
+        for i in pos:
+            v = f.operands(node)[i]
+            scaled = rw.consts.get(v).astype(np.float32) * inverse
+            c = f.create_op("mp.constant", [], [tensor(scaled.shape, "f32")],
+                            {"value": dense_f32(scaled)}, before=node,
+                            name_hint=f"{_name(f, v)}_awq")
+            f.set_operand(node, i, (c, 0))
+            if f.op(v[0]) == "mp.constant" and not f.has_uses(v[0]):
+                f.erase(v[0])
+    rw.ctx.stat("awq-scales-folded")
+    return True
+
+
+def scaled_input(rw: _Rewriter, x: Value, inverse: np.ndarray) -> Value:
+    """x * inverse (per input channel): AWQ's division of a layer's input by its scales, an
+    explicit mp.mul after x's producer, shared by the layers that read x."""
+    f = rw.f
+    t = f.type_of(x)
+    c = f.create_op("mp.constant", [], [tensor(inverse.shape, "f32")],
+                    {"value": dense_f32(inverse)}, after=x[0],
+                    name_hint=f"{_name(f, x)}_awq")
+    rw.ctx.stat("awq-input-scales")
+    return rw.after("mp.mul", [x, (c, 0)], t, {}, c, f"{_name(f, x)}_awq")
+
+
 @register_pass
 @dataclass
 class Quantize(Pass):
@@ -447,7 +570,10 @@ class Quantize(Pass):
     activations use ORT's grid: ui8 where the range is one-sided; a zero point otherwise,
     written for `x @ W` as a shift of x and its constant correction (the kernel stays
     integer), elsewhere in QDQ form. w8a16 / w4a16: weights only, group-wise along the
-    reduction axis, computed in the activation format. Honours a precision plan: with one,
+    reduction axis, computed in the activation format; `method` rtn (round to nearest), gptq
+    or awq (both read calibration `data`), the latter two stored as integer constants with a
+    blocked dequantize, each layer's reconstruction error on `data` as `mp.weight_error`
+    (docs/quantization.md). Honours a precision plan: with one,
     exactly the ops planned i8 (w8a8) or narrower than f32 (weight-only) are quantized;
     without one, every matmul and conv.
     """
@@ -463,10 +589,19 @@ class Quantize(Pass):
         "groups-not-dividing": "weight-only ops quantized per channel: group does not divide K",
         "skipped-no-weight": "weight-only: matmul/conv without a constant weight operand",
         "qat-grids-kept": "operands quantized on the grid of their mp.fake_quant (prepare-qat)",
+        "layers-gptq": "weight-only layers quantized by GPTQ",
+        "layers-awq": "weight-only layers quantized by AWQ",
+        "layers-rtn": "weight-only layers rounded to nearest with zero points (sym=false)",
+        "layers-rtn-fallback": "gptq/awq/sym=false: weights that are no x @ W layer (a conv, "
+                               "W @ x), rounded to nearest symmetrically",
+        "awq-input-scales": "AWQ input scalings inserted (an mp.mul by 1/s per shared input)",
+        "awq-scales-folded": "AWQ input scalings folded into the norm (or mul/add) before",
     }
     examples: ClassVar[tuple[str, ...]] = (
         "ir_examples/mlp.ir --pass='calibrate{data=ir_examples/mlp_inputs.npz}' --pass=quantize",
         "ir_examples/mlp.ir --pass='quantize{scheme=w8a16}'",
+        ("ir_examples/mlp.ir --pass='quantize{scheme=w4a16 method=gptq group=16 sym=false "
+        "data=ir_examples/mlp_inputs.npz}'"),
     )
     scheme: str = option("w8a8", "w8a8 (static int8), w8a16 or w4a16 (weight-only)")
     weights: str = option("per-channel", "weight scales: per-channel or per-tensor")
@@ -474,9 +609,24 @@ class Quantize(Pass):
     symmetric: bool = option(False, "activations: false (default, ORT's grid): ui8 for "
                                     "one-sided ranges, else a zero point; true: symmetric i8")
     group: int = option(128, "weight-only: group size along the reduction axis (0: per channel)")
+    method: str = option("rtn", "weight-only: rtn (round to nearest), gptq or awq (need data)")
+    sym: bool = option(True, "weight-only: symmetric grid (true) or one zero point per group")
+    data: str = option("", "weight-only: calibration .npz (as calibrate's) for gptq / awq, "
+                           "and for the reconstruction error of each layer")
+    damp: float = option(0.01, "gptq: damping, this fraction of mean(diag(H)) added to diag(H)")
+    act_order: bool = option(False, "gptq: columns by decreasing diag(H) (static groups)")
+    block: int = option(128, "gptq: columns per lazy batch update")
+    ops: tuple[str, ...] = option(tuple(sorted(QUANTIZABLE)), "weight-only: the ops whose weights are "
+                                                       "quantized (e.g. mp.matmul alone)")
+    clip: bool = option(True, "awq: search a clipping range per group after the scales")
+    grid: int = option(20, "awq: grid points of alpha in [0, 1) (and of the clipping search)")
 
     def run(self, module: Module, ctx: PassContext) -> None:
         loc = module.loc
+        if self.scheme == "w4a8":
+            raise DiagnosticError.at(loc, "quantize: scheme w4a8 is not supported: no kernel "
+                                          "takes 4-bit weights against int8 activations; use "
+                                          "w4a16 (weight-only) or w8a8")
         if self.scheme not in SCHEMES:
             raise DiagnosticError.at(loc, f"quantize: unknown scheme '{self.scheme}'; expected "
                                           f"one of {', '.join(SCHEMES)}")
@@ -486,6 +636,7 @@ class Quantize(Pass):
         if self.activations != "per-tensor":
             raise DiagnosticError.at(loc, f"quantize: activations must be per-tensor (static "
                                           f"ranges), got '{self.activations}'")
+        self._check_weight_only(loc)
         per_channel = self.weights == "per-channel"
         work = []
         for f in module.functions.values():
@@ -499,8 +650,121 @@ class Quantize(Pass):
                 raise DiagnosticError(*errors)
         for f, targets, consts in work:
             rw = _Rewriter(f, ctx, consts)
+            if self.scheme != "w8a8":
+                self._weight_only(module, rw, targets, per_channel)
+                continue
             for n in targets:
-                if self.scheme == "w8a8":
-                    quantize_w8a8(rw, n, per_channel, self.symmetric)
+                quantize_w8a8(rw, n, per_channel, self.symmetric)
+
+    def _check_weight_only(self, loc: Any) -> None:
+        if self.method not in METHODS:
+            raise DiagnosticError.at(loc, f"quantize: unknown method '{self.method}'; expected "
+                                          f"one of {', '.join(METHODS)}")
+        bad = [op for op in self.ops if op not in QUANTIZABLE]
+        if bad:
+            raise DiagnosticError.at(loc, f"quantize: ops {', '.join(bad)} take no quantized "
+                                          f"weight (ops: {', '.join(sorted(QUANTIZABLE))})")
+        if self.method == "rtn" and self.sym:
+            return
+        what = f"method={self.method}" if self.method != "rtn" else "sym=false"
+        if self.scheme == "w8a8":
+            raise DiagnosticError.at(loc, f"quantize: {what} quantizes weights only; use "
+                                          f"scheme=w8a16 or w4a16")
+        if self.weights != "per-channel":
+            raise DiagnosticError.at(loc, f"quantize: {what} takes per-channel (group-wise) "
+                                          f"weight scales, not {self.weights}")
+        if self.method != "rtn" and not self.data:
+            raise DiagnosticError.at(loc, f"quantize: {what} needs calibration data "
+                                          f"(data=CALIB.npz, keyed by argument name)")
+        if not (0 <= self.damp and self.block > 0 and self.grid > 0):
+            raise DiagnosticError.at(loc, "quantize: damp must be >= 0, block and grid > 0")
+
+    def _weight_only(self, module: Module, rw: _Rewriter, targets: list[int],
+                     per_channel: bool) -> None:
+        """The weight-only schemes: round-to-nearest in the graph (a quantize/dequantize chain
+        of the float weight) where method=rtn and sym=true, otherwise the integers each layer's
+        algorithm computed (`quantized_weight`); with data, each layer's reconstruction error
+        on it as `mp.weight_error`."""
+        f, ctx, elem = rw.f, rw.ctx, SCHEMES[self.scheme]
+        # An op whose weight a quantize already stored stays as it is: the pass is idempotent.
+        targets = [n for n in targets if f.op(n) in self.ops and WEIGHT_QUANT not in f.attrs_of(n)]
+        bits = FORMATS[elem].bits
+        rtn_chain = self.method == "rtn" and self.sym
+        groups = layer_groups(f, targets, rw.consts) if self.data or not rtn_chain else {}
+        if self.method == "awq":  # the input scaling is an f32 mul (scaled_input)
+            groups = {x: ns for x, ns in groups.items() if f.type_of(x).elem == "f32"}
+        stats: dict[Value, LayerStats] = {}
+        if self.data and groups:
+            stats = self._layer_stats(module, f, list(groups), ctx)
+        layers = {n: x for x, ns in groups.items() for n in ns}
+        if not rtn_chain:  # as round-to-nearest counts them: per channel instead
+            k_of = {n: f.type_of(x).shape[-1] for n, x in layers.items()}
+            ctx.stat("groups-not-dividing", sum(0 < self.group < k and k % self.group > 0
+                                                for k in k_of.values()))
+        originals = {n: rw.consts.get(f.operands(n)[1]).astype(np.float64) for n in layers}
+        for n in targets:
+            if rtn_chain or n not in layers:
+                if not rtn_chain and f.operands(n)[1] in rw.consts:
+                    ctx.stat("layers-rtn-fallback")
+                quantize_weight_only(rw, n, elem, per_channel, self.group)
+        inverse: dict[int, np.ndarray] = {}
+        for x, ns in ({} if rtn_chain else groups).items():
+            opts = {"bits": bits, "group": self.group, "sym": self.sym}
+            grid = "sym" if self.sym else "asym"
+            if self.method == "awq":
+                widths = [originals[n].shape[1] for n in ns]
+                q, scale, zero, s = awq_quantize(np.concatenate([originals[n] for n in ns], 1),
+                                                 stats[x], grid=self.grid, clip=self.clip,
+                                                 **opts)
+                inv = (np.float32(1) / s).astype(np.float32)
+                if not folded_input_scale(rw, x, inv, ns):
+                    xs = scaled_input(rw, x, inv)
+                    for n in ns:
+                        f.set_operand(n, 0, xs)
+                cuts = np.cumsum([0, *widths])
+                for n, a, b in zip(ns, cuts[:-1], cuts[1:]):
+                    inverse[n] = inv
+                    quantized_weight(rw, n, q[:, a:b], scale[:, a:b], zero[:, a:b], elem,
+                                     f"{elem} {_group_text(q, scale)} {grid} awq")
+                ctx.stat("layers-awq", len(ns))
+                continue
+            for n in ns:
+                if self.method == "gptq":
+                    try:
+                        q, scale, zero = gptq_quantize(originals[n], stats[x].hessian,
+                                                       damp=self.damp, act_order=self.act_order,
+                                                       block=self.block, **opts)
+                    except ValueError as e:  # the damped Hessian is singular (damp=0)
+                        raise DiagnosticError(_error(f, n, f"GPTQ: {e} (the Hessian of this "
+                                                           f"layer's input, damped by damp="
+                                                           f"{self.damp}); raise damp")) from None
                 else:
-                    quantize_weight_only(rw, n, SCHEMES[self.scheme], per_channel, self.group)
+                    q, scale, zero = rtn_quantize(originals[n], **opts)
+                quantized_weight(rw, n, q, scale, zero, elem,
+                                 f"{elem} {_group_text(q, scale)} {grid} {self.method}")
+            ctx.stat(f"layers-{self.method}", len(ns))
+        if not stats:
+            return
+        computed = ConstantValues(module, f, ctx.weights_path)  # the weights as the plan has them
+        for n, x in layers.items():
+            w_hat = computed.get(f.operands(n)[1]).astype(np.float64)
+            if n in inverse:
+                w_hat = w_hat * inverse[n].astype(np.float64)[:, None]
+            f.set_attr(n, WEIGHT_ERROR, reconstruction_error(originals[n], w_hat,
+                                                             stats[x].hessian))
+
+    def _layer_stats(self, module: Module, f: Function, inputs: list[Value],
+                     ctx: PassContext) -> dict[Value, LayerStats]:
+        data_loc = Location(self.data, 0, 0)
+        arrays = read_npz(Path(self.data), data_loc, "calibration data")
+        batches, last_rows = split_samples(f, arrays, data_loc)
+        if ctx.runner is None:
+            raise DiagnosticError.at(module.loc, "quantize: data= needs a PassContext with a "
+                                                 "runner (mplower.backend.executor."
+                                                 "reference_runner; the mplower CLI has one)")
+        return collect_layer_stats(module, f.name, inputs, batches, last_rows, ctx.runner,
+                                   ctx.weights_path)
+
+
+def _group_text(q: np.ndarray, scale: np.ndarray) -> str:
+    return "per-channel" if scale.shape[0] == 1 else f"group {q.shape[0] // scale.shape[0]}"

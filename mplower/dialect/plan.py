@@ -46,6 +46,8 @@ OUTPUT_NAMES = "mp.output_names"  # function: the imported model's output names
 # bits, and every how many elements of K it is promoted to f32.
 ACCUM_BITS, PROMOTE_EVERY = "mp.accum_bits", "mp.promote_every"
 WEIGHT_QUANT = "mp.weight_quant"  # op: how quantize stored its weight operand
+# op: ||X W - X W_hat|| / ||X W|| of its quantized weight on quantize's calibration data
+WEIGHT_ERROR = "mp.weight_error"
 QUANT_MARK = "mp.quant"  # op: what quantize wrote it for (ZERO_POINT, ...)
 TRAINABLE = "mp.trainable"  # constant: mplower train learns it like a weight
 GRAD_OF = "mp.grad_of"  # backward op: the name of the forward op it differentiates
@@ -336,6 +338,7 @@ __all__ = [
     "TRAINABLE",
     "UNDERFLOW",
     "WEIGHTS",
+    "WEIGHT_ERROR",
     "WEIGHT_QUANT",
     "Plan",
     "Requested",

@@ -13,6 +13,10 @@ operand:
 * `activation_local_sqnr_db`: the activation's own conversion only (the dequantized operand
   against the lowered value it was quantized or cast from);
 
+`weight_quant` and `weight_rel_error` for a weight-only op: how quantize stored the weight
+(method rtn, gptq or awq) and the relative reconstruction error ||X W - X W_hat|| / ||X W||
+it measured on its calibration data (mplower.numerics.weight_only);
+
 and `local_sqnr_db`, what the op itself loses: its float result (for an integer kernel, the
 dequantized one) against the same op computed in f32 on the very values its operands were
 converted from, taken per output channel and reported for the worst channel (a tensor-wide
@@ -32,7 +36,7 @@ import numpy as np
 
 from mplower.backend.executor import Program
 from mplower.dialect.mp import CONVERSIONS
-from mplower.dialect.plan import QUANT_MARK, WEIGHT_QUANT
+from mplower.dialect.plan import QUANT_MARK, WEIGHT_ERROR, WEIGHT_QUANT
 from mplower.ir.graph import Function, Value
 from mplower.ir.opdef import attr_array
 from mplower.lowering.calibration import CALIB, constant_nodes
@@ -117,7 +121,9 @@ def converted_ops(f: Function) -> list[int]:
         narrow = any(FORMATS[t.elem].is_float and FORMATS[t.elem].bits < 32 for t in d["types"])
         through = WEIGHT_QUANT in d["attrs"]
         # A mask or an index cast from a float (an attention mask's `where`) changed no precision.
-        if narrow or any(f.type_of(v).elem not in _NOT_QUANTIZED
+        # A weight-only op whose weight quantize stored as integers (GPTQ, AWQ) has no float
+        # origin to trace back to, but is converted all the same.
+        if narrow or through or any(f.type_of(v).elem not in _NOT_QUANTIZED
                          and float_origin(f, v, through) != v for v in f.operands(n)):
             out.append(n)
     return out
@@ -178,6 +184,11 @@ def operand_sqnr(program: Program, inputs: list[np.ndarray],
                 local = steps[n].reference([np.asarray(x, np.float32) for x in lowered_origins])
             axis = 1 if f.op(n) == "mp.conv2d" else -1
             row["local_sqnr_db"] = channel_sqnr_db(out, local, axis)
+        attrs = f.attrs_of(n)
+        if through:  # what quantize did to the weight, and what it left on its data
+            row["weight_quant"] = attrs[WEIGHT_QUANT]
+            if WEIGHT_ERROR in attrs:
+                row["weight_rel_error"] = float(attrs[WEIGHT_ERROR])
         rows.append(row)
     rows.sort(key=local_severity)
     return rows

@@ -318,6 +318,10 @@ def render(report: dict[str, Any], fmt: str) -> str:
         qheader = ["name", "op", "weight_sqnr_db", "activation_sqnr_db",
                    "activation_local_sqnr_db", "local_sqnr_db"]
         qrows = [[q["name"], q["op"], *(num(q[k], ".1f") for k in qheader[2:])] for q in quant]
+        if any("weight_quant" in q for q in quant):  # weight-only: the method and its error
+            qheader = [*qheader, "weight_quant", "weight_rel_error"]
+            for q, r in zip(quant, qrows):
+                r += [q.get("weight_quant", ""), num(q.get("weight_rel_error"), ".4g")]
         lines += ["", "quantization error (worst first):", *table(qheader, qrows, fmt)]
     scaled = [o for o in report["ops"] if "scaling" in o]
     if scaled:
