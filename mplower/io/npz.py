@@ -19,6 +19,7 @@ import os
 import stat
 import zipfile
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Self
 
@@ -202,11 +203,16 @@ def beside(output_path: str) -> Path:
 class WeightStore:
     """A module's named constants, each read on first use, after its npy header has been
     checked against the declared shape. The archive stays open while the store lives, so that
-    each constant costs one member's read, not another pass over the zip's directory."""
+    each constant costs one member's read, not another pass over the zip's directory.
 
-    def __init__(self, module: Module, override: str | None = None):
+    `override` is the user's weights file, or a mapping of arrays that stands for it (a caller
+    that holds the weights already: one block of a checkpoint streamed by mplower.hf.blocks,
+    each array made when it is read)."""
+
+    def __init__(self, module: Module, override: str | Mapping[str, np.ndarray] | None = None):
         self.module = module
-        self.path = weights_file(module, override)
+        self._source = override if isinstance(override, Mapping) else None
+        self.path = None if self._source is not None else weights_file(module, override)
         # Where a problem with the file is reported: the attribute that named it, if one did.
         self._file_loc = module.loc if override is not None else module.attr_loc(WEIGHTS)
         self._archive: NpzArchive | None = None
@@ -222,10 +228,14 @@ class WeightStore:
 
     def all(self, loc: Location) -> dict[str, np.ndarray]:
         """Every array of the file (what a pass that rewrites some of them copies over)."""
+        if self._source is not None:
+            return {name: self._source[name] for name in self._source}
         archive = self._open(loc)
         return {name: self._read(archive, name, loc) for name in archive.names}
 
     def get(self, name: str, shape: tuple[int, ...], loc: Location) -> np.ndarray:
+        if self._source is not None:
+            return self._from_source(name, shape, loc)
         archive = self._open(loc)
         if name not in archive:
             raise _error(loc, f"weight '{name}' is missing from {self.path}")
@@ -236,6 +246,17 @@ class WeightStore:
         if dtype.kind not in "fiub":
             raise _error(loc, f"weight '{name}' has dtype {dtype}, which holds no numbers")
         return self._read(archive, name, loc)
+
+    def _from_source(self, name: str, shape: tuple[int, ...], loc: Location) -> np.ndarray:
+        if name not in self._source:
+            raise _error(loc, f"weight '{name}' is missing from the weights given")
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._arrays[name] = np.asarray(self._source[name])
+        if arr.shape != tuple(shape):
+            raise _error(loc, f"weight '{name}' has shape {list(arr.shape)} but the IR "
+                              f"declares {list(shape)}")
+        return arr
 
     def _read(self, archive: NpzArchive, name: str, loc: Location) -> np.ndarray:
         arr = self._arrays.get(name)
