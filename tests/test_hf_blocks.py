@@ -171,6 +171,13 @@ def test_a_block_reads_only_its_own_weights_and_they_stay_mapped(ckpt):
     assert out.logits.shape == (B, S, CFG["vocab_size"])
 
 
+def test_f32_checkpoint_tensors_reach_their_block_as_maps_of_the_file(tmp_path):
+    write_checkpoint(tmp_path / "f32", np.float32)
+    embed = Blocks(tmp_path / "f32", B, S).block(0)
+    table = embed.weights["model.embed_tokens.weight"]
+    assert is_mapped(table) and not table.flags.writeable
+
+
 def test_gpt2_and_a_wrong_batch_are_refused(ckpt, tmp_path):
     folder, ids = ckpt
     with pytest.raises(DiagnosticError, match=r"input_ids have shape \[2, 8\]"):
@@ -180,3 +187,71 @@ def test_gpt2_and_a_wrong_batch_are_refused(ckpt, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DiagnosticError, match="GPT-2 is imported whole"):
         Blocks(folder, B, S)
+
+
+def test_quantize_ckpt_reports_every_blocks_ops_and_the_logits_drift(ckpt, tmp_path, cli):
+    folder, ids = ckpt
+    np.savez(tmp_path / "calib.npz", input_ids=ids)
+    report = tmp_path / "r.json"
+    r = cli("quantize-ckpt", folder, "--data", tmp_path / "calib.npz",
+            "--pass-pipeline=quantize{scheme=w4a16 group=16}", "--report", report)
+    assert r.rc == 0, r.err
+    rep = json.loads(report.read_text())
+    _, res = whole(folder, ids, "quantize{scheme=w4a16 group=16}", tmp_path)
+    want = [o for o in res.ops if o.step.op != "mp.constant"]
+    rows = [o for o in rep["ops"] if o["op"] != "mp.constant"]
+    assert [o["op"] for o in rows] == [o.step.op for o in want]
+    assert [o["rel_l2"] for o in rows] == pytest.approx([o.rel_l2 for o in want], abs=0)
+    assert rows[-1]["name"].startswith("head/")
+    assert rep["summary"]["output_rel_l2"] > 0.01
+    r = cli("quantize-ckpt", folder, "--data", tmp_path / "calib.npz", "-p", "calibrate",
+            "--no-eval")
+    assert r.rc == 0 and r.out == "4 blocks, 0 weights quantized\n"
+
+
+def test_quantize_ckpt_refuses_bad_data_with_a_located_message(ckpt, tmp_path, cli):
+    folder, ids = ckpt
+    np.savez(tmp_path / "bad.npz", input_ids=ids + 1000)
+    r = cli("quantize-ckpt", folder, "--data", tmp_path / "bad.npz")
+    assert r.rc == 1 and "bad.npz" in r.err and "outside the vocabulary [0, 96)" in r.err
+    np.savez(tmp_path / "x.npz", x=ids)
+    r = cli("quantize-ckpt", folder, "--data", tmp_path / "x.npz")
+    assert r.rc == 1 and "needs 'input_ids'" in r.err and "Traceback" not in r.err
+    r = cli("quantize-ckpt", folder, "--data", tmp_path / "x.npz", "-p", "quantise")
+    assert r.rc == 2 and "did you mean 'quantize'" in r.err
+
+
+def is_mapped(a) -> bool:
+    """Whether the array's memory is a map of a file (through any chain of views)."""
+    import mmap
+
+    while a is not None:
+        if isinstance(a, np.memmap | mmap.mmap):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+def test_uncompressed_npz_weights_stay_mapped_until_an_op_reads_them(tmp_path):
+    from mplower.io.npz import write_npz
+    from mplower.ir.diagnostics import Location
+    from mplower.ir.parser import parse
+
+    w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
+    write_npz(tmp_path / "m.npz", {"w": w, "b": np.ones(128, np.float32)},
+              Location("m.npz", 0, 0))
+    (tmp_path / "m.ir").write_text(
+        'module attributes {mp.weights = "m.npz"} {\n'
+        "  func.func @main(%x: tensor<4x256xf32>) -> tensor<4x128xf32> {\n"
+        '    %w = mp.constant {name = "w"} : () -> tensor<256x128xf32>\n'
+        "    %y = mp.matmul %x, %w : (tensor<4x256xf32>, tensor<256x128xf32>) -> "
+        "tensor<4x128xf32>\n    return %y : tensor<4x128xf32>\n  }\n}\n")
+    module = parse((tmp_path / "m.ir").read_text(), str(tmp_path / "m.ir"))
+    program = Program(module)
+    const = program.steps[0].constant
+    # The compiled constant is the file's pages, not a copy: nothing is read before the run.
+    assert is_mapped(const)
+    assert not const.flags.writeable and np.array_equal(const, w)
+    x = np.ones((4, 256), np.float32)
+    assert np.array_equal(program.run([x]).outputs[0],
+                          Program(module, weights={"w": w}).run([x]).outputs[0])

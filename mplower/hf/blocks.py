@@ -191,11 +191,13 @@ class StreamResult:
 
 def run_blocks(blocks: Blocks, input_ids: np.ndarray, passes: Sequence[Pass] = (),
                quantizer: WeightQuantizer | None = None,
-               on_block: Callable[[Block, BlockRun], None] | None = None) -> StreamResult:
+               on_block: Callable[[Block, BlockRun], None] | None = None,
+               evaluate: bool = True) -> StreamResult:
     """Run `input_ids` [batch, seq] through `blocks` one block at a time (module docstring):
     the pass pipeline `passes` and the `quantizer` applied to each block, the plan run beside
     the fp32 reference. `on_block` sees each block after it ran (its module lowered), before
-    it is dropped."""
+    it is dropped. Without `evaluate`, the blocks are calibrated and quantized but their plans
+    not run: the logits are the reference's, and no op has figures."""
     ids = np.asarray(input_ids)
     if ids.shape != (blocks.batch, blocks.seq):
         raise DiagnosticError.at(blocks.loc, f"input_ids have shape {list(ids.shape)}; the "
@@ -205,7 +207,8 @@ def run_blocks(blocks: Blocks, input_ids: np.ndarray, passes: Sequence[Pass] = (
     with tempfile.TemporaryDirectory(prefix="mplower-blocks-") as tmp:
         for k in range(len(blocks)):
             block = blocks.block(k)
-            run, x, ref, cal = _run_block(block, x, ref, cal, passes, quantizer, Path(tmp))
+            run, x, ref, cal = _run_block(block, x, ref, cal, passes, quantizer, Path(tmp),
+                                          evaluate)
             if on_block is not None:
                 on_block(block, run)
             runs.append(run)
@@ -214,8 +217,8 @@ def run_blocks(blocks: Blocks, input_ids: np.ndarray, passes: Sequence[Pass] = (
 
 
 def _run_block(block: Block, x: np.ndarray, ref: np.ndarray, cal: np.ndarray,
-               passes: Sequence[Pass], quantizer: WeightQuantizer | None,
-               tmp: Path) -> tuple[BlockRun, np.ndarray, np.ndarray, np.ndarray]:
+               passes: Sequence[Pass], quantizer: WeightQuantizer | None, tmp: Path,
+               evaluate: bool = True) -> tuple[BlockRun, np.ndarray, np.ndarray, np.ndarray]:
     """One block: (what it left, the plan's output, the plan's reference output, the output
     of the block as it was before the passes, in the fp32 reference). The last one is what
     the next block calibrates on: a lowered plan's reference keeps float ops the passes added
@@ -223,9 +226,10 @@ def _run_block(block: Block, x: np.ndarray, ref: np.ndarray, cal: np.ndarray,
     module, weights = block.module, block.weights
     f = module.function("main")
     arg = f.data(f.args[0])["name"]
+    targets = weight_matmuls(f)  # before a pass puts a dequantize between matmul and weight
     quantized: dict[str, str] = {}
     cal_next = None
-    if quantizer is not None or passes:
+    if quantizer is not None or passes or not evaluate:
         cal_next, inputs = _unlowered_reference(block, cal, quantizer is not None)
         if quantizer is not None:
             quantized = _quantize_weights(block, inputs, quantizer)
@@ -241,13 +245,15 @@ def _run_block(block: Block, x: np.ndarray, ref: np.ndarray, cal: np.ndarray,
             p.run(module, ctx)
             verify(module)
         data.unlink(missing_ok=True)
+    for n, key in targets:
+        if WEIGHT_QUANT in f.attrs_of(n):
+            quantized.setdefault(key, f.attrs_of(n)[WEIGHT_QUANT])
+    if not evaluate:
+        return BlockRun(block.name, weights.read, [], quantized), cal_next, cal_next, cal_next
     materialize(module)
     result = Program(module, "main", weights).run([x], reference_inputs=[ref])
     check_reference([r.step for r in result.ops], result.all_refs or result.refs,
                     result.reference)
-    for n, key in weight_matmuls(f):
-        if WEIGHT_QUANT in f.attrs_of(n):
-            quantized.setdefault(key, f.attrs_of(n)[WEIGHT_QUANT])
     run = BlockRun(block.name, weights.read, result.ops, quantized)
     y, y_ref = result.outputs[0], result.reference[0]
     return run, y, y_ref, y_ref if cal_next is None else cal_next
