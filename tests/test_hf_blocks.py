@@ -255,3 +255,21 @@ def test_uncompressed_npz_weights_stay_mapped_until_an_op_reads_them(tmp_path):
     x = np.ones((4, 256), np.float32)
     assert np.array_equal(program.run([x]).outputs[0],
                           Program(module, weights={"w": w}).run([x]).outputs[0])
+
+
+def test_the_result_keeps_figures_but_no_blocks_weights(ckpt):
+    import gc
+    import weakref
+
+    folder, ids = ckpt
+    refs = []
+
+    def watch(block, run):
+        refs.extend(weakref.ref(block.weights[k]) for k in run.weights)
+
+    out = run_blocks(Blocks(folder, B, S), ids, parse_pipeline("quantize{scheme=w4a16 "
+                                                               "group=16}"), on_block=watch)
+    gc.collect()
+    assert len(refs) == 1 + 2 * (9 + 3) + 2  # a layer also reads rotary cos, sin and mask
+    assert [r for r in refs if r() is not None] == []  # every weight freed with its block
+    assert all(r.rel_l2 is not None for r in out.run_result().ops if r.step.op == "mp.matmul")

@@ -54,6 +54,7 @@ def cmd_quantize_ckpt(args: argparse.Namespace) -> int:
 
     from mplower.hf.blocks import Blocks, run_blocks
     from mplower.io.npz import read_npz
+    from mplower.lowering.calibration import Progress
     from mplower.pass_manager import PipelineError, parse_pipeline
     from mplower.report.run import build_report, render
 
@@ -78,7 +79,13 @@ def cmd_quantize_ckpt(args: argparse.Namespace) -> int:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise DiagnosticError.at(loc, f"input_ids hold tokens in [{ids.min()}, {ids.max()}], "
                                       f"outside the vocabulary [0, {vocab})")
-    result = run_blocks(blocks, ids.astype(np.int64), passes, evaluate=not args.no_eval)
+    progress = Progress(len(blocks), "quantize-ckpt")  # drawn on a terminal, after 0.5 s
+    try:
+        result = run_blocks(blocks, ids.astype(np.int64), passes,
+                            on_block=lambda block, run: progress.update(),
+                            evaluate=not args.no_eval)
+    finally:
+        progress.close()
     if args.no_eval:
         quantized = sum(len(b.quantized) for b in result.blocks)
         sys.stdout.write(f"{len(result.blocks)} blocks, {quantized} weights quantized\n")

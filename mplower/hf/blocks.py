@@ -254,9 +254,21 @@ def _run_block(block: Block, x: np.ndarray, ref: np.ndarray, cal: np.ndarray,
     result = Program(module, "main", weights).run([x], reference_inputs=[ref])
     check_reference([r.step for r in result.ops], result.all_refs or result.refs,
                     result.reference)
-    run = BlockRun(block.name, weights.read, result.ops, quantized)
+    run = BlockRun(block.name, weights.read, [_figures_only(r) for r in result.ops], quantized)
     y, y_ref = result.outputs[0], result.reference[0]
     return run, y, y_ref, y_ref if cal_next is None else cal_next
+
+
+def _figures_only(r: OpResult) -> OpResult:
+    """The op's figures without what its step holds of the block: its constant (a weight),
+    its kernels (closures over weights and packed copies of them)."""
+    step = dataclasses.replace(r.step, run=_dropped, reference=_dropped, constant=None,
+                               fast=None, amax_kernel=None, conv=None)
+    return dataclasses.replace(r, step=step)
+
+
+def _dropped(xs: list) -> None:
+    raise RuntimeError("this step's block was dropped after it ran; only its figures remain")
 
 
 def _unlowered_reference(block: Block, cal: np.ndarray,
