@@ -107,7 +107,8 @@ def main() -> None:
     np.savez(data, input_ids=ids.astype(np.int64))
     report = folder / "report.json"
     cmd = [sys.executable, "-m", "mplower", "quantize-ckpt", str(folder), "--data", str(data),
-           f"--pass-pipeline={args.pipeline}", "--report", str(report), "--format", "json"]
+           f"--pass-pipeline={args.pipeline}", "--report", str(report), "--format", "json",
+           "--timing"]
     if args.no_eval:
         cmd.append("--no-eval")
     start = time.perf_counter()
@@ -118,6 +119,10 @@ def main() -> None:
     if proc.returncode:
         sys.exit(f"quantize-ckpt failed ({proc.returncode}):\n{proc.stderr}")
     summary = json.loads(report.read_text())["summary"] if not args.no_eval else {}
+    # quantize-ckpt --timing: "  SECONDS (SHARE%)  BLOCK" per block
+    per_block = {line.split()[-1]: float(line.split()[0]) for line in proc.stderr.splitlines()
+                 if line.strip().endswith(("embed", "head")) or "layers." in line}
+    layers = [t for name, t in per_block.items() if name.startswith("layers.")]
     print(json.dumps({
         "shape": args.shape, "layers": cfg["num_hidden_layers"],
         "parameters": params, "checkpoint_gb": round((folder / "model.safetensors")
@@ -125,6 +130,8 @@ def main() -> None:
         "generate_s": None if generated is None else round(generated, 1),
         "tokens": args.samples * args.seq, "pipeline": args.pipeline,
         "eval": not args.no_eval, "seconds": round(seconds, 1), "peak_rss_gib": round(peak, 2),
+        "embed_s": per_block.get("embed"), "head_s": per_block.get("head"),
+        "layer_s_mean": round(sum(layers) / len(layers), 2) if layers else None,
         "output_rel_l2": summary.get("output_rel_l2"),
         "top1_agreement": summary.get("top1_agreement"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from mplower.cli.common import (
@@ -44,6 +45,8 @@ def add_quantize_ckpt(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true",
                    help="calibrate and quantize only: no plan is run, no report of drift")
     p.add_argument("--report", metavar="R.json", help="write the JSON report")
+    p.add_argument("--timing", action="store_true",
+                   help="wall time per block on stderr (mlir-opt's -mlir-timing report)")
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     return p
 
@@ -55,7 +58,7 @@ def cmd_quantize_ckpt(args: argparse.Namespace) -> int:
     from mplower.hf.blocks import Blocks, run_blocks
     from mplower.io.npz import read_npz
     from mplower.lowering.calibration import Progress
-    from mplower.pass_manager import PipelineError, parse_pipeline
+    from mplower.pass_manager import PipelineError, format_timing, parse_pipeline
     from mplower.report.run import build_report, render
 
     try:
@@ -80,12 +83,22 @@ def cmd_quantize_ckpt(args: argparse.Namespace) -> int:
         raise DiagnosticError.at(loc, f"input_ids hold tokens in [{ids.min()}, {ids.max()}], "
                                       f"outside the vocabulary [0, {vocab})")
     progress = Progress(len(blocks), "quantize-ckpt")  # drawn on a terminal, after 0.5 s
+    times: list[tuple[str, float]] = []
+    clock = [time.perf_counter()]
+
+    def done(block, run) -> None:
+        now = time.perf_counter()
+        times.append((block.name, now - clock[0]))
+        clock[0] = now
+        progress.update()
+
     try:
-        result = run_blocks(blocks, ids.astype(np.int64), passes,
-                            on_block=lambda block, run: progress.update(),
+        result = run_blocks(blocks, ids.astype(np.int64), passes, on_block=done,
                             evaluate=not args.no_eval)
     finally:
         progress.close()
+    if args.timing:
+        sys.stderr.write(format_timing(times))
     if args.no_eval:
         quantized = sum(len(b.quantized) for b in result.blocks)
         sys.stdout.write(f"{len(result.blocks)} blocks, {quantized} weights quantized\n")
