@@ -119,9 +119,6 @@ class Blocks:
     def __len__(self) -> int:
         return len(self.names)
 
-    def __iter__(self) -> Iterator[Block]:
-        return (self.block(k) for k in range(len(self.names)))
-
     def block(self, k: int) -> Block:
         """Block `k` of `names`: its module and its (not yet read) weights."""
         m, name = self.model, self.names[k]
