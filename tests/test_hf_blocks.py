@@ -228,7 +228,7 @@ def is_mapped(a) -> bool:
     while a is not None:
         if isinstance(a, np.memmap | mmap.mmap):
             return True
-        a = getattr(a, "base", None)
+        a = a.obj if isinstance(a, memoryview) else getattr(a, "base", None)
     return False
 
 
@@ -273,3 +273,13 @@ def test_the_result_keeps_figures_but_no_blocks_weights(ckpt):
     assert len(refs) == 1 + 2 * (9 + 3) + 2  # a layer also reads rotary cos, sin and mask
     assert [r for r in refs if r() is not None] == []  # every weight freed with its block
     assert all(r.rel_l2 is not None for r in out.run_result().ops if r.step.op == "mp.matmul")
+
+
+def test_released_checkpoint_pages_read_back_the_same_data(tmp_path):
+    tensors = write_checkpoint(tmp_path / "f32", np.float32)
+    blocks = Blocks(tmp_path / "f32", B, S)
+    key = "model.layers.1.mlp.down_proj.weight"
+    before = np.array(blocks.ckpt.float32(key))
+    blocks.ckpt.release()  # the pages go; the map and its views stay valid
+    assert np.array_equal(blocks.ckpt.float32(key), before)
+    assert np.array_equal(before, tensors[key])

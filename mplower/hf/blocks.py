@@ -210,6 +210,7 @@ def run_blocks(blocks: Blocks, input_ids: np.ndarray, passes: Sequence[Pass] = (
                 on_block(block, run)
             runs.append(run)
             del block  # its weights and compiled program go before the next block's come
+            blocks.ckpt.release()  # and the pages of the checkpoint it read
     return StreamResult(x, cal, runs)
 
 
