@@ -107,10 +107,8 @@ def main() -> None:
     np.savez(data, input_ids=ids.astype(np.int64))
     report = folder / "report.json"
     cmd = [sys.executable, "-m", "mplower", "quantize-ckpt", str(folder), "--data", str(data),
-           f"--pass-pipeline={args.pipeline}", "--report", str(report), "--format", "json",
-           "--timing"]
-    if args.no_eval:
-        cmd.append("--no-eval")
+           f"--pass-pipeline={args.pipeline}", "--format", "json", "--timing"]
+    cmd += ["--no-eval"] if args.no_eval else ["--report", str(report)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True)
