@@ -486,8 +486,8 @@ def test_command_table_is_the_list_of_subcommands(cli):
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == list(COMMANDS) == [
-        "opt", "passes", "report", "run", "bench", "import", "export", "perplexity", "target",
-        "train", "tune"]
+        "opt", "passes", "report", "run", "bench", "import", "quantize-ckpt", "export", "perplexity",
+        "target", "train", "tune"]
     for name, (_, handler) in COMMANDS.items():
         assert sub.choices[name].get_default("handler") is handler
         assert sub.choices[name].prog == f"mplower {name}"

@@ -31,7 +31,7 @@ over operands whose products do not fit it exactly (`no-f16-accum`: f32). Legali
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +107,8 @@ class Program:
     for `run_reference` alone, which ignores the plan, so it takes such a module as well.
     """
 
-    def __init__(self, module: Module, func: str | None = None, weights: str | None = None,
+    def __init__(self, module: Module, func: str | None = None,
+                 weights: str | Mapping[str, np.ndarray] | None = None,
                  *, reference_only: bool = False):
         try:
             f = module.function(func)
@@ -193,7 +194,8 @@ class Program:
             raise DiagnosticError.at(loc, "mp.constant needs a 'value' or a 'name'")
         is_float = FORMATS[t.elem].is_float
         with np.errstate(over="ignore"):  # beyond float32's range is inf: the report lists it
-            ref = raw.astype(np.float32) if is_float and t.elem != "f64" else raw
+            # copy=False: an f32 weight (a memory-mapped file's view) is shared, not copied
+            ref = raw.astype(np.float32, copy=False) if is_float and t.elem != "f64" else raw
         # ascontiguousarray makes a 0-d array 1-d: a scalar constant keeps its shape.
         lowered, counts = finish(np.ascontiguousarray(raw).reshape(t.shape), t.elem)
         return lowered, counts if counts is not None else nan_counts(lowered), ref
@@ -228,19 +230,22 @@ class Program:
         return out
 
     def run(self, inputs: list[np.ndarray], reference: bool = True,
-            keep: Collection[int] | bool = ()) -> RunResult:
+            keep: Collection[int] | bool = (),
+            reference_inputs: list[np.ndarray] | None = None) -> RunResult:
         """The lowered plan and (with `reference`) the fp32 reference, with per-op statistics.
 
         Each op's drift is taken as soon as its value and its reference exist; both are then
         dropped after their last reader, so that a run holds only its live tensors (with the
         reference, about twice the plan's). RunResult.values/refs hold the outputs and the
         slots in `keep`; `keep=True` keeps every slot (a per-tensor analysis of the whole run,
-        mplower.report.quant's `trace`)."""
+        mplower.report.quant's `trace`). `reference_inputs` start the reference from other
+        arguments than the plan's (one block of a model run block by block, whose reference
+        continues the fp32 reference of the blocks before it)."""
         values = list(self._initial)
         refs: list[Any] = [None] * self.num_slots
         for i, x in enumerate(self.prepare_inputs(inputs)):
             values[i] = x
-            raw = np.asarray(inputs[i])
+            raw = np.asarray((reference_inputs or inputs)[i])
             refs[i] = f32(raw) if FORMATS[self.arg_types[i].elem].is_float else raw
         held = set(self.outputs) | (set() if isinstance(keep, bool) else set(keep))
         last = self._last_read

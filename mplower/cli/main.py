@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from mplower.cli import onnx, opt, perplexity, report, run, target, train, tune
+from mplower.cli import blocks, onnx, opt, perplexity, report, run, target, train, tune
 from mplower.cli.common import (
     EXIT_INPUT,
     EXIT_OK,
@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[Callable[[Any, str], argparse.ArgumentParser],
     "run": (run.add_run, run.cmd_run),
     "bench": (run.add_bench, run.cmd_bench),
     "import": (onnx.add_import, onnx.cmd_import),
+    "quantize-ckpt": (blocks.add_quantize_ckpt, blocks.cmd_quantize_ckpt),
     "export": (onnx.add_export, onnx.cmd_export),
     "perplexity": (perplexity.add_perplexity, perplexity.cmd_perplexity),
     "target": (target.add_target, target.cmd_target),

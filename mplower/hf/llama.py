@@ -121,38 +121,59 @@ def forward(b: Builder, m: Llama, ids: Value, past: list[tuple[Value, Value]] | 
             start: int) -> tuple[Value, list[tuple[Value, Value]]]:
     """Logits [B, S, vocab] and each layer's present keys and values [B, kv_heads, start + S,
     head_dim] for tokens `ids` [B, S] at positions start.. after `past` (start of them)."""
-    s = b.shape(ids)[1]
-    emb = b.tensor_of("model.embed_tokens.weight", (m.vocab, m.hidden))
-    x = b.emit("mp.gather", [emb, ids], {"axis": 0}, hint="embed")
-    cos, sin = _rotary(b, m, start, s)
-    mask = b.causal_mask(s, start)
-    scale = 1.0 / math.sqrt(m.head_dim)
+    x = embed(b, m, ids)
+    tables = position_tables(b, m, start, b.shape(ids)[1])
     presents = []
     for i in range(m.layers):
-        p = f"model.layers.{i}."
-        h = _norm(b, m, x, p + "input_layernorm.weight")
-        q, k, v = (b.heads(_proj(b, m, h, p, name, n, m.qkv_bias), n, m.head_dim)
-                   for name, n in (("q", m.heads), ("k", m.kv_heads), ("v", m.kv_heads)))
-        q, k = _rotate(b, q, cos, sin), _rotate(b, k, cos, sin)
-        if past is not None:
-            k = b.emit("mp.concat", [past[i][0], k], {"axis": 2}, hint=f"present.{i}.key")
-            v = b.emit("mp.concat", [past[i][1], v], {"axis": 2}, hint=f"present.{i}.value")
-        presents.append((k, v))
-        o = b.attention(q, k, v, scale, mask)
-        o = b.linear(o, p + "self_attn.o_proj.weight", m.heads * m.head_dim, m.hidden,
-                     p + "self_attn.o_proj.bias" if m.o_bias else None)
-        x = b.emit("mp.add", [x, o])
-        h = _norm(b, m, x, p + "post_attention_layernorm.weight")
-        gate = _mlp_linear(b, m, h, p + "mlp.gate_proj", m.hidden, m.inter)
-        silu = b.emit("mp.mul", [gate, b.emit("mp.sigmoid", [gate])])
-        up = _mlp_linear(b, m, h, p + "mlp.up_proj", m.hidden, m.inter)
-        y = _mlp_linear(b, m, b.emit("mp.mul", [silu, up]), p + "mlp.down_proj", m.inter,
-                        m.hidden)
-        x = b.emit("mp.add", [x, y])
+        x, kv = layer(b, m, x, i, tables, past[i] if past is not None else None)
+        presents.append(kv)
+    return head(b, m, x), presents
+
+
+def embed(b: Builder, m: Llama, ids: Value) -> Value:
+    """The token embeddings [B, S, hidden] of `ids` [B, S]."""
+    emb = b.tensor_of("model.embed_tokens.weight", (m.vocab, m.hidden))
+    return b.emit("mp.gather", [emb, ids], {"axis": 0}, hint="embed")
+
+
+def position_tables(b: Builder, m: Llama, start: int, s: int) -> tuple[Value, Value,
+                                                                          Value | None]:
+    """The rotary cos and sin and the causal mask of positions start..start+S-1."""
+    cos, sin = _rotary(b, m, start, s)
+    return cos, sin, b.causal_mask(s, start)
+
+
+def layer(b: Builder, m: Llama, x: Value, i: int, tables: tuple[Value, Value, Value | None],
+          past: tuple[Value, Value] | None) -> tuple[Value, tuple[Value, Value]]:
+    """Decoder layer `i` on the residual stream `x` [B, S, hidden]: the new stream and the
+    layer's present keys and values (after `past`'s, when given)."""
+    cos, sin, mask = tables
+    p = f"model.layers.{i}."
+    h = _norm(b, m, x, p + "input_layernorm.weight")
+    q, k, v = (b.heads(_proj(b, m, h, p, name, n, m.qkv_bias), n, m.head_dim)
+               for name, n in (("q", m.heads), ("k", m.kv_heads), ("v", m.kv_heads)))
+    q, k = _rotate(b, q, cos, sin), _rotate(b, k, cos, sin)
+    if past is not None:
+        k = b.emit("mp.concat", [past[0], k], {"axis": 2}, hint=f"present.{i}.key")
+        v = b.emit("mp.concat", [past[1], v], {"axis": 2}, hint=f"present.{i}.value")
+    o = b.attention(q, k, v, 1.0 / math.sqrt(m.head_dim), mask)
+    o = b.linear(o, p + "self_attn.o_proj.weight", m.heads * m.head_dim, m.hidden,
+                 p + "self_attn.o_proj.bias" if m.o_bias else None)
+    x = b.emit("mp.add", [x, o])
+    h = _norm(b, m, x, p + "post_attention_layernorm.weight")
+    gate = _mlp_linear(b, m, h, p + "mlp.gate_proj", m.hidden, m.inter)
+    silu = b.emit("mp.mul", [gate, b.emit("mp.sigmoid", [gate])])
+    up = _mlp_linear(b, m, h, p + "mlp.up_proj", m.hidden, m.inter)
+    y = _mlp_linear(b, m, b.emit("mp.mul", [silu, up]), p + "mlp.down_proj", m.inter, m.hidden)
+    return b.emit("mp.add", [x, y]), (k, v)
+
+
+def head(b: Builder, m: Llama, x: Value) -> Value:
+    """The final norm and lm_head: logits [B, S, vocab] of the stream `x`."""
     x = _norm(b, m, x, "model.norm.weight")
     # A tied head is the embedding table transposed, stored under the head's own name.
     head = "model.embed_tokens.weight" if m.tied else "lm_head.weight"
-    return b.linear(x, head, m.hidden, m.vocab, key="lm_head.weight"), presents
+    return b.linear(x, head, m.hidden, m.vocab, key="lm_head.weight")
 
 
 def _norm(b: Builder, m: Llama, x: Value, weight: str) -> Value:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,8 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = path
         self.tensors: dict[str, TensorInfo] = {}
-        self._map: np.memmap | None = None
+        self._map: np.ndarray | None = None  # the file's bytes, a view of _mmap
+        self._mmap: mmap.mmap | None = None
         try:
             size = path.stat().st_size
             with open(path, "rb") as fh:
@@ -130,11 +132,20 @@ class SafetensorsFile:
             return np.zeros(info.shape, dt)
         if self._map is None:
             try:
-                self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+                with open(self.path, "rb") as fh:
+                    self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as e:
                 raise _error(self.path, f"cannot map checkpoint file: {e}") from None
+            self._map = np.frombuffer(self._mmap, np.uint8)
         raw = self._map[info.start:info.start + info.nbytes]
         return raw.view(dt).reshape(info.shape)
+
+    def release(self) -> None:
+        """Give back the pages of the file read so far: they count in the process's resident
+        memory until then (a model streamed block by block would otherwise end up holding its
+        whole checkpoint). The data stays mapped; a later read pages it in again."""
+        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
 
 
 def as_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -207,6 +218,11 @@ class Checkpoint:
         if f is None:
             raise _error(self.folder, f"tensor '{name}' is missing from the checkpoint")
         return f.tensors[name]
+
+    def release(self) -> None:
+        """Give back the pages read so far of every file (SafetensorsFile.release)."""
+        for f in self.files.values():
+            f.release()
 
     def float32(self, name: str) -> np.ndarray:
         """The tensor as f32 (a view of the file when it is stored as f32)."""

@@ -17,8 +17,11 @@ import lzma
 import math
 import os
 import stat
+import struct
+import time
 import zipfile
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Self
 
@@ -28,6 +31,10 @@ from mplower.dialect.plan import WEIGHTS
 from mplower.io.atomic import atomic_output, module_relative, staged_path
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Module
+
+ALIGN = 64
+ZIPALIGN_EXTRA = 0xD935  # the extra-field id Android's zipalign pads with
+MAP_AT_LEAST = 1 << 16  # smaller arrays are read: a map costs a page of address space anyway
 
 
 def _error(loc: Location, message: str) -> DiagnosticError:
@@ -64,6 +71,7 @@ class NpzArchive:
     def __init__(self, path: Path, loc: Location, what: str = "weights"):
         self.path, self.what = path, what
         fh = _open_regular_file(path, loc, what)
+        self._fh = fh
         try:
             self._zip = zipfile.ZipFile(fh)
         except zipfile.BadZipFile:
@@ -111,6 +119,9 @@ class NpzArchive:
                                   f"its header promises {promised} bytes of data "
                                   f"({'x'.join(map(str, shape)) or 'scalar'} {dtype}) but the "
                                   f"archive holds {held}")
+            mapped = self._mapped(member, shape, dtype, offset)
+            if mapped is not None:
+                return mapped
             try:
                 fh.seek(0)
                 return np.lib.format.read_array(fh, allow_pickle=False)
@@ -120,6 +131,35 @@ class NpzArchive:
             except _READ_ERRORS as e:
                 raise _error(loc, f"cannot read array '{name}' of {self.what} file "
                                   f"'{self.path}': {e}") from None
+
+    def _mapped(self, member: str, shape: tuple[int, ...], dtype: np.dtype,
+                offset: int) -> np.ndarray | None:
+        """The array of an uncompressed member as a read-only map of the file, when its data
+        is aligned for its dtype (save_npz aligns every member): a weight then costs memory
+        only for the pages an op reads. None where it must be read instead (compressed, small,
+        Fortran order, unaligned)."""
+        info = self._zip.getinfo(member)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if info.compress_type != zipfile.ZIP_STORED or nbytes < MAP_AT_LEAST or not shape:
+            return None
+        try:
+            local = os.pread(self._fh.fileno(), 30, info.header_offset)
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                return None
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            start = info.header_offset + 30 + name_len + extra_len + offset
+            with self._zip.open(member) as fh:
+                fh.seek(0)
+                fmt = np.lib.format
+                version = fmt.read_magic(fh)
+                read_header = fmt.read_array_header_1_0 if version == (1, 0) \
+                    else fmt.read_array_header_2_0
+                _, fortran, _ = read_header(fh)
+            if fortran or start % dtype.alignment:
+                return None
+            return np.memmap(self._fh, dtype=dtype, mode="r", offset=start, shape=shape)
+        except _READ_ERRORS:
+            return None
 
     def _open(self, name: str, loc: Location):
         try:
@@ -181,8 +221,21 @@ def save_npz(fh: IO[bytes], arrays: dict[str, np.ndarray]) -> None:
     anything. Uncompressed, every array written without pickle."""
     with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for key, a in arrays.items():
-            with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
+            with zf.open(_aligned(zf, f"{key}.npy"), "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
+
+
+def _aligned(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
+    """The member `name`, its local header padded (an extra field, as Android's zipalign pads
+    APKs) so that its data starts on a 64-byte boundary of the file; numpy's npy header is
+    itself padded to 64 bytes, so the array's data is aligned and NpzArchive maps it."""
+    info = zipfile.ZipInfo(name, time.localtime(time.time())[:6])
+    info.compress_type = zipfile.ZIP_STORED
+    # local header: 30 fixed bytes, the name, the zip64 extra field (20 bytes, forced), ours
+    start = zf.start_dir + 30 + len(name.encode("utf-8")) + 20 + 4
+    pad = -start % ALIGN
+    info.extra = struct.pack("<HH", ZIPALIGN_EXTRA, pad) + bytes(pad)
+    return info
 
 
 def write_npz(path: Path, arrays: dict[str, np.ndarray], loc: Location) -> None:
@@ -202,11 +255,16 @@ def beside(output_path: str) -> Path:
 class WeightStore:
     """A module's named constants, each read on first use, after its npy header has been
     checked against the declared shape. The archive stays open while the store lives, so that
-    each constant costs one member's read, not another pass over the zip's directory."""
+    each constant costs one member's read, not another pass over the zip's directory.
 
-    def __init__(self, module: Module, override: str | None = None):
+    `override` is the user's weights file, or a mapping of arrays that stands for it (a caller
+    that holds the weights already: one block of a checkpoint streamed by mplower.hf.blocks,
+    each array made when it is read)."""
+
+    def __init__(self, module: Module, override: str | Mapping[str, np.ndarray] | None = None):
         self.module = module
-        self.path = weights_file(module, override)
+        self._source = override if isinstance(override, Mapping) else None
+        self.path = None if self._source is not None else weights_file(module, override)
         # Where a problem with the file is reported: the attribute that named it, if one did.
         self._file_loc = module.loc if override is not None else module.attr_loc(WEIGHTS)
         self._archive: NpzArchive | None = None
@@ -222,10 +280,14 @@ class WeightStore:
 
     def all(self, loc: Location) -> dict[str, np.ndarray]:
         """Every array of the file (what a pass that rewrites some of them copies over)."""
+        if self._source is not None:
+            return {name: self._source[name] for name in self._source}
         archive = self._open(loc)
         return {name: self._read(archive, name, loc) for name in archive.names}
 
     def get(self, name: str, shape: tuple[int, ...], loc: Location) -> np.ndarray:
+        if self._source is not None:
+            return self._from_source(name, shape, loc)
         archive = self._open(loc)
         if name not in archive:
             raise _error(loc, f"weight '{name}' is missing from {self.path}")
@@ -236,6 +298,17 @@ class WeightStore:
         if dtype.kind not in "fiub":
             raise _error(loc, f"weight '{name}' has dtype {dtype}, which holds no numbers")
         return self._read(archive, name, loc)
+
+    def _from_source(self, name: str, shape: tuple[int, ...], loc: Location) -> np.ndarray:
+        if name not in self._source:
+            raise _error(loc, f"weight '{name}' is missing from the weights given")
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._arrays[name] = np.asarray(self._source[name])
+        if arr.shape != tuple(shape):
+            raise _error(loc, f"weight '{name}' has shape {list(arr.shape)} but the IR "
+                              f"declares {list(shape)}")
+        return arr
 
     def _read(self, archive: NpzArchive, name: str, loc: Location) -> np.ndarray:
         arr = self._arrays.get(name)
