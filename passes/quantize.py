@@ -92,6 +92,7 @@ QDQ_ZERO_POINT = "qdq-zero-point"  # the fallback code of a w8a8 op written in Q
 ZERO_POINT = "zero-point"  # QUANT_MARK of the ops that undo an activation shift
 SCHEMES = {"w8a8": "i8", "w8a16": "i8", "w4a16": "i4"}  # scheme -> weight format
 METHODS = ("rtn", "gptq", "awq")  # weight-only algorithms (mplower.numerics.weight_only)
+DATA_METHODS = ("gptq", "awq")  # the methods that read calibration data (data=)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from mplower.ir.verifier import verify
 from mplower.pass_manager import Pass, PassContext
 from mplower.passes.calibrate import Calibrate
 from mplower.passes.insert_casts import materialize
+from mplower.passes.quantize import DATA_METHODS, Quantize
 from mplower.report.run import check_reference
 
 # quantizer(weight key, weight [in, out] f32, its matmul's inputs [tokens, in] f32 from the
@@ -235,7 +236,10 @@ def _run_block(block: Block, x: np.ndarray, ref: np.ndarray, cal: np.ndarray,
         ctx = PassContext(weights_path=weights, runner=reference_runner)  # type: ignore[arg-type]
         data = tmp / f"{block.name}.npz"
         for p in passes:
-            if isinstance(p, Calibrate):  # on this block's inputs in the fp32 reference
+            # calibrate, and quantize's gptq / awq statistics where no data= was named, run
+            # on this block's inputs in the fp32 reference
+            if isinstance(p, Calibrate) or (isinstance(p, Quantize) and not p.data
+                                            and p.method in DATA_METHODS):
                 if not data.exists():
                     with open(data, "wb") as fh:
                         save_npz(fh, {arg: cal})
