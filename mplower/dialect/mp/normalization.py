@@ -32,6 +32,29 @@ from mplower.ir.opdef import AttrSpec, GradBuilder, OpError, Value, Vjp, show_va
 from mplower.ir.types import TensorType, tensor
 
 # ---------------------------------------------------------------------------------------------
+# Sums of floats are accumulated in float64 and rounded once to the operand's precision. A float32
+# running sum (numpy's order when the summed axis is not the innermost one) loses a few ulps per
+# hundred terms; the float64 sum of float32 terms is exact to about 1e-16 relative in any order,
+# so the rounded result is nearly always the correctly rounded sum (tests/test_fp32_sums.py),
+# and it stays a fixed function of the terms: numpy's order, single-threaded. A layer norm
+# written as E[x^2] - E[x]^2 (magika, docs/benchmarks.md) magnifies the sums' errors.
+
+
+def _sum(x: np.ndarray, axis: int | tuple[int, ...] | None, keepdims: bool = False
+         ) -> np.ndarray:
+    if x.dtype.kind != "f" or x.dtype == np.float64:
+        return np.sum(x, axis=axis, keepdims=keepdims)
+    return np.sum(x, axis=axis, dtype=np.float64, keepdims=keepdims).astype(x.dtype)
+
+
+def _mean(x: np.ndarray, axis: int | tuple[int, ...] | None, keepdims: bool = False
+          ) -> np.ndarray:
+    if x.dtype == np.float64:
+        return np.mean(x, axis=axis, keepdims=keepdims)
+    return np.mean(x, axis=axis, dtype=np.float64, keepdims=keepdims).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # Normalizations
 
 
@@ -45,7 +68,7 @@ def _softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _fl(xs[0])
     axis = a["axis"]
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return [e / np.sum(e, axis=axis, keepdims=True)]
+    return [e / _sum(e, axis, keepdims=True)]
 
 
 def _softmax_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
@@ -68,7 +91,7 @@ _def("softmax",
 def _log_softmax_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x = _fl(xs[0])
     d = x - np.max(x, axis=a["axis"], keepdims=True)
-    return [d - np.log(np.sum(np.exp(d), axis=a["axis"], keepdims=True))]
+    return [d - np.log(_sum(np.exp(d), a["axis"], keepdims=True))]
 
 
 def _log_softmax_vjp(g: GradBuilder, xs: Sequence[Value], y: Value, dy: Value, a: dict,
@@ -188,14 +211,14 @@ def _norm_axes(x: np.ndarray, axis: int) -> tuple[int, ...]:
 def _layer_norm_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x, gamma, beta = (_fl(v) for v in xs)
     axes = _norm_axes(x, a["axis"])
-    d = x - x.mean(axis=axes, keepdims=True)
-    var = (d * d).mean(axis=axes, keepdims=True)
+    d = x - _mean(x, axes, keepdims=True)
+    var = _mean(d * d, axes, keepdims=True)
     return [d / np.sqrt(var + x.dtype.type(a["epsilon"])) * gamma + beta]
 
 
 def _rms_norm_reference(xs: list, a: dict, rt: tuple | None) -> list[np.ndarray]:
     x, gamma = (_fl(v) for v in xs)
-    ms = (x * x).mean(axis=_norm_axes(x, a["axis"]), keepdims=True)
+    ms = _mean(x * x, _norm_axes(x, a["axis"]), keepdims=True)
     return [x / np.sqrt(ms + x.dtype.type(a["epsilon"])) * gamma]
 
 
@@ -310,8 +333,8 @@ _REDUCE_VJP = {
 _REDUCE_ATTRS = {"axes": AttrSpec("ints", default=()), "keepdims": AttrSpec("bool", default=True)}
 
 for _name, _fn, _allowed, _doc, _traits in (
-    ("reduce_sum", np.sum, _NUMERIC, "Sum", _SUMS),
-    ("reduce_mean", np.mean, _FLOATS, "Mean", _SUMS),
+    ("reduce_sum", _sum, _NUMERIC, "Sum", _SUMS),
+    ("reduce_mean", _mean, _FLOATS, "Mean", _SUMS),
     ("reduce_max", np.max, _NUMERIC, "Maximum", _PRESERVES),
 ):
     _what = "a float" if _allowed is _FLOATS else "a numeric"
