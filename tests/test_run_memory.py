@@ -185,3 +185,24 @@ def test_elementwise_ops_in_pieces_give_the_same_bits_and_counts(op, elem, monke
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
     assert [r.counts for r in pieces.ops] == [r.counts for r in whole.ops]
     assert [r.rel_l2 for r in pieces.ops] == [r.rel_l2 for r in whole.ops]
+
+
+def test_a_reference_equal_to_the_value_bit_for_bit_is_held_once() -> None:
+    # An fp32 module: every reference equals its value, so the full report holds one array
+    # per value, as the plain run does (magika's report held a second 135 MiB one-hot).
+    path = EXAMPLES / "transformer.ir"
+    module = parse(path.read_text(), str(path))
+    module.path = str(path)
+    prog = Program(module)
+    result = prog.run(example_inputs("transformer"), keep=True)
+    shared = [s for s in prog.steps if result.refs[s.output] is result.values[s.output]]
+    assert len(shared) == len(prog.steps)
+    assert all(op.rel_l2 in (0.0, None) for op in result.ops)
+    # A bf16 plan rounds: its rounded values keep their own reference, the others share.
+    lowered = bf16_transformer()
+    result = lowered.run(example_inputs("transformer"), keep=True)
+    own = [s for s in lowered.steps if result.refs[s.output] is not result.values[s.output]
+           and result.refs[s.output] is not None]
+    assert own and all(not np.array_equal(result.values[s.output], result.refs[s.output])
+                       or result.values[s.output].dtype != result.refs[s.output].dtype
+                       for s in own)

@@ -193,8 +193,9 @@ class Program:
         else:
             raise DiagnosticError.at(loc, "mp.constant needs a 'value' or a 'name'")
         is_float = FORMATS[t.elem].is_float
+        # copy=False: an f32 weight (a memory-mapped file's view) is its own reference, not a
+        # second copy of every weight.
         with np.errstate(over="ignore"):  # beyond float32's range is inf: the report lists it
-            # copy=False: an f32 weight (a memory-mapped file's view) is shared, not copied
             ref = raw.astype(np.float32, copy=False) if is_float and t.elem != "f64" else raw
         # ascontiguousarray makes a 0-d array 1-d: a scalar constant keeps its shape.
         lowered, counts = finish(np.ascontiguousarray(raw).reshape(t.shape), t.elem)
@@ -266,6 +267,8 @@ class Program:
                         ref = step.reference(ref_in)
                     if step.op != "mp.quantize":  # its values are x / scale, its reference x
                         _drift(res, y, ref)
+                    if _same_bits(y, ref):  # an f32 op on f32 operands: hold one copy
+                        ref = y
                 refs[step.output] = ref
                 del ref_in, ref
             del y
@@ -445,3 +448,17 @@ def _drift(res: OpResult, y: np.ndarray, ref: np.ndarray) -> None:
     d = drift(y, ref)
     res.rel_l2, res.sqnr_db, res.max_abs = d.rel_l2, d.sqnr_db, d.max_abs
     res.nonfinite_mismatch = d.nonfinite_mismatch
+
+
+def _same_bits(y: Any, ref: Any) -> bool:
+    """Whether the reference is the plan's value bit for bit (an op the plan runs in f32 on
+    operands equal to the reference's), so that the run holds one array for both: the full
+    report of an fp32 module then holds what the plain run holds, not twice as much."""
+    if not (isinstance(y, np.ndarray) and isinstance(ref, np.ndarray)) or y is ref:
+        return y is ref
+    if y.dtype != ref.dtype or y.shape != ref.shape:
+        return False
+    if y.dtype.kind == "f":  # bits, not values: -0.0 is not 0.0 to 1/x, NaNs are compared too
+        u = np.dtype(f"u{y.dtype.itemsize}")
+        return bool(np.array_equal(y.view(u), ref.view(u)))
+    return bool(np.array_equal(y, ref))
