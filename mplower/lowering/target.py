@@ -293,11 +293,12 @@ class Target:
         """Modeled energy of `time_s` seconds at the board power; None without one."""
         return None if self.board_power_w is None else self.board_power_w * time_s
 
-    def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
+    def gemm_efficiency(self, m: int, n: int, batch: int = 1, k: int | None = None) -> float:
         """The fraction of peak a GEMM with an (m, n) output (`batch` of them) reaches on
         this target's tiles: tile quantization (the padding of the last tile row and column)
         times wave quantization (the idle SMs of the last wave), NVIDIA's "Matrix
-        Multiplication Background User's Guide" (docs/targets.md). 1.0 without tiling."""
+        Multiplication Background User's Guide" (docs/targets.md); with its reduction depth
+        `k`, a GEMM of fewer tiles than SMs is split along K. 1.0 without tiling."""
         if self.tile_m is None or self.tile_n is None or self.sm_count is None:
             return 1.0
         rows, cols = -(-m // self.tile_m), -(-n // self.tile_n)
@@ -305,6 +306,10 @@ class Target:
             return 1.0
         tile = (m * n) / (rows * self.tile_m * cols * self.tile_n)
         tiles = batch * rows * cols
+        if k is not None and tiles < self.sm_count:
+            # Fewer tiles than SMs (a decode step's skinny GEMMs): cuBLAS and CUTLASS split
+            # the reduction over the idle SMs (split-K), in slices at least a tile deep.
+            tiles *= max(1, min(self.sm_count // tiles, k // self.tile_n))
         wave = tiles / (-(-tiles // self.sm_count) * self.sm_count)
         return tile * wave
 
