@@ -207,7 +207,12 @@ def price(module: Module, phase: str, target: Target, batch: int | None = None,
           context: int | None = None) -> Step:
     """@prefill at `batch` (its own prompt length), or @decode at `batch` and `context`; each
     defaults to what the function is written for."""
-    f = check_phase_function(module, phase)
+    return price_function(check_phase_function(module, phase), phase, target, batch, context)
+
+
+def price_function(f: Function, phase: str, target: Target, batch: int | None = None,
+                   context: int | None = None) -> Step:
+    """As `price`, for the phase function `f` itself."""
     b0, c0 = written_for(f, phase)
     batch = batch or b0
     if phase == PREFILL:
