@@ -119,7 +119,8 @@ def _narrow_arguments(f: Function, ctx: PassContext, original: dict[Value, str])
         t = f.type_of((a, 0))
         users = f.uses((a, 0))
         wants = {_wanted(f.data(u)) for u, _ in users}
-        if users and len(wants) == 1 and None not in wants:
+        # Token ids and other integers are data, not values a float plan narrows.
+        if users and len(wants) == 1 and None not in wants and FORMATS[t.elem].is_float:
             (elem,) = wants
             if elem != t.elem and FORMATS[elem].bits < FORMATS[t.elem].bits:
                 original[(a, 0)] = t.elem

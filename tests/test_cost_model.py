@@ -136,8 +136,9 @@ func.func @main(%x: tensor<1024x1024xi8>) -> tensor<1024x1024xf32> {
     assert group.members == ("%acc",)  # no kernel quantizes the weight or dequantizes %acc
     assert "%wq" not in cost.group_of and "%y" not in cost.group_of
     # The weight is read as the i8 it is deployed as; %acc is written as the i32 it is (the
-    # dequantize widens, so it is its consumer's load).
-    assert group.bytes_read == 1024 * 1024 + 1024 * 1024
+    # dequantize widens, so it is its consumer's load), its one f32 scale beside it.
+    assert group.bytes_read == 1024 * 1024 + (1024 * 1024 + 4)
+    assert group.weight_bytes == 1024 * 1024 + 4
     assert group.bytes_written == 1024 * 1024 * 4
     assert group.bound == LAUNCH
 

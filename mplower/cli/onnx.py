@@ -63,6 +63,9 @@ def add_import(sub, name: str) -> argparse.ArgumentParser:
                     help="prompt tokens of @prefill (default 128)")
     hf.add_argument("--context", type=_positive, metavar="C",
                     help="cached positions @decode reads; its token is position C (default: S)")
+    hf.add_argument("--shapes-only", action="store_true",
+                    help="read config.json alone (no safetensors): a module to price and "
+                         "plan, whose weights read as zeros; no .npz is written")
     return p
 
 
@@ -115,6 +118,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if is_checkpoint(args.model):
         return _import_checkpoint(args)
     given = [f for f in ("batch", "seq", "context") if getattr(args, f) is not None]
+    if args.shapes_only:
+        given.insert(0, "shapes-only")
     if given:
         raise UsageError(f"--{given[0]} is for checkpoint folders; {args.model} is a file "
                          f"(use --input-shape for an ONNX model)")
@@ -177,13 +182,21 @@ def _import_checkpoint(args: argparse.Namespace) -> int:
     folder = Path(args.model)
     inputs = {f"{args.model} file {p.name}": p for pattern in ("*.json", "*.safetensors")
               for p in folder.glob(pattern)}
-    check_outputs({"-o": args.output, "the weights beside -o": npz}, inputs)
+    outputs = {"-o": args.output} if args.shapes_only else {
+        "-o": args.output, "the weights beside -o": npz}
+    check_outputs(outputs, inputs)
     seq = args.seq or 128
-    imported = import_checkpoint(args.model, args.batch or 1, seq, args.context or seq)
+    imported = import_checkpoint(args.model, args.batch or 1, seq, args.context or seq,
+                                 shapes_only=args.shapes_only)
     module = imported.module
-    module.attrs[WEIGHTS] = npz.name
     source = (f"// Imported from the {imported.architecture} checkpoint "
-              f"{Path(args.model).name} by `mplower import`.\n")
+              f"{Path(args.model).name} by `mplower import`"
+              f"{' (shapes only: no weights)' if args.shapes_only else ''}.\n")
+    if args.shapes_only:
+        text = source + print_module(module)
+        write_atomic_all([(args.output, lambda fh: fh.write(text), "w")])
+        return EXIT_OK
+    module.attrs[WEIGHTS] = npz.name
     text = source + print_module(module)
     write_atomic_all([(npz, lambda fh: save_npz(fh, imported.weights), "wb"),
                       (args.output, lambda fh: fh.write(text), "w")])

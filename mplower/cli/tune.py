@@ -19,6 +19,8 @@ import json
 import os
 import sys
 import time
+from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,26 @@ def add_tune(sub, name: str) -> argparse.ArgumentParser:
     add_metric_flags(p, "the --eval file")
     p.add_argument("--func", default=None, help="function to tune (default: main or the only one)")
     p.add_argument("-o", dest="output", required=True, metavar="OUT_DIR", help="output folder")
+    llm = p.add_argument_group("serving a decoder LLM (a module with @prefill and @decode: "
+                               "docs/serving.md)")
+    llm.add_argument("--phase", choices=("prefill", "decode"),
+                     help="tune that function for serving points: one search and one release "
+                          "per --batch, in OUT_DIR/b<B>/, and OUT_DIR/tune.json over them")
+    llm.add_argument("--batch", type=_batches, metavar="B[,B...]",
+                     help="the batch sizes to tune for (default: the module's)")
+    llm.add_argument("--context", type=int, metavar="C",
+                     help="cached positions of each decode step (default: the module's)")
     return p
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        out = [int(b) for b in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive batch sizes B[,B...], got {text!r}")
+    return list(dict.fromkeys(out))
 
 
 def _formats(text: str) -> list[str]:
@@ -131,6 +152,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("tune reads the model from a file, not from stdin")
     if args.output == "-":
         raise UsageError("tune writes a release folder: -o needs a folder, not '-'")
+    if args.phase is None and (args.batch or args.context is not None):
+        raise UsageError("--batch and --context set serving points: they need --phase")
+    if args.phase is not None:
+        if args.func is not None:
+            raise UsageError("--phase picks the function (@prefill or @decode); drop --func")
+        if args.context is not None and args.context < 1:
+            raise UsageError(f"--context must be at least 1, got {args.context}")
+        args.func = args.phase
     out_dir = Path(args.output)
     _check_out_dir(out_dir, [args.input, args.data, args.eval, args.slices, args.target])
     started = time.perf_counter()
@@ -144,11 +173,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from mplower.lowering.target import load_target
     from mplower.lowering.throughput import SeqAxisError, units
     from mplower.passes.calibrate import check_partial_batch, split_batches, split_samples
-    from mplower.tune.evaluation import Problem, sheet_text
-    from mplower.tune.packet import build_packet, candidate_of, pareto_png, sha256_file, versions
+    from mplower.tune.evaluation import Problem
+    from mplower.tune.packet import sha256_file, versions
 
     module = read_module(args)
     f = module.function(args.func)
+    points: list[tuple[str, int, int | None] | None] = [None]
+    if args.phase is not None:
+        from mplower.lowering.serving import check_phase_function, written_for
+
+        check_phase_function(module, args.phase)
+        points = [(args.phase, b, args.context)
+                  for b in args.batch or [written_for(f, args.phase)[0]]]
     try:  # before any work: a bad axis is a usage error
         units(f, args.seq_axis)
     except SeqAxisError as e:
@@ -189,15 +225,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if weights_path is not None and weights_path.is_file():
         rel = weights_path.resolve().relative_to(Path(module.path).resolve().parent)
         weights = (rel.as_posix(), weights_path.read_bytes())
-    problem = Problem(
-        module_text=args._source, module_name=Path(module.path).name, weights=weights,
+    make_problem = partial(
+        Problem, module_text=args._source, module_name=Path(module.path).name, weights=weights,
         calib=Path(args.data).read_bytes(), target=args.target,
         target_text=None if builtin else Path(target.source).read_text(encoding="utf-8"),
         batches=batches, slices=slices, guardrails=guardrails, func=args.func, metric=metric,
         seq_axis=args.seq_axis,
         eval=None if metric is None else eval_samples(
             eval_arrays, len(batches), next(iter(rows)) if len(rows) == 1 else None))
-    outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
     inputs = {"model": sha256_file(args.input),
               "weights": sha256_file(weights_path) if weights else None,
               "data": sha256_file(args.data), "eval": sha256_file(eval_path),
@@ -209,38 +244,119 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # The release is built in a folder beside OUT_DIR and swapped in whole (io.atomic): a run
     # that fails or is killed leaves the previous release as it was, and OUT_DIR never mixes
     # files of two runs. The files name OUT_DIR, where they will be, never the stage folder.
+    packets = []
     with staged_folder(out_dir) as stage:
-        reproduce = None
-        if outcome.chosen is not None:
-            candidate = candidate_of(outcome.chosen)
-            pipeline = _pipeline(candidate, str(out_dir / "policy.toml"), args)
-            command = (f"mplower opt {args.input} --pass-pipeline='{pipeline}' "
-                       f"-o {out_dir / 'lowered.ir'}")
-            reproduce = {"pipeline": pipeline, "command": command}
-            header = (f"Tuned by `mplower tune` for target {target.name}, objective "
-                      f"{args.objective}, seed {args.seed}.\nlowered.ir is this sheet through:\n"
-                      f"  {command}")
-            if metric is not None:  # a sheet never names the metric (docs/metrics.md)
-                header += (f"\nIts metric guardrails need the metric on the command line: "
-                           f"mplower run ... --metric {metric.spec}")
-            sheet = sheet_text(candidate, guardrails, header)
-            write_atomic(stage / "policy.toml", lambda fh: fh.write(sheet), "w")
-            lowered_text = _lower(module, _pipeline(candidate, str(stage / "policy.toml"), args),
-                                  stage / "lowered.ir")
-            write_atomic(stage / "lowered.ir", lambda fh: fh.write(lowered_text), "w")
-        packet = build_packet(outcome, results, objective=args.objective,
-                              guardrails=guardrails, provenance=provenance, reproduce=reproduce,
-                              evaluations=evaluations, slices=slices is not None,
-                              metric=metric, min_gain=args.min_gain / 100)
-        packet["timing"] = {"wall_s": time.perf_counter() - started,
-                            "evaluator": evaluator_text}
-        text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
-        write_atomic(stage / "tune.json", lambda fh: fh.write(text), "w")
-        pareto_png(stage / "pareto.png", packet["candidates"],
-                   outcome.chosen["key"] if outcome.chosen else None, args.objective,
-                   guardrails, _rejected_marks(packet))
-    sys.stdout.write(_table(packet))
-    return EXIT_OK if outcome.chosen is not None else EXIT_GUARDRAIL
+        for point in points:
+            sub = "" if point is None else f"b{point[1]}"
+            if sub:
+                (stage / sub).mkdir()
+            problem = make_problem(serving=point)
+            outcome, results, evaluations, evaluator_text = _search(problem, args, formats)
+            packet = _release(module, outcome, results, evaluations, evaluator_text, stage / sub,
+                              out_dir / sub, args, target, guardrails, metric, slices,
+                              provenance | ({} if point is None else {"serving": {
+                                  "phase": point[0], "batch": point[1],
+                                  "context": point[2]}}), started)
+            packets.append((point, packet))
+        if args.phase is not None:
+            text = json.dumps(serving_packet(args.phase, packets), indent=2,
+                              allow_nan=False) + "\n"
+            write_atomic(stage / "tune.json", lambda fh: fh.write(text), "w")
+    for point, packet in packets:
+        if point is not None:
+            sys.stdout.write(f"\n{point[0]} at batch {point[1]} (release b{point[1]}/):\n")
+        sys.stdout.write(_table(packet))
+    if args.phase is not None:
+        sys.stdout.write("\n" + serving_table(serving_packet(args.phase, packets)))
+    chosen = all(packet["chosen"] is not None for _, packet in packets)
+    return EXIT_OK if chosen else EXIT_GUARDRAIL
+
+
+def _release(module, outcome, results, evaluations, evaluator_text, stage: Path, out_dir: Path,
+             args: argparse.Namespace, target, guardrails, metric, slices, provenance,
+             started: float) -> dict[str, Any]:
+    """Write one release (policy.toml, lowered.ir, tune.json, pareto.png) into `stage`, the
+    folder that becomes `out_dir`; its packet."""
+    from mplower.tune.evaluation import sheet_text
+    from mplower.tune.packet import build_packet, candidate_of, pareto_png
+
+    reproduce = None
+    if outcome.chosen is not None:
+        candidate = candidate_of(outcome.chosen)
+        pipeline = _pipeline(candidate, str(out_dir / "policy.toml"), args)
+        command = (f"mplower opt {args.input} --pass-pipeline='{pipeline}' "
+                   f"-o {out_dir / 'lowered.ir'}")
+        reproduce = {"pipeline": pipeline, "command": command}
+        header = (f"Tuned by `mplower tune` for target {target.name}, objective "
+                  f"{args.objective}, seed {args.seed}.\nlowered.ir is this sheet through:\n"
+                  f"  {command}")
+        if metric is not None:  # a sheet never names the metric (docs/metrics.md)
+            header += (f"\nIts metric guardrails need the metric on the command line: "
+                       f"mplower run ... --metric {metric.spec}")
+        sheet = sheet_text(candidate, guardrails, header)
+        write_atomic(stage / "policy.toml", lambda fh: fh.write(sheet), "w")
+        lowered_text = _lower(module, _pipeline(candidate, str(stage / "policy.toml"), args),
+                              stage / "lowered.ir")
+        write_atomic(stage / "lowered.ir", lambda fh: fh.write(lowered_text), "w")
+    packet = build_packet(outcome, results, objective=args.objective,
+                          guardrails=guardrails, provenance=provenance, reproduce=reproduce,
+                          evaluations=evaluations, slices=slices is not None,
+                          metric=metric, min_gain=args.min_gain / 100)
+    packet["timing"] = {"wall_s": time.perf_counter() - started, "evaluator": evaluator_text}
+    text = json.dumps(packet, indent=2, allow_nan=False) + "\n"
+    write_atomic(stage / "tune.json", lambda fh: fh.write(text), "w")
+    pareto_png(stage / "pareto.png", packet["candidates"],
+               outcome.chosen["key"] if outcome.chosen else None, args.objective,
+               guardrails, _rejected_marks(packet))
+    return packet
+
+
+def _plan_name(r: dict[str, Any]) -> str:
+    return r["plan"].get("sheet") or r["label"]
+
+
+def serving_packet(phase: str, packets: list) -> dict[str, Any]:
+    """OUT_DIR/tune.json of a --phase run: per serving point its release folder, the chosen
+    plan and every passing uniform sheet's modeled tokens/s, and where the best one changes."""
+    points = []
+    for (_, batch, context), packet in packets:
+        chosen = packet["chosen"]
+        tokens = {_plan_name(r): r["modeled"]["tokens_per_s"] for r in packet["uniform"]
+                  if r["verdict"] == "pass"}
+        points.append({
+            "batch": batch, "context": context, "release": f"b{batch}",
+            "chosen": None if chosen is None else {
+                "label": chosen["label"], "best_uniform": chosen["best_uniform"],
+                "tokens_per_s": chosen["modeled"]["tokens_per_s"],
+                "plan": f"b{batch}/lowered.ir"},
+            "uniform_tokens_per_s": tokens,
+            "best_uniform": max(tokens, key=tokens.__getitem__) if tokens else None})
+    flips = [{"from_batch": a["batch"], "to_batch": b["batch"], "from": a["best_uniform"],
+              "to": b["best_uniform"]} for a, b in pairwise(points)
+             if a["best_uniform"] != b["best_uniform"]]
+    return {"packet": "mplower-tune-serving/1", "phase": phase, "points": points,
+            "flips": flips}
+
+
+def serving_table(packet: dict[str, Any]) -> str:
+    """The per-batch table: modeled tokens/s of each passing uniform sheet, the best one and
+    the chosen plan, and the batches where the best sheet changes."""
+    from mplower.report.table import table
+
+    names = list(dict.fromkeys(n for p in packet["points"] for n in p["uniform_tokens_per_s"]))
+    rows = []
+    for p in packet["points"]:
+        t = p["uniform_tokens_per_s"]
+        chosen = p["chosen"]
+        rows.append([str(p["batch"]), *[f"{t[n]:.4g}" if n in t else "-" for n in names],
+                     p["best_uniform"] or "-",
+                     "-" if chosen is None else f"{chosen['label']} ({chosen['plan']})"])
+    lines = table(["batch", *[f"{n} tokens/s" for n in names], "best sheet", "chosen plan"],
+                  rows, "table", rule=True)
+    lines += [f"best sheet flips from {f['from']} at batch {f['from_batch']} to {f['to']} at "
+              f"batch {f['to_batch']}" for f in packet["flips"]] or ["no flip of the best sheet"]
+    return "\n".join(lines) + "\n"
+
 
 
 def _rejected_marks(packet: dict[str, Any]) -> dict[str, str]:

@@ -41,6 +41,7 @@ TARGET = "mp.target"  # module: the target legalize / lower-sparse applied
 KEEP_IO_TYPES = "mp.keep_io_types"  # module: false when the sheet lets the signature narrow
 SCALING = "mp.scaling"  # module: the sheet's [scaling] (mplower.lowering.scaling.Scaling)
 WEIGHTS = "mp.weights"  # module: the .npz of named constants, relative to the IR file
+SHAPES_ONLY = "mp.shapes_only"  # module: imported without weights (each reads as zeros)
 OUTPUT_NAMES = "mp.output_names"  # function: the imported model's output names
 # A GEMM whose accumulator keeps fewer bits than f32 (mplower.numerics.accum): its significant
 # bits, and every how many elements of K it is promoted to f32.
@@ -332,6 +333,7 @@ __all__ = [
     "REQUESTED",
     "RESULT_ATTRS",
     "SCALING",
+    "SHAPES_ONLY",
     "SPARSE_REASON",
     "TARGET",
     "TINY",

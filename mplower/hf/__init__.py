@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mplower.dialect.plan import SHAPES_ONLY
 from mplower.hf import gpt2, llama
 from mplower.hf.build import Builder
 from mplower.hf.config import Config
@@ -45,9 +46,12 @@ def is_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir()
 
 
-def import_checkpoint(folder: str | Path, batch: int, seq: int, context: int) -> Imported:
+def import_checkpoint(folder: str | Path, batch: int, seq: int, context: int,
+                      shapes_only: bool = False) -> Imported:
     """The module of the checkpoint in `folder` for `batch` sequences, prompts of `seq` tokens
-    and decode steps after `context` cached positions."""
+    and decode steps after `context` cached positions. With `shapes_only`, from config.json
+    alone: no safetensors is read, and the module's weights are names without values (what a
+    cost model needs of a model too large to copy around; mplower.dialect.plan.SHAPES_ONLY)."""
     folder = Path(folder)
     loc = Location(str(folder), 0, 0)
     cfg = Config(inside(folder, "config.json", "file", folder))
@@ -55,7 +59,7 @@ def import_checkpoint(folder: str | Path, batch: int, seq: int, context: int) ->
     if arch not in ARCHITECTURES:
         raise cfg.error(f"architecture '{arch}' is not supported; mplower imports "
                         f"{', '.join(ARCHITECTURES)}")
-    ckpt = Checkpoint(folder)
+    ckpt = None if shapes_only else Checkpoint(folder)
     family = gpt2 if arch in gpt2.ARCHITECTURES else llama
     model = (gpt2.read_config(cfg, arch, ckpt) if family is gpt2
              else llama.read_config(cfg, arch))
@@ -83,6 +87,9 @@ def import_checkpoint(folder: str | Path, batch: int, seq: int, context: int) ->
     logits, presents = family.forward(b, model, values[0], past, context)
     module.functions["decode"] = b.finish(_results(logits, presents))
     verify(module)
+    if shapes_only:
+        module.attrs[SHAPES_ONLY] = True
+        return Imported(module, {}, arch)
     return Imported(module, b.weights, arch)
 
 

@@ -46,7 +46,7 @@ class GPT2:
         return self.heads, self.head_dim
 
 
-def read_config(cfg: Config, arch: str, ckpt: Checkpoint) -> GPT2:
+def read_config(cfg: Config, arch: str, ckpt: Checkpoint | None) -> GPT2:
     act = cfg.get("activation_function", "gelu_new")
     if act not in ACTIVATIONS:
         raise cfg.error(f"config.json: activation_function {act!r} is not supported (mplower "
@@ -60,7 +60,8 @@ def read_config(cfg: Config, arch: str, ckpt: Checkpoint) -> GPT2:
         approximate=ACTIVATIONS[act], scale_weights=cfg.flag("scale_attn_weights", True),
         scale_by_layer=cfg.flag("scale_attn_by_inverse_layer_idx", False),
         tied=cfg.flag("tie_word_embeddings", True), max_positions=cfg.int("n_positions"),
-        prefix="transformer." if "transformer.wte.weight" in ckpt else "")
+        prefix="transformer." if ckpt is not None and "transformer.wte.weight" in ckpt
+        else "")
 
 
 def forward(b: Builder, m: GPT2, ids: Value, past: list[tuple[Value, Value]] | None,

@@ -27,7 +27,7 @@ from typing import IO, Self
 
 import numpy as np
 
-from mplower.dialect.plan import WEIGHTS
+from mplower.dialect.plan import SHAPES_ONLY, WEIGHTS
 from mplower.io.atomic import atomic_output, module_relative, staged_path
 from mplower.ir.diagnostics import Diagnostic, DiagnosticError, Location
 from mplower.ir.graph import Module
@@ -288,6 +288,10 @@ class WeightStore:
     def get(self, name: str, shape: tuple[int, ...], loc: Location) -> np.ndarray:
         if self._source is not None:
             return self._from_source(name, shape, loc)
+        if self.module.attrs.get(SHAPES_ONLY) and self.path is None:
+            # Imported without weights (mplower import --shapes-only): zeros, in no memory, so
+            # that passes which only need shapes (quantize's types and layout) still run.
+            return np.broadcast_to(np.float32(0), shape)
         archive = self._open(loc)
         if name not in archive:
             raise _error(loc, f"weight '{name}' is missing from {self.path}")

@@ -24,7 +24,17 @@ How ops are grouped:
   the rules allow: an elementwise op after a matmul/conv is its epilogue; elementwise ops merge
   with each other and with one normalization/reduction/data-movement op; two anchors (matmul,
   conv, softmax, layer_norm, ...) never share a group. Reshapes and flattens are views: they
-  join any group and alone cost nothing.
+  join any group and alone cost nothing; so is a transpose that moves only axes of size 1.
+
+A deploy-time weight is read with its quantization parameters: the scales (and zero points) of
+the mp.quantize that stores it, as stored (f32 attributes), beside its narrow elements (an i4
+weight is half a byte).
+
+Serving (`cache`, the arguments that hold a KV cache: mplower.lowering.serving): a runtime keeps
+the cache in place, so an mp.concat that appends new positions to a cache argument reads and
+writes only the new positions (the past stays where it is), and a transpose whose result only
+reaches contractions (through views) is the GEMM's operand layout, read with strides, not a
+kernel (attention reads K as K^T).
 
 The fp32 baseline of a plan prices the same function as if every op computed in f32 on dense
 kernels and every conversion were absent (what assign-precision{policy=fp32} leaves), with the
@@ -34,6 +44,7 @@ same model, so a speedup compares like with like.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,7 +53,7 @@ from mplower.dialect.mp import CONTRACTIONS, CONVERSIONS
 from mplower.dialect.plan import Plan
 from mplower.ir.graph import ARG, RETURN, Function, Value
 from mplower.ir.opdef import OPS, check_attrs
-from mplower.ir.types import TensorType
+from mplower.ir.types import DenseAttr, TensorType
 from mplower.lowering.sparsity import reduction_axis, storage
 from mplower.lowering.target import (
     DENSE,
@@ -77,6 +88,7 @@ class Group:
     bytes_written: int
     bound: str
     time_s: float
+    weight_bytes: int = 0  # of bytes_read: deploy-time constants (weights, their scales)
 
 
 @dataclass(frozen=True)
@@ -118,8 +130,9 @@ def _wide(t: TensorType) -> TensorType:
 
 
 class _Model:
-    def __init__(self, f: Function, target: Target, fp32: bool):
-        self.f, self.target, self.fp32 = f, target, fp32
+    def __init__(self, f: Function, target: Target, fp32: bool,
+                 cache: frozenset[int] = frozenset()):
+        self.f, self.target, self.fp32, self.cache = f, target, fp32, cache
         self.order = [n for n in f.ops() if f.op(n) != RETURN]
         self.pos = {n: i for i, n in enumerate(self.order)}
         self.static = self._static()
@@ -185,6 +198,8 @@ class _Model:
             if t.encoding in ("2:4", "1:2") and t.rank >= 2 and kernel is not None:
                 k = t.shape[reduction_axis("mp.matmul", t.rank)]
                 nbytes = storage(kernel, k, t.size // k, t.elem).total
+            if not self.fp32 and f.op(v[0]) == "mp.quantize":
+                nbytes += _qparam_bytes(f.attrs_of(v[0]), t.elem)
             best = nbytes if best is None else min(best, nbytes)
             operands = f.operands(v[0])
             if self.fp32 or len(operands) != 1:
@@ -194,7 +209,8 @@ class _Model:
     # ---- grouping ----------------------------------------------------------------------------
     def kind(self, n: int) -> str:
         op = self.f.op(n)
-        if op in VIEWS:
+        if op in VIEWS or (op == "mp.transpose" and (
+                _moves_only_unit_axes(self.f, n) or (self.cache and self._gemm_layout(n)))):
             return "view"
         if op in CONVERSIONS:
             return "conversion"
@@ -225,6 +241,20 @@ class _Model:
         return sorted((sorted(ms, key=self.pos.__getitem__) for ms in members.values()),
                       key=lambda ms: self.pos[ms[0]])
 
+    def _gemm_layout(self, n: int) -> bool:
+        """Every use of `n`'s result is a contraction, through views only."""
+        users = self.users.get((n, 0), set())
+        return bool(users) and all(
+            self.f.op(u) in CONTRACTIONS or (self.f.op(u) in VIEWS and self._gemm_layout(u))
+            for u in users)
+
+    def appended(self, n: int) -> Value | None:
+        """The cache argument an mp.concat appends to in place (its first operand), if any."""
+        if self.f.op(n) != "mp.concat":
+            return None
+        past = self.resolve(self.f.operands(n)[0])
+        return past if past[0] in self.cache else None
+
     def _can_merge(self, producer: list[int], consumer: list[int], n: int) -> bool:
         inside = set(producer)
         for m in producer:  # everything the producer group hands out goes to n
@@ -253,9 +283,13 @@ class _Model:
         kinds = [self.kind(n) for n in nodes]
         anchor = next((n for n, k in zip(nodes, kinds, strict=True) if k in ("gemm", "other")),
                       nodes[0])
-        flops, seconds, read, written = 0, 0.0, 0, 0
+        flops, seconds, read, written, weights = 0, 0.0, 0, 0, 0
         seen: set[Value] = set()
         for n in nodes:
+            past = self.appended(n)
+            if past is not None:  # the cache stays in place: only the new positions move
+                seen.add(past)
+                written += self.type_of((n, 0)).nbytes - self.type_of(past).nbytes
             ins = [self.type_of(self.resolve(v)) for v in f.operands(n)]
             outs = [self.type_of((n, r)) for r in range(len(f.types(n)))]
             op = f.op(n)
@@ -264,15 +298,23 @@ class _Model:
                 work = int(OPS[op].flops(ins, outs, attrs))
                 flops += work
                 seconds += work / self._rate(n, ins, outs, attrs)
-            for v in f.operands(n):
+            for i, v in enumerate(f.operands(n)):
                 v = self.resolve(v)
                 if v[0] in inside or v in seen:
                     continue
                 seen.add(v)
-                read += self.weight_bytes(v) if v[0] in self.static else self.type_of(v).nbytes
+                if v[0] in self.static:
+                    nbytes = self.weight_bytes(v)
+                    if op == "mp.gather" and i == 0:  # a table is read at the rows gathered
+                        size = self.type_of(v).size
+                        nbytes = -(-nbytes * min(outs[0].size, size) // size) if size else 0
+                    weights += nbytes
+                else:
+                    read += self.type_of(v).nbytes
             for r, t in enumerate(outs):
-                if self.users.get((n, r), set()) - inside:
+                if past is None and self.users.get((n, r), set()) - inside:
                     written += t.nbytes
+        read += weights
         memory = (read + written) / target.bandwidth
         launch = target.overhead_s
         if all(k == "view" for k in kinds):  # a bitcast: no kernel at all
@@ -283,7 +325,7 @@ class _Model:
                      f.op(anchor),
                      tuple(f.op_name(n) if f.types(n) else f.op(n) for n in nodes),
                      "f32" if self.fp32 else compute_format(f, anchor), flops, read, written,
-                     bound, max(seconds, memory) + launch)
+                     bound, max(seconds, memory) + launch, weights)
 
     def _rate(self, n: int, ins: list[TensorType], outs: list[TensorType],
               attrs: dict) -> float:
@@ -301,21 +343,48 @@ class _Model:
         except ValueError:  # a format the target has no rate for (e.g. i1): price it as f32
             peak = target.peak("f32")
         if f.op(n) in CONTRACTIONS and outs:
-            peak *= target.gemm_efficiency(*_gemm_shape(f.op(n), outs[0].shape))
+            peak *= target.gemm_efficiency(*_gemm_shape(f.op(n), outs[0].shape, ins))
         return peak
 
 
-def _gemm_shape(op: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(M, N, batch) of a contraction's output: a conv2d is an implicit GEMM with M = batch x
-    height x width and N = output channels (NCHW); a matmul's leading axes are its batch."""
+def _moves_only_unit_axes(f: Function, n: int) -> bool:
+    """A transpose that keeps the order of every axis longer than 1 ([B, 1, H, D] -> [B, H, 1,
+    D]) leaves the bytes where they are: a bitcast."""
+    shape = f.operand_types(n)[0].shape
+    perm = check_attrs(OPS["mp.transpose"], f.attrs_of(n))["perm"]
+    kept = [a for a in perm if shape[a] != 1]
+    return kept == sorted(kept)
+
+
+def _qparam_bytes(attrs: Mapping[str, object], elem: str) -> int:
+    """Bytes of a quantize's parameters as stored: its scales (f32 attributes) and, where it
+    has them, its zero points (in the quantized format)."""
+    scale, zero = attrs.get("scale"), attrs.get("zero_point")
+    nbytes = scale.type.nbytes if isinstance(scale, DenseAttr) else 4
+    if isinstance(zero, DenseAttr):
+        nbytes += zero.type.with_elem(elem).nbytes
+    elif zero:
+        nbytes += (FORMATS[elem].bits + 7) // 8
+    return nbytes
+
+
+def _gemm_shape(op: str, shape: tuple[int, ...],
+                ins: list[TensorType]) -> tuple[int, int, int, int | None]:
+    """(M, N, batch, K or None) of a contraction's output: a conv2d is an implicit GEMM with M = batch x
+    height x width and N = output channels (NCHW); a matmul's leading axes are its batch,
+    except where its second operand is one matrix (a weight), which every row of the leading
+    axes shares: then they are rows of one GEMM (M = their product), as a compiler folds them,
+    and its depth K is known (for split-K)."""
     if op == "mp.conv2d" and len(shape) == 4:
-        return shape[0] * shape[2] * shape[3], shape[1], 1
+        return shape[0] * shape[2] * shape[3], shape[1], 1, None
     if len(shape) < 2:
-        return 1, shape[0] if shape else 1, 1
+        return 1, shape[0] if shape else 1, 1, None
+    if op == "mp.matmul" and len(ins) == 2 and ins[1].rank == 2:
+        return math.prod(shape[:-1]), shape[-1], 1, ins[1].shape[0]
     batch = 1
     for d in shape[:-2]:
         batch *= d
-    return shape[-2], shape[-1], batch
+    return shape[-2], shape[-1], batch, None
 
 
 # Ops a quantize of their result commutes with (a monotone map, per tensor or per channel, and
@@ -350,18 +419,21 @@ def _propagated(f: Function) -> Function:
     return g
 
 
-def fused_groups(f: Function, target: Target, *, fp32: bool = False) -> list[Group]:
+def fused_groups(f: Function, target: Target, *, fp32: bool = False,
+                 cache: frozenset[int] = frozenset()) -> list[Group]:
     """The fused kernels `target` would launch for `f`, in program order, each priced; with
-    `fp32`, those of the fp32 plan of `f` (every op in f32, no conversions)."""
+    `fp32`, those of the fp32 plan of `f` (every op in f32, no conversions); `cache` names the
+    argument nodes that hold a KV cache kept in place (serving)."""
     if not fp32 and FUSE_QDQ_PROPAGATION in target.fuse:
         f = _propagated(f)
-    model = _Model(f, target, fp32)
+    model = _Model(f, target, fp32, cache)
     return [model.price(i, nodes) for i, nodes in enumerate(model.groups())]
 
 
-def plan_cost(f: Function, target: Target) -> Cost:
-    """The groups and modeled time of `f` on `target`, and of its fp32 baseline."""
-    groups = fused_groups(f, target)
-    baseline = fused_groups(f, target, fp32=True)
+def plan_cost(f: Function, target: Target, cache: frozenset[int] = frozenset()) -> Cost:
+    """The groups and modeled time of `f` on `target`, and of its fp32 baseline (`cache`: as
+    for fused_groups)."""
+    groups = fused_groups(f, target, cache=cache)
+    baseline = fused_groups(f, target, fp32=True, cache=cache)
     return Cost(tuple(groups), {m: g.id for g in groups for m in g.members},
                 sum(g.time_s for g in groups), sum(g.time_s for g in baseline))

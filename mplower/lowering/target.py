@@ -293,20 +293,34 @@ class Target:
         """Modeled energy of `time_s` seconds at the board power; None without one."""
         return None if self.board_power_w is None else self.board_power_w * time_s
 
-    def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
+    def gemm_efficiency(self, m: int, n: int, batch: int = 1, k: int | None = None) -> float:
         """The fraction of peak a GEMM with an (m, n) output (`batch` of them) reaches on
         this target's tiles: tile quantization (the padding of the last tile row and column)
         times wave quantization (the idle SMs of the last wave), NVIDIA's "Matrix
-        Multiplication Background User's Guide" (docs/targets.md). 1.0 without tiling."""
+        Multiplication Background User's Guide" (docs/targets.md). With its reduction depth
+        `k` (a GEMM against a weight), fewer rows than a tile pad to 8, not to the tile, and a
+        GEMM of fewer tiles than SMs is split along K. 1.0 without tiling."""
         if self.tile_m is None or self.tile_n is None or self.sm_count is None:
             return 1.0
         rows, cols = -(-m // self.tile_m), -(-n // self.tile_n)
         if rows == 0 or cols == 0 or batch == 0:
             return 1.0
         tile = (m * n) / (rows * self.tile_m * cols * self.tile_n)
+        if k is not None and m < self.tile_m:
+            # A skinny GEMM against a weight (a decode step's few rows) swaps its operands, so
+            # the rows ride on the MMA's N side, which comes in multiples of 8 (PTX ISA,
+            # wgmma.mma_async shapes m64nNk16, N a multiple of 8), not on a 128-row tile.
+            tile = m / (-(-m // SKINNY_ROWS) * SKINNY_ROWS) * n / (cols * self.tile_n)
         tiles = batch * rows * cols
+        if k is not None and tiles < self.sm_count:
+            # Fewer tiles than SMs (a decode step's skinny GEMMs): cuBLAS and CUTLASS split
+            # the reduction over the idle SMs (split-K), in slices at least a tile deep.
+            tiles *= max(1, min(self.sm_count // tiles, k // self.tile_n))
         wave = tiles / (-(-tiles // self.sm_count) * self.sm_count)
         return tile * wave
+
+
+SKINNY_ROWS = 8  # the row granularity of a skinny GEMM's swapped operands (gemm_efficiency)
 
 
 def modeled_inferences_per_s(times: Iterable[float]) -> float:

@@ -22,7 +22,7 @@ import mplower.dialect  # noqa: F401  (registers the mp ops)
 from mplower.dialect.plan import POLICY, Plan
 from mplower.ir.graph import ARG, RETURN, Function, Module
 from mplower.ir.opdef import OPS, check_attrs
-from mplower.lowering.cost import compute_format, plan_cost
+from mplower.lowering.cost import Cost, compute_format, plan_cost
 from mplower.lowering.target import Target
 from mplower.lowering.throughput import Units, rate_text, units
 from mplower.report.sparse import sparse_lines, sparse_report
@@ -64,14 +64,18 @@ def op_row(f: Function, n: int, times: dict[str, float], groups: dict[str, int])
 
 
 def precision_sheet(module: Module, target: Target, func: str | None = None,
-                    measure: bool = True, seq_axis: int | None = None) -> dict[str, Any]:
+                    measure: bool = True, seq_axis: int | None = None, *,
+                    function: Function | None = None, cost: Cost | None = None
+                    ) -> dict[str, Any]:
     """The sheet as a dict; with sparse decisions in the module, a `sparse` section too (the
     reality check of mplower.report.sparse.sparse_report; `measure` times the CPU kernels).
     Throughput is per call (`inferences`), per sample (the first argument's leading
-    dimension) and per token (mplower.lowering.throughput; `seq_axis` names the axis)."""
-    f = module.function(func)
+    dimension) and per token (mplower.lowering.throughput; `seq_axis` names the axis).
+    `function` and its `cost` replace @func where the caller priced a re-shaped copy of it
+    (mplower.report.serving)."""
+    f = function or module.function(func)
     u = units(f, seq_axis)
-    cost = plan_cost(f, target)
+    cost = cost or plan_cost(f, target)
     times = {g.anchor: g.time_s for g in cost.groups}
     rows = [r for r in (op_row(f, n, times, dict(cost.group_of)) for n in f.ops())
             if r is not None]
@@ -150,11 +154,24 @@ def render(sheet: dict[str, Any], fmt: str) -> str:
                    f"{'-' if per_joule is None else format(per_joule, '.4g')} inferences/J at "
                    f"{s['board_power_w']:g} W")
     sparse = sparse_lines(sheet["sparse"], fmt) if "sparse" in sheet else []
+    if "phase" in s:  # a serving point (mplower.report.serving)
+        sparse.append(serving_line(s))
     gap = "\n" if fmt == "markdown" else ""  # a blank line ends a markdown table
     # The summary is the last line (`| tail -1`), after the fused kernels and sparse sections.
     return ("\n".join(table(header, rows, fmt, rule=True)) + "\n"
             + "".join(f"{x}\n" for x in [*group_lines(sheet["groups"], fmt, gap), *sparse])
             + f"{gap}{footer}\n")
+
+
+def serving_line(s: dict[str, Any]) -> str:
+    """The serving figures of a --phase report, one line."""
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.4g} ms"
+    point = (f"batch {s['batch']}, prompt {s['prompt']}, {s['generate']} tokens generated"
+             if s.get("generate") else f"batch {s['batch']}, context {s['context']}")
+    return (f"{s['phase']} at {point}: {s['tokens_per_s']:.4g} tokens/s, TTFT {ms(s['ttft_s'])}, "
+            f"ITL {ms(s['itl_s'])}; weights {s['weight_bytes'] / 1e9:.4g} GB, KV cache "
+            f"{s['kv_cache_bytes_per_token']} bytes/token")
 
 
 def group_lines(groups: list[dict[str, Any]], fmt: str, gap: str) -> list[str]:

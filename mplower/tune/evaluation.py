@@ -45,8 +45,9 @@ from mplower.lowering.metrics import (
     recorded_output_names,
 )
 from mplower.lowering.policy import load_policy
+from mplower.lowering.serving import PREFILL, price_function
 from mplower.lowering.target import Target, load_target
-from mplower.lowering.throughput import units
+from mplower.lowering.throughput import Units, units
 from mplower.lowering.tomlsheet import toml_string
 from mplower.numerics.formats import FORMATS
 from mplower.numerics.metrics import allclose_ratio, drift, finite_or_none
@@ -180,6 +181,9 @@ class Problem:
     metric: Metric | None = None
     eval: dict[str, np.ndarray] | None = None
     seq_axis: int | None = None  # the first argument's sequence axis (tokens/s), `--seq-axis`
+    # A serving point (phase, batch, context): the plan is priced as that phase's function at
+    # that batch and context (mplower.lowering.serving), its quality judged on the data as is.
+    serving: tuple[str, int, int | None] | None = None
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -194,6 +198,7 @@ class Problem:
                           self.target_text or "", json.dumps(self.guardrails, sort_keys=True),
                           self.func or "",
                           json.dumps(repr(self.metric)), repr(self.seq_axis),
+                          repr(self.serving),
                           *(f"{a.dtype.str}{a.shape}".encode() + np.ascontiguousarray(a).tobytes()
                             for a in arrays))
 
@@ -341,13 +346,20 @@ class Workspace:
         return {r["name"].removeprefix("%"): relative(local_severity(r)) for r in rows}
 
     def _modeled(self, f: Function) -> dict[str, float | None]:
-        cost = plan_cost(f, self.target)
+        if self.problem.serving is not None:
+            phase, batch, context = self.problem.serving
+            step = price_function(f, phase, self.target, batch, context)
+            cost = step.cost
+            per_call = Units(batch, batch * (step.tokens if phase == PREFILL else 1))
+        else:
+            cost = plan_cost(f, self.target)
+            per_call = units(f, self.problem.seq_axis)
         joules = self.target.joules(cost.time_s)
         per_s = 1.0 / cost.time_s if cost.time_s else None
         # Speedups are taken against the evaluated fp32 plan (mplower.tune.packet), not the
         # cost model's in-plan baseline, which prices a quantized graph's extra ops in f32.
         return {"time_s": cost.time_s, "inferences_per_s": per_s,
-                **units(f, self.problem.seq_axis).rates(per_s),
+                **per_call.rates(per_s),
                 "joules_per_inference": joules,
                 "inferences_per_joule": 1.0 / joules if joules else None}
 
