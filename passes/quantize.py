@@ -766,7 +766,7 @@ class Quantize(Pass):
                                                  "runner (mplower.backend.executor."
                                                  "reference_runner; the mplower CLI has one)")
         return collect_layer_stats(module, f.name, inputs, batches, last_rows, ctx.runner,
-                                   ctx.weights_path)
+                                   ctx.weights_path, ctx.executor)
 
 
 def _group_text(q: np.ndarray, scale: np.ndarray) -> str:
