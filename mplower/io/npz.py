@@ -18,7 +18,6 @@ import math
 import os
 import stat
 import struct
-import time
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -215,6 +214,9 @@ def read_npz(path: Path, loc: Location, what: str = "weights") -> dict[str, np.n
         return {name: archive.read(name, loc) for name in archive.names}
 
 
+ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
 def save_npz(fh: IO[bytes], arrays: dict[str, np.ndarray]) -> None:
     """np.savez, but any key works: `np.savez(fh, **arrays)` takes a key `file` or
     `allow_pickle` for its own parameter, and ONNX initializer and output names can be
@@ -228,8 +230,10 @@ def save_npz(fh: IO[bytes], arrays: dict[str, np.ndarray]) -> None:
 def _aligned(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
     """The member `name`, its local header padded (an extra field, as Android's zipalign pads
     APKs) so that its data starts on a 64-byte boundary of the file; numpy's npy header is
-    itself padded to 64 bytes, so the array's data is aligned and NpzArchive maps it."""
-    info = zipfile.ZipInfo(name, time.localtime(time.time())[:6])
+    itself padded to 64 bytes, so the array's data is aligned and NpzArchive maps it.
+    Dated 1980-01-01 (zip's epoch), not now: the same arrays give the same bytes, so a
+    lowering's weights can be checked by digest and rebuilt identically."""
+    info = zipfile.ZipInfo(name, ZIP_EPOCH)
     info.compress_type = zipfile.ZIP_STORED
     # local header: 30 fixed bytes, the name, the zip64 extra field (20 bytes, forced), ours
     start = zf.start_dir + 30 + len(name.encode("utf-8")) + 20 + 4

@@ -51,125 +51,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
-
-# ---- fixed-order kernels ---------------------------------------------------------------------
 
 
-@njit(cache=True)
-def _matmul_acc(a, b, out, sign):
-    """out += sign * a @ b, each element summed over k in order (vectorized across columns,
-    which does not change any element's order)."""
-    m, kk = a.shape
-    for i in range(m):
-        for k in range(kk):
-            c = sign * a[i, k]
-            if c != 0.0:
-                for j in range(b.shape[1]):
-                    out[i, j] += c * b[k, j]
-
-
-@njit(cache=True)
-def _gram_acc(x, h):
-    """h += 2 * x.T @ x for x (R, K): the batch's sums over its rows in order (the inner loop
-    runs along a row, so it vectorizes without reordering any element's sum), then added."""
-    k = x.shape[1]
-    g = np.zeros((k, k))
-    for t in range(x.shape[0]):
-        for i in range(k):
-            xi = x[t, i]
-            for j in range(i + 1):
-                g[i, j] += xi * x[t, j]
-    for i in range(k):
-        for j in range(i + 1):
-            h[i, j] += 2.0 * g[i, j]
-            h[j, i] = h[i, j]
-
-
-@njit(cache=True)
-def _cholesky_lower(a):
-    """L with L L^T = a (a symmetric positive definite); raises on a non-positive pivot.
-    Right-looking: each element takes its updates in the same order as the textbook
-    (left-looking) loop, with the inner loop along a row."""
-    n = a.shape[0]
-    m = a.copy()
-    lo = np.zeros_like(a)
-    col = np.zeros(n)
-    for j in range(n):
-        s = m[j, j]
-        if not s > 0.0:
-            raise ValueError("matrix is not positive definite")
-        d = np.sqrt(s)
-        lo[j, j] = d
-        for i in range(j + 1, n):
-            col[i] = m[i, j] / d
-            lo[i, j] = col[i]
-        for i in range(j + 1, n):
-            c = col[i]
-            for k in range(j + 1, i + 1):
-                m[i, k] -= c * col[k]
-    return lo
-
-
-@njit(cache=True)
-def _inverse_lower(lo):
-    """The inverse of a lower-triangular matrix, by forward substitution (row i of the result
-    is built from rows k < i, in order, along contiguous rows)."""
-    n = lo.shape[0]
-    inv = np.zeros_like(lo)
-    for i in range(n):
-        for k in range(i):
-            c = lo[i, k]
-            for j in range(k + 1):
-                inv[i, j] -= c * inv[k, j]
-        d = lo[i, i]
-        for j in range(i):
-            inv[i, j] /= d
-        inv[i, i] = 1.0 / d
-    return inv
-
-
-@njit(cache=True)
-def _lower_t_lower(m):
-    """m^T @ m for lower-triangular m (the inverse of L L^T is L^-T L^-1), each element summed
-    over k in order."""
-    n = m.shape[0]
-    out = np.zeros_like(m)
-    for k in range(n):
-        for i in range(k + 1):
-            c = m[k, i]
-            for j in range(i + 1):
-                out[i, j] += c * m[k, j]
-    for i in range(n):
-        for j in range(i):
-            out[j, i] = out[i, j]
-    return out
-
-
-@njit(cache=True)
-def _quad_error(h, d):
-    """sum over columns n of d[:, n]^T h d[:, n] / 2 (h = 2 X^T X: the squared error)."""
-    hd = np.zeros_like(d)
-    _matmul_acc(h, d, hd, 1.0)
-    s = 0.0
-    for i in range(d.shape[0]):
-        for j in range(d.shape[1]):
-            s += d[i, j] * hd[i, j]
-    return 0.5 * s
+def _k():
+    """The fixed-order kernels (numba), loaded on first use so that importing this module
+    does not load numba."""
+    from mplower.numerics import weight_only_kernels
+    return weight_only_kernels
 
 
 def matmul_fixed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b in float64 with each sum in order: the same bits on any machine."""
     out = np.zeros((a.shape[0], b.shape[1]))
-    _matmul_acc(np.ascontiguousarray(a, np.float64), np.ascontiguousarray(b, np.float64), out,
-                1.0)
+    _k().matmul_acc(np.ascontiguousarray(a, np.float64), np.ascontiguousarray(b, np.float64),
+                    out, 1.0)
     return out
 
 
 def upper_cholesky_of_inverse(h: np.ndarray) -> np.ndarray:
     """U upper-triangular with U^T U = h^-1 (GPTQ's Cholesky form of the inverse Hessian)."""
-    h_inv = _lower_t_lower(_inverse_lower(_cholesky_lower(np.ascontiguousarray(h, np.float64))))
-    return np.ascontiguousarray(_cholesky_lower(h_inv).T)
+    k = _k()
+    h_inv = k.lower_t_lower(k.inverse_lower(k.cholesky_lower(np.ascontiguousarray(h, np.float64))))
+    return np.ascontiguousarray(k.cholesky_lower(h_inv).T)
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -190,8 +93,8 @@ class LayerStats:
     def add(self, x: np.ndarray) -> None:
         """Accumulate the rows of x (..., K): one batch's contribution, in a fixed order."""
         rows = np.ascontiguousarray(np.asarray(x, np.float64).reshape(-1, self.abs_sum.size))
-        _gram_acc(rows, self.hessian)
-        self.abs_sum += _column_sums(np.abs(rows))
+        _k().gram_acc(rows, self.hessian)
+        self.abs_sum += _k().column_sums(np.abs(rows))
         self.rows += rows.shape[0]
 
     def merge(self, other: LayerStats) -> None:
@@ -204,21 +107,11 @@ class LayerStats:
         return self.abs_sum / max(self.rows, 1)
 
 
-@njit(cache=True)
-def _column_sums(a):
-    """Sum over the rows of a, in order, per column."""
-    out = np.zeros(a.shape[1])
-    for t in range(a.shape[0]):
-        for j in range(a.shape[1]):
-            out[j] += a[t, j]
-    return out
-
-
 def reconstruction_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float:
     """||X W - X W_hat|| / ||X W|| over the calibration rows, from H = sum 2 X^T X alone."""
     w = np.asarray(w, np.float64)
-    num = _quad_error(np.ascontiguousarray(hessian), np.ascontiguousarray(w - w_hat))
-    den = _quad_error(np.ascontiguousarray(hessian), np.ascontiguousarray(w))
+    num = _k().quad_error(np.ascontiguousarray(hessian), np.ascontiguousarray(w - w_hat))
+    den = _k().quad_error(np.ascontiguousarray(hessian), np.ascontiguousarray(w))
     return float(np.sqrt(max(num, 0.0) / den)) if den > 0 else 0.0
 
 
@@ -348,7 +241,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int, group: int, 
         # ... and over the columns after the block once, lazily.
         if i2 < k:
             tail = np.ascontiguousarray(wt[:, i2:])
-            _matmul_acc(errs, np.ascontiguousarray(u[i1:i2, i2:]), tail, -1.0)
+            _k().matmul_acc(errs, np.ascontiguousarray(u[i1:i2, i2:]), tail, -1.0)
             wt[:, i2:] = tail
     return _pack(q.T, scale_of, zero_of)
 
@@ -373,7 +266,7 @@ def awq_quantize(w: np.ndarray, stats: LayerStats, *, bits: int, group: int, sym
     for i in range(grid):
         s = awq_scales(stats.mean_abs(), i / grid).astype(np.float32).astype(np.float64)
         q, sc, z = rtn_quantize(w * s[:, None], bits=bits, group=group, sym=sym)
-        err = _quad_error(h, np.ascontiguousarray(w - dequantize_grouped(q, sc, z)
+        err = _k().quad_error(h, np.ascontiguousarray(w - dequantize_grouped(q, sc, z)
                                                   / s[:, None]))
         if best is None or err < best[0]:
             best = (err, s)
@@ -410,8 +303,8 @@ def clip_search(w: np.ndarray, hessian: np.ndarray, *, bits: int, group: int, sy
             qi = qgrid.quantize(cur, s, z)
             d = np.ascontiguousarray(wg - qgrid.dequantize(qi, s, z))
             hd = np.zeros_like(d)
-            _matmul_acc(hg, d, hd, 1.0)
-            err = _column_sums(np.ascontiguousarray(d * hd))
+            _k().matmul_acc(hg, d, hd, 1.0)
+            err = _k().column_sums(np.ascontiguousarray(d * hd))
             better = err < best_err
             best_err = np.where(better, err, best_err)
             best_q[:, better] = qi[:, better]
