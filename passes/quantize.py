@@ -81,6 +81,7 @@ from mplower.numerics.formats import FORMATS
 from mplower.numerics.weight_only import (
     LayerStats,
     awq_quantize,
+    gptq_factor,
     gptq_quantize,
     reconstruction_error,
     rtn_quantize,
@@ -731,16 +732,19 @@ class Quantize(Pass):
                                      f"{elem} {_group_text(q, scale)} {grid} awq")
                 ctx.stat("layers-awq", len(ns))
                 continue
+            factor = None
             for n in ns:
                 if self.method == "gptq":
-                    try:
-                        q, scale, zero = gptq_quantize(originals[n], stats[x].hessian,
-                                                       damp=self.damp, act_order=self.act_order,
-                                                       block=self.block, **opts)
+                    try:  # factored once for the layers that read x (q, k, v; gate, up)
+                        factor = factor or gptq_factor(stats[x].hessian, damp=self.damp,
+                                                       act_order=self.act_order)
                     except ValueError as e:  # the damped Hessian is singular (damp=0)
                         raise DiagnosticError(_error(f, n, f"GPTQ: {e} (the Hessian of this "
                                                            f"layer's input, damped by damp="
                                                            f"{self.damp}); raise damp")) from None
+                    q, scale, zero = gptq_quantize(originals[n], None, factor=factor,
+                                                   act_order=self.act_order, block=self.block,
+                                                   **opts)
                 else:
                     q, scale, zero = rtn_quantize(originals[n], **opts)
                 quantized_weight(rw, n, q, scale, zero, elem,

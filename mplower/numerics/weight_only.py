@@ -196,26 +196,46 @@ def rtn_quantize(w: np.ndarray, *, bits: int, group: int, sym: bool
 # ---- GPTQ ------------------------------------------------------------------------------------
 
 
-def gptq_quantize(w: np.ndarray, hessian: np.ndarray, *, bits: int, group: int, sym: bool,
-                  damp: float = 0.01, act_order: bool = False, block: int = 128
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPTQ of one layer (module docstring): (q, scale, zero) of w (K, N) given H (K, K)."""
-    wt = np.array(np.asarray(w, np.float64).T)  # (N, K): the paper's rows x columns
+@dataclass(frozen=True)
+class GptqFactor:
+    """What GPTQ derives from a layer's Hessian alone: the inputs that never fire, the column
+    order, and U (upper Cholesky factor of the damped, permuted H^-1). Layers that read the same
+    input (q, k and v; gate and up) share it, so it is factored once for them."""
+
+    dead: np.ndarray  # (K,) bool
+    perm: np.ndarray  # (K,) int
+    u: np.ndarray  # (K, K)
+
+
+def gptq_factor(hessian: np.ndarray, *, damp: float = 0.01, act_order: bool = False
+                ) -> GptqFactor:
     h = np.array(hessian, np.float64)
-    k = wt.shape[1]
-    grid, g = Grid(bits, sym), group_size(k, group)
+    k = h.shape[0]
     dead = np.diag(h) == 0  # inputs that never fire: any weight does, keep it out of H
     h[dead, dead] = 1.0
-    wt[:, dead] = 0.0
+    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    h = h[np.ix_(perm, perm)]
+    h[np.diag_indices(k)] += damp * float(np.mean(np.diag(h)))
+    return GptqFactor(dead, perm, upper_cholesky_of_inverse(h))
+
+
+def gptq_quantize(w: np.ndarray, hessian: np.ndarray | None, *, bits: int, group: int,
+                  sym: bool, damp: float = 0.01, act_order: bool = False, block: int = 128,
+                  factor: GptqFactor | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ of one layer (module docstring): (q, scale, zero) of w (K, N) given H (K, K), or
+    given its `factor` (gptq_factor with the same damp and act_order) in place of H."""
+    if factor is None:
+        factor = gptq_factor(hessian, damp=damp, act_order=act_order)
+    wt = np.array(np.asarray(w, np.float64).T)  # (N, K): the paper's rows x columns
+    k = wt.shape[1]
+    grid, g = Grid(bits, sym), group_size(k, group)
+    wt[:, factor.dead] = 0.0
     static = None
     if act_order:
         static = [grid.params(wt[:, a:a + g].T) for a in range(0, k, g)]
-        perm = np.argsort(-np.diag(h), kind="stable")
-    else:
-        perm = np.arange(k)
-    wt, h = np.ascontiguousarray(wt[:, perm]), h[np.ix_(perm, perm)]
-    h[np.diag_indices(k)] += damp * float(np.mean(np.diag(h)))
-    u = upper_cholesky_of_inverse(h)
+    perm, u = factor.perm, factor.u
+    wt = np.ascontiguousarray(wt[:, perm])
     # Blocks aligned to groups (module docstring); the result is the same for any block size
     # but for the order of floating-point sums.
     step = max(block - block % g, g) if g < k else block

@@ -7,15 +7,16 @@ lists it) does not load numba: the kernels load on first use.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def matmul_acc(a, b, out, sign):
-    """out += sign * a @ b, each element summed over k in order (vectorized across columns,
-    which does not change any element's order)."""
+    """out += sign * a @ b, each element summed over k in order. Rows of out are independent
+    (prange) and the inner loop runs along a row of b (vectorized across columns): neither
+    changes any element's order of sums, so the bits do not depend on the thread count."""
     m, kk = a.shape
-    for i in range(m):
+    for i in prange(m):
         for k in range(kk):
             c = sign * a[i, k]
             if c != 0.0:
@@ -40,28 +41,55 @@ def gram_acc(x, h):
             h[j, i] = h[i, j]
 
 
+PANEL = 32  # columns factored before the trailing rows take their updates at once
+
+
+@njit(cache=True, parallel=True)
+def _trailing_update(m, lt, j0, j1):
+    """m[i, k] -= sum over j in [j0, j1) of L[i, j] L[k, j], in order of j, for the trailing
+    rows i >= j1 and j1 <= k <= i; lt holds L's panel transposed (row j - j0 is column j)."""
+    n = m.shape[0]
+    for i in prange(j1, n):
+        # Slices, so that the inner loop's index starts at 0: a loop from j1 keeps numba's
+        # negative-index check and does not vectorize (3x slower).
+        row = m[i, j1:i + 1]
+        for j in range(j1 - j0):
+            c = lt[j, i]
+            lj = lt[j, j1:i + 1]
+            for k in range(row.shape[0]):
+                row[k] -= c * lj[k]
+
+
 @njit(cache=True)
 def cholesky_lower(a):
     """L with L L^T = a (a symmetric positive definite); raises on a non-positive pivot.
-    Right-looking: each element takes its updates in the same order as the textbook
-    (left-looking) loop, with the inner loop along a row."""
+    Every element takes its updates from columns j = 0, 1, ... in order, as the textbook loop
+    does; a panel of PANEL columns is factored, then the trailing rows take the panel's updates
+    row by row in parallel (each row's order unchanged, so the bits do not depend on threads)."""
     n = a.shape[0]
     m = a.copy()
     lo = np.zeros_like(a)
-    col = np.zeros(n)
-    for j in range(n):
-        s = m[j, j]
-        if not s > 0.0:
-            raise ValueError("matrix is not positive definite")
-        d = np.sqrt(s)
-        lo[j, j] = d
-        for i in range(j + 1, n):
-            col[i] = m[i, j] / d
-            lo[i, j] = col[i]
-        for i in range(j + 1, n):
-            c = col[i]
-            for k in range(j + 1, i + 1):
-                m[i, k] -= c * col[k]
+    for j0 in range(0, n, PANEL):
+        j1 = min(j0 + PANEL, n)
+        lt = np.zeros((j1 - j0, n))
+        for j in range(j0, j1):
+            s = m[j, j]
+            if not s > 0.0:
+                raise ValueError("matrix is not positive definite")
+            d = np.sqrt(s)
+            lo[j, j] = d
+            lt[j - j0, j] = d
+            for i in range(j + 1, n):
+                v = m[i, j] / d
+                lo[i, j] = v
+                lt[j - j0, i] = v
+            # the panel's own later columns (rows j+1 .. n, columns j+1 .. j1-1) now
+            for i in range(j + 1, n):
+                c = lt[j - j0, i]
+                for k in range(j + 1, min(i + 1, j1)):
+                    m[i, k] -= c * lt[j - j0, k]
+        if j1 < n:
+            _trailing_update(m, lt, j0, j1)
     return lo
 
 
@@ -83,14 +111,14 @@ def inverse_lower(lo):
     return inv
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def lower_t_lower(m):
     """m^T @ m for lower-triangular m (the inverse of L L^T is L^-T L^-1), each element summed
-    over k in order."""
+    over k in order; rows of the result in parallel (a row's order does not depend on it)."""
     n = m.shape[0]
     out = np.zeros_like(m)
-    for k in range(n):
-        for i in range(k + 1):
+    for i in prange(n):
+        for k in range(i, n):
             c = m[k, i]
             for j in range(i + 1):
                 out[i, j] += c * m[k, j]
