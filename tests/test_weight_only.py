@@ -401,3 +401,43 @@ def test_gptq_on_a_singular_hessian_without_damping_is_a_located_error(tmp_path)
     with pytest.raises(DiagnosticError, match="not positive definite.*raise damp") as e:
         lowered(path, "method=gptq damp=0")
     assert "mp.matmul" in str(e.value)
+
+
+def textbook_cholesky(a):
+    """L L^T = a by the textbook loop: L[i, j] = (a[i, j] - sum_{k<j} L[i, k] L[j, k]) / L[j, j],
+    each sum subtracted term by term in order of k, as mplower's kernel orders its updates."""
+    n = a.shape[0]
+    lo = np.zeros_like(a)
+    for j in range(n):
+        for i in range(j, n):
+            s = a[i, j]
+            for k in range(j):
+                s -= lo[i, k] * lo[j, k]
+            lo[i, j] = np.sqrt(s) if i == j else s / lo[j, j]
+    return lo
+
+
+@pytest.mark.determinism
+def test_gptq_kernels_give_the_same_bits_on_any_thread_count():
+    # The panel Cholesky and the parallel row kernels keep each element's order of sums: the
+    # same bits as the sequential textbook loop, on one thread or all of them.
+    import numba
+
+    from mplower.numerics import weight_only_kernels as kernels
+    x = np.random.default_rng(5).standard_normal((200, 70))
+    h = x.T @ x + np.eye(70)  # 70: two full panels of 32 and a short one
+    want = textbook_cholesky(h)
+    w, xw = layer(2)
+    outs = []
+    try:
+        for threads in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(threads)
+            lo = kernels.cholesky_lower(h)
+            np.testing.assert_array_equal(lo, want)
+            stats = LayerStats.zeros(K)
+            stats.add(xw)
+            outs.append(gptq_quantize(w, stats.hessian, bits=4, group=16, sym=False))
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    for a, b in zip(outs[0], outs[1]):
+        np.testing.assert_array_equal(a, b)
