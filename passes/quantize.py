@@ -736,8 +736,9 @@ class Quantize(Pass):
             for n in ns:
                 if self.method == "gptq":
                     try:  # factored once for the layers that read x (q, k, v; gate, up)
-                        factor = factor or gptq_factor(stats[x].hessian, damp=self.damp,
-                                                       act_order=self.act_order)
+                        if factor is None:
+                            factor = gptq_factor(stats[x].hessian, damp=self.damp,
+                                                 act_order=self.act_order)
                     except ValueError as e:  # the damped Hessian is singular (damp=0)
                         raise DiagnosticError(_error(f, n, f"GPTQ: {e} (the Hessian of this "
                                                            f"layer's input, damped by damp="

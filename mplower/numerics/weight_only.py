@@ -287,7 +287,7 @@ def awq_quantize(w: np.ndarray, stats: LayerStats, *, bits: int, group: int, sym
         s = awq_scales(stats.mean_abs(), i / grid).astype(np.float32).astype(np.float64)
         q, sc, z = rtn_quantize(w * s[:, None], bits=bits, group=group, sym=sym)
         err = _k().quad_error(h, np.ascontiguousarray(w - dequantize_grouped(q, sc, z)
-                                                  / s[:, None]))
+                                                      / s[:, None]))
         if best is None or err < best[0]:
             best = (err, s)
     s = best[1]

@@ -51,7 +51,7 @@ def _trailing_update(m, lt, j0, j1):
     n = m.shape[0]
     for i in prange(j1, n):
         # Slices, so that the inner loop's index starts at 0: a loop from j1 keeps numba's
-        # negative-index check and does not vectorize (3x slower).
+        # negative-index check and does not vectorize (about 2x slower).
         row = m[i, j1:i + 1]
         for j in range(j1 - j0):
             c = lt[j, i]
