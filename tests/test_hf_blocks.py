@@ -290,3 +290,18 @@ def test_released_checkpoint_pages_read_back_the_same_data(tmp_path):
     blocks.ckpt.release()  # the pages go; the map and its views stay valid
     assert np.array_equal(blocks.ckpt.float32(key), before)
     assert np.array_equal(before, tensors[key])
+
+
+def test_the_result_keeps_no_quantized_codes_of_a_dropped_block(ckpt):
+    # A GPTQ weight is an integer constant in its block's module; the steps the result keeps
+    # held it in their attributes, ~90 MB a block on TinyLlama's shape, until the run ended.
+    from mplower.ir.types import DenseAttr
+
+    folder, ids = ckpt
+    out = run_blocks(Blocks(folder, B, S), ids, parse_pipeline(
+        "quantize{scheme=w4a16 group=16 method=gptq}"))
+    steps = [r.step for r in out.run_result().ops]
+    assert any(s.op == "mp.constant" for s in steps)
+    assert [s.name for s in steps if any(isinstance(v, (DenseAttr, np.ndarray))
+                                         for v in s.attrs.values())] == []
+    assert all(r.rel_l2 is not None for r in out.run_result().ops if r.step.op == "mp.matmul")

@@ -43,7 +43,7 @@ from mplower.hf.safetensors import Checkpoint, inside
 from mplower.io.npz import save_npz
 from mplower.ir.diagnostics import DiagnosticError, Location
 from mplower.ir.graph import Function, Module
-from mplower.ir.types import tensor
+from mplower.ir.types import DenseAttr, tensor
 from mplower.ir.verifier import verify
 from mplower.pass_manager import Pass, PassContext
 from mplower.passes.calibrate import Calibrate
@@ -263,9 +263,11 @@ def _run_block(block: Block, x: np.ndarray, ref: np.ndarray, cal: np.ndarray,
 
 def _figures_only(r: OpResult) -> OpResult:
     """The op's figures without what its step holds of the block: its constant (a weight),
-    its kernels (closures over weights and packed copies of them)."""
+    its kernels (closures over weights and packed copies of them) and its array attributes
+    (a quantized weight's integer codes: kept, they grew a GPTQ run by ~90 MB a block)."""
+    attrs = {k: v for k, v in r.step.attrs.items() if not isinstance(v, (DenseAttr, np.ndarray))}
     step = dataclasses.replace(r.step, run=_dropped, reference=_dropped, constant=None,
-                               fast=None, amax_kernel=None, conv=None)
+                               fast=None, amax_kernel=None, conv=None, attrs=attrs)
     return dataclasses.replace(r, step=step)
 
 
