@@ -223,7 +223,7 @@ def test_builtin_gpu_sheets_declare_fusions_tiles_and_sm_counts():
     for name, sms in (("h100", 132), ("h200", 132), ("a100", 108)):
         t = load_target(name)
         assert (t.tile_m, t.tile_n, t.sm_count) == (128, 128, sms)
-        assert t.fuse == {"cast", "qdq", "elementwise", "epilogue"}
+        assert t.fuse == {"cast", "qdq", "elementwise", "epilogue", "slice-concat"}
 
 
 # -- kernel classes and qdq-propagation --------------------------------------------------------
@@ -318,3 +318,60 @@ def test_qdq_propagation_leaves_a_pool_whose_operand_has_another_use(tmp_path):
     groups = fused_groups(module.function(), _class_target(
         tmp_path, "[rates.max_pool]\ni8 = 1e6", '"qdq-propagation"'))
     assert [g.compute for g in groups if g.op == "mp.max_pool2d"] == ["f32"]
+
+
+def test_slice_concat_fusion_makes_a_rotary_halves_swap_one_kernel():
+    # q * cos + concat(-q[half:], q[:half]) * sin: XLA-style loop fusion takes the slices and
+    # the concat with the elementwise ops around them (the `slice-concat` fusion).
+    src = """func.func @main(%q: tensor<4x64xf32>, %c: tensor<4x64xf32>, %s: tensor<4x64xf32>) -> tensor<4x64xf32> {
+  %lo = mp.slice %q {starts = [0, 0], ends = [4, 32]} : (tensor<4x64xf32>) -> tensor<4x32xf32>
+  %hi = mp.slice %q {starts = [0, 32], ends = [4, 64]} : (tensor<4x64xf32>) -> tensor<4x32xf32>
+  %n = mp.neg %hi : (tensor<4x32xf32>) -> tensor<4x32xf32>
+  %r = mp.concat %n, %lo {axis = 1} : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<4x64xf32>
+  %a = mp.mul %q, %c : (tensor<4x64xf32>, tensor<4x64xf32>) -> tensor<4x64xf32>
+  %b = mp.mul %r, %s : (tensor<4x64xf32>, tensor<4x64xf32>) -> tensor<4x64xf32>
+  %y = mp.add %a, %b : (tensor<4x64xf32>, tensor<4x64xf32>) -> tensor<4x64xf32>
+  return %y : tensor<4x64xf32>
+}"""
+    f = parse(src).functions["main"]
+    fused = fused_groups(f, load_target("h200"))
+    plain = fused_groups(f, load_target("generic"))
+    assert len(fused) == 1 and len(fused[0].members) == 7
+    # Without the fusion each slice and the concat anchors a kernel of its own.
+    assert len(plain) == 3
+    assert sum(g.bytes_read for g in fused) == 3 * 4 * 64 * 4
+
+
+def test_decode_attention_with_one_query_row_is_priced_by_the_cache_it_reads():
+    # Q K^T of a decode step: one query row per (sequence, head) against 2048 cached keys.
+    # Padded to 128-row tiles it would be compute-bound at 1/128 of the peak; decode kernels
+    # run it at the memory roofline (measured on an H200: benchmarks/gpu_check.py).
+    src = """func.func @main(%q: tensor<512x1x128xbf16>, %k: tensor<512x128x2048xbf16>) -> tensor<512x1x2048xbf16> {
+  %s = mp.matmul %q, %k {mp.precision = bf16, mp.accum = f32} : (tensor<512x1x128xbf16>, tensor<512x128x2048xbf16>) -> tensor<512x1x2048xbf16>
+  return %s : tensor<512x1x2048xbf16>
+}"""
+    t = load_target("h200")
+    (g,) = fused_groups(parse(src).functions["main"], t)
+    nbytes = 2 * (512 * 128 + 512 * 128 * 2048 + 512 * 2048)
+    assert g.bound == "memory"
+    assert g.time_s == pytest.approx(nbytes / t.bandwidth + t.overhead_s)
+
+
+def test_gemm_fraction_prices_a_compute_bound_matmul_at_the_sustained_share_of_peak(tmp_path):
+    src = """func.func @main(%a: tensor<64x64xf32>, %b: tensor<64x64xf32>) -> tensor<64x64xf32> {
+  %y = mp.matmul %a, %b : (tensor<64x64xf32>, tensor<64x64xf32>) -> tensor<64x64xf32>
+  return %y : tensor<64x64xf32>
+}"""
+    f = parse(src).function()
+    flops = 2 * 64 ** 3
+    # A slow peak makes the product compute-bound: priced at peak x fraction, plus the launch.
+    path = tmp_path / "t.toml"
+    path.write_text(CLASS_SHEET.format(rates="", fuse="").replace(
+        "[formats.f32]\ndense = 1e12", "[formats.f32]\ndense = 1e9\ngemm_fraction = 0.25"))
+    (g,) = fused_groups(f, load_target(str(path)))
+    assert g.bound == "compute"
+    assert g.time_s == pytest.approx(flops / (1e9 * 0.25) + 1e-6, rel=1e-12)
+    # A share outside (0.01, 1] is a located error in the sheet.
+    path.write_text(path.read_text().replace("gemm_fraction = 0.25", "gemm_fraction = 1.5"))
+    with pytest.raises(DiagnosticError, match=r"f32\.gemm_fraction. must be between 0\.01"):
+        load_target(str(path))

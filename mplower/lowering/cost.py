@@ -62,6 +62,7 @@ from mplower.lowering.target import (
     FUSE_EPILOGUE,
     FUSE_QDQ,
     FUSE_QDQ_PROPAGATION,
+    FUSE_SLICE_CONCAT,
     KERNEL_FOR_ENCODING,
     Target,
     kernel_class,
@@ -70,6 +71,7 @@ from mplower.numerics.formats import FORMATS
 
 # Ops that only reinterpret the shape of contiguous data: a compiler emits no kernel for them.
 VIEWS = frozenset({"mp.reshape", "mp.flatten"})
+SLICE_CONCAT = frozenset({"mp.slice", "mp.concat"})  # loop-fusible under `slice-concat`
 COMPUTE, MEMORY, LAUNCH = "compute", "memory", "launch"  # what bounds a group's time
 
 
@@ -216,7 +218,8 @@ class _Model:
             return "conversion"
         if op in CONTRACTIONS:
             return "gemm"
-        if op in OPS and OPS[op].elementwise:
+        if op in OPS and OPS[op].elementwise or (
+                op in SLICE_CONCAT and FUSE_SLICE_CONCAT in self.target.fuse):
             return "elementwise"
         return "other"
 
@@ -344,6 +347,7 @@ class _Model:
             peak = target.peak("f32")
         if f.op(n) in CONTRACTIONS and outs:
             peak *= target.gemm_efficiency(*_gemm_shape(f.op(n), outs[0].shape, ins))
+            peak *= target.gemm_fraction(fmt)
         return peak
 
 
@@ -373,8 +377,8 @@ def _gemm_shape(op: str, shape: tuple[int, ...],
     """(M, N, batch, K or None) of a contraction's output: a conv2d is an implicit GEMM with M = batch x
     height x width and N = output channels (NCHW); a matmul's leading axes are its batch,
     except where its second operand is one matrix (a weight), which every row of the leading
-    axes shares: then they are rows of one GEMM (M = their product), as a compiler folds them,
-    and its depth K is known (for split-K)."""
+    axes shares: then they are rows of one GEMM (M = their product), as a compiler folds them.
+    K (for split-K and skinny rows) is given for matmuls, None for a conv."""
     if op == "mp.conv2d" and len(shape) == 4:
         return shape[0] * shape[2] * shape[3], shape[1], 1, None
     if len(shape) < 2:
@@ -384,7 +388,13 @@ def _gemm_shape(op: str, shape: tuple[int, ...],
     batch = 1
     for d in shape[:-2]:
         batch *= d
-    return shape[-2], shape[-1], batch, None
+    # A batch of products (attention's Q K^T and P V): K is the first operand's last axis.
+    # In a decode step each has a row or a few (one query per head, or a GQA group's), which
+    # attention kernels pack along the MMA's N side as with a weight (FlashAttention-2's and
+    # TensorRT-LLM's decode kernels): measured on an H200, pricing them by 128-row tiles made
+    # Llama3-8B's batch-64 step 1.7x too slow (docs/benchmarks.md, benchmarks/gpu_check.py).
+    depth = ins[0].shape[-1] if op == "mp.matmul" and ins and ins[0].rank >= 2 else None
+    return shape[-2], shape[-1], batch, depth
 
 
 # Ops a quantize of their result commutes with (a monotone map, per tensor or per channel, and

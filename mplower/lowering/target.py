@@ -82,7 +82,12 @@ FUSE_EPILOGUE = "epilogue"
 # in the quantized format (onnxruntime's QDQ propagation, TensorRT's Q/DQ propagation): a max
 # commutes with a monotone quantize.
 FUSE_QDQ_PROPAGATION = "qdq-propagation"
-FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE, FUSE_QDQ_PROPAGATION)
+# `slice-concat` lets mp.slice and mp.concat fuse as elementwise ops do, any number of them in
+# one kernel (XLA's loop fusion takes slices and concatenates; a rotary embedding's
+# halves-swap is then one kernel with its multiplies, as serving engines write it).
+FUSE_SLICE_CONCAT = "slice-concat"
+FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE, FUSE_QDQ_PROPAGATION,
+           FUSE_SLICE_CONCAT)
 
 # Kernel classes (a sheet's `[rates.CLASS]` tables, docs/targets.md): ops whose kernels a runtime
 # may run far from its format's GEMM peak or its memory bandwidth, so a sheet can give each a
@@ -150,6 +155,9 @@ class FormatPeak:
     # f32 scales (per tensor, or per block applied by the kernel's epilogue as DeepGEMM does on
     # Hopper) always; e8m0 (MX) and nvfp4 only where the hardware has them (Blackwell).
     scales: tuple[str, ...] = ("f32",)
+    # The fraction of `dense` that a large GEMM sustains (measured: a sheet's figure with its
+    # source); the datasheet's peak when absent. Contractions are priced at peak x fraction.
+    gemm_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,11 @@ class Target:
     def accumulators(self, fmt: str) -> tuple[str, ...]:
         peak = self.formats.get(fmt)
         return peak.accum if peak is not None else (base_accum(fmt),)
+
+    def gemm_fraction(self, fmt: str) -> float:
+        """The sustained fraction of `fmt`'s peak a large GEMM reaches (1.0 if not given)."""
+        p = self.formats.get(fmt)
+        return p.gemm_fraction if p is not None else 1.0
 
     def peak(self, fmt: str, kernel: str = DENSE) -> float:
         """Peak FLOP/s (OP/s) of `fmt` on `kernel`; ValueError if the target has no such kernel."""
@@ -380,7 +393,8 @@ BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
 OVERHEAD_BOUNDS = Bounds(0, 1, " s")
 TILING_BOUNDS = Bounds(1, 1e6, "")  # tile edges and SM counts: positive, far below a million
 POWER_BOUNDS = Bounds(1e-3, 1e6, " W")  # from a microcontroller to a rack
-_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum", "scales")
+_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum", "scales", "gemm_fraction")
+FRACTION_BOUNDS = Bounds(0.01, 1, "")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
 
@@ -489,6 +503,7 @@ def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:
         csr=sheet.number(entry, (*kp, "csr"), PEAK_BOUNDS),
         accum=accum,
         scales=scales,
+        gemm_fraction=sheet.number(entry, (*kp, "gemm_fraction"), FRACTION_BOUNDS) or 1.0,
     )
 
 
