@@ -8,8 +8,8 @@ time (mplower.lowering.serving) on the h100 target:
 
 - bf16: contractions in bf16, the KV cache stored in bf16 (the baseline; the table's is FP16,
   the same speed on an H100);
-- fp8: the projections and MLP in f8E4M3FN (ModelOpt's FP8: weights and activations), the KV
-  cache bf16;
+- fp8: the projections and MLP in f8E4M3FN (ModelOpt's FP8: weights and activations of the
+  Linear layers), attention's products and the KV cache bf16;
 - w4a16: `quantize{scheme=w4a16 group=128}`, ModelOpt's INT4-AWQ layout (4-bit weights, one
   scale per 128 inputs, compute in 16 bits).
 
@@ -60,19 +60,27 @@ keep_io_types = false
 op = "mp.concat"
 compute = "bf16"
 """
-MATMULS = '[[override]]\nop = "mp.matmul"\ncompute = "{fmt}"\n'
+LINEAR = '[[override]]\nname = "{name}"\ncompute = "f8E4M3FN"\n'
 HEAD = '[[override]]  # lm_head: not quantized\nname = "{head}"\ncompute = "{fmt}"\n'
 
 
-def decode_module(folder: Path, layers: int, context: int) -> Path:
-    ckpt = folder / f"llama3-8b-{layers}"
+def decode_module(folder: Path, layers: int, context: int, config: dict = LLAMA3_8B,
+                  name: str = "llama3-8b") -> Path:
+    ckpt = folder / f"{name}-{layers}"
     ckpt.mkdir(exist_ok=True)
-    (ckpt / "config.json").write_text(json.dumps(LLAMA3_8B | {"num_hidden_layers": layers}))
-    out = folder / f"l{layers}.ir"
+    (ckpt / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
+    out = folder / f"{name}-l{layers}.ir"
     rc = mplower(["import", str(ckpt), "-o", str(out), "--shapes-only", "--seq", "16",
                   "--context", str(context)])
     assert rc == 0
     return out
+
+
+def _is_weight(f, v) -> bool:
+    """Value v of function f is a constant, read through transposes and reshapes."""
+    while f.op(v[0]) in ("mp.transpose", "mp.reshape"):
+        v = f.operands(v[0])[0]
+    return f.op(v[0]) == "mp.constant"
 
 
 def plan(path: Path, fmt: str, folder: Path):
@@ -83,9 +91,10 @@ def plan(path: Path, fmt: str, folder: Path):
     sheet = folder / f"{fmt}.toml"
     keep = folder / f"{fmt}-head.toml"
     base = SHEET.format(name=fmt)
-    if fmt == "fp8":
-        sheet.write_text(base + MATMULS.format(fmt="f8E4M3FN") + HEAD.format(head=head,
-                                                                           fmt="bf16"))
+    if fmt == "fp8":  # the Linear layers (a matmul by a weight); attention's stay bf16
+        linears = [decode.op_name(n) for n in decode.ops() if decode.op(n) == "mp.matmul"
+                   and _is_weight(decode, decode.operands(n)[1]) and decode.op_name(n) != head]
+        sheet.write_text(base + "".join(LINEAR.format(name=name) for name in linears))
         pipeline = f"assign-precision{{policy={sheet}}},insert-casts"
     elif fmt == "w4a16":  # quantize what is planned below f32: all but the head, then re-plan
         keep.write_text(base + HEAD.format(head=head, fmt="f32"))
