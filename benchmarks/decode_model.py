@@ -83,10 +83,10 @@ def _is_weight(f, v) -> bool:
     return f.op(v[0]) == "mp.constant"
 
 
-def plan(path: Path, fmt: str, folder: Path):
+def plan(path: Path, fmt: str, folder: Path, phase: str = "decode"):
     module = parse_file(path)
-    del module.functions["prefill"]  # decode is priced; its weights are the same
-    decode = module.functions["decode"]
+    del module.functions["prefill" if phase == "decode" else "decode"]  # the same weights
+    decode = module.functions[phase]
     head = [decode.op_name(n) for n in decode.ops() if decode.op(n) == "mp.matmul"][-1]
     sheet = folder / f"{fmt}.toml"
     keep = folder / f"{fmt}-head.toml"

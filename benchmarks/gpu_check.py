@@ -50,6 +50,7 @@ TORCH_NAME = {"f32": "f32", "tf32": "f32", "bf16": "bf16", "f16": "f16",
               "f8E4M3FN": "f8E4M3FN", "i8": "i8"}
 BATCHES = (1, 8, 32, 64)
 CONTEXT = 2048
+PROMPT = 2048  # prefill: one sequence of this many tokens
 MODELS = {
     "tinyllama-1.1b": {"architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
                        "intermediate_size": 5632, "num_hidden_layers": 22,
@@ -111,6 +112,34 @@ def _predict_decode() -> dict[str, float]:
                                           target, b, CONTEXT).time_s for n in (1, 2)}
                     itl[f"{name}:{fmt}:{b}"] = t[1] + (layers - 1) * (t[2] - t[1])
     return itl
+
+
+def _predict_prefill() -> dict[str, float]:
+    """Modeled time to first token of a PROMPT-token prompt at batch 1 (@prefill)."""
+    from mplower.lowering import serving
+    from mplower.lowering.target import load_target
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode_model
+
+    from mplower.cli.main import main as mplower
+    target = load_target("h200")
+    ttft = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for name, config in MODELS.items():
+            paths = {}
+            for n in (1, 2):
+                ckpt = folder / f"{name}-{n}"
+                ckpt.mkdir()
+                (ckpt / "config.json").write_text(json.dumps(config | {"num_hidden_layers": n}))
+                paths[n] = folder / f"{name}-{n}.ir"
+                assert mplower(["import", str(ckpt), "-o", str(paths[n]), "--shapes-only",
+                                "--seq", str(PROMPT), "--context", "16"]) == 0
+            for fmt in ("bf16", "fp8"):
+                t = {n: serving.price(decode_model.plan(paths[n], fmt, folder, "prefill"),
+                                      "prefill", target, 1).time_s for n in (1, 2)}
+                ttft[f"{name}:{fmt}"] = t[1] + (config["num_hidden_layers"] - 1) * (t[2] - t[1])
+    return ttft
 
 
 MM_IR = """module @mm {{
@@ -195,7 +224,8 @@ def prepare() -> int:
             key = f"fp8{case}_{side}"
             bits[key] = arrays[key].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     np.savez(OUT / "operands.npz", **bits)
-    predicted = {"gemm_s": _predict_gemms(), "decode_itl_s": _predict_decode()}
+    predicted = {"gemm_s": _predict_gemms(), "decode_itl_s": _predict_decode(),
+                 "prefill_s": _predict_prefill()}
     (OUT / "predicted.json").write_text(json.dumps(predicted, indent=1))
     print(f"wrote {OUT / 'emul.npz'} and {OUT / 'predicted.json'}")
     return 0
@@ -322,6 +352,67 @@ def _decode_step(torch, cfg: dict, fmt: str, batch: int, context: int):
     return step
 
 
+def _prefill_step(torch, cfg: dict, fmt: str, prompt: int):
+    """One sequence's prefill, as @prefill computes it: every layer over `prompt` tokens with
+    causal attention, and the logits of every position."""
+    F = torch.nn.functional
+    dev, bf = "cuda", torch.bfloat16
+    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    kvh, d = cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    one = torch.ones((), device=dev)
+
+    def weight(n_in, n_out):
+        w = torch.randn(n_out, n_in, device=dev, dtype=bf) * n_in ** -0.5
+        return (w.to(torch.float8_e4m3fn) if fmt == "fp8" else w).t()
+
+    def linear(x, w):
+        if fmt != "fp8":
+            return x @ w
+        return torch._scaled_mm(x.to(torch.float8_e4m3fn), w, scale_a=one, scale_b=one,
+                                out_dtype=bf, use_fast_accum=True)
+
+    blocks = [{"qkv": weight(h, (heads + 2 * kvh) * d), "o": weight(heads * d, h),
+               "gu": weight(h, 2 * inter), "down": weight(inter, h),
+               "n1": torch.ones(h, device=dev, dtype=bf), "n2": torch.ones(h, device=dev, dtype=bf)}
+              for _ in range(cfg["num_hidden_layers"])]
+    head = torch.randn(cfg["vocab_size"], h, device=dev, dtype=bf).t() * h ** -0.5
+    norm = torch.ones(h, device=dev, dtype=bf)
+    x0 = torch.randn(prompt, h, device=dev, dtype=bf)
+    eps = cfg["rms_norm_eps"]
+
+    def step():
+        x = x0
+        for blk in blocks:
+            q, k, v = linear(F.rms_norm(x, (h,), blk["n1"], eps), blk["qkv"]).split(
+                [heads * d, kvh * d, kvh * d], dim=-1)
+            a = F.scaled_dot_product_attention(
+                q.view(1, prompt, heads, d).transpose(1, 2),
+                k.view(1, prompt, kvh, d).transpose(1, 2),
+                v.view(1, prompt, kvh, d).transpose(1, 2), is_causal=True, enable_gqa=True)
+            x = x + linear(a.transpose(1, 2).reshape(prompt, heads * d), blk["o"])
+            g, u = linear(F.rms_norm(x, (h,), blk["n2"], eps), blk["gu"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(g) * u, blk["down"])
+        return F.rms_norm(x, (h,), norm, eps) @ head
+
+    return step
+
+
+def _measure_prefill(torch) -> dict[str, float]:
+    ttft = {}
+    for name, cfg in MODELS.items():
+        for fmt in ("bf16", "fp8"):
+            key = f"{name}:{fmt}"
+            try:
+                with torch.no_grad():
+                    ttft[key] = _graph_time(torch, _prefill_step(torch, cfg, fmt, PROMPT), reps=2)
+            except Exception as e:  # noqa: BLE001
+                ttft[key] = None
+                print(f"{key}: {type(e).__name__}: {e}", file=sys.stderr)
+            torch.cuda.empty_cache()
+            print(f"prefill {key}: {ttft[key]}", file=sys.stderr, flush=True)
+    return ttft
+
+
 def _measure_decode(torch) -> dict[str, float]:
     itl = {}
     for name, cfg in MODELS.items():
@@ -412,6 +503,8 @@ def measure(out: Path) -> int:
     info["gemm_s"] = _measure_gemms(torch)
     print("gemms done", file=sys.stderr, flush=True)
     (out / "measured.json").write_text(json.dumps(info, indent=1))
+    info["prefill_s"] = _measure_prefill(torch)
+    (out / "measured.json").write_text(json.dumps(info, indent=1))
     info["decode_itl_s"] = _measure_decode(torch)
     (out / "measured.json").write_text(json.dumps(info, indent=1))
     return 0
@@ -482,6 +575,20 @@ def _decode_lines(got: dict, pred: dict) -> list[str]:
     return lines
 
 
+def _prefill_lines(got: dict, pred: dict) -> list[str]:
+    if "prefill_s" not in got:
+        return []
+    lines = [(f"| prefill, 1 x {PROMPT} tokens | bf16 ms: measured / modeled | fp8 ms: measured / "
+             "modeled |"), "| --- | --- | --- |"]
+    for name in MODELS:
+        cells = []
+        for fmt in ("bf16", "fp8"):
+            m, p = got["prefill_s"][f"{name}:{fmt}"], pred["prefill_s"][f"{name}:{fmt}"]
+            cells.append(f"{m * 1e3:.1f} / {p * 1e3:.1f} ({p / m - 1:+.0%})" if m else "failed")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def _accum_lines(measured: Path, emu: dict) -> list[str]:
     """torch._scaled_mm's fp8 outputs against mplower's accumulator model (14 bits, steps of
     32 products): never promoted for use_fast_accum, promoted every 128 for the default."""
@@ -530,6 +637,7 @@ def compare(measured: Path, full: bool) -> int:
     lines = [(f"{got['device']}, torch {got['torch']}, CUDA {got['cuda']}; a 1-element kernel "
              f"in a CUDA graph: {got['tiny_kernel_in_graph_s'] * 1e6:.2f} us"), "",
              *_gemm_lines(got, pred, full), "", *_decode_lines(got, pred), "",
+             *_prefill_lines(got, pred), "",
              (f"bf16 256x512x4096 (f32 accumulation): mplower's emulation and torch's equal in "
              f"{np.mean(u == 0):.2%} of outputs, within 1 ulp in {np.mean(u <= 1):.3%}; rel-L2 "
              f"to the exact product {_rel(emu['bf16_mplower'], emu['bf16_exact'])[0]:.3g} and "
