@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -166,13 +167,16 @@ def test_report_shows_fused_groups_and_their_bound(tmp_path, capsys):
     first = sheet["groups"][0]
     assert (first["anchor"], first["members"], first["bound"]) == (
         "%q_proj", ["%q_proj", "%q", "%q_split"], "launch")
-    assert sheet["summary"]["kernels"] == len(sheet["groups"]) == 15
+    assert sheet["summary"]["kernels"] == len(sheet["groups"]) == 13
+    # attention (h100 fuses it): scores, scale, softmax, its cast and the product by V
+    attention = next(g for g in sheet["groups"] if g["anchor"] == "%scores")
+    assert attention["members"] == ["%scores", "%scaled", "%probs", "%probs_bf16", "%ctx_heads"]
     cast = next(r for r in sheet["ops"] if r["name"] == "%x_bf16")
     assert (cast["group"], cast["modeled_time_s"]) == (None, 0.0)
     assert main(["report", str(lowered), "--target", "h100"]) == 0
     table = capsys.readouterr().out
-    assert "fused kernels: 15" in table
-    assert "0      %q_proj     bf16     launch" in table
+    assert "fused kernels: 13" in table
+    assert re.search(r"^0\s+%q_proj\s+bf16\s+launch\s", table, re.M)
 
 
 def test_int8_plans_baseline_is_the_fp32_plan_priced_the_same_way():
@@ -223,7 +227,7 @@ def test_builtin_gpu_sheets_declare_fusions_tiles_and_sm_counts():
     for name, sms in (("h100", 132), ("h200", 132), ("a100", 108)):
         t = load_target(name)
         assert (t.tile_m, t.tile_n, t.sm_count) == (128, 128, sms)
-        assert t.fuse == {"cast", "qdq", "elementwise", "epilogue", "slice-concat"}
+        assert t.fuse == {"cast", "qdq", "elementwise", "epilogue", "slice-concat", "attention"}
 
 
 # -- kernel classes and qdq-propagation --------------------------------------------------------
@@ -375,3 +379,28 @@ def test_gemm_fraction_prices_a_compute_bound_matmul_at_the_sustained_share_of_p
     path.write_text(path.read_text().replace("gemm_fraction = 0.25", "gemm_fraction = 1.5"))
     with pytest.raises(DiagnosticError, match=r"f32\.gemm_fraction. must be between 0\.01"):
         load_target(str(path))
+
+
+def test_attention_fusion_moves_only_q_k_v_and_the_output():
+    # softmax(Q K^T * s) V in bf16 over 8 heads of 256 positions: with `attention` the scores
+    # (8 x 256 x 256) never leave the kernel; a product by a weight after a softmax is no
+    # attention and stays a kernel of its own.
+    src = """func.func @main(%q: tensor<8x256x64xbf16>, %kt: tensor<8x64x256xbf16>, %v: tensor<8x256x64xbf16>) -> tensor<8x256x64xbf16> {
+  %s = mp.matmul %q, %kt {mp.precision = bf16, mp.accum = f32} : (tensor<8x256x64xbf16>, tensor<8x64x256xbf16>) -> tensor<8x256x256xbf16>
+  %c = mp.constant {value = dense<0.125> : tensor<bf16>} : () -> tensor<bf16>
+  %t = mp.mul %s, %c {mp.precision = bf16} : (tensor<8x256x256xbf16>, tensor<bf16>) -> tensor<8x256x256xbf16>
+  %p = mp.softmax %t {axis = -1, mp.precision = bf16} : (tensor<8x256x256xbf16>) -> tensor<8x256x256xbf16>
+  %o = mp.matmul %p, %v {mp.precision = bf16, mp.accum = f32} : (tensor<8x256x256xbf16>, tensor<8x256x64xbf16>) -> tensor<8x256x64xbf16>
+  return %o : tensor<8x256x64xbf16>
+}"""
+    f = parse(src).function()
+    (g,) = fused_groups(f, load_target("h200"))
+    assert g.members == ("%s", "%t", "%p", "%o")
+    assert g.bytes_read == 3 * 8 * 256 * 64 * 2 + 2 and g.bytes_written == 8 * 256 * 64 * 2
+    unfused = fused_groups(f, load_target("generic"))
+    assert len(unfused) == 3  # QK^T with its scale, the softmax, the product by V
+    weight = src.replace(", %v: tensor<8x256x64xbf16>) ->", ") ->").replace(
+        "  %o = mp.matmul %p, %v", "  %v = mp.constant {value = dense<1.0> : tensor<8x256x64xbf16>}"
+        " : () -> tensor<8x256x64xbf16>\n  %o = mp.matmul %p, %v")
+    groups = fused_groups(parse(weight).function(), load_target("h200"))
+    assert [g.members for g in groups] == [("%s", "%t", "%p"), ("%o",)]

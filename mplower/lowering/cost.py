@@ -58,6 +58,7 @@ from mplower.lowering.sparsity import reduction_axis, storage
 from mplower.lowering.target import (
     DENSE,
     FUSE_CAST,
+    FUSE_ATTENTION,
     FUSE_ELEMENTWISE,
     FUSE_EPILOGUE,
     FUSE_QDQ,
@@ -266,9 +267,9 @@ class _Model:
                     return False
         kinds = {m: self.kind(m) for m in (*producer, *consumer)}
         anchors = [m for m in kinds if kinds[m] in ("gemm", "other")]
-        if len(anchors) > 1:
-            return False
         fuse = self.target.fuse
+        if len(anchors) > 1:
+            return FUSE_ATTENTION in fuse and self._attention(anchors)
         for m, k in kinds.items():
             if k == "conversion" and _fusion_rule(self.f.op(m)) not in fuse:
                 return False
@@ -278,6 +279,19 @@ class _Model:
             # Elementwise ops join a GEMM only after it (an epilogue), never before it.
             return FUSE_EPILOGUE in fuse and anchors[0] in producer
         return FUSE_ELEMENTWISE in fuse
+
+    def _attention(self, anchors: list[int]) -> bool:
+        """The anchors of a would-be group are attention's: a product of two activations (no
+        weight), a softmax, and possibly a product of the softmax's result by an activation,
+        in that order (the group's other members are elementwise ops, conversions and views;
+        every value it hands on goes to the next op, as _can_merge requires)."""
+        f = self.f
+        ops = [f.op(m) for m in sorted(anchors, key=self.pos.__getitem__)]
+        if ops not in (["mp.matmul", "mp.softmax"], ["mp.matmul", "mp.softmax", "mp.matmul"]):
+            return False
+        products = [m for m in anchors if f.op(m) == "mp.matmul"]
+        return all(self.resolve(v)[0] not in self.static for m in products
+                   for v in f.operands(m))
 
     # ---- pricing -------------------------------------------------------------------------------
     def price(self, gid: int, nodes: list[int]) -> Group:

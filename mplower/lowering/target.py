@@ -86,8 +86,13 @@ FUSE_QDQ_PROPAGATION = "qdq-propagation"
 # one kernel (XLA's loop fusion takes slices and concatenates; a rotary embedding's
 # halves-swap is then one kernel with its multiplies, as serving engines write it).
 FUSE_SLICE_CONCAT = "slice-concat"
+# `attention` runs Q K^T, the elementwise ops after it (scale, mask), softmax and the product
+# by V as one kernel whose scores never leave the chip (FlashAttention, Dao et al. 2022,
+# arXiv:2205.14135; cuDNN's and TensorRT's fused attention): only Q, K, V, the mask and the
+# output move.
+FUSE_ATTENTION = "attention"
 FUSIONS = (FUSE_CAST, FUSE_QDQ, FUSE_ELEMENTWISE, FUSE_EPILOGUE, FUSE_QDQ_PROPAGATION,
-           FUSE_SLICE_CONCAT)
+           FUSE_SLICE_CONCAT, FUSE_ATTENTION)
 
 # Kernel classes (a sheet's `[rates.CLASS]` tables, docs/targets.md): ops whose kernels a runtime
 # may run far from its format's GEMM peak or its memory bandwidth, so a sheet can give each a
