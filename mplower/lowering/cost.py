@@ -4,7 +4,8 @@ A target's compiler does not launch one kernel per op. This module groups a func
 the fused kernels the target says its compiler builds (`Target.fuse`, docs/targets.md) and
 prices each group with the roofline of `Target.op_time`: max(FLOPs / peak, bytes / bandwidth)
 plus one launch, where the bytes are those crossing the group's boundary only, a GEMM's peak
-is scaled by `Target.gemm_efficiency` (tile and wave quantization), and an op of a kernel class
+is scaled by `Target.gemm_efficiency` (tile and wave quantization) and by the sustained share of
+its format's peak the sheet measured (`gemm_fraction`), and an op of a kernel class
 the target has a measured rate for (`Target.class_rate`: depthwise conv, max pool, ...) runs at
 that rate instead of its format's peak.
 
@@ -23,8 +24,11 @@ How ops are grouped:
   goes to this op (so a group is never split by an outside use, and groups form no cycle) and
   the rules allow: an elementwise op after a matmul/conv is its epilogue; elementwise ops merge
   with each other and with one normalization/reduction/data-movement op; two anchors (matmul,
-  conv, softmax, layer_norm, ...) never share a group. Reshapes and flattens are views: they
-  join any group and alone cost nothing; so is a transpose that moves only axes of size 1.
+  conv, softmax, layer_norm, ...) never share a group, but for attention under `attention`
+  (a product of activations, softmax, the product by V: one kernel, as FlashAttention runs
+  it). Under `slice-concat`, slices and concats fuse as elementwise ops. Reshapes and
+  flattens are views: they join any group and alone cost nothing; so is a transpose that moves
+  only axes of size 1.
 
 A deploy-time weight is read with its quantization parameters: the scales (and zero points) of
 the mp.quantize that stores it, as stored (f32 attributes), beside its narrow elements (an i4
@@ -57,8 +61,8 @@ from mplower.ir.types import DenseAttr, TensorType
 from mplower.lowering.sparsity import reduction_axis, storage
 from mplower.lowering.target import (
     DENSE,
-    FUSE_CAST,
     FUSE_ATTENTION,
+    FUSE_CAST,
     FUSE_ELEMENTWISE,
     FUSE_EPILOGUE,
     FUSE_QDQ,
