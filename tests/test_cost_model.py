@@ -176,7 +176,7 @@ def test_report_shows_fused_groups_and_their_bound(tmp_path, capsys):
     assert main(["report", str(lowered), "--target", "h100"]) == 0
     table = capsys.readouterr().out
     assert "fused kernels: 13" in table
-    assert re.search(r"^0\s+%q_proj\s+bf16\s+launch\s", table, re.M)
+    assert re.search(r"^0\s+%q_proj\s+bf16\s+launch\s", table, re.MULTILINE)
 
 
 def test_int8_plans_baseline_is_the_fp32_plan_priced_the_same_way():
