@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from mplower.cli.main import main as mplower
+from mplower.hf.blocks import weight_matmuls
 from mplower.ir.parser import parse_file
 from mplower.lowering import serving
 from mplower.lowering.target import load_target
@@ -65,22 +66,17 @@ HEAD = '[[override]]  # lm_head: not quantized\nname = "{head}"\ncompute = "{fmt
 
 
 def decode_module(folder: Path, layers: int, context: int, config: dict = LLAMA3_8B,
-                  name: str = "llama3-8b") -> Path:
+                  name: str = "llama3-8b", seq: int = 16) -> Path:
+    """The shapes-only import of `config` with `layers` layers: @prefill of `seq` tokens and
+    @decode at `context`."""
     ckpt = folder / f"{name}-{layers}"
     ckpt.mkdir(exist_ok=True)
     (ckpt / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
     out = folder / f"{name}-l{layers}.ir"
-    rc = mplower(["import", str(ckpt), "-o", str(out), "--shapes-only", "--seq", "16",
+    rc = mplower(["import", str(ckpt), "-o", str(out), "--shapes-only", "--seq", str(seq),
                   "--context", str(context)])
     assert rc == 0
     return out
-
-
-def _is_weight(f, v) -> bool:
-    """Value v of function f is a constant, read through transposes and reshapes."""
-    while f.op(v[0]) in ("mp.transpose", "mp.reshape"):
-        v = f.operands(v[0])[0]
-    return f.op(v[0]) == "mp.constant"
 
 
 def plan(path: Path, fmt: str, folder: Path, phase: str = "decode"):
@@ -92,8 +88,8 @@ def plan(path: Path, fmt: str, folder: Path, phase: str = "decode"):
     keep = folder / f"{fmt}-head.toml"
     base = SHEET.format(name=fmt)
     if fmt == "fp8":  # the Linear layers (a matmul by a weight); attention's stay bf16
-        linears = [decode.op_name(n) for n in decode.ops() if decode.op(n) == "mp.matmul"
-                   and _is_weight(decode, decode.operands(n)[1]) and decode.op_name(n) != head]
+        linears = [decode.op_name(n) for n, _ in weight_matmuls(decode)
+                   if decode.op_name(n) != head]
         sheet.write_text(base + "".join(LINEAR.format(name=name) for name in linears))
         pipeline = f"assign-precision{{policy={sheet}}},insert-casts"
     elif fmt == "w4a16":  # quantize what is planned below f32: all but the head, then re-plan

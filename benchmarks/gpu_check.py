@@ -69,10 +69,12 @@ REPS, ROUNDS = 20, 7
 # ---------------------------------------------------------------- prepare (here, with mplower)
 
 def _gemm_ir(fmt: str, m: int, n: int, k: int) -> str:
-    ins = {"f32": "f32", "tf32": "f32", "bf16": "bf16", "f16": "f16", "f8E4M3FN": "f8E4M3FN",
-           "i8": "i8"}[fmt]
+    """One matmul computing in `fmt` with its base accumulator; outputs as torch gives them
+    (fp8 products in bf16, i8 in i32)."""
+    from mplower.lowering.target import base_accum
+    ins = "f32" if fmt == "tf32" else fmt
     out = {"f8E4M3FN": "bf16", "i8": "i32"}.get(fmt, ins)
-    acc = {"i8": "i32", "f16": "f32", "bf16": "f32"}.get(fmt, "f32")
+    acc = base_accum(fmt)
     return (f"module @g {{\n  func.func @main(%a: tensor<{m}x{k}x{ins}>, %b: tensor<{k}x{n}x{ins}>)"
             f" -> tensor<{m}x{n}x{out}> {{\n    %0 = mp.matmul %a, %b {{mp.precision = {fmt}, "
             f"mp.accum = {acc}}} : (tensor<{m}x{k}x{ins}>, tensor<{k}x{n}x{ins}>) -> "
@@ -93,53 +95,32 @@ def _predict_gemms() -> dict[str, float]:
     return times
 
 
-def _predict_decode() -> dict[str, float]:
+def _predict_serving() -> tuple[dict[str, float], dict[str, float]]:
+    """Modeled decode steps (model:format:batch, at CONTEXT) and time to first token of a
+    PROMPT-token prompt at batch 1 (model:format), on h200. Each is priced for 1 and 2 layers
+    and taken affinely to the model's layer count, as benchmarks/decode_model.py does."""
     from mplower.lowering import serving
     from mplower.lowering.target import load_target
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import decode_model
     target = load_target("h200")
-    itl = {}
+    itl, ttft = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name, config in MODELS.items():
             layers = config["num_hidden_layers"]
-            paths = {n: decode_model.decode_module(folder, n, CONTEXT, config, name)
+            paths = {n: decode_model.decode_module(folder, n, CONTEXT, config, name, PROMPT)
                      for n in (1, 2)}
+
+            def price(fmt: str, phase: str, batch: int, paths=paths, layers=layers) -> float:
+                t = {n: serving.price(decode_model.plan(paths[n], fmt, folder, phase), phase,
+                                      target, batch, CONTEXT).time_s for n in (1, 2)}
+                return t[1] + (layers - 1) * (t[2] - t[1])
             for fmt in ("bf16", "fp8"):
+                ttft[f"{name}:{fmt}"] = price(fmt, "prefill", 1)
                 for b in BATCHES:
-                    t = {n: serving.price(decode_model.plan(paths[n], fmt, folder), "decode",
-                                          target, b, CONTEXT).time_s for n in (1, 2)}
-                    itl[f"{name}:{fmt}:{b}"] = t[1] + (layers - 1) * (t[2] - t[1])
-    return itl
-
-
-def _predict_prefill() -> dict[str, float]:
-    """Modeled time to first token of a PROMPT-token prompt at batch 1 (@prefill)."""
-    from mplower.lowering import serving
-    from mplower.lowering.target import load_target
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import decode_model
-
-    from mplower.cli.main import main as mplower
-    target = load_target("h200")
-    ttft = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        for name, config in MODELS.items():
-            paths = {}
-            for n in (1, 2):
-                ckpt = folder / f"{name}-{n}"
-                ckpt.mkdir()
-                (ckpt / "config.json").write_text(json.dumps(config | {"num_hidden_layers": n}))
-                paths[n] = folder / f"{name}-{n}.ir"
-                assert mplower(["import", str(ckpt), "-o", str(paths[n]), "--shapes-only",
-                                "--seq", str(PROMPT), "--context", "16"]) == 0
-            for fmt in ("bf16", "fp8"):
-                t = {n: serving.price(decode_model.plan(paths[n], fmt, folder, "prefill"),
-                                      "prefill", target, 1).time_s for n in (1, 2)}
-                ttft[f"{name}:{fmt}"] = t[1] + (config["num_hidden_layers"] - 1) * (t[2] - t[1])
-    return ttft
+                    itl[f"{name}:{fmt}:{b}"] = price(fmt, "decode", b)
+    return itl, ttft
 
 
 MM_IR = """module @mm {{
@@ -224,8 +205,8 @@ def prepare() -> int:
             key = f"fp8{case}_{side}"
             bits[key] = arrays[key].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     np.savez(OUT / "operands.npz", **bits)
-    predicted = {"gemm_s": _predict_gemms(), "decode_itl_s": _predict_decode(),
-                 "prefill_s": _predict_prefill()}
+    itl, ttft = _predict_serving()
+    predicted = {"gemm_s": _predict_gemms(), "decode_itl_s": itl, "prefill_s": ttft}
     (OUT / "predicted.json").write_text(json.dumps(predicted, indent=1))
     print(f"wrote {OUT / 'emul.npz'} and {OUT / 'predicted.json'}")
     return 0

@@ -12,6 +12,7 @@ import pytest
 from test_hf_import import LLAMA, llama_tensors, write_checkpoint
 
 from mplower.backend.executor import Program
+from mplower.hf.blocks import weight_matmuls
 from mplower.ir.parser import parse_file
 from mplower.ir.types import tensor
 from mplower.ir.verifier import verify
@@ -46,12 +47,7 @@ def fp8_linears(path: Path) -> str:
     """BF16 with the matmuls by a weight (the Linear layers) in f8E4M3FN, as ModelOpt's FP8
     recipe quantizes them; attention's products read the bf16 cache in bf16."""
     f = parse_file(path).functions["decode"]
-
-    def weight(v) -> bool:
-        while f.op(v[0]) in ("mp.transpose", "mp.reshape"):
-            v = f.operands(v[0])[0]
-        return f.op(v[0]) == "mp.constant"
-    names = [f.op_name(n) for n in f.ops() if f.op(n) == "mp.matmul" and weight(f.operands(n)[1])]
+    names = [f.op_name(n) for n, _ in weight_matmuls(f)]
     assert names
     return BF16 + "".join(f'[[override]]\nname = "{n}"\ncompute = "f8E4M3FN"\n' for n in names)
 

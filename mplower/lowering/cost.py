@@ -407,10 +407,9 @@ def _gemm_shape(op: str, shape: tuple[int, ...],
     for d in shape[:-2]:
         batch *= d
     # A batch of products (attention's Q K^T and P V): K is the first operand's last axis.
-    # In a decode step each has a row or a few (one query per head, or a GQA group's), which
-    # attention kernels pack along the MMA's N side as with a weight (FlashAttention-2's and
-    # TensorRT-LLM's decode kernels): measured on an H200, pricing them by 128-row tiles made
-    # Llama3-8B's batch-64 step 1.7x too slow (docs/benchmarks.md, benchmarks/gpu_check.py).
+    # In a decode step each has a row or a few (one query per head, or a GQA group's), priced
+    # as skinny rows like a GEMM against a weight: by 128-row tiles, Llama3-8B's batch-64 step
+    # came out 1.7x slower than measured on an H200 (docs/gpu-validation.md).
     depth = ins[0].shape[-1] if op == "mp.matmul" and ins and ins[0].rank >= 2 else None
     return shape[-2], shape[-1], batch, depth
 
