@@ -123,6 +123,40 @@ func.func @main(%x: tensor<1x{k}xf32>) -> tensor<1x{n}xf32> {{
     assert group.bytes_read == group.weight_bytes + k * 4
 
 
+def test_a_weight_only_gemm_runs_at_the_sheets_weight_only_share_when_compute_bound(tmp_path):
+    # 4096 rows against a w4a16 weight: compute-bound on an H100, where the runtime's
+    # mixed-input GEMM dequantizes in its main loop (`weight_only_fraction`, 0.55 in h100.toml);
+    # a bf16 weight of the same product is not a weight-only GEMM and keeps the plain rate.
+    m, k, n = 4096, 4096, 4096
+    np.savez(tmp_path / "w.npz", w=np.random.default_rng(0).standard_normal((k, n)))
+    (tmp_path / "m.ir").write_text(f"""module attributes {{mp.weights = "w.npz"}} {{
+func.func @main(%x: tensor<{m}x{k}xf32>) -> tensor<{m}x{n}xf32> {{
+  %w = mp.constant {{name = "w"}} : () -> tensor<{k}x{n}xf32>
+  %y = mp.matmul %x, %w : (tensor<{m}x{k}xf32>, tensor<{k}x{n}xf32>) -> tensor<{m}x{n}xf32>
+  return %y : tensor<{m}x{n}xf32>
+}}
+}}
+""")
+    plain = tmp_path / "plain.toml"
+    plain.write_text((Path(__file__).parents[1] / "mplower/targets/h100.toml").read_text()
+                     .replace("weight_only_fraction = 0.55\n", ""))
+    assert H100.weight_only_fraction("bf16") == 0.55
+    assert load_target(str(plain)).weight_only_fraction("bf16") == 1.0
+    times = {}
+    for scheme in ("", ",quantize{scheme=w4a16 group=128}"):
+        module = parse_file(tmp_path / "m.ir")
+        PassManager(parse_pipeline(f"assign-precision{{policy=w8a16}}{scheme},insert-casts")).run(
+            module, PassContext())
+        for name, t in (("h100", H100), ("plain", load_target(str(plain)))):
+            (g,) = plan_cost(module.function(), t).groups
+            assert g.bound == "compute"
+            times[scheme, name] = g.time_s - t.overhead_s
+    w4 = ",quantize{scheme=w4a16 group=128}"
+    assert times[w4, "h100"] == pytest.approx(times[w4, "plain"] / 0.55, rel=1e-12)
+    assert times["", "h100"] == times["", "plain"]
+    assert times[w4, "plain"] == pytest.approx(times["", "plain"], rel=1e-12)
+
+
 def test_decode_reshaped_to_a_new_batch_and_context_computes_the_same_rows(cli, tmp_path):
     folder = tmp_path / "tiny"
     write_checkpoint(folder, LLAMA, llama_tensors(LLAMA, np.random.default_rng(0), np.float32))

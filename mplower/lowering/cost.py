@@ -197,6 +197,13 @@ class _Model:
     def weight_bytes(self, v: Value) -> int:
         """Bytes of a deploy-time constant as its kernel reads it: the narrowest form along
         its chain of single-operand ops, with a sparse encoding's values and metadata."""
+        return self._stored(v)[0]
+
+    def weight_elem(self, v: Value) -> str:
+        """The element format a deploy-time constant is stored in (its narrowest form)."""
+        return self._stored(v)[1]
+
+    def _stored(self, v: Value) -> tuple[int, str]:
         f, best = self.f, None
         while True:
             t = self.type_of(v)
@@ -207,11 +214,25 @@ class _Model:
                 nbytes = storage(kernel, k, t.size // k, t.elem).total
             if not self.fp32 and f.op(v[0]) == "mp.quantize":
                 nbytes += _qparam_bytes(f.attrs_of(v[0]), t.elem)
-            best = nbytes if best is None else min(best, nbytes)
+            if best is None or nbytes < best[0]:
+                best = (nbytes, t.elem)
             operands = f.operands(v[0])
             if self.fp32 or len(operands) != 1:
                 return best
             v = operands[0]
+
+    def weight_only(self, n: int, fmt: str) -> bool:
+        """Whether contraction `n` computes in float `fmt` on a weight stored as narrower
+        integers (w4a16, w8a16): a mixed-input GEMM that dequantizes in its main loop."""
+        if FORMATS[fmt].is_int:
+            return False
+        for v in self.f.operands(n):
+            v = self.resolve(v)
+            if v[0] in self.static:
+                elem = FORMATS[self.weight_elem(v)]
+                if elem.is_int and elem.bits < FORMATS[fmt].bits:
+                    return True
+        return False
 
     # ---- grouping ----------------------------------------------------------------------------
     def kind(self, n: int) -> str:
@@ -366,6 +387,8 @@ class _Model:
         if f.op(n) in CONTRACTIONS and outs:
             peak *= target.gemm_efficiency(*_gemm_shape(f.op(n), outs[0].shape, ins))
             peak *= target.gemm_fraction(fmt)
+            if not self.fp32 and self.weight_only(n, fmt):
+                peak *= target.weight_only_fraction(fmt)
         return peak
 
 

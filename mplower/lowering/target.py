@@ -163,6 +163,11 @@ class FormatPeak:
     # The fraction of `dense` that a large GEMM sustains (measured: a sheet's figure with its
     # source); the datasheet's peak when absent. Contractions are priced at peak x fraction.
     gemm_fraction: float = 1.0
+    # The share of that sustained rate a weight-only GEMM reaches: activations in this format,
+    # weights stored as narrower integers (w4a16, w8a16) and dequantized in the kernel's main
+    # loop, where the conversion competes with the tensor cores (a runtime's kernel; 1.0 when
+    # absent, a mixed-input kernel as fast as the plain one).
+    weight_only_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,12 @@ class Target:
         """The sustained fraction of `fmt`'s peak a large GEMM reaches (1.0 if not given)."""
         p = self.formats.get(fmt)
         return p.gemm_fraction if p is not None else 1.0
+
+    def weight_only_fraction(self, fmt: str) -> float:
+        """The share of `fmt`'s sustained GEMM rate a weight-only GEMM reaches (1.0 if not
+        given)."""
+        p = self.formats.get(fmt)
+        return p.weight_only_fraction if p is not None else 1.0
 
     def peak(self, fmt: str, kernel: str = DENSE) -> float:
         """Peak FLOP/s (OP/s) of `fmt` on `kernel`; ValueError if the target has no such kernel."""
@@ -398,7 +409,8 @@ BANDWIDTH_BOUNDS = Bounds(1, 1e18, " bytes/s")
 OVERHEAD_BOUNDS = Bounds(0, 1, " s")
 TILING_BOUNDS = Bounds(1, 1e6, "")  # tile edges and SM counts: positive, far below a million
 POWER_BOUNDS = Bounds(1e-3, 1e6, " W")  # from a microcontroller to a rack
-_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum", "scales", "gemm_fraction")
+_PEAK_KEYS = ("dense", "sparse", "sparse_pattern", "csr", "accum", "scales", "gemm_fraction",
+               "weight_only_fraction")
 FRACTION_BOUNDS = Bounds(0.01, 1, "")
 _KERNEL_KEYS = ("dense", "sparse", "csr")
 
@@ -509,6 +521,8 @@ def _format_peak(sheet: Sheet, entry: Any, kp: KeyPath) -> FormatPeak:
         accum=accum,
         scales=scales,
         gemm_fraction=sheet.number(entry, (*kp, "gemm_fraction"), FRACTION_BOUNDS) or 1.0,
+        weight_only_fraction=sheet.number(entry, (*kp, "weight_only_fraction"),
+                                          FRACTION_BOUNDS) or 1.0,
     )
 
 
