@@ -470,3 +470,56 @@ def test_policy_sheet_overrides_match_exactly_the_named_op(tmp_path):
     assert policy.guardrails == {"max_rel_l2": 0.02}
     decide = {n: policy.decide("mp.add", n, False, False).compute for n in names + ["fc1x"]}
     assert decide == {"fc[1]*": "bf16", 'odd"name\\': "bf16", "fc1": "f32", "fc1x": "f32"}
+
+
+def _chain(layers: int, width: int = 64) -> str:
+    """x -> (matmul by a weight, relu) x layers: every middle layer the same kernels."""
+    lines = [f"func.func @main(%x: tensor<8x{width}xf32>) -> tensor<8x{width}xf32> {{"]
+    prev = "%x"
+    t = f"tensor<8x{width}xf32>"
+    w = f"tensor<{width}x{width}xf32>"
+    for i in range(layers):
+        lines += [f"  %w{i} = mp.constant {{value = dense<0.5> : {w}}} : () -> {w}",
+                  f"  %m{i} = mp.matmul {prev}, %w{i} : ({t}, {w}) -> {t}",
+                  f"  %r{i} = mp.relu %m{i} : ({t}) -> {t}"]
+        prev = f"%r{i}"
+    lines += [f"  return {prev} : {t}", "}"]
+    return "\n".join(lines)
+
+
+def test_items_with_the_same_neighbourhood_share_one_gain_and_pricing_confirms_it(tmp_path):
+    from mplower.ir.parser import parse
+    from mplower.lowering.cost import plan_cost
+    from mplower.lowering.target import load_target
+    from mplower.pass_manager import PassContext, PassManager, parse_pipeline
+    from mplower.tune.search import GainKeys, items_for
+
+    src = _chain(6)
+    f = parse(src).function()
+    h100 = load_target("h100")
+    items = items_for(f, h100, ["bf16"])
+    keys = GainKeys(f, [it.unit for it in items])
+    by_layer = {it.unit.anchor: keys.key(it) for it in items}
+    assert sorted(by_layer) == [f"m{i}" for i in range(6)]
+    # Layers 2, 3 and 4 read a relu written by a layer that reads a relu, and feed a layer
+    # that feeds one more: one key. Layer 0 reads the argument, 1 has it as a neighbour, and
+    # 5 feeds the return.
+    assert by_layer["m2"] == by_layer["m3"] == by_layer["m4"]
+    assert len(set(by_layer.values())) == 4
+
+    # Independently of the keys: lowering layer 2, 3 or 4 alone saves the same modeled time
+    # (up to the rounding of the whole-model sums).
+    def saved(layer: int) -> float:
+        sheet = tmp_path / f"l{layer}.toml"
+        sheet.write_text('[policy]\ncompute = "f32"\n'
+                         + "".join(f'[[override]]\nname = "{n}"\ncompute = "bf16"\n'
+                                   for n in (f"m{layer}", f"r{layer}")))
+        module = parse(src)
+        PassManager(parse_pipeline(f"assign-precision{{policy={sheet}}},insert-casts")).run(
+            module, PassContext())
+        base = plan_cost(parse(src).function(), h100, baseline=False).time_s
+        return base - plan_cost(module.function(), h100, baseline=False).time_s
+
+    assert saved(2) > 0
+    assert saved(2) == pytest.approx(saved(3), rel=1e-12)
+    assert saved(2) == pytest.approx(saved(4), rel=1e-12)

@@ -28,6 +28,9 @@ class Location:
     line: int  # 1-based; 0 when unknown
     col: int  # 1-based; 0 when unknown
 
+    def __deepcopy__(self, memo: dict) -> Location:  # immutable: a module's copy shares it
+        return self
+
     def __str__(self) -> str:
         if self.line <= 0:
             return self.file

@@ -51,6 +51,9 @@ class TensorType:
     elem: str
     encoding: str | None = None
 
+    def __deepcopy__(self, memo: dict) -> TensorType:  # immutable: a module's copy shares it
+        return self
+
     @property
     def rank(self) -> int:
         return len(self.shape)
@@ -91,6 +94,9 @@ class TypedInt:
     value: int
     type: str
 
+    def __deepcopy__(self, memo: dict) -> TypedInt:  # immutable: a module's copy shares it
+        return self
+
     def __str__(self) -> str:
         return f"{int_text(self.value)} : {self.type}"
 
@@ -102,6 +108,9 @@ class TypedFloat:
     value: float
     type: str
 
+    def __deepcopy__(self, memo: dict) -> TypedFloat:  # immutable: a module's copy shares it
+        return self
+
     def __str__(self) -> str:
         return f"{format_float(self.value, elem=self.type)} : {self.type}"
 
@@ -111,6 +120,9 @@ class TypeAttr:
     """A type used as an attribute value, e.g. `mp.precision = bf16`."""
 
     type: str | TensorType
+
+    def __deepcopy__(self, memo: dict) -> TypeAttr:  # immutable: a module's copy shares it
+        return self
 
     def __str__(self) -> str:
         return str(self.type)
@@ -124,6 +136,9 @@ class SymbolRef:
     """`@name`."""
 
     name: str
+
+    def __deepcopy__(self, memo: dict) -> SymbolRef:  # immutable: a module's copy shares it
+        return self
 
     def __str__(self) -> str:
         if _BARE_SYMBOL.fullmatch(self.name):

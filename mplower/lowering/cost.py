@@ -480,10 +480,13 @@ def fused_groups(f: Function, target: Target, *, fp32: bool = False,
     return [model.price(i, nodes) for i, nodes in enumerate(model.groups())]
 
 
-def plan_cost(f: Function, target: Target, cache: frozenset[int] = frozenset()) -> Cost:
+def plan_cost(f: Function, target: Target, cache: frozenset[int] = frozenset(), *,
+              baseline: bool = True) -> Cost:
     """The groups and modeled time of `f` on `target`, and of its fp32 baseline (`cache`: as
-    for fused_groups)."""
+    for fused_groups); without `baseline`, its time is NaN (a caller that compares against
+    an evaluated fp32 plan, as tune does, is spared a second pricing)."""
     groups = fused_groups(f, target, cache=cache)
-    baseline = fused_groups(f, target, fp32=True, cache=cache)
+    fp32 = (sum(g.time_s for g in fused_groups(f, target, fp32=True, cache=cache))
+            if baseline else math.nan)
     return Cost(tuple(groups), {m: g.id for g in groups for m in g.members},
-                sum(g.time_s for g in groups), sum(g.time_s for g in baseline))
+                sum(g.time_s for g in groups), fp32)

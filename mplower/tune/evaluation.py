@@ -352,7 +352,7 @@ class Workspace:
             cost = step.cost
             per_call = Units(batch, batch * (step.tokens if phase == PREFILL else 1))
         else:
-            cost = plan_cost(f, self.target)
+            cost = plan_cost(f, self.target, baseline=False)
             per_call = units(f, self.problem.seq_axis)
         joules = self.target.joules(cost.time_s)
         per_s = 1.0 / cost.time_s if cost.time_s else None

@@ -40,6 +40,7 @@ from mplower.dialect.plan import Plan
 from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.graph import RETURN, Function
 from mplower.ir.opdef import OPS
+from mplower.ir.types import DenseAttr
 from mplower.lowering.cost import fused_groups
 from mplower.lowering.target import Target
 from mplower.numerics.formats import FORMATS
@@ -137,6 +138,72 @@ def items_for(f: Function, target: Target, formats: Sequence[str]) -> list[Item]
     return out
 
 
+class GainKeys:
+    """What an item's modeled gain depends on, without names: the format each op of its unit
+    takes, and the ops of its unit and of every unit that shares a value with it (the kernels
+    whose reads and writes its conversions change), as op, attributes, operand sources, types
+    and outside uses. Two items with one key have the same gain, up to the rounding of the
+    whole-model sums and effects beyond the adjacent kernels (the gain only orders items):
+    the time steps of an unrolled recurrence or a stack of identical layers are priced once.
+    A slice's bounds and the order of a concat's operands do not change what they move, so
+    they are not in the key."""
+
+    def __init__(self, f: Function, units: Sequence[Unit]):
+        self.f = f
+        self.node = {f.data(n)["name"]: n for n in f.ops() if f.op(n) != RETURN and f.types(n)}
+        self.unit_of = {m: u for u in units for m in u.ops}
+
+    def _adjacent(self, unit: Unit) -> list[str]:
+        f, ops = self.f, list(unit.ops)
+        seen = {unit}
+        for m in unit.ops:
+            n = self.node.get(m)
+            if n is None:
+                continue
+            near = [p for p, _ in f.operands(n)]
+            near += [u for r in range(len(f.types(n))) for u, _ in f.uses((n, r))]
+            for k in near:
+                other = self.unit_of.get(f.data(k).get("name", ""))
+                if other is not None and other not in seen:
+                    seen.add(other)
+                    ops += other.ops
+        return ops
+
+    def key(self, item: Item) -> tuple:
+        f = self.f
+        ops = self._adjacent(item.unit)
+        local = {self.node[m]: i for i, m in enumerate(ops) if m in self.node}
+        out = []
+        for m in ops:
+            n = self.node.get(m)
+            if n is None:
+                out.append(("?", m))
+                continue
+            op = f.op(n)
+            attrs = () if op == "mp.slice" else tuple(sorted(
+                (k, _attr_key(v)) for k, v in f.attrs_of(n).items() if k != "name"))
+            srcs = [("in", local[p], r) if p in local else
+                    ("out", f.op(p), f.type_of((p, r))) for p, r in f.operands(n)]
+            if op == "mp.concat":
+                srcs.sort(key=repr)
+            outside = tuple(sum(1 for u, _ in f.uses((n, r)) if u not in local)
+                            for r in range(len(f.types(n))))
+            out.append((op, attrs, tuple(srcs), tuple(f.types(n)), outside,
+                        item.formats.get(m)))
+        return (item.format, tuple(out))
+
+
+def _attr_key(v: Any) -> Any:
+    """An attribute value as a key: a dense constant by its type (its values cost nothing)."""
+    if isinstance(v, DenseAttr):
+        return ("dense", v.type)
+    if isinstance(v, list):
+        return tuple(_attr_key(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _attr_key(x)) for k, x in v.items()))
+    return v
+
+
 def objective_value(result: dict[str, Any] | None, objective: str) -> float:
     if result is None or "modeled" not in result:
         return -np.inf
@@ -225,14 +292,21 @@ def search(ws: Workspace, evaluator: Evaluator, *, formats: Sequence[str], spars
                                               for s in uniform_sheets(formats)])
                if r is not None]
     items = items_for(f, ws.target, formats)
-    # Gain: each item lowered alone and priced, without a run.
+    # Gain: each item lowered alone and priced, without a run; once per neighbourhood.
+    keys = GainKeys(f, [it.unit for it in items])
+    priced: dict[tuple, tuple[float, str | None]] = {}
     for it in items:
-        try:
-            it.gain = cost(baseline["modeled"]) - cost(ws.price(Candidate().with_formats(
-                it.formats, order)))
-        except DiagnosticError as e:
-            it.gain = -np.inf
-            it.outcome = f"rejected: cannot be lowered: {e.diagnostics[0].message}"
+        key = keys.key(it)
+        if key not in priced:
+            try:
+                priced[key] = (cost(baseline["modeled"]) - cost(ws.price(
+                    Candidate().with_formats(it.formats, order))), None)
+            except DiagnosticError as e:
+                priced[key] = (-np.inf,
+                               f"rejected: cannot be lowered: {e.diagnostics[0].message}")
+        it.gain, why = priced[key]
+        if why is not None:
+            it.outcome = why
     # Sensitivity: one traced run per format, every item of that format lowered together.
     by_format: dict[str, dict[str, str]] = {}
     for it in items:
