@@ -125,12 +125,15 @@ def plan(path: Path, fmt: str, folder: Path, phase: str | None = "decode"):
     return module
 
 
-def generation(modules: dict[int, object], target, batch: int) -> float:
-    """Total seconds for GENERATE tokens after a PROMPT-token prompt at 32 layers, from the
-    1- and 2-layer plans."""
-    one, two = (serving.generation_time(modules[n], target, batch, PROMPT, GENERATE)[1]
-                for n in (1, 2))
+def at_32_layers(one: float, two: float) -> float:
+    """A figure of the 32-layer model from those of the 1- and 2-layer plans (affine)."""
     return one + 31 * (two - one)
+
+
+def generation(modules: dict[int, object], target, batch: int) -> float:
+    """Total seconds for GENERATE tokens after a PROMPT-token prompt at 32 layers."""
+    return at_32_layers(*(serving.generation_time(modules[n], target, batch, PROMPT,
+                                                  GENERATE)[1] for n in (1, 2)))
 
 
 def with_weight_only(target, fraction: float):
@@ -141,7 +144,7 @@ def with_weight_only(target, fraction: float):
 
 
 def end_to_end(args) -> int:
-    target = load_target(args.target if args.target != "h100" else "h200")
+    target = load_target(args.target or "h200")
     batches = sorted(PUBLISHED_E2E)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -183,7 +186,8 @@ def print_table(head: list[str], rows: list[list[str]], markdown: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--target", default="h100", help="a built-in target or a sheet")
+    ap.add_argument("--target", help="a built-in target or a sheet (default: h100; h200 "
+                                     "with --end-to-end and --fit-weight-only)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--check-layers", action="store_true",
                     help="also price the 32-layer bf16 plan and compare the extrapolation")
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.end_to_end or args.fit_weight_only:
         return end_to_end(args)
-    target = load_target(args.target)
+    target = load_target(args.target or "h100")
     batches = [*sorted(PUBLISHED), *MODELED_ONLY]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -206,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                                           args.context) for b in batches} for n in (1, 2)}
             for b in batches:
                 one, two = steps[1][b].time_s, steps[2][b].time_s
-                itl[fmt, b] = one + 31 * (two - one)
+                itl[fmt, b] = at_32_layers(one, two)
             w1, w2 = (sum(g.weight_bytes for g in steps[n][1].cost.groups) for n in (1, 2))
-            weights[fmt] = w1 + 31 * (w2 - w1)
+            weights[fmt] = at_32_layers(w1, w2)
         if args.check_layers:
             full = plan(decode_module(folder, 32, args.context), "bf16", folder)
             exact = serving.price(full, "decode", target, 1, args.context).time_s

@@ -13,6 +13,7 @@ from test_hf_import import LLAMA, llama_tensors, write_checkpoint
 
 from mplower.backend.executor import Program
 from mplower.hf.blocks import weight_matmuls
+from mplower.ir.diagnostics import DiagnosticError
 from mplower.ir.parser import parse_file
 from mplower.ir.types import tensor
 from mplower.ir.verifier import verify
@@ -155,6 +156,16 @@ func.func @main(%x: tensor<{m}x{k}xf32>) -> tensor<{m}x{n}xf32> {{
     assert times[w4, "h100"] == pytest.approx(times[w4, "plain"] / 0.55, rel=1e-12)
     assert times["", "h100"] == times["", "plain"]
     assert times[w4, "plain"] == pytest.approx(times["", "plain"], rel=1e-12)
+    # A share outside (0.01, 1] is an error located at its line of the sheet.
+    lines = (Path(__file__).parents[1] / "mplower/targets/h100.toml").read_text().splitlines()
+    line = lines.index("weight_only_fraction = 0.55") + 1
+    bad = tmp_path / "bad.toml"
+    bad.write_text("\n".join(lines).replace("weight_only_fraction = 0.55",
+                                            "weight_only_fraction = 0", 1))
+    with pytest.raises(DiagnosticError) as e:
+        load_target(str(bad))
+    d = e.value.diagnostics[0]
+    assert d.loc.line == line and "weight_only_fraction' must be between 0.01" in d.message
 
 
 def test_decode_reshaped_to_a_new_batch_and_context_computes_the_same_rows(cli, tmp_path):

@@ -199,11 +199,8 @@ class _Model:
         its chain of single-operand ops, with a sparse encoding's values and metadata."""
         return self._stored(v)[0]
 
-    def weight_elem(self, v: Value) -> str:
-        """The element format a deploy-time constant is stored in (its narrowest form)."""
-        return self._stored(v)[1]
-
     def _stored(self, v: Value) -> tuple[int, str]:
+        """(bytes, element format) of that narrowest form."""
         f, best = self.f, None
         while True:
             t = self.type_of(v)
@@ -229,7 +226,7 @@ class _Model:
         for v in self.f.operands(n):
             v = self.resolve(v)
             if v[0] in self.static:
-                elem = FORMATS[self.weight_elem(v)]
+                elem = FORMATS[self._stored(v)[1]]
                 if elem.is_int and elem.bits < FORMATS[fmt].bits:
                     return True
         return False
